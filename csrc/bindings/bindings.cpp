@@ -1,0 +1,287 @@
+// fastckpt._C: thin bindings over csrc/engine. Tensors and buffer-protocol
+// objects become (pointer, bytes); the GIL is released during I/O; engine
+// errors become OSError(errno, message, path), fastckpt.FormatError
+// (truncated files) and ValueError (misuse). No I/O decisions here.
+#include <fcntl.h>
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../engine/config.h"
+#include "../engine/engine.h"
+#include "../engine/error.h"
+#include "../engine/fault.h"
+#include "../engine/sys.h"
+
+namespace py = pybind11;
+using namespace fastckpt;
+
+namespace {
+
+// A contiguous CPU memory region borrowed from a Python object for the
+// duration of one call.
+class Span {
+ public:
+  Span(py::handle obj, bool writable) {
+    if (THPVariable_Check(obj.ptr())) {
+      const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+      if (!t.device().is_cpu())
+        throw py::value_error("fastckpt._C: tensor must be on the CPU (got " + t.device().str() + ")");
+      if (!t.is_contiguous()) throw py::value_error("fastckpt._C: tensor must be contiguous");
+      ptr_ = static_cast<char*>(t.data_ptr());
+      len_ = t.nbytes();
+      return;
+    }
+    int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+    if (PyObject_GetBuffer(obj.ptr(), &view_, flags) != 0) throw py::error_already_set();
+    has_view_ = true;
+    ptr_ = static_cast<char*>(view_.buf);
+    len_ = static_cast<uint64_t>(view_.len);
+  }
+  ~Span() {
+    if (has_view_) PyBuffer_Release(&view_);  // called with the GIL held
+  }
+  Span(const Span&) = delete;
+  Span(Span&& o) noexcept : view_(o.view_), has_view_(o.has_view_), ptr_(o.ptr_), len_(o.len_) {
+    o.has_view_ = false;
+  }
+  char* ptr() const { return ptr_; }
+  uint64_t len() const { return len_; }
+
+ private:
+  Py_buffer view_{};
+  bool has_view_ = false;
+  char* ptr_ = nullptr;
+  uint64_t len_ = 0;
+};
+
+py::dict write_stats_dict(const WriteStats& s) {
+  py::dict d;
+  d["bytes"] = s.bytes;
+  d["requests"] = s.requests;
+  d["requeued"] = s.requeued;
+  d["seconds"] = s.seconds;
+  d["flush_seconds"] = s.flush_seconds;
+  d["direct"] = s.direct;
+  d["backend"] = s.backend;
+  d["alignment"] = s.alignment;
+  d["fallback"] = s.fallback;
+  return d;
+}
+
+py::dict read_stats_dict(const ReadStats& s) {
+  py::dict d;
+  d["bytes"] = s.bytes;
+  d["bytes_read"] = s.bytes_read;
+  d["requests"] = s.requests;
+  d["direct_requests"] = s.direct_requests;
+  d["seconds"] = s.seconds;
+  d["direct"] = s.direct;
+  d["backend"] = s.backend;
+  return d;
+}
+
+// The Python Writer owns the engine Writer; the Engine object is kept alive by
+// pybind11's keep_alive.
+struct PyWriter {
+  std::unique_ptr<Writer> w;
+  Writer& get() {
+    if (!w) throw py::value_error("Writer is closed");
+    return *w;
+  }
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fastckpt's C++ I/O engine (O_DIRECT + io_uring or a thread pool, atomic durable commit)";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const IoError& e) {
+      py::object err = py::module_::import("builtins").attr("OSError")(e.err(), std::string(e.what()), e.path());
+      PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err.ptr())), err.ptr());
+    } catch (const TruncatedError& e) {
+      py::object fe = py::module_::import("fastckpt.errors").attr("FormatError");
+      PyErr_SetString(fe.ptr(), e.what());
+    } catch (const UsageError& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  py::class_<EngineConfig>(m, "EngineConfig")
+      .def(py::init<>())
+      .def_static("from_env", []() { return EngineConfig::from_env(); },
+                  "Defaults overridden by the FASTCKPT_* environment variables.")
+      .def_readwrite("buffer_size", &EngineConfig::buffer_size)
+      .def_readwrite("buffer_count", &EngineConfig::buffer_count)
+      .def_readwrite("queue_depth", &EngineConfig::queue_depth)
+      .def_readwrite("io_threads", &EngineConfig::io_threads)
+      .def_property(
+          "backend", [](const EngineConfig& c) { return std::string(backend_kind_name(c.backend)); },
+          [](EngineConfig& c, const std::string& v) { c.backend = backend_kind_from_name(v); })
+      .def_readwrite("direct", &EngineConfig::direct)
+      .def_readwrite("flush_interval", &EngineConfig::flush_interval)
+      .def_readwrite("preallocate", &EngineConfig::preallocate)
+      .def("validate", &EngineConfig::validate)
+      .def("__repr__", [](const EngineConfig& c) {
+        return "EngineConfig(buffer_size=" + std::to_string(c.buffer_size) +
+               ", buffer_count=" + std::to_string(c.buffer_count) + ", queue_depth=" + std::to_string(c.queue_depth) +
+               ", io_threads=" + std::to_string(c.io_threads) + ", backend='" + backend_kind_name(c.backend) +
+               "', direct=" + (c.direct ? "True" : "False") + ", flush_interval=" + std::to_string(c.flush_interval) +
+               ", preallocate=" + (c.preallocate ? "True" : "False") + ")";
+      });
+
+  py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
+      .def(py::init([](const EngineConfig& cfg) {
+             py::gil_scoped_release nogil;  // allocating and touching the pool takes a while
+             return std::make_shared<Engine>(cfg);
+           }),
+           py::arg("config"))
+      .def_property_readonly("config", &Engine::config)
+      .def_property_readonly("backend", [](Engine& e) {
+        py::gil_scoped_release nogil;
+        return e.backend_name();
+      })
+      .def_property_readonly("uring_refusal", &Engine::uring_refusal)
+      .def_property_readonly("buffers_available", [](Engine& e) { return e.pool().available(); });
+
+  py::class_<PyWriter>(m, "Writer")
+      .def(py::init([](std::shared_ptr<Engine> eng, const std::string& path, int64_t expected_size) {
+             py::gil_scoped_release nogil;
+             return PyWriter{std::unique_ptr<Writer>(new Writer(*eng, path, expected_size))};
+           }),
+           py::arg("engine"), py::arg("path"), py::arg("expected_size") = -1, py::keep_alive<1, 2>())
+      .def("write", [](PyWriter& w, py::handle obj) {
+             Span s(obj, false);
+             Writer& wr = w.get();
+             py::gil_scoped_release nogil;
+             wr.append(s.ptr(), s.len());
+           },
+           py::arg("data"), "Append the bytes of a contiguous CPU tensor or buffer.")
+      .def("write_at", [](PyWriter& w, py::handle obj, uint64_t off) {
+             Span s(obj, false);
+             Writer& wr = w.get();
+             py::gil_scoped_release nogil;
+             wr.write_at(s.ptr(), s.len(), off);
+           },
+           py::arg("data"), py::arg("offset"))
+      .def("write_many", [](PyWriter& w, py::sequence items) {
+             // Each item is data or (data, offset); one GIL release for all.
+             std::vector<Span> spans;
+             std::vector<int64_t> offs;
+             spans.reserve(py::len(items));
+             for (py::handle it : items) {
+               if (py::isinstance<py::tuple>(it)) {
+                 py::tuple t = py::reinterpret_borrow<py::tuple>(it);
+                 if (t.size() != 2) throw py::value_error("write_many: items are data or (data, offset)");
+                 spans.emplace_back(t[0], false);
+                 offs.push_back(t[1].cast<int64_t>());
+               } else {
+                 spans.emplace_back(it, false);
+                 offs.push_back(-1);
+               }
+             }
+             Writer& wr = w.get();
+             py::gil_scoped_release nogil;
+             for (size_t i = 0; i < spans.size(); ++i) {
+               if (offs[i] < 0) wr.append(spans[i].ptr(), spans[i].len());
+               else wr.write_at(spans[i].ptr(), spans[i].len(), static_cast<uint64_t>(offs[i]));
+             }
+           },
+           py::arg("items"))
+      .def("write_zeros", [](PyWriter& w, uint64_t n) {
+             Writer& wr = w.get();
+             py::gil_scoped_release nogil;
+             wr.append_zeros(n);
+           })
+      .def_property_readonly("position", [](PyWriter& w) { return w.get().position(); })
+      .def_property_readonly("direct", [](PyWriter& w) { return w.get().direct(); })
+      .def_property_readonly("backend", [](PyWriter& w) { return w.get().backend_name(); })
+      .def_property_readonly("path", [](PyWriter& w) { return w.get().path(); })
+      .def_property_readonly("tmp_path", [](PyWriter& w) { return w.get().tmp_path(); })
+      .def("commit", [](PyWriter& w) {
+        Writer& wr = w.get();
+        WriteStats st;
+        {
+          py::gil_scoped_release nogil;
+          st = wr.commit();
+        }
+        return write_stats_dict(st);
+      }, "Make the file durable and rename it to its final name; returns statistics.")
+      .def("abort", [](PyWriter& w) {
+        if (!w.w) return;
+        py::gil_scoped_release nogil;
+        w.w->abort();
+      }, "Discard the temporary file (no effect after commit).")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyWriter& w, py::object, py::object, py::object) {
+        if (!w.w) return false;
+        py::gil_scoped_release nogil;
+        w.w->abort();  // a Writer left without commit() is discarded
+        return false;
+      });
+
+  m.def("read_ranges", [](std::shared_ptr<Engine> eng, const std::string& path, py::sequence items) {
+          // Each item: (destination, file_offset); the whole destination is filled.
+          std::vector<Span> spans;
+          std::vector<ReadRange> ranges;
+          spans.reserve(py::len(items));
+          for (py::handle it : items) {
+            py::tuple t = py::cast<py::tuple>(it);
+            if (t.size() != 2) throw py::value_error("read_ranges: items are (destination, offset)");
+            int64_t off = t[1].cast<int64_t>();
+            if (off < 0) throw py::value_error("read_ranges: negative offset");
+            spans.emplace_back(t[0], true);
+            ranges.push_back(ReadRange{spans.back().ptr(), spans.back().len(), static_cast<uint64_t>(off)});
+          }
+          ReadStats st;
+          {
+            py::gil_scoped_release nogil;
+            st = read_ranges(*eng, path, ranges);
+          }
+          return read_stats_dict(st);
+        },
+        py::arg("engine"), py::arg("path"), py::arg("ranges"),
+        "Fill each (destination, offset) from the file with parallel reads.");
+
+  m.def("dio_alignment", [](const std::string& path) {
+    int fd = sys::open(path, O_RDONLY);
+    sys::DioAlign a;
+    try {
+      a = sys::dio_alignment(fd, path);
+    } catch (...) {
+      sys::close_quiet(fd);
+      throw;
+    }
+    sys::close_quiet(fd);
+    py::dict d;
+    d["mem"] = a.mem;
+    d["offset"] = a.offset;
+    d["source"] = a.source;
+    return d;
+  });
+
+  m.def("uring_compiled", &uring_compiled, "Whether this build has the io_uring backend.");
+
+  m.def("fault_inject", [](const std::string& op, uint64_t nth, int err, int64_t short_len, uint64_t times,
+                           int delay_ms, const std::string& path_contains) {
+          fault::Rule r;
+          r.op = fault::op_from_name(op);
+          r.nth = nth;
+          r.err = err;
+          r.short_len = short_len;
+          r.times = times;
+          r.delay_ms = delay_ms;
+          r.path_contains = path_contains;
+          fault::arm(r);
+        },
+        py::arg("op"), py::arg("nth") = 1, py::arg("errno") = 0, py::arg("short") = -1, py::arg("times") = 1,
+        py::arg("delay_ms") = 0, py::arg("path_contains") = "",
+        "Test-only: make occurrences nth..nth+times-1 of op fail with errno, come back short, or stall.");
+  m.def("fault_clear", &fault::clear);
+  m.def("fault_fired", &fault::fired);
+}

@@ -1,0 +1,116 @@
+// The io_uring backend (liburing). Built only when liburing's headers were
+// found (FASTCKPT_HAVE_URING); otherwise make_uring_backend reports ENOSYS and
+// the engine uses the thread backend.
+#include <cerrno>
+
+#include "backend.h"
+#include "error.h"
+#include "fault.h"
+
+#ifdef FASTCKPT_HAVE_URING
+#include <liburing.h>
+#endif
+
+namespace fastckpt {
+
+#ifdef FASTCKPT_HAVE_URING
+namespace {
+
+class UringBackend final : public Backend {
+ public:
+  UringBackend(unsigned depth, const std::vector<iovec>& fixed) : depth_(depth) {
+    fault::Action a = fault::on(fault::Op::UringSetup, "");
+    if (a.err) throw_io(a.err, "io_uring_queue_init", "<io_uring>");
+    int r = io_uring_queue_init(depth, &ring_, 0);
+    if (r < 0) throw_io(-r, "io_uring_queue_init", "<io_uring>");
+    if (!fixed.empty()) {
+      // Registration pins the staging buffers once for the life of the ring.
+      // If the kernel refuses (memlock limits), plain writes still work.
+      r = io_uring_register_buffers(&ring_, fixed.data(), static_cast<unsigned>(fixed.size()));
+      if (r == 0) {
+        fixed_ = fixed;
+        registered_ = true;
+      }
+    }
+  }
+
+  ~UringBackend() override { io_uring_queue_exit(&ring_); }
+
+  const char* name() const override { return "io_uring"; }
+  unsigned max_inflight() const override { return depth_; }
+
+  void submit(const IoRequest& req) override {
+    io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
+    while (!sqe) {
+      int r = io_uring_submit(&ring_);
+      if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) throw_io(-r, "io_uring_submit", "<io_uring>");
+      sqe = io_uring_get_sqe(&ring_);
+    }
+    const bool fixed = registered_ && req.buf_index >= 0 && static_cast<size_t>(req.buf_index) < fixed_.size() &&
+                       req.buf >= static_cast<char*>(fixed_[req.buf_index].iov_base) &&
+                       req.buf + req.len <= static_cast<char*>(fixed_[req.buf_index].iov_base) + fixed_[req.buf_index].iov_len;
+    switch (req.kind) {
+      case IoRequest::Write:
+        if (fixed)
+          io_uring_prep_write_fixed(sqe, req.fd, req.buf, static_cast<unsigned>(req.len), req.off, req.buf_index);
+        else
+          io_uring_prep_write(sqe, req.fd, req.buf, static_cast<unsigned>(req.len), req.off);
+        break;
+      case IoRequest::Read:
+        if (fixed)
+          io_uring_prep_read_fixed(sqe, req.fd, req.buf, static_cast<unsigned>(req.len), req.off, req.buf_index);
+        else
+          io_uring_prep_read(sqe, req.fd, req.buf, static_cast<unsigned>(req.len), req.off);
+        break;
+      case IoRequest::Fsync:
+        io_uring_prep_fsync(sqe, req.fd, IORING_FSYNC_DATASYNC);
+        break;
+    }
+    io_uring_sqe_set_data64(sqe, req.tag);
+    for (;;) {
+      int r = io_uring_submit(&ring_);
+      if (r >= 0) break;
+      if (r == -EINTR || r == -EAGAIN || r == -EBUSY) continue;
+      throw_io(-r, "io_uring_submit", "<io_uring>", req.off, req.len);
+    }
+  }
+
+  IoCompletion wait() override {
+    io_uring_cqe* cqe = nullptr;
+    for (;;) {
+      int r = io_uring_wait_cqe(&ring_, &cqe);
+      if (r == 0) break;
+      if (r == -EINTR || r == -EAGAIN) continue;
+      throw_io(-r, "io_uring_wait_cqe", "<io_uring>");
+    }
+    IoCompletion c{io_uring_cqe_get_data64(cqe), cqe->res};
+    io_uring_cqe_seen(&ring_, cqe);
+    return c;
+  }
+
+ private:
+  unsigned depth_;
+  io_uring ring_{};
+  std::vector<iovec> fixed_;
+  bool registered_ = false;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_uring_backend(unsigned depth, const std::vector<iovec>& fixed) {
+  return std::unique_ptr<Backend>(new UringBackend(depth, fixed));
+}
+
+bool uring_compiled() { return true; }
+
+#else  // !FASTCKPT_HAVE_URING
+
+std::unique_ptr<Backend> make_uring_backend(unsigned, const std::vector<iovec>&) {
+  throw_io(ENOSYS, "io_uring_queue_init", "<fastckpt built without liburing>");
+}
+
+bool uring_compiled() { return false; }
+
+#endif
+
+}  // namespace fastckpt

@@ -1,0 +1,64 @@
+#include "buffer_pool.h"
+
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "error.h"
+
+namespace fastckpt {
+
+BufferPool::BufferPool(size_t buffer_size, size_t count)
+    : size_(buffer_size), count_(count), mapped_(buffer_size * count), base_(nullptr) {
+  if (buffer_size == 0 || buffer_size % 4096 != 0 || count == 0)
+    throw UsageError("BufferPool: buffer size must be a positive multiple of 4096 and count > 0");
+  void* p = ::mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+  if (p == MAP_FAILED) throw_io(errno, "mmap", "<staging buffers>", -1, mapped_);
+  base_ = static_cast<char*>(p);
+  // MAP_POPULATE faults the pages in; touch them as well so that no later save
+  // pays the first-touch cost (and zero pages are not shared).
+  for (size_t off = 0; off < mapped_; off += 4096) base_[off] = 0;
+  iov_.resize(count);
+  free_.reserve(count);
+  for (size_t i = 0; i < count; ++i) {
+    iov_[i].iov_base = data(static_cast<int>(i));
+    iov_[i].iov_len = size_;
+    free_.push_back(static_cast<int>(count - 1 - i));
+  }
+}
+
+BufferPool::~BufferPool() {
+  if (base_) ::munmap(base_, mapped_);
+}
+
+int BufferPool::acquire() {
+  std::unique_lock<std::mutex> lk(mu_);
+  cv_.wait(lk, [&] { return !free_.empty(); });
+  int i = free_.back();
+  free_.pop_back();
+  return i;
+}
+
+int BufferPool::try_acquire() {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (free_.empty()) return -1;
+  int i = free_.back();
+  free_.pop_back();
+  return i;
+}
+
+void BufferPool::release(int index) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    free_.push_back(index);
+  }
+  cv_.notify_one();
+}
+
+size_t BufferPool::available() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return free_.size();
+}
+
+}  // namespace fastckpt

@@ -1,0 +1,44 @@
+// A fixed set of aligned staging buffers, allocated (and touched) once and
+// reused: on virtual machines, memory touched for the first time fills many
+// times slower than memory already in use.
+#pragma once
+
+#include <sys/uio.h>
+
+#include <condition_variable>
+#include <cstddef>
+#include <mutex>
+#include <vector>
+
+namespace fastckpt {
+
+class BufferPool {
+ public:
+  BufferPool(size_t buffer_size, size_t count);
+  ~BufferPool();
+  BufferPool(const BufferPool&) = delete;
+  BufferPool& operator=(const BufferPool&) = delete;
+
+  size_t buffer_size() const { return size_; }
+  size_t count() const { return count_; }
+  char* data(int index) const { return base_ + static_cast<size_t>(index) * size_; }
+  // One iovec per buffer, for io_uring buffer registration.
+  const std::vector<iovec>& iovecs() const { return iov_; }
+
+  int acquire();      // blocks until a buffer is free
+  int try_acquire();  // -1 when none is free
+  void release(int index);
+  size_t available() const;
+
+ private:
+  size_t size_;
+  size_t count_;
+  size_t mapped_;
+  char* base_;
+  std::vector<iovec> iov_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int> free_;
+};
+
+}  // namespace fastckpt

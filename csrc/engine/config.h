@@ -1,0 +1,41 @@
+// The engine's tunables: defaults and environment overrides live here and only
+// here. Python's fastckpt.knobs reads these defaults through the bindings.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace fastckpt {
+
+enum class BackendKind { Auto, Uring, Threads };
+
+const char* backend_kind_name(BackendKind k);
+BackendKind backend_kind_from_name(const std::string& name);  // "auto" | "uring" | "threads"
+
+struct EngineConfig {
+  // Staging buffers: allocated once per Engine, reused by every save and load.
+  // 8 x 8 MiB keeps the disk busy (see benchmarks/bench_engine.py) for 64 MiB of RAM.
+  size_t buffer_size = 8u << 20;   // FASTCKPT_BUFFER_SIZE (bytes, K/M/G suffixes allowed)
+  size_t buffer_count = 8;         // FASTCKPT_BUFFER_COUNT
+  unsigned queue_depth = 8;        // FASTCKPT_QUEUE_DEPTH: I/Os in flight per writer/reader
+  unsigned io_threads = 4;         // FASTCKPT_IO_THREADS: workers of the thread backend
+  BackendKind backend = BackendKind::Auto;  // FASTCKPT_BACKEND=auto|uring|threads
+  bool direct = true;              // FASTCKPT_DIRECT=0 disables O_DIRECT
+  // Issue an asynchronous fdatasync after every this many bytes written, so the
+  // final flush has less left to do. 0 = only the final fdatasync.
+  uint64_t flush_interval = 0;     // FASTCKPT_FLUSH_INTERVAL
+  bool preallocate = true;         // FASTCKPT_PREALLOCATE: fallocate when the size is known
+
+  // `base` overridden by whatever FASTCKPT_* variables are set. Throws
+  // UsageError on a malformed value.
+  static EngineConfig from_env(EngineConfig base);
+  static EngineConfig from_env() { return from_env(EngineConfig{}); }
+  // Throws UsageError when the values cannot work together.
+  void validate() const;
+};
+
+// "8M" -> 8388608; throws UsageError.
+uint64_t parse_size(const std::string& text, const char* what);
+
+}  // namespace fastckpt

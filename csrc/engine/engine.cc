@@ -1,0 +1,514 @@
+#include "engine.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "error.h"
+
+namespace fastckpt {
+
+double now_seconds() {
+  using namespace std::chrono;
+  return duration<double>(steady_clock::now().time_since_epoch()).count();
+}
+
+static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+static uint64_t round_down(uint64_t v, uint64_t a) { return v / a * a; }
+
+// ---------------------------------------------------------------- Engine
+
+BackendLease::~BackendLease() {
+  if (be_ && eng_) eng_->give_back(std::move(be_));
+}
+
+Engine::Engine(const EngineConfig& cfg) : cfg_(cfg), pool_((cfg.validate(), cfg.buffer_size), cfg.buffer_count) {}
+
+std::unique_ptr<Backend> Engine::create_backend() {
+  bool try_uring;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    try_uring = cfg_.backend == BackendKind::Uring || (cfg_.backend == BackendKind::Auto && !uring_refused_);
+  }
+  if (try_uring) {
+    try {
+      return make_uring_backend(cfg_.queue_depth, pool_.iovecs());
+    } catch (const IoError& e) {
+      if (cfg_.backend == BackendKind::Uring) throw;
+      std::lock_guard<std::mutex> lk(mu_);
+      uring_refused_ = true;
+      refusal_ = e.what();
+    }
+  }
+  return make_thread_backend(cfg_.io_threads, cfg_.queue_depth);
+}
+
+BackendLease Engine::lease() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!idle_.empty()) {
+      std::unique_ptr<Backend> be = std::move(idle_.back());
+      idle_.pop_back();
+      return BackendLease(this, std::move(be));
+    }
+  }
+  std::unique_ptr<Backend> be = create_backend();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    resolved_ = be->name();
+  }
+  return BackendLease(this, std::move(be));
+}
+
+void Engine::give_back(std::unique_ptr<Backend> be) {
+  std::lock_guard<std::mutex> lk(mu_);
+  idle_.push_back(std::move(be));
+}
+
+std::string Engine::backend_name() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (!resolved_.empty()) return resolved_;
+  }
+  BackendLease l = lease();
+  return l.get().name();
+}
+
+std::string Engine::uring_refusal() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return refusal_;
+}
+
+// ---------------------------------------------------------------- Writer
+
+static std::string temp_name_for(const std::string& path) {
+  static std::atomic<uint64_t> counter{0};
+  uint64_t n = counter.fetch_add(1);
+  uint64_t t = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  std::string dir = sys::dirname(path);
+  std::string name = sys::basename(path);
+  char suffix[64];
+  std::snprintf(suffix, sizeof suffix, ".fastckpt-tmp.%d.%llu.%llx", static_cast<int>(::getpid()),
+                static_cast<unsigned long long>(n), static_cast<unsigned long long>(t & 0xffffff));
+  return (dir == "." && path.find('/') == std::string::npos ? std::string() : dir + "/") + "." + name + suffix;
+}
+
+Writer::Writer(Engine& engine, const std::string& path, int64_t expected_size)
+    : eng_(engine), cfg_(engine.config()), path_(path), dir_(sys::dirname(path)), lease_(engine.lease()) {
+  t0_ = now_seconds();
+  if (path.empty() || path.back() == '/') throw UsageError("Writer: not a file path: '" + path + "'");
+  backend_ = lease_.get().name();
+  q_.reset(new IoQueue(lease_.get(), cfg_.queue_depth));
+  tmp_ = temp_name_for(path);
+  const int flags = O_WRONLY | O_CREAT | O_EXCL;
+  direct_ = cfg_.direct;
+  if (direct_) {
+    try {
+      fd_ = sys::open(tmp_, flags | O_DIRECT);
+    } catch (const IoError& e) {
+      if (e.err() != EINVAL) throw;
+      direct_ = false;
+      fallback_ = "open(O_DIRECT): EINVAL";
+    }
+  } else {
+    fallback_ = "disabled by configuration";
+  }
+  // After an O_DIRECT refusal the file may already exist (created before the
+  // refusal), so the second open does not insist on creating it.
+  if (fd_ < 0) fd_ = sys::open(tmp_, direct_ ? flags : (O_WRONLY | O_CREAT | O_TRUNC));
+  try {
+    if (direct_) {
+      sys::DioAlign al = sys::dio_alignment(fd_, tmp_);
+      const uint64_t bs = eng_.pool().buffer_size();
+      if (al.mem > 4096 || al.offset > bs || bs % al.offset != 0) {
+        sys::set_direct(fd_, false, tmp_);
+        direct_ = false;
+        fallback_ = "unsupported direct-I/O alignment " + std::to_string(al.offset);
+      } else {
+        align_ = al.offset;
+        // Probe: some filesystems accept O_DIRECT at open and refuse it at the
+        // first write. The real data overwrites this block.
+        cur_ = take_buffer();
+        std::memset(eng_.pool().data(cur_), 0, align_);
+        try {
+          sys::pwrite_full(fd_, eng_.pool().data(cur_), align_, 0, tmp_);
+          size_may_differ_ = true;
+        } catch (const IoError& e) {
+          if (e.err() != EINVAL) throw;
+          sys::set_direct(fd_, false, tmp_);
+          direct_ = false;
+          align_ = 1;
+          fallback_ = "write(O_DIRECT): EINVAL";
+        }
+      }
+    }
+    if (expected_size > 0 && cfg_.preallocate) {
+      if (sys::fallocate(fd_, round_up(static_cast<uint64_t>(expected_size), align_), tmp_)) size_may_differ_ = true;
+    }
+    next_flush_ = cfg_.flush_interval;
+  } catch (...) {
+    abort();
+    throw;
+  }
+}
+
+Writer::~Writer() {
+  if (state_ == State::Open) abort();
+}
+
+void Writer::ensure_open() const {
+  if (state_ != State::Open)
+    throw UsageError("Writer for " + path_ + " is already " + (state_ == State::Committed ? "committed" : "aborted"));
+}
+
+int Writer::take_buffer() {
+  BufferPool& pool = eng_.pool();
+  for (;;) {
+    if (!free_.empty()) {
+      int b = free_.back();
+      free_.pop_back();
+      return b;
+    }
+    if (held_.size() < cfg_.queue_depth) {
+      int b = held_.empty() || q_->inflight() == 0 ? pool.acquire() : pool.try_acquire();
+      if (b >= 0) {
+        held_.push_back(b);
+        return b;
+      }
+    }
+    reap_one();  // some of our buffers are in flight: wait for one
+  }
+}
+
+void Writer::reap_one() {
+  Reaped r = q_->reap();
+  if (r.tag == UINT64_MAX) {
+    flush_inflight_ = false;
+    return;
+  }
+  done_bytes_ += r.bytes;
+  free_.push_back(static_cast<int>(r.tag));
+  if (cfg_.flush_interval && !flush_inflight_ && done_bytes_ >= next_flush_ && !q_->full()) {
+    IoRequest f;
+    f.kind = IoRequest::Fsync;
+    f.fd = fd_;
+    f.tag = UINT64_MAX;
+    q_->submit(f, &tmp_);
+    flush_inflight_ = true;
+    next_flush_ = done_bytes_ + cfg_.flush_interval;
+  }
+}
+
+void Writer::submit_current(uint64_t len) {
+  while (q_->full()) reap_one();
+  IoRequest r;
+  r.kind = IoRequest::Write;
+  r.fd = fd_;
+  r.buf = eng_.pool().data(cur_);
+  r.len = len;
+  r.off = static_cast<int64_t>(buf_off_);
+  r.buf_index = cur_;
+  r.tag = static_cast<uint64_t>(cur_);
+  q_->submit(r, &tmp_);
+  ++requests_;
+  cur_ = -1;
+  buf_off_ += fill_;
+  fill_ = 0;
+}
+
+void Writer::put(const char* src, uint64_t n) {
+  ensure_open();
+  const uint64_t bs = eng_.pool().buffer_size();
+  try {
+    while (n > 0) {
+      if (cur_ < 0) cur_ = take_buffer();
+      uint64_t k = bs - fill_ < n ? bs - fill_ : n;
+      char* dst = eng_.pool().data(cur_) + fill_;
+      if (src) {
+        std::memcpy(dst, src, k);
+        src += k;
+      } else {
+        std::memset(dst, 0, k);
+      }
+      fill_ += k;
+      pos_ += k;
+      n -= k;
+      if (fill_ == bs) submit_current(bs);
+    }
+  } catch (...) {
+    abort();
+    throw;
+  }
+}
+
+void Writer::append(const void* src, uint64_t n) {
+  if (n && !src) throw UsageError("Writer::append: null source");
+  put(static_cast<const char*>(src), n);
+}
+
+void Writer::append_zeros(uint64_t n) { put(nullptr, n); }
+
+void Writer::write_at(const void* src, uint64_t n, uint64_t off) {
+  ensure_open();
+  if (off < pos_)
+    throw UsageError("Writer::write_at: offset " + std::to_string(off) + " is behind the current position " +
+                     std::to_string(pos_) + " (regions must be written in increasing order)");
+  append_zeros(off - pos_);
+  append(src, n);
+}
+
+WriteStats Writer::commit() {
+  ensure_open();
+  WriteStats st;
+  try {
+    if (cur_ >= 0 && fill_ > 0) {
+      uint64_t len = fill_;
+      if (direct_) {
+        len = round_up(fill_, align_);
+        std::memset(eng_.pool().data(cur_) + fill_, 0, len - fill_);
+        if (len != fill_) size_may_differ_ = true;
+      }
+      uint64_t fill = fill_;
+      fill_ = len;  // submit_current advances buf_off_ by fill_
+      submit_current(len);
+      buf_off_ -= len - fill;
+    }
+    while (q_->inflight() > 0) reap_one();
+    if (size_may_differ_) sys::ftruncate(fd_, pos_, tmp_);
+    const double tf = now_seconds();
+    sys::fdatasync(fd_, tmp_);
+    sys::close_quiet(fd_);
+    fd_ = -1;
+    sys::rename(tmp_, path_);
+    state_ = State::Committed;
+    release_buffers();
+    sys::fsync_dir(dir_);
+    st.flush_seconds = now_seconds() - tf;
+  } catch (...) {
+    if (state_ == State::Open) abort();
+    throw;
+  }
+  st.bytes = pos_;
+  st.requests = requests_;
+  st.requeued = q_->requeued();
+  st.seconds = now_seconds() - t0_;
+  st.direct = direct_;
+  st.backend = backend_;
+  st.alignment = direct_ ? align_ : 0;
+  st.fallback = fallback_;
+  return st;
+}
+
+void Writer::release_buffers() noexcept {
+  for (int b : held_) eng_.pool().release(b);
+  held_.clear();
+  free_.clear();
+  cur_ = -1;
+}
+
+void Writer::abort() noexcept {
+  if (state_ != State::Open) return;
+  state_ = State::Aborted;
+  if (q_) {
+    q_->drain();
+    if (q_->broken()) lease_.discard();
+  }
+  release_buffers();
+  sys::close_quiet(fd_);
+  fd_ = -1;
+  sys::unlink_quiet(tmp_);
+}
+
+// ---------------------------------------------------------------- Reader
+
+namespace {
+
+struct Part {
+  char* dst;
+  uint64_t off;
+  uint64_t len;
+};
+
+struct Job {
+  uint64_t off = 0;
+  uint64_t len = 0;      // bytes requested from the file
+  uint64_t need = 0;     // bytes that must arrive (the rest may lie past EOF)
+  char* direct_dst = nullptr;
+  size_t part_begin = 0, part_end = 0;
+  int buf = -1;
+};
+
+constexpr uint64_t kCoalesceGap = 64u << 10;  // read through gaps up to this size
+
+}  // namespace
+
+ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector<ReadRange>& ranges) {
+  const double t0 = now_seconds();
+  const EngineConfig& cfg = engine.config();
+  BufferPool& pool = engine.pool();
+  const uint64_t bs = pool.buffer_size();
+  ReadStats st;
+
+  BackendLease lease = engine.lease();
+  st.backend = lease.get().name();
+  int fd = -1;
+  bool direct = cfg.direct;
+  if (direct) {
+    try {
+      fd = sys::open(path, O_RDONLY | O_DIRECT);
+    } catch (const IoError& e) {
+      if (e.err() != EINVAL) throw;
+      direct = false;
+    }
+  }
+  if (fd < 0) fd = sys::open(path, O_RDONLY);
+  std::vector<int> held, free_bufs;
+  std::unique_ptr<IoQueue> q;
+  auto cleanup = [&]() noexcept {
+    if (q) {
+      q->drain();
+      if (q->broken()) lease.discard();
+    }
+    for (int b : held) pool.release(b);
+    held.clear();
+    sys::close_quiet(fd);
+  };
+
+  try {
+    const uint64_t fsize = sys::file_size(fd, path);
+    uint64_t a = 1, mem_a = 1;
+    if (direct) {
+      sys::DioAlign al = sys::dio_alignment(fd, path);
+      if (al.mem > 4096 || al.offset > bs || bs % al.offset != 0) {
+        sys::set_direct(fd, false, path);
+        direct = false;
+      } else {
+        a = al.offset;
+        mem_a = al.mem;
+      }
+    }
+
+    std::vector<ReadRange> sorted;
+    sorted.reserve(ranges.size());
+    for (const ReadRange& r : ranges) {
+      if (r.len == 0) continue;
+      if (!r.dst) throw UsageError("read_ranges: null destination");
+      if (r.off > fsize || r.len > fsize - r.off) throw TruncatedError(path, static_cast<int64_t>(r.off), r.len, fsize);
+      sorted.push_back(r);
+      st.bytes += r.len;
+    }
+    std::sort(sorted.begin(), sorted.end(), [](const ReadRange& x, const ReadRange& y) { return x.off < y.off; });
+
+    // Plan: direct jobs for aligned ranges, staging windows for the rest.
+    std::vector<Job> jobs;
+    std::vector<Part> parts;
+    bool open_window = false;
+    auto close_window = [&]() {
+      if (!open_window) return;
+      Job& j = jobs.back();
+      uint64_t end = parts.back().off + parts.back().len;
+      j.need = end - j.off;
+      j.len = round_up(end, a) - j.off;
+      j.part_end = parts.size();
+      open_window = false;
+    };
+    for (const ReadRange& r : sorted) {
+      char* dst = static_cast<char*>(r.dst);
+      if (direct && reinterpret_cast<uintptr_t>(dst) % mem_a == 0 && r.off % a == 0 && r.len % a == 0) {
+        close_window();
+        for (uint64_t done = 0; done < r.len; done += bs) {
+          Job j;
+          j.off = r.off + done;
+          j.len = j.need = r.len - done < bs ? r.len - done : bs;
+          j.direct_dst = dst + done;
+          jobs.push_back(j);
+        }
+        continue;
+      }
+      uint64_t off = r.off, left = r.len;
+      while (left > 0) {
+        if (open_window) {
+          Job& j = jobs.back();
+          uint64_t last_end = parts.back().off + parts.back().len;
+          // Join the window when it is near and the start still fits.
+          if (off < last_end || off - last_end > kCoalesceGap || off + 1 > j.off + bs) close_window();
+        }
+        if (!open_window) {
+          Job j;
+          j.off = round_down(off, a);
+          j.part_begin = parts.size();
+          jobs.push_back(j);
+          open_window = true;
+        }
+        Job& j = jobs.back();
+        uint64_t room = j.off + bs - off;
+        uint64_t take = left < room ? left : room;
+        parts.push_back(Part{dst, off, take});
+        dst += take;
+        off += take;
+        left -= take;
+        if (off == j.off + bs) close_window();
+      }
+    }
+    close_window();
+
+    q.reset(new IoQueue(lease.get(), cfg.queue_depth));
+    size_t next = 0, finished = 0;
+    while (finished < jobs.size()) {
+      while (next < jobs.size() && !q->full()) {
+        Job& j = jobs[next];
+        IoRequest req;
+        req.kind = IoRequest::Read;
+        req.fd = fd;
+        req.off = static_cast<int64_t>(j.off);
+        req.len = j.len;
+        req.tag = next;
+        if (j.direct_dst) {
+          req.buf = j.direct_dst;
+          ++st.direct_requests;
+        } else {
+          int b = -1;
+          if (!free_bufs.empty()) {
+            b = free_bufs.back();
+            free_bufs.pop_back();
+          } else if (held.size() < cfg.queue_depth) {
+            b = held.empty() || q->inflight() == 0 ? pool.acquire() : pool.try_acquire();
+            if (b >= 0) held.push_back(b);
+          }
+          if (b < 0) break;  // wait for one of ours to come back
+          j.buf = b;
+          req.buf = pool.data(b);
+          req.buf_index = b;
+        }
+        q->submit(req, &path, j.need);
+        ++st.requests;
+        ++next;
+      }
+      Reaped r = q->reap();
+      Job& j = jobs[r.tag];
+      st.bytes_read += r.bytes;
+      if (!j.direct_dst) {
+        const char* src = pool.data(j.buf);
+        for (size_t p = j.part_begin; p < j.part_end; ++p)
+          std::memcpy(parts[p].dst, src + (parts[p].off - j.off), parts[p].len);
+        free_bufs.push_back(j.buf);
+        j.buf = -1;
+      }
+      ++finished;
+    }
+  } catch (...) {
+    cleanup();
+    throw;
+  }
+  cleanup();
+  st.seconds = now_seconds() - t0;
+  st.direct = direct;
+  return st;
+}
+
+}  // namespace fastckpt

@@ -1,0 +1,157 @@
+// The engine: a shared pool of staging buffers and I/O backends, a durable
+// Writer (temporary file, O_DIRECT + async writes overlapped with the copy,
+// fdatasync, rename, directory fsync) and a parallel range reader.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "backend.h"
+#include "buffer_pool.h"
+#include "config.h"
+#include "io_queue.h"
+#include "sys.h"
+
+namespace fastckpt {
+
+class Engine;
+
+// A backend borrowed from an Engine; returned to it on destruction unless
+// discarded (after a backend failure).
+class BackendLease {
+ public:
+  BackendLease(Engine* eng, std::unique_ptr<Backend> be) : eng_(eng), be_(std::move(be)) {}
+  BackendLease(BackendLease&&) = default;
+  ~BackendLease();
+  Backend& get() { return *be_; }
+  void discard() { be_.reset(); }
+
+ private:
+  Engine* eng_;
+  std::unique_ptr<Backend> be_;
+};
+
+class Engine {
+ public:
+  explicit Engine(const EngineConfig& cfg);
+  const EngineConfig& config() const { return cfg_; }
+  BufferPool& pool() { return pool_; }
+  BackendLease lease();
+  // The backend in use ("io_uring" or "threads"), resolving it if needed.
+  std::string backend_name();
+  // Why io_uring is not used (empty when it is, or was never tried).
+  std::string uring_refusal();
+
+ private:
+  friend class BackendLease;
+  std::unique_ptr<Backend> create_backend();
+  void give_back(std::unique_ptr<Backend> be);
+
+  EngineConfig cfg_;
+  BufferPool pool_;
+  std::mutex mu_;
+  std::vector<std::unique_ptr<Backend>> idle_;
+  bool uring_refused_ = false;
+  std::string refusal_;
+  std::string resolved_;
+};
+
+struct WriteStats {
+  uint64_t bytes = 0;          // true file size
+  uint64_t requests = 0;       // write requests issued (excluding requeues)
+  uint64_t requeued = 0;       // short transfers and EINTR/EAGAIN resubmitted
+  double seconds = 0;          // open to durable commit
+  double flush_seconds = 0;    // final fdatasync + rename + directory fsync
+  bool direct = false;         // O_DIRECT was used
+  std::string backend;
+  uint32_t alignment = 0;      // file offset alignment used for O_DIRECT
+  std::string fallback;        // why O_DIRECT was not used, if it was not
+};
+
+// Writes one file durably and atomically. Data goes to a temporary file in the
+// target's directory ("." + name + ".fastckpt-tmp.*"); commit() makes it
+// durable and renames it over the final name; abort() (or destruction without
+// commit, or any error) removes it. Not thread-safe: one thread per Writer.
+class Writer {
+ public:
+  // expected_size >= 0 preallocates the file (when the config allows).
+  Writer(Engine& engine, const std::string& path, int64_t expected_size = -1);
+  ~Writer();
+  Writer(const Writer&) = delete;
+  Writer& operator=(const Writer&) = delete;
+
+  // Appends n bytes at the current position (copied before return).
+  void append(const void* src, uint64_t n);
+  // Writes n bytes at file offset `off` >= position(); the gap is zero-filled.
+  void write_at(const void* src, uint64_t n, uint64_t off);
+  void append_zeros(uint64_t n);
+  uint64_t position() const { return pos_; }
+
+  WriteStats commit();
+  void abort() noexcept;
+
+  bool direct() const { return direct_; }
+  const std::string& path() const { return path_; }
+  const std::string& tmp_path() const { return tmp_; }
+  const std::string& backend_name() const { return backend_; }
+
+ private:
+  void put(const char* src, uint64_t n);
+  int take_buffer();
+  void submit_current(uint64_t len);
+  void reap_one();
+  void release_buffers() noexcept;
+  void ensure_open() const;
+
+  Engine& eng_;
+  const EngineConfig& cfg_;
+  std::string path_, dir_, tmp_, backend_;
+  BackendLease lease_;
+  std::unique_ptr<IoQueue> q_;
+  int fd_ = -1;
+  enum class State { Open, Committed, Aborted } state_ = State::Open;
+  bool direct_ = false;
+  uint32_t align_ = 1;
+  std::string fallback_;
+  std::vector<int> held_;       // buffers taken from the pool
+  std::vector<int> free_;       // of those, the ones not in flight
+  int cur_ = -1;                // buffer being filled
+  uint64_t fill_ = 0;           // bytes in cur_
+  uint64_t buf_off_ = 0;        // file offset of cur_'s first byte
+  uint64_t pos_ = 0;            // logical end of file
+  uint64_t done_bytes_ = 0;     // bytes whose write completed
+  uint64_t next_flush_ = 0;     // flush_interval bookkeeping
+  bool flush_inflight_ = false;
+  bool size_may_differ_ = false;  // padded tail or preallocation: ftruncate at commit
+  uint64_t requests_ = 0;
+  double t0_ = 0;
+};
+
+struct ReadRange {
+  void* dst;
+  uint64_t len;
+  uint64_t off;
+};
+
+struct ReadStats {
+  uint64_t bytes = 0;        // bytes delivered to the caller
+  uint64_t bytes_read = 0;   // bytes read from the file (incl. alignment/coalescing)
+  uint64_t requests = 0;
+  uint64_t direct_requests = 0;  // read straight into caller memory (no copy)
+  double seconds = 0;
+  bool direct = false;
+  std::string backend;
+};
+
+// Fills caller memory from byte ranges of one file with parallel reads:
+// O_DIRECT straight into the destination where it is aligned, otherwise
+// through staging buffers (coalescing nearby ranges). Throws TruncatedError if
+// a range lies beyond the end of the file, IoError on an I/O failure.
+ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector<ReadRange>& ranges);
+
+double now_seconds();
+
+}  // namespace fastckpt

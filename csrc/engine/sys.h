@@ -1,0 +1,56 @@
+// Thin wrappers over the system calls the engine makes. Each one consults the
+// fault-injection hook, retries EINTR, and reports failure through the one
+// checker (check_sys / throw_io), except the *_raw calls used by I/O backends,
+// which return -errno so that completions can be handled uniformly.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+
+namespace fastckpt {
+namespace sys {
+
+// open(2); throws IoError. `op` names the call in error messages.
+int open(const std::string& path, int flags, mode_t mode = 0644);
+// close(2), errors ignored (data was already made durable by fdatasync).
+void close_quiet(int fd) noexcept;
+// unlink(2), errors ignored (cleanup paths).
+void unlink_quiet(const std::string& path) noexcept;
+
+// One pwrite/pread (no loop): bytes transferred, or -errno.
+int64_t pwrite_raw(int fd, const void* buf, uint64_t len, int64_t off) noexcept;
+int64_t pread_raw(int fd, void* buf, uint64_t len, int64_t off) noexcept;
+// Loops until everything is transferred; throws IoError. pread_full returns
+// the number of bytes read, which is less than len only at end of file.
+void pwrite_full(int fd, const void* buf, uint64_t len, int64_t off, const std::string& path);
+uint64_t pread_full(int fd, void* buf, uint64_t len, int64_t off, const std::string& path);
+
+void fdatasync(int fd, const std::string& path);
+// fdatasync without throwing: 0 or -errno (used by the thread backend).
+int fdatasync_raw(int fd) noexcept;
+// Opens `dir` and fsyncs it, making a rename or creation in it durable.
+void fsync_dir(const std::string& dir);
+void rename(const std::string& from, const std::string& to);
+// Preallocates [0, len). Returns false when the filesystem does not support it.
+bool fallocate(int fd, uint64_t len, const std::string& path);
+void ftruncate(int fd, uint64_t len, const std::string& path);
+uint64_t file_size(int fd, const std::string& path);
+// Clears or sets O_DIRECT on an open descriptor.
+void set_direct(int fd, bool on, const std::string& path);
+
+// Direct-I/O alignment of an open file: statx(STATX_DIOALIGN), else the block
+// device's logical block size, else 4096.
+struct DioAlign {
+  uint32_t mem = 4096;
+  uint32_t offset = 4096;
+  const char* source = "default";  // "statx", "blockdev" or "default"
+};
+DioAlign dio_alignment(int fd, const std::string& path);
+
+std::string dirname(const std::string& path);
+std::string basename(const std::string& path);
+
+}  // namespace sys
+}  // namespace fastckpt

@@ -1,0 +1,71 @@
+"""Build fastckpt and its C++ extension (fastckpt._C).
+
+The engine's sources are taken from csrc/engine/ by glob, as CMakeLists.txt
+does. io_uring support is compiled in when liburing's headers and library are
+found (Debian: liburing-dev); otherwise the build says so and the engine uses
+its thread backend only. DEBUG=1 builds with -O0 -g.
+"""
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _find_liburing():
+    """Return True when a tiny program using liburing compiles and links."""
+    if os.environ.get("FASTCKPT_NO_URING") == "1":
+        print("fastckpt: FASTCKPT_NO_URING=1, building without io_uring", file=sys.stderr)
+        return False
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return False
+    src = "#include <liburing.h>\nint main(void){struct io_uring r; return io_uring_queue_init(1,&r,0) < -1000;}\n"
+    with tempfile.TemporaryDirectory() as d:
+        c = os.path.join(d, "t.c")
+        with open(c, "w") as f:
+            f.write(src)
+        r = subprocess.run([cc, c, "-o", os.path.join(d, "t"), "-luring"], capture_output=True)
+    if r.returncode != 0:
+        print("fastckpt: liburing not found (install liburing-dev): building with the thread backend only",
+              file=sys.stderr)
+        return False
+    return True
+
+
+def _extension():
+    sources = sorted(glob.glob(os.path.join("csrc", "engine", "*.cc")))
+    sources += sorted(glob.glob(os.path.join("csrc", "bindings", "*.cpp")))
+    debug = os.environ.get("DEBUG") == "1"
+    cxx = ["-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]
+    cxx += ["-O0", "-g"] if debug else ["-O2"]
+    macros, libs = [], []
+    if _find_liburing():
+        macros.append(("FASTCKPT_HAVE_URING", "1"))
+        libs.append("uring")
+    return CppExtension(
+        name="fastckpt._C",
+        sources=sources,
+        define_macros=macros,
+        libraries=libs,
+        extra_compile_args={"cxx": cxx},
+    )
+
+
+setup(
+    name="fastckpt",
+    version="0.1.0",
+    description="Fast, durable, atomic PyTorch checkpoint I/O (O_DIRECT + io_uring)",
+    packages=find_packages(include=["fastckpt", "fastckpt.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.6"],
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    zip_safe=False,
+)
