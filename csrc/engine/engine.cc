@@ -408,12 +408,12 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
     std::vector<Job> jobs;
     std::vector<Part> parts;
     bool open_window = false;
+    uint64_t win_end = 0;  // end of the furthest part in the open window
     auto close_window = [&]() {
       if (!open_window) return;
       Job& j = jobs.back();
-      uint64_t end = parts.back().off + parts.back().len;
-      j.need = end - j.off;
-      j.len = round_up(end, a) - j.off;
+      j.need = win_end - j.off;
+      j.len = round_up(win_end, a) - j.off;
       j.part_end = parts.size();
       open_window = false;
     };
@@ -433,10 +433,11 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
       uint64_t off = r.off, left = r.len;
       while (left > 0) {
         if (open_window) {
-          Job& j = jobs.back();
-          uint64_t last_end = parts.back().off + parts.back().len;
-          // Join the window when it is near and the start still fits.
-          if (off < last_end || off - last_end > kCoalesceGap || off + 1 > j.off + bs) close_window();
+          // Join the open window when the range starts inside it or near its
+          // end (reading a small gap beats another request) and fits in it.
+          // (An earlier, longer range may have moved the window past `off`.)
+          const Job& w = jobs.back();
+          if (off < w.off || off >= w.off + bs || (off > win_end && off - win_end > kCoalesceGap)) close_window();
         }
         if (!open_window) {
           Job j;
@@ -444,15 +445,17 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
           j.part_begin = parts.size();
           jobs.push_back(j);
           open_window = true;
+          win_end = off;
         }
         Job& j = jobs.back();
         uint64_t room = j.off + bs - off;
         uint64_t take = left < room ? left : room;
         parts.push_back(Part{dst, off, take});
+        if (off + take > win_end) win_end = off + take;
         dst += take;
         off += take;
         left -= take;
-        if (off == j.off + bs) close_window();
+        if (win_end == j.off + bs) close_window();
       }
     }
     close_window();

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One-time setup on a fresh Debian machine: system packages (when root), the
+# virtual environment with torch installed first, the Python dependencies and
+# the extension built in place. Idempotent; `make` calls it through a stamp.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV=${VENV:-.venv}
+PYTHON=${PYTHON:-python3}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+say() { printf '[setup] %s\n' "$*"; }
+
+# System packages: liburing (io_uring backend), fio (the disk's own limit in
+# the benchmark), a C++ toolchain and cmake/ninja for the C++ tests.
+pkgs=(liburing-dev fio g++ make cmake ninja-build python3-venv)
+if command -v apt-get >/dev/null 2>&1 && command -v dpkg >/dev/null 2>&1; then
+  missing=()
+  for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+  if [ ${#missing[@]} -gt 0 ]; then
+    if [ "$(id -u)" = 0 ]; then
+      say "installing ${missing[*]}"
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq
+      apt-get install -y -qq "${missing[@]}" >/dev/null
+    else
+      say "not root: cannot install ${missing[*]} (without liburing-dev the build has the thread backend only; without fio the benchmark skips the disk limit)"
+    fi
+  fi
+else
+  say "no apt-get: make sure liburing-dev, fio, cmake and a C++ compiler are installed"
+fi
+
+if [ ! -x "$VENV/bin/python" ]; then
+  say "creating $VENV with $($PYTHON --version 2>&1)"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+
+# torch first, pinned: nothing installed after it may pull another torch.
+if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.__version__.split('+')[0] == '$TORCH_VERSION' else 1)" 2>/dev/null; then
+  say "installing torch==$TORCH_VERSION"
+  "$PY" -m pip install -q "torch==$TORCH_VERSION"
+fi
+echo "torch==$TORCH_VERSION" > "$VENV/torch-constraint.txt"
+say "installing Python dependencies"
+"$PY" -m pip install -q -c "$VENV/torch-constraint.txt" -r requirements-dev.txt
+
+say "building the extension"
+"$PY" -m pip install -q --no-build-isolation --no-deps -e .
+"$PY" -c "import fastckpt, fastckpt._C as C; print('[setup] fastckpt ready: backend', fastckpt.get_engine().backend, '| io_uring compiled:', C.uring_compiled())"

@@ -1,0 +1,44 @@
+# fastckpt: `make bench` and `make test` do all the set-up themselves.
+VENV       ?= .venv
+PY         := $(VENV)/bin/python
+CMAKE_DIR  ?= build/cmake
+STAMP      := $(VENV)/.fastckpt-setup
+BENCH_ARGS ?= --quick
+PYTEST_ARGS ?=
+
+.PHONY: all setup build test test-cpp test-python bench bench-full clean distclean
+
+all: build
+
+$(STAMP): .ci/setup.sh requirements-dev.txt setup.py
+	bash .ci/setup.sh
+	touch $@
+
+setup: $(STAMP)
+
+# Incremental rebuild of fastckpt._C in place (the editable install points here).
+build: $(STAMP)
+	$(PY) setup.py -q build_ext --inplace
+	$(PY) -c "import fastckpt._C"
+
+test-cpp: $(STAMP)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" cmake -S . -B $(CMAKE_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" cmake --build $(CMAKE_DIR)
+	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ctest --test-dir $(CMAKE_DIR) --output-on-failure
+
+test-python: build
+	$(PY) -m pytest -q tests/python $(PYTEST_ARGS)
+
+test: test-cpp test-python
+
+bench: build
+	$(PY) benchmarks/bench_engine.py $(BENCH_ARGS)
+
+bench-full: build
+	$(PY) benchmarks/bench_engine.py --full
+
+clean:
+	rm -rf build fastckpt/*.so .pytest_cache
+
+distclean: clean
+	rm -rf $(VENV) *.egg-info

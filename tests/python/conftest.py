@@ -1,0 +1,60 @@
+import gc
+import os
+
+import pytest
+
+import fastckpt
+from fastckpt import _C
+
+
+def fd_count():
+    gc.collect()  # engines of earlier tests close their io_uring descriptors
+    return len(os.listdir("/proc/self/fd"))
+
+
+def temp_files(directory):
+    return sorted(n for n in os.listdir(directory) if ".fastckpt-tmp." in n)
+
+
+def make_config(**kw):
+    cfg = _C.EngineConfig()
+    for k, v in kw.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+_uring_probe = {}
+
+
+def uring_refusal():
+    """None when io_uring works here, else the reason it does not."""
+    if "r" not in _uring_probe:
+        if not _C.uring_compiled():
+            _uring_probe["r"] = "fastckpt was built without liburing"
+        else:
+            try:
+                _C.Engine(make_config(backend="uring", buffer_size=4096, buffer_count=1)).backend
+                _uring_probe["r"] = None
+            except OSError as e:
+                _uring_probe["r"] = f"io_uring refused by the kernel: {e}"
+    return _uring_probe["r"]
+
+
+@pytest.fixture(params=["uring", "threads"])
+def backend(request):
+    if request.param == "uring" and uring_refusal():
+        pytest.skip(uring_refusal())
+    return request.param
+
+
+@pytest.fixture
+def small_engine(backend):
+    """An engine with small buffers so tests cross many buffer boundaries cheaply."""
+    return _C.Engine(make_config(backend=backend, buffer_size=64 << 10, buffer_count=4, queue_depth=4))
+
+
+@pytest.fixture(autouse=True)
+def _clear_faults():
+    _C.fault_clear()
+    yield
+    _C.fault_clear()

@@ -1,0 +1,342 @@
+"""The C++ engine through its bindings (fastckpt._C): round trips, backends,
+O_DIRECT and io_uring fallbacks, injected faults, and concurrency."""
+import errno
+import mmap
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt import _C
+from conftest import fd_count, make_config, temp_files, uring_refusal
+
+SIZES = [0, 1, 4095, 4096, 4097, 3 * (64 << 10) + 5, (5 << 20) + 123]
+
+
+def random_bytes(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def save(engine, path, *chunks, expected=-1):
+    w = _C.Writer(engine, str(path), expected)
+    for c in chunks:
+        w.write(c)
+    return w.commit()
+
+
+def read_all(engine, path, n):
+    out = torch.empty(n, dtype=torch.uint8)
+    _C.read_ranges(engine, str(path), [(out, 0)])
+    return out
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_round_trip(small_engine, backend, tmp_path, size):
+    data = random_bytes(size, seed=size)
+    st = save(small_engine, tmp_path / "f.bin", data)
+    assert st["bytes"] == size
+    assert st["backend"] == ("io_uring" if backend == "uring" else "threads")
+    assert os.path.getsize(tmp_path / "f.bin") == size
+    assert (tmp_path / "f.bin").read_bytes() == data.numpy().tobytes()
+    assert torch.equal(read_all(small_engine, tmp_path / "f.bin", size), data)
+    assert temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("size", [1, 4097, (1 << 20) + 7])
+def test_round_trip_buffered(tmp_path, size):
+    eng = _C.Engine(make_config(direct=False, buffer_size=64 << 10, buffer_count=2))
+    data = random_bytes(size)
+    st = save(eng, tmp_path / "f.bin", data, expected=size)
+    assert st["direct"] is False and "disabled" in st["fallback"]
+    assert torch.equal(read_all(eng, tmp_path / "f.bin", size), data)
+
+
+def test_many_chunks_and_preallocation(small_engine, tmp_path):
+    chunks = [random_bytes(n, seed=n) for n in (1, 70000, 0, 4096, 131072, 3)]
+    total = sum(c.numel() for c in chunks)
+    st = save(small_engine, tmp_path / "f.bin", *chunks, expected=total + 10000)  # over-estimate
+    assert st["bytes"] == total and os.path.getsize(tmp_path / "f.bin") == total
+    assert torch.equal(read_all(small_engine, tmp_path / "f.bin", total), torch.cat(chunks))
+
+
+def test_write_at_gaps_and_zeros(small_engine, tmp_path):
+    a, b = random_bytes(100, 1), random_bytes(5000, 2)
+    w = _C.Writer(small_engine, str(tmp_path / "f.bin"))
+    w.write_at(a, 10)
+    w.write_zeros(3)
+    w.write_many([(b, 200000), b"xyz"])
+    assert w.position == 205003
+    with pytest.raises(ValueError, match="behind the current position"):
+        w.write_at(a, 5)
+    w.commit()
+    raw = (tmp_path / "f.bin").read_bytes()
+    assert len(raw) == 205003
+    assert raw[:10] == bytes(10) and raw[10:110] == a.numpy().tobytes()
+    assert raw[110:200000] == bytes(200000 - 110)
+    assert raw[200000:205000] == b.numpy().tobytes() and raw[-3:] == b"xyz"
+
+
+@pytest.mark.parametrize("max_len", [3000, 200000])
+def test_read_ranges_scattered(small_engine, tmp_path, max_len):
+    """Ranges in random order, overlapping, crossing buffer boundaries."""
+    n = 1 << 20
+    data = random_bytes(n, 7)
+    save(small_engine, tmp_path / "f.bin", data)
+    g = torch.Generator().manual_seed(max_len)
+    ranges = []
+    for _ in range(300):
+        off = int(torch.randint(0, n - 1, (1,), generator=g))
+        ln = int(torch.randint(0, min(max_len, n - off), (1,), generator=g))
+        ranges.append((torch.empty(ln, dtype=torch.uint8), off))
+    ranges.append((torch.empty(n, dtype=torch.uint8), 0))
+    ranges.append((torch.empty(1, dtype=torch.uint8), n - 1))
+    st = _C.read_ranges(small_engine, str(tmp_path / "f.bin"), ranges)
+    for dst, off in ranges:
+        assert torch.equal(dst, data[off:off + dst.numel()])
+    assert st["bytes"] == sum(d.numel() for d, _ in ranges)
+    if max_len == 3000:
+        # 300 small ranges in 1 MiB: nearby ones share a read.
+        assert st["requests"] < 100, st
+
+
+def test_read_aligned_destination_goes_direct(small_engine, tmp_path):
+    n = 256 << 10
+    data = random_bytes(n, 9)
+    save(small_engine, tmp_path / "f.bin", data)
+    buf = mmap.mmap(-1, n)  # page-aligned, writable
+    st = _C.read_ranges(small_engine, str(tmp_path / "f.bin"), [(buf, 0)])
+    if not st["direct"]:
+        pytest.skip("this filesystem refused O_DIRECT")
+    assert st["direct_requests"] > 0
+    assert bytes(buf) == data.numpy().tobytes()
+
+
+def test_read_past_end_is_format_error(small_engine, tmp_path):
+    save(small_engine, tmp_path / "f.bin", random_bytes(1000))
+    with pytest.raises(fastckpt.FormatError, match="truncated"):
+        _C.read_ranges(small_engine, str(tmp_path / "f.bin"), [(torch.empty(10, dtype=torch.uint8), 995)])
+
+
+def test_missing_files_are_oserrors(small_engine, tmp_path):
+    with pytest.raises(FileNotFoundError) as ei:
+        _C.read_ranges(small_engine, str(tmp_path / "nope"), [])
+    assert ei.value.errno == errno.ENOENT and ei.value.filename == str(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError):
+        _C.Writer(small_engine, str(tmp_path / "no-dir" / "f.bin"))
+
+
+def test_odirect_refused_at_open_falls_back(tmp_path):
+    eng = _C.Engine(make_config(buffer_size=64 << 10, buffer_count=2))
+    _C.fault_inject("open", nth=1, errno=errno.EINVAL)
+    data = random_bytes(100003)
+    st = save(eng, tmp_path / "f.bin", data)
+    assert _C.fault_fired() == 1
+    assert st["direct"] is False and "open" in st["fallback"]
+    assert torch.equal(read_all(eng, tmp_path / "f.bin", data.numel()), data)
+
+
+def test_odirect_refused_at_first_write_falls_back(tmp_path):
+    eng = _C.Engine(make_config(buffer_size=64 << 10, buffer_count=2))
+    _C.fault_inject("write", nth=1, errno=errno.EINVAL)
+    data = random_bytes(100003)
+    st = save(eng, tmp_path / "f.bin", data)
+    assert st["direct"] is False and "write" in st["fallback"]
+    assert (tmp_path / "f.bin").read_bytes() == data.numpy().tobytes()
+
+
+def test_uring_refused_falls_back_to_threads(tmp_path):
+    if not _C.uring_compiled():
+        pytest.skip("built without liburing")
+    _C.fault_inject("uring_setup", nth=1, errno=errno.EPERM)
+    eng = _C.Engine(make_config(backend="auto", buffer_size=64 << 10, buffer_count=2))
+    assert eng.backend == "threads"
+    assert "Operation not permitted" in eng.uring_refusal
+    data = random_bytes(70000)
+    assert save(eng, tmp_path / "f.bin", data)["backend"] == "threads"
+
+    _C.fault_inject("uring_setup", nth=1, errno=errno.EPERM)
+    forced = _C.Engine(make_config(backend="uring", buffer_size=64 << 10, buffer_count=2))
+    with pytest.raises(PermissionError, match="io_uring"):
+        forced.backend
+
+
+FAULTS = [
+    # (op, nth, errno, expected exception type, text in the message)
+    ("write", 3, errno.ENOSPC, OSError, "pwrite"),
+    ("write", 2, errno.EIO, OSError, "pwrite"),
+    ("fsync", 1, errno.EIO, OSError, "fdatasync"),
+    ("rename", 1, errno.EXDEV, OSError, "rename"),
+    ("truncate", 1, errno.EIO, OSError, "ftruncate"),
+    ("fallocate", 1, errno.ENOSPC, OSError, "fallocate"),
+    ("open", 1, errno.EACCES, PermissionError, "open"),
+]
+
+
+@pytest.mark.parametrize("op,nth,err,exc,text", FAULTS)
+def test_fault_leaves_old_file_and_no_debris(small_engine, tmp_path, op, nth, err, exc, text):
+    target = tmp_path / "ckpt.bin"
+    old = random_bytes(300001, 1)
+    save(small_engine, target, old)
+    new = random_bytes(500003, 2)
+    fds = fd_count()
+    _C.fault_inject(op, nth=nth, errno=err)
+    with pytest.raises(exc) as ei:
+        save(small_engine, target, new, expected=new.numel())
+    assert _C.fault_fired() == 1
+    e = ei.value
+    assert e.errno == err
+    assert text in str(e) and os.strerror(err) in str(e)
+    assert str(tmp_path) in e.filename
+    if op == "write":
+        assert "off=" in str(e) and "len=" in str(e)
+    assert target.read_bytes() == old.numpy().tobytes()  # untouched
+    assert temp_files(tmp_path) == []
+    assert fd_count() == fds
+    assert small_engine.buffers_available == 4
+    _C.fault_clear()
+    save(small_engine, target, new)  # the engine still works
+    assert target.read_bytes() == new.numpy().tobytes()
+
+
+def test_fault_while_writing_inside_write_call_cleans_up(small_engine, tmp_path):
+    # The error surfaces from write() (a buffer completes with an error while
+    # later ones are being filled); the writer is unusable afterwards.
+    _C.fault_inject("write", nth=2, errno=errno.EIO)
+    w = _C.Writer(small_engine, str(tmp_path / "f.bin"))
+    with pytest.raises(OSError) as ei:
+        for _ in range(8):
+            w.write(random_bytes(256 << 10))
+    assert ei.value.errno == errno.EIO
+    assert temp_files(tmp_path) == [] and not (tmp_path / "f.bin").exists()
+    with pytest.raises(ValueError, match="aborted"):
+        w.commit()
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_short_transfers_and_eintr_are_retried(small_engine, tmp_path, op):
+    data = random_bytes((1 << 20) + 17, 4)
+    if op == "read":
+        save(small_engine, tmp_path / "f.bin", data)
+    _C.fault_inject(op, nth=2, short=4096, times=5)
+    _C.fault_inject(op, nth=10, errno=errno.EINTR, times=50)
+    _C.fault_inject(op, nth=70, errno=errno.EAGAIN, times=3)
+    if op == "write":
+        st = save(small_engine, tmp_path / "f.bin", data)
+        assert st["requeued"] >= 58
+    got = read_all(small_engine, tmp_path / "f.bin", data.numel())
+    assert _C.fault_fired() >= 58
+    assert torch.equal(got, data)
+
+
+def test_read_fault_is_oserror(small_engine, tmp_path):
+    save(small_engine, tmp_path / "f.bin", random_bytes(1 << 20))
+    fds = fd_count()
+    _C.fault_inject("read", nth=3, errno=errno.EIO)
+    with pytest.raises(OSError) as ei:
+        read_all(small_engine, tmp_path / "f.bin", 1 << 20)
+    assert ei.value.errno == errno.EIO and "pread" in str(ei.value)
+    assert fd_count() == fds and small_engine.buffers_available == 4
+
+
+def test_writer_misuse(small_engine, tmp_path):
+    with _C.Writer(small_engine, str(tmp_path / "f.bin")) as w:
+        w.write(b"abc")
+        tmp = w.tmp_path
+        assert os.path.exists(tmp) and ".fastckpt-tmp." in tmp
+    assert not os.path.exists(tmp) and not (tmp_path / "f.bin").exists()  # left without commit
+    w = _C.Writer(small_engine, str(tmp_path / "f.bin"))
+    w.write(b"abc")
+    w.commit()
+    with pytest.raises(ValueError, match="committed"):
+        w.commit()
+    with pytest.raises(ValueError, match="committed"):
+        w.write(b"x")
+    w.abort()  # no effect after commit
+    assert (tmp_path / "f.bin").read_bytes() == b"abc"
+
+
+def test_rejects_non_contiguous_and_cuda(small_engine, tmp_path):
+    w = _C.Writer(small_engine, str(tmp_path / "f.bin"))
+    with pytest.raises(ValueError, match="contiguous"):
+        w.write(torch.zeros(4, 4).t())
+    if torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CPU"):
+            w.write(torch.zeros(4, device="cuda"))
+    w.abort()
+
+
+def test_concurrent_writers_share_one_engine(backend, tmp_path):
+    eng = _C.Engine(make_config(backend=backend, buffer_size=64 << 10, buffer_count=3, queue_depth=4))
+    datas = [random_bytes((1 << 20) + i * 4099, seed=i) for i in range(6)]
+    errors = []
+
+    def work(i):
+        try:
+            for rep in range(3):
+                save(eng, tmp_path / f"f{i}.bin", datas[i])
+                assert torch.equal(read_all(eng, tmp_path / f"f{i}.bin", datas[i].numel()), datas[i])
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert eng.buffers_available == 3
+    assert temp_files(tmp_path) == []
+
+
+def test_knobs_env_and_override(tmp_path):
+    env = dict(os.environ, FASTCKPT_BACKEND="threads", FASTCKPT_BUFFER_SIZE="1M", FASTCKPT_QUEUE_DEPTH="3")
+    code = "import fastckpt; e = fastckpt.get_engine(); print(e.backend, e.config.buffer_size, e.config.queue_depth)"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["threads", str(1 << 20), "3"]
+    bad = dict(os.environ, FASTCKPT_BUFFER_SIZE="12345")
+    r = subprocess.run([sys.executable, "-c", code], env=bad, capture_output=True, text=True)
+    assert r.returncode != 0 and "multiple of 4096" in r.stderr
+
+    base = fastckpt.knobs.config().buffer_size
+    with fastckpt.knobs.override(buffer_size=128 << 10, backend="threads"):
+        eng = fastckpt.get_engine()
+        assert eng.config.buffer_size == 128 << 10 and eng.backend == "threads"
+    assert fastckpt.knobs.config().buffer_size == base
+    with pytest.raises(ValueError, match="unknown fastckpt knob"):
+        with fastckpt.knobs.override(bufer_size=1):
+            pass
+    with pytest.raises(ValueError):
+        with fastckpt.knobs.override(backend="spdk"):
+            pass
+
+
+def test_kill_during_save_leaves_previous_file(tmp_path):
+    """SIGKILL in the middle of a save: the final name keeps the old bytes."""
+    target = tmp_path / "ckpt.bin"
+    target.write_bytes(b"old checkpoint")
+    script = textwrap.dedent(f"""
+        import sys, torch, fastckpt
+        from fastckpt import _C
+        eng = fastckpt.get_engine()
+        _C.fault_inject("write", nth=1, delay_ms=20, times=0)  # slow every write down
+        w = _C.Writer(eng, {str(target)!r})
+        print("writing", flush=True)
+        w.write(torch.ones(64 << 20, dtype=torch.uint8))
+        w.commit()
+        print("committed", flush=True)
+    """)
+    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "writing"
+    time.sleep(0.1)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    assert p.returncode == -signal.SIGKILL
+    assert target.read_bytes() == b"old checkpoint"
