@@ -419,18 +419,22 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
     };
     for (const ReadRange& r : sorted) {
       char* dst = static_cast<char*>(r.dst);
-      if (direct && reinterpret_cast<uintptr_t>(dst) % mem_a == 0 && r.off % a == 0 && r.len % a == 0) {
+      // The aligned body of a range with an aligned destination and offset
+      // is read straight into the destination; the rest goes through staging.
+      uint64_t body = 0;
+      if (direct && reinterpret_cast<uintptr_t>(dst) % mem_a == 0 && r.off % a == 0) body = round_down(r.len, a);
+      if (body > 0) {
         close_window();
-        for (uint64_t done = 0; done < r.len; done += bs) {
+        for (uint64_t done = 0; done < body; done += bs) {
           Job j;
           j.off = r.off + done;
-          j.len = j.need = r.len - done < bs ? r.len - done : bs;
+          j.len = j.need = body - done < bs ? body - done : bs;
           j.direct_dst = dst + done;
           jobs.push_back(j);
         }
-        continue;
       }
-      uint64_t off = r.off, left = r.len;
+      uint64_t off = r.off + body, left = r.len - body;
+      dst += body;
       while (left > 0) {
         if (open_window) {
           // Join the open window when the range starts inside it or near its

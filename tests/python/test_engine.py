@@ -117,6 +117,11 @@ def test_read_aligned_destination_goes_direct(small_engine, tmp_path):
         pytest.skip("this filesystem refused O_DIRECT")
     assert st["direct_requests"] > 0
     assert bytes(buf) == data.numpy().tobytes()
+    # An unaligned length: the aligned body still goes direct, the tail through staging.
+    buf2 = mmap.mmap(-1, n)
+    st = _C.read_ranges(small_engine, str(tmp_path / "f.bin"), [(memoryview(buf2)[:n - 3], 0)])
+    assert st["direct_requests"] > 0 and st["requests"] > st["direct_requests"]
+    assert bytes(buf2)[:n - 3] == data.numpy().tobytes()[:n - 3] and bytes(buf2)[n - 3:] == bytes(3)
 
 
 def test_read_past_end_is_format_error(small_engine, tmp_path):
