@@ -45,7 +45,7 @@ def _extension():
     debug = os.environ.get("DEBUG") == "1"
     cxx = ["-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]
     cxx += ["-O0", "-g"] if debug else ["-O2"]
-    macros, libs = [], []
+    macros, libs = [], ["z"]  # zlib: the zip CRC-32
     if _find_liburing():
         macros.append(("FASTCKPT_HAVE_URING", "1"))
         libs.append("uring")

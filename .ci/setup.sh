@@ -12,7 +12,7 @@ say() { printf '[setup] %s\n' "$*"; }
 
 # System packages: liburing (io_uring backend), fio (the disk's own limit in
 # the benchmark), a C++ toolchain and cmake/ninja for the C++ tests.
-pkgs=(liburing-dev fio g++ make cmake ninja-build python3-venv)
+pkgs=(liburing-dev zlib1g-dev fio g++ make cmake ninja-build python3-venv)
 if command -v apt-get >/dev/null 2>&1 && command -v dpkg >/dev/null 2>&1; then
   missing=()
   for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -193,6 +193,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              }
            },
            py::arg("items"))
+      .def("write_crc", [](PyWriter& w, py::handle obj, uint32_t crc) {
+             Span s(obj, false);
+             Writer& wr = w.get();
+             py::gil_scoped_release nogil;
+             wr.append(s.ptr(), s.len(), &crc);
+             return crc;
+           },
+           py::arg("data"), py::arg("crc") = 0,
+           "Append like write() and return the zip CRC-32 of the data, continued from `crc`.")
       .def("write_zeros", [](PyWriter& w, uint64_t n) {
              Writer& wr = w.get();
              py::gil_scoped_release nogil;
@@ -264,6 +273,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["source"] = a.source;
     return d;
   });
+
+  m.def("crc32", [](py::handle obj, uint32_t crc) {
+          Span s(obj, false);
+          py::gil_scoped_release nogil;
+          return fastckpt::crc32(crc, s.ptr(), s.len());
+        },
+        py::arg("data"), py::arg("crc") = 0, "Zip CRC-32 of a CPU tensor or buffer, continued from `crc`.");
 
   m.def("uring_compiled", &uring_compiled, "Whether this build has the io_uring backend.");
 

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <unistd.h>
+#include <zlib.h>
 
 #include <atomic>
 #include <cerrno>
@@ -221,13 +222,21 @@ void Writer::submit_current(uint64_t len) {
   fill_ = 0;
 }
 
-void Writer::put(const char* src, uint64_t n) {
+uint32_t crc32(uint32_t crc, const void* data, uint64_t n) {
+  return static_cast<uint32_t>(::crc32_z(crc, static_cast<const Bytef*>(data), static_cast<z_size_t>(n)));
+}
+
+void Writer::put(const char* src, uint64_t n, uint32_t* crc) {
   ensure_open();
   const uint64_t bs = eng_.pool().buffer_size();
+  // With a checksum, copy in pieces small enough to still be in the cache
+  // when the CRC reads them back.
+  const uint64_t piece = crc ? (256u << 10) : bs;
   try {
     while (n > 0) {
       if (cur_ < 0) cur_ = take_buffer();
       uint64_t k = bs - fill_ < n ? bs - fill_ : n;
+      if (k > piece) k = piece;
       char* dst = eng_.pool().data(cur_) + fill_;
       if (src) {
         std::memcpy(dst, src, k);
@@ -235,6 +244,7 @@ void Writer::put(const char* src, uint64_t n) {
       } else {
         std::memset(dst, 0, k);
       }
+      if (crc) *crc = crc32(*crc, dst, k);
       fill_ += k;
       pos_ += k;
       n -= k;
@@ -246,12 +256,12 @@ void Writer::put(const char* src, uint64_t n) {
   }
 }
 
-void Writer::append(const void* src, uint64_t n) {
+void Writer::append(const void* src, uint64_t n, uint32_t* crc) {
   if (n && !src) throw UsageError("Writer::append: null source");
-  put(static_cast<const char*>(src), n);
+  put(static_cast<const char*>(src), n, crc);
 }
 
-void Writer::append_zeros(uint64_t n) { put(nullptr, n); }
+void Writer::append_zeros(uint64_t n) { put(nullptr, n, nullptr); }
 
 void Writer::write_at(const void* src, uint64_t n, uint64_t off) {
   ensure_open();

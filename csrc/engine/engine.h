@@ -83,8 +83,10 @@ class Writer {
   Writer(const Writer&) = delete;
   Writer& operator=(const Writer&) = delete;
 
-  // Appends n bytes at the current position (copied before return).
-  void append(const void* src, uint64_t n);
+  // Appends n bytes at the current position (copied before return). With
+  // `crc`, also folds the bytes into that zip CRC-32 while they are hot in
+  // the cache after the copy.
+  void append(const void* src, uint64_t n, uint32_t* crc = nullptr);
   // Writes n bytes at file offset `off` >= position(); the gap is zero-filled.
   void write_at(const void* src, uint64_t n, uint64_t off);
   void append_zeros(uint64_t n);
@@ -99,7 +101,7 @@ class Writer {
   const std::string& backend_name() const { return backend_; }
 
  private:
-  void put(const char* src, uint64_t n);
+  void put(const char* src, uint64_t n, uint32_t* crc);
   int take_buffer();
   void submit_current(uint64_t len);
   void reap_one();
@@ -151,6 +153,9 @@ struct ReadStats {
 // through staging buffers (coalescing nearby ranges). Throws TruncatedError if
 // a range lies beyond the end of the file, IoError on an I/O failure.
 ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector<ReadRange>& ranges);
+
+// Zip CRC-32 (zlib's polynomial) of n bytes, continuing from `crc`.
+uint32_t crc32(uint32_t crc, const void* data, uint64_t n);
 
 double now_seconds();
 

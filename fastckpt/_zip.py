@@ -1,0 +1,260 @@
+"""The zip container of a torch.save archive, as fastckpt writes and reads it.
+
+docs/FORMAT.md is the specification; this module follows it. Writing mirrors
+what PyTorch's own writer (miniz) produces, so that stock ``torch.load`` and
+its ``calculate_storage_offsets`` mode read fastckpt files, with one
+difference: records are aligned to :data:`ALIGNMENT` (4096) instead of 64.
+Reading is defensive: every offset and size read from disk is checked against
+the file before it is used, and any inconsistency is a :class:`FormatError`.
+"""
+
+import os
+import struct
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+from .errors import FormatError
+
+ALIGNMENT = 4096
+U32_MAX = 0xFFFFFFFF
+U16_MAX = 0xFFFF
+
+LOCAL_SIG = 0x04034B50
+CENTRAL_SIG = 0x02014B50
+DESCRIPTOR_SIG = 0x08074B50
+EOCD_SIG = 0x06054B50
+EOCD64_SIG = 0x06064B50
+EOCD64_LOC_SIG = 0x07064B50
+LOCAL_HEADER_SIZE = 30
+CENTRAL_HEADER_SIZE = 46
+EOCD_SIZE = 22
+EOCD64_SIZE = 56
+EOCD64_LOC_SIZE = 20
+FLAGS = 0x0808  # bit 3: sizes and CRC in a data descriptor; bit 11: UTF-8 names
+DOS_TIME, DOS_DATE = 0, (1 << 5) | 1  # 1980-01-01 00:00, fixed: reproducible files
+ZIP64_TAG = 0x0001
+PAD_TAG = 0x4246  # "FB": PyTorch's padding field
+
+_local = struct.Struct("<IHHHHHIIIHH")
+_central = struct.Struct("<IHHHHHHIIIHHHHHII")
+_descriptor32 = struct.Struct("<IIII")
+_descriptor64 = struct.Struct("<IIQQ")
+_eocd = struct.Struct("<IHHHHIIH")
+_eocd64 = struct.Struct("<IQHHIIQQQQ")
+_eocd64_loc = struct.Struct("<IIQI")
+
+
+# ---------------------------------------------------------------- writing
+
+def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT) -> bytes:
+    """Local file header for a record of `size` bytes whose header starts at
+    `offset`, padded (PyTorch's "FB" extra field) so that the data starts on a
+    multiple of `alignment`. Same padding rule as PyTorch's getPadding()."""
+    extra = b""
+    start = offset + LOCAL_HEADER_SIZE + len(name) + 4
+    if size >= U32_MAX or offset >= U32_MAX:
+        z = b""
+        if size >= U32_MAX:
+            z += struct.pack("<QQ", 0, 0)
+        if offset >= U32_MAX:
+            z += struct.pack("<Q", 0)
+        extra += struct.pack("<HH", ZIP64_TAG, len(z)) + z
+        start += len(extra)
+    pad = (-start) % alignment
+    extra += struct.pack("<HH", PAD_TAG, pad) + b"Z" * pad
+    head = _local.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(extra))
+    return head + name + extra
+
+
+def descriptor(crc: int, size: int, header_offset: int) -> bytes:
+    """Data descriptor after a record's data (none for an empty record)."""
+    if size == 0:
+        return b""
+    if size >= U32_MAX or header_offset >= U32_MAX:
+        return _descriptor64.pack(DESCRIPTOR_SIG, crc, size, size)
+    return _descriptor32.pack(DESCRIPTOR_SIG, crc, size, size)
+
+
+@dataclass
+class Entry:
+    name: str
+    size: int
+    crc: int
+    header_offset: int
+    data_offset: int = 0
+
+
+def central_directory(entries: List[Entry], cd_offset: int) -> bytes:
+    """Central directory + (zip64 end records when needed) + end record."""
+    out = []
+    for e in entries:
+        name = e.name.encode("utf-8")
+        z = b""
+        size32 = e.size
+        off32 = e.header_offset
+        if e.size >= U32_MAX:
+            z += struct.pack("<QQ", e.size, e.size)
+            size32 = U32_MAX
+        if e.header_offset >= U32_MAX:
+            z += struct.pack("<Q", e.header_offset)
+            off32 = U32_MAX
+        extra = struct.pack("<HH", ZIP64_TAG, len(z)) + z if z else b""
+        version = 45 if z else 20
+        out.append(_central.pack(CENTRAL_SIG, version, version, FLAGS, 0, DOS_TIME, DOS_DATE, e.crc,
+                                 size32, size32, len(name), len(extra), 0, 0, 0, 0, off32))
+        out.append(name)
+        out.append(extra)
+    cd = b"".join(out)
+    n = len(entries)
+    end = b""
+    need64 = n >= U16_MAX or len(cd) >= U32_MAX or cd_offset >= U32_MAX
+    if need64:
+        eocd64_offset = cd_offset + len(cd)
+        end += _eocd64.pack(EOCD64_SIG, EOCD64_SIZE - 12, 45, 45, 0, 0, n, n, len(cd), cd_offset)
+        end += _eocd64_loc.pack(EOCD64_LOC_SIG, 0, eocd64_offset, 1)
+    end += _eocd.pack(EOCD_SIG, 0, 0, min(n, U16_MAX), min(n, U16_MAX), min(len(cd), U32_MAX),
+                      min(cd_offset, U32_MAX), 0)
+    return cd + end
+
+
+# ---------------------------------------------------------------- reading
+
+class Archive:
+    """The records of a zip archive, parsed from its central directory.
+
+    ``records`` maps names without the archive's top folder ("data.pkl",
+    "data/0", ...) to entries whose ``data_offset`` has been read from and
+    checked against each local header.
+    """
+
+    def __init__(self, path: str, prefix: str, records: Dict[str, Entry], file_size: int):
+        self.path = path
+        self.prefix = prefix
+        self.records = records
+        self.file_size = file_size
+
+    @classmethod
+    def open(cls, path: str) -> "Archive":
+        with open(path, "rb") as f:
+            return cls._parse(f, os.fspath(path))
+
+    @classmethod
+    def _parse(cls, f, path: str) -> "Archive":
+        size = os.fstat(f.fileno()).st_size
+
+        def bad(what: str) -> FormatError:
+            return FormatError(f"{path}: {what}")
+
+        def read_at(off: int, n: int) -> bytes:
+            if off < 0 or n < 0 or off + n > size:
+                raise bad(f"truncated: needs bytes {off}..{off + n} of a {size}-byte file")
+            f.seek(off)
+            b = f.read(n)
+            if len(b) != n:
+                raise bad(f"truncated while reading {n} bytes at offset {off}")
+            return b
+
+        if size < EOCD_SIZE:
+            raise bad(f"not a checkpoint: {size} bytes is too short for a zip archive")
+        head = read_at(0, 4)
+        if head != b"PK\x03\x04":
+            raise bad(f"not a zip-format torch checkpoint (starts with {head!r})")
+        tail_len = min(size, EOCD_SIZE + U16_MAX)
+        tail = read_at(size - tail_len, tail_len)
+        pos = tail.rfind(b"PK\x05\x06")
+        while pos >= 0 and pos + EOCD_SIZE > len(tail):
+            pos = tail.rfind(b"PK\x05\x06", 0, pos)
+        if pos < 0:
+            raise bad("truncated or corrupt: no end-of-central-directory record")
+        eocd_off = size - tail_len + pos
+        (_, disk, cd_disk, n_disk, n, cd_size, cd_off, comment_len) = _eocd.unpack_from(tail, pos)
+        if disk != 0 or cd_disk != 0 or n_disk != n:
+            raise bad("multi-disk zip archives are not supported")
+        if n == U16_MAX or cd_size == U32_MAX or cd_off == U32_MAX:
+            loc_off = eocd_off - EOCD64_LOC_SIZE
+            loc = read_at(loc_off, EOCD64_LOC_SIZE)
+            sig, _, eocd64_off, _ = _eocd64_loc.unpack(loc)
+            if sig != EOCD64_LOC_SIG:
+                raise bad(f"corrupt zip64 end locator at offset {loc_off}")
+            rec = read_at(eocd64_off, EOCD64_SIZE)
+            fields = _eocd64.unpack(rec)
+            if fields[0] != EOCD64_SIG:
+                raise bad(f"corrupt zip64 end record at offset {eocd64_off}")
+            n, cd_size, cd_off = fields[7], fields[8], fields[9]
+        if cd_off + cd_size > eocd_off or n * CENTRAL_HEADER_SIZE > cd_size:
+            raise bad(f"corrupt central directory (offset {cd_off}, {cd_size} bytes, {n} entries, "
+                      f"end record at {eocd_off})")
+        cd = read_at(cd_off, cd_size)
+
+        records: Dict[str, Entry] = {}
+        prefix: Optional[str] = None
+        p = 0
+        for i in range(n):
+            if p + CENTRAL_HEADER_SIZE > len(cd):
+                raise bad(f"central directory entry {i} runs past the directory")
+            (sig, _, _, flags, method, _, _, crc, csize, usize, name_len, extra_len, comment_len,
+             _, _, _, hoff) = _central.unpack_from(cd, p)
+            if sig != CENTRAL_SIG:
+                raise bad(f"corrupt central directory entry {i} at offset {cd_off + p}")
+            p += CENTRAL_HEADER_SIZE
+            if p + name_len + extra_len + comment_len > len(cd):
+                raise bad(f"central directory entry {i} runs past the directory")
+            raw_name = cd[p:p + name_len]
+            extra = cd[p + name_len:p + name_len + extra_len]
+            p += name_len + extra_len + comment_len
+            try:
+                name = raw_name.decode("utf-8")
+            except UnicodeDecodeError:
+                raise bad(f"entry {i}: name is not UTF-8") from None
+            # zip64 extended information: only the fields that overflowed are present.
+            q = 0
+            while q + 4 <= len(extra):
+                tag, ln = struct.unpack_from("<HH", extra, q)
+                body = extra[q + 4:q + 4 + ln]
+                if len(body) != ln:
+                    raise bad(f"entry {name!r}: truncated extra field")
+                if tag == ZIP64_TAG:
+                    r = 0
+                    vals = []
+                    while r + 8 <= len(body):
+                        vals.append(struct.unpack_from("<Q", body, r)[0])
+                        r += 8
+                    it = iter(vals)
+                    try:
+                        if usize == U32_MAX:
+                            usize = next(it)
+                        if csize == U32_MAX:
+                            csize = next(it)
+                        if hoff == U32_MAX:
+                            hoff = next(it)
+                    except StopIteration:
+                        raise bad(f"entry {name!r}: short zip64 field") from None
+                q += 4 + ln
+            if method != 0 or csize != usize:
+                raise bad(f"entry {name!r} is compressed (method {method}); checkpoints store records uncompressed")
+            if flags & 0x1:
+                raise bad(f"entry {name!r} is encrypted")
+            top, sep, rest = name.partition("/")
+            if not sep or not rest:
+                raise bad(f"entry {name!r} is not inside the archive's folder")
+            if prefix is None:
+                prefix = top
+            elif top != prefix:
+                raise bad(f"entries in two top folders: {prefix!r} and {top!r}")
+            if rest in records:
+                raise bad(f"duplicate entry {name!r}")
+            # The local header gives where the data starts.
+            lh = read_at(hoff, LOCAL_HEADER_SIZE)
+            lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = _local.unpack(lh)
+            if lsig != LOCAL_SIG:
+                raise bad(f"entry {name!r}: no local header at offset {hoff}")
+            if read_at(hoff + LOCAL_HEADER_SIZE, lname_len) != raw_name:
+                raise bad(f"entry {name!r}: local header names another record")
+            data_off = hoff + LOCAL_HEADER_SIZE + lname_len + lextra_len
+            if data_off + usize > cd_off:
+                raise bad(f"truncated or corrupt: record {name!r} ({usize} bytes at offset {data_off}) "
+                          f"overlaps the central directory at {cd_off}")
+            records[rest] = Entry(name, usize, crc, hoff, data_off)
+        if prefix is None:
+            raise bad("empty archive")
+        return cls(path, prefix, records, size)

@@ -1,0 +1,412 @@
+"""fastckpt.save / fastckpt.load: torch.save and torch.load at disk speed.
+
+The file is a standard torch.save zip archive (stock ``torch.load`` reads it,
+with ``mmap=True`` too) whose records start on 4 KiB boundaries; see
+docs/FORMAT.md. Saving to a path streams every storage through the C++
+engine (O_DIRECT, io_uring, staging buffers reused across saves) into a
+temporary file that is made durable and renamed over the target: a crash
+leaves the previous file or the complete new one. Loading from a path reads
+all storages in parallel through the engine, then unpickles with PyTorch's
+own loader (and its ``weights_only`` unpickler).
+"""
+
+import io
+import logging
+import os
+import pickle
+import sys
+import threading
+import uuid
+import zlib
+from typing import Any, Callable, Dict, IO, List, Optional, Tuple, Union
+
+import torch
+import torch.serialization as ts
+
+from . import _C, _zip
+from .engine import get_engine
+from .errors import FormatError
+
+__all__ = ["save", "load"]
+
+log = logging.getLogger("fastckpt")
+
+FileLike = Union[str, os.PathLike, IO[bytes]]
+MapLocation = Union[None, str, torch.device, Dict[str, str], Callable]
+
+DEFAULT_PROTOCOL = 2  # torch.save's
+ARCHIVE_NAME = "archive"
+FORMAT_VERSION = b"3\n"  # the archive's "version" record, as torch 2.x writes it
+# torch's legacy (non-zip) format starts with this pickled magic number.
+_LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+
+
+def _is_path(f) -> bool:
+    return isinstance(f, (str, os.PathLike))
+
+
+# ---------------------------------------------------------------- saving
+
+def _pickle(obj, pickle_module, pickle_protocol) -> Tuple[bytes, List[torch.UntypedStorage]]:
+    """Pickle `obj` the way torch.save does: storages become persistent ids
+    ("storage", storage type, key, location, numel) and are returned in key order."""
+    storages: List[torch.UntypedStorage] = []
+    keys: Dict[int, str] = {}
+    storage_dtypes: Dict[int, torch.dtype] = {}
+
+    def persistent_id(o):
+        if isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o):
+            if isinstance(o, torch.storage.TypedStorage):
+                storage = o._untyped_storage
+                storage_dtype = o.dtype
+                storage_type = getattr(torch, o._pickle_storage_type())
+                numel = o._size()
+            else:
+                storage = o
+                storage_dtype = torch.uint8
+                storage_type = ts.normalize_storage_type(type(o))
+                numel = storage.nbytes()
+            if str(storage.device) != "meta" and storage.data_ptr() != 0:
+                seen = storage_dtypes.setdefault(storage.data_ptr(), storage_dtype)
+                if seen != storage_dtype:
+                    raise RuntimeError("Cannot save multiple tensors or storages that view the same data as different types")
+            key = keys.get(storage._cdata)
+            if key is None:
+                key = keys[storage._cdata] = str(len(storages))
+                storages.append(storage)
+            location = str(o._fake_device) if getattr(o, "_fake_device", None) is not None else ts.location_tag(storage)
+            return ("storage", storage_type, key, location, numel)
+        return None
+
+    class Pickler(pickle_module.Pickler):  # type: ignore[name-defined]
+        def persistent_id(self, o):
+            return persistent_id(o)
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=pickle_protocol).dump(obj)
+    for s in storages:
+        if s.device.type == "meta":
+            raise ValueError("fastckpt.save: cannot save meta tensors (they have no data)")
+    return buf.getvalue(), storages
+
+
+def _as_bytes_tensor(storage: torch.UntypedStorage) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+class _EngineSink:
+    """Writes through the engine into a temporary file, committed atomically."""
+
+    def __init__(self, path: str, expected: int):
+        self.w = _C.Writer(get_engine(), path, expected)
+
+    def write(self, b) -> None:
+        self.w.write(b)
+
+    def write_crc(self, t: torch.Tensor, crc: int) -> int:
+        return self.w.write_crc(t, crc)
+
+    def commit(self) -> None:
+        self.w.commit()
+
+    def abort(self) -> None:
+        self.w.abort()
+
+
+class _FileSink:
+    """Writes to a caller's file object (buffered; durability is the caller's)."""
+
+    def __init__(self, f):
+        self.f = f
+
+    def write(self, b) -> None:
+        self.f.write(b)
+
+    def write_crc(self, t: torch.Tensor, crc: int) -> int:
+        mv = memoryview(t.numpy()) if t.numel() else memoryview(b"")
+        self.f.write(mv)
+        return _C.crc32(t, crc) if t.numel() else crc
+
+    def commit(self) -> None:
+        flush = getattr(self.f, "flush", None)
+        if flush:
+            flush()
+
+    def abort(self) -> None:
+        pass
+
+
+class _PinnedStager:
+    """Copies CUDA storages to the host through a few reused pinned buffers on
+    a side stream, overlapping each device-to-host copy with the disk write of
+    the previous chunk. Host memory used: 2 x chunk, whatever the model size."""
+
+    _lock = threading.Lock()
+    _buffers: Dict[int, List[torch.Tensor]] = {}
+
+    def __init__(self, chunk: int):
+        self.chunk = chunk
+
+    def buffers(self) -> List[torch.Tensor]:
+        with self._lock:
+            bufs = self._buffers.get(self.chunk)
+            if bufs is None:
+                bufs = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+                self._buffers[self.chunk] = bufs
+            return bufs
+
+    def write(self, sink, src: torch.Tensor, crc: int) -> int:
+        device = src.device
+        stream = torch.cuda.Stream(device=device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        bufs = self.buffers()
+        events = [torch.cuda.Event(), torch.cuda.Event()]
+        n = src.numel()
+        pending: Optional[Tuple[int, int]] = None  # (buffer index, length) copied, not yet written
+        for i, off in enumerate(range(0, n, self.chunk)):
+            k = min(self.chunk, n - off)
+            b = i % 2
+            with torch.cuda.stream(stream):
+                bufs[b][:k].copy_(src[off:off + k], non_blocking=True)
+                events[b].record(stream)
+            if pending is not None:
+                pb, pk = pending
+                events[pb].synchronize()
+                crc = sink.write_crc(bufs[pb][:pk], crc)
+            pending = (b, k)
+        if pending is not None:
+            pb, pk = pending
+            events[pb].synchronize()
+            crc = sink.write_crc(bufs[pb][:pk], crc)
+        return crc
+
+
+def _cuda_chunk() -> int:
+    return 4 * _C.EngineConfig.from_env().buffer_size
+
+
+def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL) -> None:
+    """Save an object like :func:`torch.save`, durably and atomically.
+
+    Args:
+        obj: what torch.save accepts: (nested) containers of tensors and plain
+            Python values, state dicts of models, optimizers, schedulers, scalers.
+        f: a path (written through the engine: temporary file in the same
+            directory, O_DIRECT writes, fdatasync, rename, directory fsync), or a
+            writable binary file object (written sequentially, not fsync'd).
+        pickle_module, pickle_protocol: as for torch.save.
+
+    Raises:
+        OSError: the file could not be written (errno, path, offset in the
+            message); the previous file under that name is untouched and no
+            temporary file is left.
+        pickle.PicklingError, TypeError, RuntimeError: ``obj`` cannot be saved;
+            raised before anything is written.
+
+    Example:
+        >>> fastckpt.save({"model": model.module.state_dict(), "optim": opt.state_dict()}, "ckpt.pt")
+    """
+    data_pkl, storages = _pickle(obj, pickle_module, pickle_protocol)
+    serialization_id = f"{uuid.uuid4().int:040d}"[:40].encode()
+    head = [("data.pkl", data_pkl), (".format_version", b"1"),
+            (".storage_alignment", str(_zip.ALIGNMENT).encode()),
+            ("byteorder", sys.byteorder.encode())]
+    tail = [("version", FORMAT_VERSION), (".data/serialization_id", serialization_id)]
+
+    # Layout pass: every offset is known before the first byte is written.
+    plan = []  # (name, payload bytes or storage, header, entry)
+    pos = 0
+    for name, payload in head + [(f"data/{i}", s) for i, s in enumerate(storages)] + tail:
+        full = f"{ARCHIVE_NAME}/{name}".encode()
+        size = payload.nbytes() if isinstance(payload, torch.UntypedStorage) else len(payload)
+        header = _zip.local_header(full, size, pos)
+        entry = _zip.Entry(full.decode(), size, 0, pos, pos + len(header))
+        pos += len(header) + size + len(_zip.descriptor(0, size, pos))
+        plan.append((payload, header, entry))
+    cd_len = len(_zip.central_directory([p[2] for p in plan], pos))
+    expected = pos + cd_len
+
+    sink = _EngineSink(os.fspath(f), expected) if _is_path(f) else _FileSink(f)
+    stager: Optional[_PinnedStager] = None
+    try:
+        for payload, header, entry in plan:
+            sink.write(header)
+            if isinstance(payload, torch.UntypedStorage):
+                t = _as_bytes_tensor(payload)
+                if entry.size == 0:
+                    crc = 0
+                elif t.device.type == "cpu":
+                    crc = sink.write_crc(t, 0)
+                elif t.device.type == "cuda":
+                    stager = stager or _PinnedStager(_cuda_chunk())
+                    crc = stager.write(sink, t, 0)
+                else:  # other accelerators: a plain host copy of this storage
+                    crc = sink.write_crc(t.cpu(), 0)
+            else:
+                crc = zlib.crc32(payload)
+                sink.write(payload)
+            entry.crc = crc
+            sink.write(_zip.descriptor(crc, entry.size, entry.header_offset))
+        sink.write(_zip.central_directory([p[2] for p in plan], pos))
+        sink.commit()
+    except BaseException:
+        sink.abort()
+        raise
+
+
+# ---------------------------------------------------------------- loading
+
+class _Reader:
+    """What torch.serialization._load asks of a zip reader, over storages that
+    were already read in parallel."""
+
+    def __init__(self, archive: _zip.Archive, small: Dict[str, bytes], storages: Dict[str, torch.Tensor]):
+        self.archive = archive
+        self.small = small
+        self.storages = storages
+
+    def has_record(self, name: str) -> bool:
+        return name in self.archive.records
+
+    def get_record(self, name: str) -> bytes:
+        if name not in self.small:
+            raise FormatError(f"{self.archive.path}: record {name!r} is missing")
+        return self.small[name]
+
+    def get_all_records(self) -> List[str]:
+        return list(self.archive.records)
+
+    def get_record_offset(self, name: str) -> int:
+        return self.archive.records[name].data_offset
+
+    def get_storage_from_record(self, name: str, numel: int, dtype) -> torch.Tensor:
+        t = self.storages.get(name)
+        if t is None:
+            raise FormatError(f"{self.archive.path}: the pickle refers to record {name!r}, which is missing")
+        if t.numel() != numel:
+            raise FormatError(f"{self.archive.path}: record {name!r} holds {t.numel()} bytes, "
+                              f"the pickle expects {numel}")
+        return t
+
+    def serialization_id(self) -> str:
+        return self.small.get(".data/serialization_id", b"").decode("ascii", "replace")
+
+
+def _aligned_empty(nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor of nbytes whose data starts on a 4 KiB boundary (so the
+    engine reads straight into it), over its own storage."""
+    if nbytes < (1 << 20):
+        return torch.empty(nbytes, dtype=torch.uint8)
+    base = torch.empty(nbytes + 4096, dtype=torch.uint8).untyped_storage()
+    off = (-base.data_ptr()) % 4096
+    return _as_bytes_tensor(base[off:off + nbytes])
+
+
+def _read_archive(path: str, verify: bool):
+    archive = _zip.Archive.open(path)
+    recs = archive.records
+    if "data.pkl" not in recs:
+        raise FormatError(f"{path}: no data.pkl record (not a torch.save checkpoint)")
+    small_names = [n for n in recs if not n.startswith("data/")]
+    small = {n: bytearray(recs[n].size) for n in small_names}
+    storages = {n: _aligned_empty(recs[n].size) for n in recs if n.startswith("data/")}
+    ranges = [(small[n], recs[n].data_offset) for n in small_names if recs[n].size]
+    ranges += [(t, recs[n].data_offset) for n, t in storages.items() if t.numel()]
+    _C.read_ranges(get_engine(), path, ranges)
+    for n in small_names:  # metadata records are always checked: they are small
+        e = recs[n]
+        if e.crc and zlib.crc32(small[n]) != e.crc:
+            raise FormatError(f"{path}: checksum mismatch in record {n!r} (offset {e.data_offset}, {e.size} bytes)")
+    bad = []
+    if verify:
+        if storages and all(recs[n].crc == 0 for n in storages):
+            raise FormatError(f"{path}: verify=True, but the file records no checksums "
+                              "(saved with torch's compute_crc32 disabled)")
+        bad = [n for n, t in storages.items() if _C.crc32(t, 0) != recs[n].crc]
+    return archive, {n: bytes(b) for n, b in small.items()}, storages, bad
+
+
+def _tensor_names_for_records(reader: _Reader, records: List[str], pickle_module, pickle_load_args) -> List[str]:
+    """Names (paths in the loaded object) of the tensors stored in `records`."""
+    offsets = {reader.get_record_offset(n): n for n in records}
+    try:
+        meta = ts._load(reader, "meta", pickle_module, **pickle_load_args)
+    except Exception:  # the pickle itself is unreadable: report the records alone
+        return [f"record {n!r}" for n in records]
+    found: List[str] = []
+
+    def walk(o, path):
+        if isinstance(o, torch.Tensor):
+            off = getattr(o.untyped_storage(), "_checkpoint_offset", None)
+            if off in offsets:
+                found.append(f"tensor {path or '<root>'} (record {offsets[off]!r})")
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                walk(v, f"{path}.{k}" if path else str(k))
+        elif isinstance(o, (list, tuple)):
+            for i, v in enumerate(o):
+                walk(v, f"{path}[{i}]")
+
+    walk(meta, "")
+    return found or [f"record {n!r}" for n in records]
+
+
+def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = None, *,
+         weights_only: bool = True, mmap: bool = False, verify: bool = False, **pickle_load_args) -> Any:
+    """Load an object saved by :func:`save` or by :func:`torch.save`.
+
+    Args:
+        f: a path (read through the engine: every storage in parallel with
+            O_DIRECT), or a readable binary file object (read by torch.load).
+        map_location: as for torch.load: a device string, torch.device, dict
+            of location tags, or callable.
+        pickle_module: as for torch.load; only with ``weights_only=False``.
+        weights_only: unpickle with torch's restricted unpickler (default), so
+            no code from the file runs; classes allowed with
+            ``torch.serialization.add_safe_globals`` load too.
+        mmap: map the storages from the file instead of reading them
+            (delegated to torch.load's mmap mode).
+        verify: check every storage against the CRC-32 recorded in the file.
+
+    Returns:
+        The saved object.
+
+    Raises:
+        FileNotFoundError, PermissionError, OSError: the file cannot be read.
+        fastckpt.FormatError: the file is truncated, corrupt, not a checkpoint,
+            or (with ``verify``) a storage does not match its checksum.
+        pickle.UnpicklingError: ``weights_only`` refused something in the file.
+
+    Example:
+        >>> sd = fastckpt.load("ckpt.pt", map_location=f"cuda:{local_rank}")
+    """
+    if weights_only and pickle_module is not None:
+        raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
+    if pickle_module is None:
+        pickle_module = ts._weights_only_unpickler if weights_only else pickle
+    pickle_load_args.setdefault("encoding", "utf-8")
+    if not _is_path(f) or mmap:
+        if verify:
+            raise ValueError("verify=True needs a path and mmap=False")
+        return torch.load(f, map_location=map_location, weights_only=weights_only, mmap=mmap,
+                          **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
+    path = os.fspath(f)
+    with open(path, "rb") as fh:  # FileNotFoundError etc. with the usual errno and path
+        magic = fh.read(len(_LEGACY_MAGIC))
+    if magic.startswith(_LEGACY_MAGIC):  # torch's pre-1.6 format: torch.load knows it
+        log.debug("fastckpt.load: %s is in torch's legacy format; using torch.load", path)
+        return torch.load(path, map_location=map_location, weights_only=weights_only,
+                          **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
+    archive, small, storages, bad = _read_archive(path, verify)
+    reader = _Reader(archive, small, storages)
+    if "constants.pkl" in archive.records:
+        raise FormatError(f"{path}: this is a TorchScript archive; load it with torch.jit.load")
+    if bad:
+        names = _tensor_names_for_records(reader, bad, pickle_module, pickle_load_args)
+        raise FormatError(f"{path}: checksum mismatch (corrupt data) in {', '.join(names)}")
+    try:
+        return ts._load(reader, map_location, pickle_module, **pickle_load_args)
+    except pickle.UnpicklingError as e:
+        if weights_only:
+            raise pickle.UnpicklingError(ts._get_wo_message(str(e))) from None
+        raise
