@@ -292,16 +292,6 @@ class _Reader:
         return self.small.get(".data/serialization_id", b"").decode("ascii", "replace")
 
 
-def _aligned_empty(nbytes: int) -> torch.Tensor:
-    """A uint8 CPU tensor of nbytes whose data starts on a 4 KiB boundary (so the
-    engine reads straight into it), over its own storage."""
-    if nbytes < (1 << 20):
-        return torch.empty(nbytes, dtype=torch.uint8)
-    base = torch.empty(nbytes + 4096, dtype=torch.uint8).untyped_storage()
-    off = (-base.data_ptr()) % 4096
-    return _as_bytes_tensor(base[off:off + nbytes])
-
-
 def _read_archive(path: str, verify: bool):
     archive = _zip.Archive.open(path)
     recs = archive.records
@@ -309,7 +299,11 @@ def _read_archive(path: str, verify: bool):
         raise FormatError(f"{path}: no data.pkl record (not a torch.save checkpoint)")
     small_names = [n for n in recs if not n.startswith("data/")]
     small = {n: bytearray(recs[n].size) for n in small_names}
-    storages = {n: _aligned_empty(recs[n].size) for n in recs if n.startswith("data/")}
+    # Plain allocations: fresh memory is faulted in by the copy out of the
+    # staging buffers, in parallel with the reads. (Reading O_DIRECT straight
+    # into fresh page-aligned memory measured slower here: 1.3-1.8 vs 1.9-2.2
+    # GB/s, the kernel faulting the pages in while it pins them.)
+    storages = {n: torch.empty(recs[n].size, dtype=torch.uint8) for n in recs if n.startswith("data/")}
     ranges = [(small[n], recs[n].data_offset) for n in small_names if recs[n].size]
     ranges += [(t, recs[n].data_offset) for n, t in storages.items() if t.numel()]
     _C.read_ranges(get_engine(), path, ranges)
