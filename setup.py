@@ -26,14 +26,16 @@ def _find_liburing():
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         return False
-    src = "#include <liburing.h>\nint main(void){struct io_uring r; return io_uring_queue_init(1,&r,0) < -1000;}\n"
+    # liburing >= 2.2 (io_uring_sqe_set_data64); an older one counts as absent.
+    src = ("#include <liburing.h>\nint main(void){struct io_uring r; struct io_uring_sqe* s = 0;\n"
+           "if (s) io_uring_sqe_set_data64(s, 1); return io_uring_queue_init(1,&r,0) < -1000;}\n")
     with tempfile.TemporaryDirectory() as d:
         c = os.path.join(d, "t.c")
         with open(c, "w") as f:
             f.write(src)
         r = subprocess.run([cc, c, "-o", os.path.join(d, "t"), "-luring"], capture_output=True)
     if r.returncode != 0:
-        print("fastckpt: liburing not found (install liburing-dev): building with the thread backend only",
+        print("fastckpt: liburing >= 2.2 not found (install liburing-dev): building with the thread backend only",
               file=sys.stderr)
         return False
     return True
