@@ -1,0 +1,536 @@
+// Round trips through Writer and read_ranges: sizes around block and buffer
+// boundaries, chunked appends, write_at gaps, coalesced, random-order and
+// direct (aligned) range reads, and several writers sharing one Engine.
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <thread>
+
+#include "util.h"
+
+using namespace fct;
+
+namespace {
+
+void check_write_stats(const WriteStats& st, uint64_t size, const EngineConfig& cfg) {
+  CHECK_EQ(st.bytes, size);
+  CHECK_EQ(st.backend, std::string(expected_backend_name()));
+  CHECK_EQ(st.direct, cfg.direct);
+  if (st.direct) {
+    CHECK(st.fallback.empty());
+    CHECK(st.alignment > 0);
+    CHECK_EQ(st.alignment & (st.alignment - 1), 0u);
+    CHECK_EQ(cfg.buffer_size % st.alignment, 0u);
+  } else {
+    CHECK_EQ(st.alignment, 0u);
+    CHECK_CONTAINS(st.fallback, "disabled by configuration");
+  }
+  CHECK(st.seconds >= st.flush_seconds);
+  CHECK(st.flush_seconds >= 0);
+}
+
+void roundtrip_sizes(const EngineConfig& cfg, const std::vector<size_t>& sizes) {
+  TempDir dir;
+  Engine eng(cfg);
+  int i = 0;
+  for (size_t n : sizes) {
+    std::string path = dir.file("rt" + std::to_string(i++) + ".bin");
+    std::string data = random_bytes(n, n + 17);
+    WriteStats st = save(eng, path, data);
+    check_write_stats(st, n, cfg);
+    CHECK_EQ(st.requests, (n + cfg.buffer_size - 1) / cfg.buffer_size);
+    CHECK_EQ(file_size(path), static_cast<int64_t>(n));
+    CHECK_BYTES(read_file(path), data);
+    ReadStats rs;
+    CHECK_BYTES(load(eng, path, n, &rs), data);
+    CHECK_EQ(rs.bytes, n);
+    CHECK(rs.bytes_read >= n);
+    CHECK_EQ(rs.backend, std::string(expected_backend_name()));
+    CHECK_EQ(rs.direct, cfg.direct);
+    CHECK_POOL_FULL(eng);
+    CHECK_NO_TEMP_FILES(dir.path());
+  }
+  // Only the final files remain.
+  CHECK_EQ(list_dir(dir.path()).size(), sizes.size());
+}
+
+}  // namespace
+
+TEST(sizes_around_block_and_buffer_boundaries, ALL) {
+  EngineConfig cfg = config();
+  const size_t bs = cfg.buffer_size;
+  roundtrip_sizes(cfg, {0, 1, 511, 512, 513, 4095, 4096, 4097, bs - 1, bs, bs + 1, 4 * bs, 4 * bs + 4097,
+                        (20u << 20) + 123});
+}
+
+TEST(sizes_spanning_default_8mib_buffers, ALL) {
+  // The default 8 MiB staging buffers (three of them): 20 MiB + 123 bytes
+  // spans three buffers, the last one partly filled.
+  EngineConfig cfg = config(8u << 20, 3, 3);
+  TempDir dir;
+  Engine eng(cfg);
+  const size_t n = (20u << 20) + 123;
+  std::string data = random_bytes(n, 99);
+  std::string path = dir.file("big.bin");
+  WriteStats st = save(eng, path, data, (1u << 20) + 7);
+  check_write_stats(st, n, cfg);
+  CHECK_EQ(st.requests, 3u);
+  CHECK_BYTES(read_file(path), data);
+  // Ranges straddling the buffer boundaries, read back in one call.
+  std::vector<std::pair<size_t, size_t>> spans = {
+      {(8u << 20) - 100, 200}, {(16u << 20) - 1, 2}, {n - 5, 5}, {0, 3}, {(8u << 20) - 4096, 8192}};
+  std::vector<std::string> got(spans.size());
+  std::vector<ReadRange> rs;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    got[i].assign(spans[i].second, '\0');
+    rs.push_back(ReadRange{&got[i][0], spans[i].second, spans[i].first});
+  }
+  fastckpt::read_ranges(eng, path, rs);
+  for (size_t i = 0; i < spans.size(); ++i) CHECK_BYTES(got[i], data.substr(spans[i].first, spans[i].second));
+  CHECK_BYTES(load(eng, path, n), data);
+  CHECK_POOL_FULL(eng);
+}
+
+TEST(chunked_appends_of_random_sizes, ALL) {
+  EngineConfig cfg = config();
+  TempDir dir;
+  Engine eng(cfg);
+  const size_t n = (3u << 20) + 4321;
+  std::string data = random_bytes(n, 5);
+  std::string path = dir.file("chunks.bin");
+  {
+    Writer w(eng, path, -1);
+    std::mt19937 rng(7);
+    size_t off = 0;
+    while (off < n) {
+      size_t k = std::min<size_t>(n - off, 1 + rng() % 100000);
+      if (rng() % 8 == 0) k = std::min<size_t>(n - off, 1 + rng() % 7);
+      w.append(data.data() + off, k);
+      off += k;
+      CHECK_EQ(w.position(), off);
+    }
+    w.append(nullptr, 0);  // an empty append is allowed
+    WriteStats st = w.commit();
+    check_write_stats(st, n, cfg);
+  }
+  CHECK_BYTES(read_file(path), data);
+  CHECK_BYTES(load(eng, path, n), data);
+}
+
+TEST(append_computes_the_zip_crc32_of_the_data, ALL) {
+  EngineConfig cfg = config();
+  TempDir dir;
+  Engine eng(cfg);
+  CHECK_EQ(fastckpt::crc32(0, "123456789", 9), 0xCBF43926u);  // the CRC-32 check value
+  CHECK_EQ(fastckpt::crc32(0, "", 0), 0u);
+  const size_t n = (2u << 20) + 12345;  // several 256 KiB CRC pieces and staging buffers
+  std::string data = random_bytes(n, 31);
+  uint32_t whole = fastckpt::crc32(0, data.data(), n);
+  uint32_t split = fastckpt::crc32(fastckpt::crc32(0, data.data(), 1000), data.data() + 1000, n - 1000);
+  CHECK_EQ(split, whole);
+  std::string path = dir.file("crc.bin");
+  uint32_t crc = 0, crc_b = 0;
+  {
+    Writer w(eng, path, -1);
+    std::mt19937 rng(9);
+    size_t off = 0;
+    while (off < n) {
+      size_t k = std::min<size_t>(n - off, 1 + rng() % 700000);
+      w.append(data.data() + off, k, &crc);
+      off += k;
+    }
+    w.append_zeros(10);  // not part of the checksum
+    w.append("xy", 2, &crc_b);
+    w.commit();
+  }
+  CHECK_EQ(crc, whole);
+  CHECK_EQ(crc_b, fastckpt::crc32(0, "xy", 2));
+  CHECK_BYTES(read_file(path), data + std::string(10, '\0') + "xy");
+}
+
+TEST(write_at_gaps_are_zero_filled_and_append_zeros, ALL) {
+  EngineConfig cfg = config();
+  TempDir dir;
+  Engine eng(cfg);
+  const uint64_t bs = cfg.buffer_size;
+  std::string a = random_bytes(1000, 1), b = random_bytes(3 * bs + 5, 2), c = random_bytes(77, 3);
+  std::string expect;
+  std::string path = dir.file("gaps.bin");
+  {
+    Writer w(eng, path, -1);
+    w.write_at(a.data(), a.size(), 10);  // gap before the first byte
+    expect.append(10, '\0');
+    expect += a;
+    w.write_at(b.data(), b.size(), 2 * bs + 1);  // gap over whole buffers
+    expect.append(2 * bs + 1 - expect.size(), '\0');
+    expect += b;
+    w.write_at(c.data(), c.size(), w.position());  // no gap
+    expect += c;
+    w.append_zeros(bs + 3);
+    expect.append(bs + 3, '\0');
+    w.write_at(nullptr, 0, w.position() + 4096);  // a trailing gap extends the file
+    expect.append(4096, '\0');
+    w.append(a.data(), 1);
+    expect += a.substr(0, 1);
+    CHECK_EQ(w.position(), expect.size());
+    WriteStats st = w.commit();
+    check_write_stats(st, expect.size(), cfg);
+  }
+  CHECK_BYTES(read_file(path), expect);
+  CHECK_BYTES(load(eng, path, expect.size()), expect);
+
+  // A file that is only zeros, ending in a gap.
+  std::string zpath = dir.file("zeros.bin");
+  {
+    Writer w(eng, zpath, 12345);
+    w.append_zeros(5 * bs + 1);
+    w.write_at(nullptr, 0, 6 * bs + 9);
+    w.commit();
+  }
+  CHECK_BYTES(read_file(zpath), std::string(6 * bs + 9, '\0'));
+  CHECK_POOL_FULL(eng);
+}
+
+TEST(many_small_unaligned_ranges_are_coalesced, ALL) {
+  EngineConfig cfg = config();
+  TempDir dir;
+  Engine eng(cfg);
+  const size_t n = (2u << 20) + 333;
+  std::string data = random_bytes(n, 11);
+  std::string path = dir.file("small.bin");
+  save(eng, path, data);
+
+  // 3000 ranges of 1..300 bytes, 1..700 bytes apart, requested in random order.
+  std::mt19937_64 rng(3);
+  std::vector<std::pair<size_t, size_t>> spans;
+  size_t off = 1;
+  while (spans.size() < 3000) {
+    size_t len = 1 + rng() % 300;
+    if (off + len > n) break;
+    spans.push_back({off, len});
+    off += len + 1 + rng() % 700;
+  }
+  std::shuffle(spans.begin(), spans.end(), rng);
+  std::string out(n, '\0');
+  std::vector<ReadRange> rs;
+  uint64_t want = 0;
+  for (auto& s : spans) {
+    rs.push_back(ReadRange{&out[s.first], s.second, s.first});
+    want += s.second;
+  }
+  ReadStats st = fastckpt::read_ranges(eng, path, rs);
+  CHECK_EQ(st.bytes, want);
+  for (auto& s : spans)
+    if (std::memcmp(&out[s.first], &data[s.first], s.second) != 0)
+      fail(__FILE__, __LINE__, "range at " + std::to_string(s.first) + " differs");
+  // Coalescing: a few staging-buffer reads, not one per range.
+  CHECK_MSG(st.requests * 20 < spans.size(),
+            std::to_string(st.requests) + " requests for " + std::to_string(spans.size()) + " ranges");
+  CHECK_EQ(st.direct_requests, 0u);
+  CHECK_POOL_FULL(eng);
+}
+
+TEST(large_ranges_in_random_order_overlapping_and_empty, ALL) {
+  EngineConfig cfg = config();
+  TempDir dir;
+  Engine eng(cfg);
+  const size_t n = (5u << 20) + 17;
+  std::string data = random_bytes(n, 12);
+  std::string path = dir.file("large.bin");
+  save(eng, path, data, 65537);
+
+  std::mt19937_64 rng(4);
+  std::vector<std::pair<size_t, size_t>> spans;
+  for (int i = 0; i < 200; ++i) {
+    size_t len = rng() % 4 == 0 ? 0 : 1 + rng() % (300u << 10);
+    size_t off = rng() % (n - len + 1);
+    spans.push_back({off, len});
+  }
+  spans.push_back({0, n});      // the whole file, overlapping everything
+  spans.push_back({n - 1, 1});  // the last byte
+  spans.push_back({n, 0});      // empty at end of file
+  std::vector<std::string> got(spans.size());
+  std::vector<ReadRange> rs;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    got[i].assign(spans[i].second, '\x77');
+    rs.push_back(ReadRange{got[i].empty() ? nullptr : &got[i][0], spans[i].second, spans[i].first});
+  }
+  ReadStats st = fastckpt::read_ranges(eng, path, rs);
+  uint64_t want = 0;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    CHECK_BYTES(got[i], data.substr(spans[i].first, spans[i].second));
+    want += spans[i].second;
+  }
+  CHECK_EQ(st.bytes, want);
+  CHECK_POOL_FULL(eng);
+}
+
+TEST(aligned_ranges_are_read_directly_into_caller_memory, ALL) {
+  EngineConfig cfg = config();
+  TempDir dir;
+  Engine eng(cfg);
+  const size_t n = (1u << 20) + 100;
+  std::string data = random_bytes(n, 21);
+  std::string path = dir.file("aligned.bin");
+  save(eng, path, data);
+
+  // Aligned destination, offset and length: eligible for the direct path,
+  // including a range larger than a staging buffer.
+  AlignedBuf a(cfg.buffer_size * 3 + 8192), b(4096 * 5);
+  std::string c(1000, '\0');
+  std::vector<ReadRange> rs = {
+      {a.p, cfg.buffer_size * 3 + 8192, 4096},   // direct, split into buffer-sized requests
+      {b.p, 4096 * 5, 8192 * 3},                 // direct
+      {&c[0], 1000, 4096 * 200 + 3},             // unaligned: through a staging buffer
+  };
+  ReadStats st = fastckpt::read_ranges(eng, path, rs);
+  CHECK_BYTES(a.str(0, a.size), data.substr(4096, a.size));
+  CHECK_BYTES(b.str(0, b.size), data.substr(8192 * 3, b.size));
+  CHECK_BYTES(c, data.substr(4096 * 200 + 3, 1000));
+  if (cfg.direct) {
+    CHECK(st.direct);
+    CHECK_EQ(st.direct_requests, 4u + 1u);  // a: 3 full buffers + 8 KiB; b: one
+  } else {
+    CHECK(!st.direct);
+    CHECK_EQ(st.direct_requests, 0u);
+  }
+
+  // An aligned range whose destination is not aligned goes through staging.
+  AlignedBuf d(4096 * 2 + 1);
+  ReadStats st2 = fastckpt::read_ranges(eng, path, {{d.p + 1, 4096 * 2, 4096}});
+  CHECK_EQ(st2.direct_requests, 0u);
+  CHECK_BYTES(d.str(1, 4096 * 2), data.substr(4096, 4096 * 2));
+
+  // The whole file (unaligned length) into an aligned buffer: the aligned
+  // body directly, the tail through staging.
+  AlignedBuf e(n);
+  ReadStats st3 = fastckpt::read_ranges(eng, path, {{e.p, n, 0}});
+  CHECK_BYTES(e.str(0, n), data);
+  if (cfg.direct) CHECK(st3.direct_requests > 0);
+  CHECK(st3.requests > st3.direct_requests);
+  CHECK_POOL_FULL(eng);
+}
+
+TEST(empty_file_and_empty_reads, ALL) {
+  EngineConfig cfg = config();
+  TempDir dir;
+  Engine eng(cfg);
+  std::string path = dir.file("empty.bin");
+  WriteStats st = save(eng, path, "");
+  CHECK_EQ(st.bytes, 0u);
+  CHECK_EQ(st.requests, 0u);
+  CHECK_EQ(file_size(path), 0);
+  ReadStats rs = fastckpt::read_ranges(eng, path, {});
+  CHECK_EQ(rs.bytes, 0u);
+  CHECK_EQ(rs.requests, 0u);
+  char x = 'x';
+  rs = fastckpt::read_ranges(eng, path, {{&x, 0, 0}});
+  CHECK_EQ(rs.bytes, 0u);
+  CHECK_EQ(x, 'x');
+  CHECK_THROWS(TruncatedError, fastckpt::read_ranges(eng, path, {{&x, 1, 0}}));
+  CHECK_POOL_FULL(eng);
+}
+
+TEST(overwrite_replaces_the_file_atomically, ALL) {
+  EngineConfig cfg = config();
+  TempDir dir;
+  Engine eng(cfg);
+  std::string path = dir.file("ckpt.pt");
+  std::string v1 = random_bytes(300000, 1), v2 = random_bytes(1234, 2);
+  save(eng, path, v1);
+  {
+    Writer w(eng, path, -1);
+    w.append(v2.data(), v2.size());
+    // Until commit the old file is intact and the new data sits in a temporary
+    // file in the same directory.
+    CHECK_BYTES(read_file(path), v1);
+    CHECK_EQ(temp_files(dir.path()).size(), 1u);
+    CHECK_EQ(fastckpt::sys::dirname(w.tmp_path()), dir.path());
+    CHECK_CONTAINS(w.tmp_path(), ".fastckpt-tmp.");
+    CHECK_CONTAINS(w.tmp_path(), "/.ckpt.pt");
+    w.commit();
+  }
+  CHECK_BYTES(read_file(path), v2);
+  CHECK_NO_TEMP_FILES(dir.path());
+  CHECK_EQ(list_dir(dir.path()).size(), 1u);
+}
+
+TEST(preallocation_and_flush_interval_keep_exact_size, ALL) {
+  EngineConfig cfg = config();
+  cfg.flush_interval = 100u << 10;
+  TempDir dir;
+  Engine eng(cfg);
+  const size_t n = (1u << 20) + 99;
+  std::string data = random_bytes(n, 8);
+  // Expected size exact, too large and too small.
+  for (int64_t expected : {static_cast<int64_t>(n), static_cast<int64_t>(3 * n), static_cast<int64_t>(n / 3),
+                           static_cast<int64_t>(0)}) {
+    std::string path = dir.file("p" + std::to_string(expected) + ".bin");
+    save(eng, path, data, 50000, expected);
+    CHECK_EQ(file_size(path), static_cast<int64_t>(n));
+    CHECK_BYTES(read_file(path), data);
+  }
+  cfg.preallocate = false;
+  Engine eng2(cfg);
+  std::string path = dir.file("noprealloc.bin");
+  save(eng2, path, data, 0, static_cast<int64_t>(n));
+  CHECK_BYTES(read_file(path), data);
+  CHECK_POOL_FULL(eng);
+  CHECK_POOL_FULL(eng2);
+}
+
+TEST(repeated_saves_leak_no_descriptors_or_buffers, ALL) {
+  EngineConfig cfg = config();
+  TempDir dir;
+  Engine eng(cfg);
+  std::string path = dir.file("again.bin");
+  save(eng, path, random_bytes(1000, 0));  // the first save creates the backend
+  size_t fds = count_fds();
+  for (int i = 0; i < 20; ++i) {
+    std::string d = random_bytes(1000 + 5000 * i, i);
+    save(eng, path, d);
+    CHECK_BYTES(load(eng, path, d.size()), d);
+  }
+  CHECK_EQ(count_fds(), fds);
+  CHECK_POOL_FULL(eng);
+  CHECK_NO_TEMP_FILES(dir.path());
+}
+
+TEST(concurrent_writers_share_one_engine, ALL) {
+  // 6 threads x queue depth 4 against a pool of 4 buffers: writers and
+  // readers contend for staging buffers and backends.
+  EngineConfig cfg = config(64u << 10, 4, 4);
+  TempDir dir;
+  Engine eng(cfg);
+  const int kThreads = 6, kFiles = 3;
+  std::mutex mu;
+  std::vector<std::string> errors;
+  std::vector<std::thread> ts;
+  for (int t = 0; t < kThreads; ++t) {
+    ts.emplace_back([&, t] {
+      try {
+        for (int f = 0; f < kFiles; ++f) {
+          size_t n = 1 + (static_cast<size_t>(t) * 7919 + static_cast<size_t>(f) * 104729) * 3 % (700u << 10);
+          std::string data = random_bytes(n, static_cast<uint64_t>(t * 100 + f));
+          std::string path = dir.file("w" + std::to_string(t) + "_" + std::to_string(f) + ".bin");
+          save(eng, path, data, 30000 + t);
+          std::string got(n, '\0');
+          std::vector<ReadRange> rs;
+          for (size_t off = 0; off < n; off += 50000) rs.push_back({&got[off], std::min<size_t>(50000, n - off), off});
+          fastckpt::read_ranges(eng, path, rs);
+          if (got != data) throw std::runtime_error("engine read of " + path + " differs");
+          if (read_file(path) != data) throw std::runtime_error("file " + path + " differs");
+        }
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lk(mu);
+        errors.push_back(e.what());
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu);
+        errors.push_back("thread " + std::to_string(t) + " failed");
+      }
+    });
+  }
+  for (auto& th : ts) th.join();
+  if (!errors.empty()) fail(__FILE__, __LINE__, errors[0]);
+  CHECK_EQ(list_dir(dir.path()).size(), static_cast<size_t>(kThreads * kFiles));
+  CHECK_NO_TEMP_FILES(dir.path());
+  CHECK_POOL_FULL(eng);
+}
+
+TEST(concurrent_writers_and_readers_with_a_single_staging_buffer, ALL) {
+  // The smallest pool: every save and load waits for the one buffer in turn
+  // (and must not deadlock).
+  EngineConfig cfg = config(64u << 10, 1, 8);
+  TempDir dir;
+  Engine eng(cfg);
+  std::mutex mu;
+  std::vector<std::string> errors;
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 3; ++t) {
+    ts.emplace_back([&, t] {
+      try {
+        for (int f = 0; f < 3; ++f) {
+          std::string data = random_bytes(200000 + 1000 * t + f, static_cast<uint64_t>(10 * t + f));
+          std::string path = dir.file("s" + std::to_string(t) + "_" + std::to_string(f) + ".bin");
+          save(eng, path, data, 7000);
+          std::string got(data.size(), '\0');
+          std::vector<ReadRange> rs;
+          for (size_t off = 0; off < data.size(); off += 3000)
+            rs.push_back({&got[off], std::min<size_t>(1000, data.size() - off), off});
+          fastckpt::read_ranges(eng, path, rs);
+          for (size_t off = 0; off < data.size(); off += 3000)
+            if (got.compare(off, 1000, data, off, 1000) != 0) throw std::runtime_error(path + " differs");
+        }
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lk(mu);
+        errors.push_back(e.what());
+      }
+    });
+  }
+  for (auto& th : ts) th.join();
+  if (!errors.empty()) fail(__FILE__, __LINE__, errors[0]);
+  CHECK_NO_TEMP_FILES(dir.path());
+  CHECK_POOL_FULL(eng);
+}
+
+TEST(concurrent_writer_failure_does_not_disturb_others, ALL) {
+  EngineConfig cfg = config(64u << 10, 4, 4);
+  TempDir dir;
+  Engine eng(cfg);
+  fault::Rule r = rule(fault::Op::Write, 3, EIO, 0);  // every write of the victim from the 3rd on
+  r.path_contains = "victim";
+  fault::arm(r);
+  std::atomic<int> victim_failed{0};
+  std::mutex mu;
+  std::vector<std::string> errors;
+  std::vector<std::thread> ts;
+  for (int t = 0; t < 5; ++t) {
+    ts.emplace_back([&, t] {
+      std::string name = t == 0 ? "victim.bin" : "ok" + std::to_string(t) + ".bin";
+      std::string data = random_bytes(600000 + t, t);
+      try {
+        save(eng, dir.file(name), data, 40000);
+        if (t == 0) throw std::runtime_error("the victim's save succeeded despite EIO");
+        if (read_file(dir.file(name)) != data) throw std::runtime_error(name + " differs");
+      } catch (const IoError& e) {
+        if (t == 0 && e.err() == EIO) {
+          ++victim_failed;
+          return;
+        }
+        std::lock_guard<std::mutex> lk(mu);
+        errors.push_back(e.what());
+      } catch (const std::exception& e) {
+        std::lock_guard<std::mutex> lk(mu);
+        errors.push_back(e.what());
+      }
+    });
+  }
+  for (auto& th : ts) th.join();
+  if (!errors.empty()) fail(__FILE__, __LINE__, errors[0]);
+  CHECK_EQ(victim_failed.load(), 1);
+  CHECK(!exists(dir.file("victim.bin")));
+  CHECK_NO_TEMP_FILES(dir.path());
+  CHECK_POOL_FULL(eng);
+}
+
+TEST(relative_path_writes_into_the_working_directory, ONCE) {
+  EngineConfig cfg = config();
+  TempDir dir;
+  char cwd[4096];
+  CHECK(::getcwd(cwd, sizeof cwd) != nullptr);
+  CHECK_EQ(::chdir(dir.path().c_str()), 0);
+  std::string err;
+  try {
+    Engine eng(cfg);
+    std::string data = random_bytes(5000, 1);
+    save(eng, "rel.bin", data);
+    if (read_file(dir.file("rel.bin")) != data) err = "rel.bin differs";
+    if (!temp_files(dir.path()).empty()) err = "temporary file left";
+  } catch (const std::exception& e) {
+    err = e.what();
+  }
+  CHECK_EQ(::chdir(cwd), 0);
+  CHECK_EQ(err, std::string());
+}
+
+FCT_MAIN()
