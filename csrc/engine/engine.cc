@@ -408,7 +408,7 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
     for (const ReadRange& r : ranges) {
       if (r.len == 0) continue;
       if (!r.dst) throw UsageError("read_ranges: null destination");
-      if (r.off > fsize || r.len > fsize - r.off) throw TruncatedError(path, static_cast<int64_t>(r.off), r.len, fsize);
+      if (r.off > fsize || r.len > fsize - r.off) throw TruncatedError(path, r.off, r.len, fsize);
       sorted.push_back(r);
       st.bytes += r.len;
     }

@@ -24,7 +24,7 @@ IoError::IoError(std::string op, std::string path, int64_t offset, uint64_t leng
       length_(length),
       err_(err) {}
 
-static std::string truncated_message(const std::string& path, int64_t offset, uint64_t length,
+static std::string truncated_message(const std::string& path, uint64_t offset, uint64_t length,
                                      uint64_t file_size) {
   std::ostringstream os;
   os << "read " << path << " off=" << offset << " len=" << length << ": file is truncated ("
@@ -32,7 +32,7 @@ static std::string truncated_message(const std::string& path, int64_t offset, ui
   return os.str();
 }
 
-TruncatedError::TruncatedError(const std::string& path, int64_t offset, uint64_t length,
+TruncatedError::TruncatedError(const std::string& path, uint64_t offset, uint64_t length,
                                uint64_t file_size)
     : std::runtime_error(truncated_message(path, offset, length, file_size)), path_(path) {}
 

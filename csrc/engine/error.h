@@ -33,7 +33,7 @@ class IoError : public std::runtime_error {
 // fastckpt.FormatError.
 class TruncatedError : public std::runtime_error {
  public:
-  TruncatedError(const std::string& path, int64_t offset, uint64_t length, uint64_t file_size);
+  TruncatedError(const std::string& path, uint64_t offset, uint64_t length, uint64_t file_size);
   const std::string& path() const { return path_; }
 
  private:

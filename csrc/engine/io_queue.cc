@@ -146,7 +146,7 @@ Reaped IoQueue::reap() {
         uint64_t need = sl.min_len, done = sl.done;
         release(s);
         drain();
-        throw TruncatedError(path, off, need, static_cast<uint64_t>(off) + done);
+        throw TruncatedError(path, static_cast<uint64_t>(off), need, static_cast<uint64_t>(off) + done);
       }
       fail(s, EIO);  // a write that makes no progress
     }

@@ -19,13 +19,33 @@ namespace sys {
 
 using fault::Op;
 
+namespace {
+constexpr int kMaxRetries = 100000;  // EINTR/EAGAIN storms, real or injected
+
+bool retryable(int err) { return err == EINTR || err == EAGAIN; }
+
+// Consults the fault hook before a synchronous call: returns true when the
+// call should be retried as after EINTR, throws for an injected failure.
+// `report` names the file in the error when it differs from `path`.
+bool injected(Op op, const std::string& path, const char* name, int& tries, int64_t off = -1, uint64_t len = 0,
+              const std::string* report = nullptr) {
+  fault::Action a = fault::on(op, path);
+  if (!a.err) return false;
+  if (retryable(a.err) && ++tries < kMaxRetries) return true;
+  throw_io(a.err, name, report ? *report : path, off, len);
+}
+}  // namespace
+
 int open(const std::string& path, int flags, mode_t mode) {
-  fault::Action a = fault::on(Op::Open, path);
-  if (a.err) throw_io(a.err, "open", path);
-  int fd;
+  int fd, tries = 0;
   do {
+    if (injected(Op::Open, path, "open", tries)) {
+      fd = -1;
+      errno = EINTR;
+      continue;
+    }
     fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
-  } while (fd < 0 && errno == EINTR);
+  } while (fd < 0 && errno == EINTR && ++tries < kMaxRetries);
   return static_cast<int>(check_sys(fd, "open", path));
 }
 
@@ -48,13 +68,15 @@ int64_t pread_raw(int fd, void* buf, uint64_t len, int64_t off) noexcept {
 void pwrite_full(int fd, const void* buf, uint64_t len, int64_t off, const std::string& path) {
   const char* p = static_cast<const char*>(buf);
   uint64_t done = 0;
+  int tries = 0;
   while (done < len) {
     uint64_t want = len - done;
     fault::Action a = fault::on(Op::Write, path);
-    if (a.err) throw_io(a.err, "pwrite", path, off + done, want);
+    if (a.err && !(retryable(a.err) && ++tries < kMaxRetries)) throw_io(a.err, "pwrite", path, off + done, want);
+    if (a.err) continue;
     if (a.short_len >= 0 && static_cast<uint64_t>(a.short_len) < want) want = a.short_len;
     int64_t r = want ? pwrite_raw(fd, p + done, want, off + done) : 0;
-    if (r == -EINTR || r == -EAGAIN) continue;
+    if ((r == -EINTR || r == -EAGAIN) && ++tries < kMaxRetries) continue;
     if (r < 0) throw_io(static_cast<int>(-r), "pwrite", path, off + done, len - done);
     if (r == 0 && a.short_len != 0) throw_io(EIO, "pwrite", path, off + done, len - done);
     done += r;
@@ -64,13 +86,15 @@ void pwrite_full(int fd, const void* buf, uint64_t len, int64_t off, const std::
 uint64_t pread_full(int fd, void* buf, uint64_t len, int64_t off, const std::string& path) {
   char* p = static_cast<char*>(buf);
   uint64_t done = 0;
+  int tries = 0;
   while (done < len) {
     uint64_t want = len - done;
     fault::Action a = fault::on(Op::Read, path);
-    if (a.err) throw_io(a.err, "pread", path, off + done, want);
+    if (a.err && !(retryable(a.err) && ++tries < kMaxRetries)) throw_io(a.err, "pread", path, off + done, want);
+    if (a.err) continue;
     if (a.short_len >= 0 && static_cast<uint64_t>(a.short_len) < want) want = a.short_len;
     int64_t r = want ? pread_raw(fd, p + done, want, off + done) : 0;
-    if (r == -EINTR || r == -EAGAIN) continue;
+    if ((r == -EINTR || r == -EAGAIN) && ++tries < kMaxRetries) continue;
     if (r < 0) throw_io(static_cast<int>(-r), "pread", path, off + done, len - done);
     if (r == 0) {
       if (a.short_len == 0) continue;  // injected zero-length transfer: retry
@@ -82,12 +106,15 @@ uint64_t pread_full(int fd, void* buf, uint64_t len, int64_t off, const std::str
 }
 
 void fdatasync(int fd, const std::string& path) {
-  fault::Action a = fault::on(Op::Fsync, path);
-  if (a.err) throw_io(a.err, "fdatasync", path);
-  int r;
+  int r, tries = 0;
   do {
+    if (injected(Op::Fsync, path, "fdatasync", tries)) {
+      r = -1;
+      errno = EINTR;
+      continue;
+    }
     r = ::fdatasync(fd);
-  } while (r < 0 && errno == EINTR);
+  } while (r < 0 && errno == EINTR && ++tries < kMaxRetries);
   check_sys(r, "fdatasync", path);
 }
 
@@ -100,13 +127,14 @@ int fdatasync_raw(int fd) noexcept {
 }
 
 void fsync_dir(const std::string& dir) {
-  fault::Action a = fault::on(Op::Fsync, dir);
-  if (a.err) throw_io(a.err, "fsync", dir);
+  int tries = 0;
+  while (injected(Op::Fsync, dir, "fsync", tries)) {
+  }
   int fd = sys::open(dir, O_RDONLY | O_DIRECTORY);
   int r;
   do {
     r = ::fsync(fd);
-  } while (r < 0 && errno == EINTR);
+  } while (r < 0 && errno == EINTR && ++tries < kMaxRetries);
   int err = errno;
   ::close(fd);
   // Some filesystems refuse fsync on directories (EINVAL); the rename is
@@ -115,31 +143,39 @@ void fsync_dir(const std::string& dir) {
 }
 
 void rename(const std::string& from, const std::string& to) {
-  fault::Action a = fault::on(Op::Rename, to);
-  if (a.err) throw_io(a.err, "rename", from + " -> " + to);
-  check_sys(::rename(from.c_str(), to.c_str()), "rename", from + " -> " + to);
+  const std::string both = from + " -> " + to;
+  int tries = 0;
+  while (injected(Op::Rename, to, "rename", tries, -1, 0, &both)) {
+  }
+  check_sys(::rename(from.c_str(), to.c_str()), "rename", both);
 }
 
 bool fallocate(int fd, uint64_t len, const std::string& path) {
   if (len == 0) return true;
-  fault::Action a = fault::on(Op::Fallocate, path);
-  if (a.err) throw_io(a.err, "fallocate", path, 0, len);
-  int r;
+  int r, tries = 0;
   do {
+    if (injected(Op::Fallocate, path, "fallocate", tries, 0, len)) {
+      r = -1;
+      errno = EINTR;
+      continue;
+    }
     r = ::fallocate(fd, 0, 0, static_cast<off_t>(len));
-  } while (r < 0 && errno == EINTR);
+  } while (r < 0 && errno == EINTR && ++tries < kMaxRetries);
   if (r < 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) return false;
   check_sys(r, "fallocate", path, 0, len);
   return true;
 }
 
 void ftruncate(int fd, uint64_t len, const std::string& path) {
-  fault::Action a = fault::on(Op::Truncate, path);
-  if (a.err) throw_io(a.err, "ftruncate", path, static_cast<int64_t>(len));
-  int r;
+  int r, tries = 0;
   do {
+    if (injected(Op::Truncate, path, "ftruncate", tries, static_cast<int64_t>(len))) {
+      r = -1;
+      errno = EINTR;
+      continue;
+    }
     r = ::ftruncate(fd, static_cast<off_t>(len));
-  } while (r < 0 && errno == EINTR);
+  } while (r < 0 && errno == EINTR && ++tries < kMaxRetries);
   check_sys(r, "ftruncate", path, static_cast<int64_t>(len));
 }
 
