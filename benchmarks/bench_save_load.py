@@ -1,0 +1,1185 @@
+#!/usr/bin/env python3
+"""Benchmark fastckpt.save / fastckpt.load against torch, DCP, safetensors and DeepSpeed, beside the disk's limit (fio).
+
+What is measured
+----------------
+A synthetic model + AdamW state dict, built once with a fixed seed and touched before any timing::
+
+    {"model": {name: tensor}, "optimizer": {"state": {i: {"step", "exp_avg", "exp_avg_sq"}},
+     "param_groups": [{..., "params": [0..n-1]}]}, "step": int}
+
+A few 64-128 MiB tensors (at the default 2 GiB; they scale with --size) and about a thousand
+small ones (24 "layers" of 12 parameters, each with its two AdamW moments and a 0-dim step
+tensor), float32 and bfloat16. GB/s is always the state dict's tensor payload (sum of
+``nbytes``, 1e9 bytes per GB) over the wall time, whatever the file format adds.
+
+Saves (every one durable before the clock stops):
+
+* ``fastckpt.save(sd, path)``: its own protocol (temporary name, O_DIRECT, fdatasync, rename,
+  directory fsync).
+* ``torch.save(sd, path)``, then the file opened again (O_RDONLY) and ``fsync``-ed, then
+  ``fsync`` of the directory.
+* DCP: ``torch.distributed.checkpoint.save(sd, storage_writer=FileSystemWriter(dir,
+  thread_count=k, sync_files=True))`` in this single process (no process group), then
+  ``fsync`` of the checkpoint directory and of its parent; k = 1, 2, 4 (--dcp-threads).
+* safetensors: the nested state dict flattened to ``{dotted.name: tensor}`` (the non-tensor
+  parts and the key types go, as JSON, into the header's metadata), ``save_file``, then
+  ``fsync`` of the file (reopened) and of the directory.
+* DeepSpeed FastPersist (``--deepspeed``): ``torch.save(sd, FastFileWriter(path, ...))`` +
+  ``close()`` (DeepSpeed's own ``fsync``), then ``fsync`` of the directory; the libaio handle
+  and its 64 MiB double buffer are DeepSpeed's checkpoint defaults (block 1 MiB, queue depth 8,
+  ``intra_op_parallelism`` from --ds-parallelism), made once per process outside the timing.
+
+Loads, each from a cold page cache (``os.sync()`` and ``echo 3 > /proc/sys/vm/drop_caches``
+right before the clock starts): ``fastckpt.load(path, map_location="cpu", weights_only=True)``,
+``torch.load(path, map_location="cpu", weights_only=True)``, ``dcp.load`` into a pre-built
+state dict of the same shapes (``zeros_like``, allocated and touched outside the timing: an
+advantage to DCP), and safetensors ``safe_open(...).get_tensors()`` plus rebuilding the
+nesting. DeepSpeed has no reader of its own (its checkpoint engine loads with torch.load), so
+it has no load row. Every load is followed, inside the timing, by reading one byte of every
+4 KiB page of every tensor, so that a lazily mapped result (safetensors maps the file) is
+really read from disk; for the eager loaders this costs a few milliseconds. Every loaded state
+dict is compared with the original outside the timing (``torch.equal`` on every tensor, dtype,
+shape, keys and their types, the non-tensor values); saves without a load row (DCP's other
+thread counts, DeepSpeed) are read back once and compared the same way.
+
+Process, CPU and memory: every (method, repetition, save|load) runs in a child process forked
+after the state dict was built, so the children share it copy-on-write and each starts from the
+same memory. In the child, the method is warmed up first, outside the timing (a tiny save and
+load: fastckpt's engine and staging pool, DeepSpeed's aio handle and pinned buffer), as a
+long-lived trainer would have done long before. CPU-s/GB is the child's ``getrusage(RUSAGE_SELF)``
+user+sys over the operation (all its threads: io_uring/libaio workers, DCP's writer threads;
+not kernel threads such as the page-cache flusher: see ``machine CPU-s/GB``, the busy time of
+all CPUs from /proc/stat over the same window). Peak extra RSS: the child resets its high-water
+mark at its start (``echo 5 > /proc/self/clear_refs``), so ``VmHWM`` after the operation minus
+``VmRSS`` at that reset is the most memory the method added, its long-lived buffers included
+(``pool MB`` shows those alone); for a load it includes the loaded state dict itself
+(about the payload). fio's rows are fio's own usr+sys and have no RSS figure.
+
+The disk limit: fio on the same directory with the payload's size, run with
+``benchmarks/bench_engine.py``'s runner, ``--rw=write --direct=1 --ioengine=io_uring
+--end_fsync=1`` and ``--rw=read --direct=1 --ioengine=io_uring`` (cold), at a few block
+sizes/depths; the best median is "the disk's limit". Everything is interleaved in one run
+(fio and the methods, A B A B, order reversed on odd repetitions), medians over --reps; the
+``x disk paired`` column divides each figure by the best fio figure of the same repetition
+first, which cancels slow drifts of the disk.
+
+Examples::
+
+    .venv/bin/python benchmarks/bench_save_load.py --quick
+    .venv/bin/python benchmarks/bench_save_load.py --only torch,dcp,safetensors --size 256M --reps 2
+    .venv/bin/python benchmarks/bench_save_load.py --deepspeed --json /tmp/save_load.json   # 2 GiB, 3 reps
+"""
+
+import argparse
+import gc
+import json
+import logging
+import math
+import os
+import platform
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+import bench_engine as be  # noqa: E402  (fio runner, size parsing, drop_caches, /proc helpers)
+
+MiB = be.MiB
+GiB = be.GiB
+SEED = 20240611
+TARGET_DISK = 0.95     # fastckpt save/load >= this x fio's O_DIRECT write/read
+TARGET_TORCH_SAVE = 2.0  # fastckpt save >= this x torch.save+fsync
+TARGET_CPU = 0.5       # "well below torch's": fastckpt CPU-s/GB <= this x torch's
+PAGE = 4096
+DS_BLOCK = 1 * MiB     # DeepSpeed aio defaults (runtime/swap_tensor/constants.py)
+DS_QUEUE_DEPTH = 8
+DS_IO_BUFFER = 64 * MiB  # DeepSpeed checkpoint io_buffer_size default, double-buffered
+KEYS = ("fastckpt", "torch", "dcp", "safetensors", "deepspeed")
+TOUCH_LABEL = "(ref) fresh memory: empty+fill_"
+log = be.log
+
+
+# ----------------------------------------------------------------------------- the state dict
+
+def build_state_dict(total: int, seed: int = SEED) -> Dict[str, Any]:
+    """A model + AdamW state dict of about `total` bytes of tensors (fixed seed, fully touched).
+
+    AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype and shape, so the parameters
+    take about a third of the bytes: three large ones (64-128 MiB each at 2 GiB, scaled with
+    the size) and 24 transformer-like layers of 12 parameters, alternately float32 and bfloat16.
+    """
+    scale = total / (2 * GiB)
+    g = torch.Generator().manual_seed(seed)
+    specs: List[Tuple[str, torch.dtype, Tuple[int, ...]]] = []
+    cols = 1024
+    big = [("embed_tokens.weight", torch.float32, 128), ("lm_head.weight", torch.bfloat16, 64),
+           ("vision_proj.weight", torch.float32, 96)]
+    big_bytes = 0
+    for name, dt, mib in big:
+        elt = torch.empty((), dtype=dt).element_size()
+        rows = max(1, int(mib * MiB * scale) // (elt * cols))
+        specs.append((name, dt, (rows, cols)))
+        big_bytes += 3 * rows * cols * elt
+    layers = 24
+    per_layer = max(0, total - big_bytes) / 3 / layers  # parameter bytes per layer
+    # 12 h^2 elements of matrices per layer, half the layers float32 (4 B), half bfloat16 (2 B)
+    h = max(16, int(math.sqrt(per_layer / (12 * 3))) // 16 * 16)
+    for i in range(layers):
+        dt = torch.float32 if i % 2 == 0 else torch.bfloat16
+        p = f"layers.{i}."
+        specs += [(p + "attn.qkv.weight", dt, (3 * h, h)), (p + "attn.qkv.bias", dt, (3 * h,)),
+                  (p + "attn.out.weight", dt, (h, h)), (p + "attn.out.bias", dt, (h,)),
+                  (p + "mlp.fc1.weight", dt, (4 * h, h)), (p + "mlp.fc1.bias", dt, (4 * h,)),
+                  (p + "mlp.fc2.weight", dt, (h, 4 * h)), (p + "mlp.fc2.bias", dt, (h,)),
+                  (p + "ln1.weight", torch.float32, (h,)), (p + "ln1.bias", torch.float32, (h,)),
+                  (p + "ln2.weight", torch.float32, (h,)), (p + "ln2.bias", torch.float32, (h,))]
+    specs += [("final_ln.weight", torch.float32, (h,)), ("final_ln.bias", torch.float32, (h,))]
+
+    model: Dict[str, torch.Tensor] = {}
+    state: Dict[int, Dict[str, torch.Tensor]] = {}
+    for i, (name, dt, shape) in enumerate(specs):
+        model[name] = torch.randn(shape, generator=g, dtype=dt)
+        avg = torch.randn(shape, generator=g, dtype=dt).mul_(1e-3)
+        sq = torch.randn(shape, generator=g, dtype=dt).square_().mul_(1e-6)
+        state[i] = {"step": torch.tensor(1000.0), "exp_avg": avg, "exp_avg_sq": sq}
+    groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
+               "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+               "fused": None, "decoupled_weight_decay": True, "params": list(range(len(specs)))}]
+    return {"model": model, "optimizer": {"state": state, "param_groups": groups}, "step": 1000}
+
+
+def iter_tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)
+
+
+def describe_sd(sd: Dict[str, Any]) -> Dict[str, Any]:
+    ts = list(iter_tensors(sd))
+    sizes = sorted((t.nbytes for t in ts), reverse=True)
+    by_dtype: Dict[str, int] = {}
+    for t in ts:
+        by_dtype[str(t.dtype).replace("torch.", "")] = by_dtype.get(str(t.dtype).replace("torch.", ""), 0) + t.nbytes
+    return {"tensors": len(ts), "bytes": sum(sizes), "largest_mib": [round(s / MiB, 1) for s in sizes[:9]],
+            "at_least_64mib": sum(1 for s in sizes if s >= 64 * MiB),
+            "under_1mib": sum(1 for s in sizes if s < MiB), "bytes_by_dtype": by_dtype}
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [map_tensors(v, fn) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(map_tensors(v, fn) for v in obj)
+    return obj
+
+
+def compare(a: Any, b: Any, path: str = "", out: Optional[List[str]] = None) -> List[str]:
+    """Differences between the original `a` and the loaded `b` (at most 5 reported)."""
+    out = [] if out is None else out
+    if len(out) >= 5:
+        return out
+    if isinstance(a, torch.Tensor):
+        if not isinstance(b, torch.Tensor):
+            out.append(f"{path}: {type(b).__name__} instead of a tensor")
+        elif a.dtype != b.dtype or a.shape != b.shape:
+            out.append(f"{path}: {b.dtype}{list(b.shape)} instead of {a.dtype}{list(a.shape)}")
+        elif b.device.type != "cpu":
+            out.append(f"{path}: on {b.device}")
+        elif not torch.equal(a, b):
+            out.append(f"{path}: values differ")
+    elif isinstance(a, dict):
+        if not isinstance(b, dict):
+            out.append(f"{path}: {type(b).__name__} instead of dict")
+        elif list(a.keys()) != list(b.keys()):
+            ka, kb = set(a), set(b)
+            out.append(f"{path}: keys differ (missing {sorted(map(repr, ka - kb))[:3]}, "
+                       f"extra {sorted(map(repr, kb - ka))[:3]})" if ka != kb else f"{path}: key order differs")
+        else:
+            for k in a:
+                compare(a[k], b[k], f"{path}.{k}" if path else str(k), out)
+    elif isinstance(a, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            out.append(f"{path}: {type(b).__name__}[{len(b) if hasattr(b, '__len__') else '?'}] instead of "
+                       f"{type(a).__name__}[{len(a)}]")
+        else:
+            for i, (x, y) in enumerate(zip(a, b)):
+                compare(x, y, f"{path}.{i}", out)
+    elif type(a) is not type(b) or a != b:
+        out.append(f"{path}: {b!r} instead of {a!r}")
+    return out
+
+
+def touch_pages(sd: Any) -> int:
+    """Read one byte of every 4 KiB page of every tensor (materializes lazily mapped results)."""
+    s = 0
+    for t in iter_tensors(sd):
+        if t.numel():
+            b = t.reshape(-1).view(torch.uint8)
+            s += int(b[::PAGE].sum()) + int(b[-1])
+    return s
+
+
+# safetensors: flat tensors + the rest of the structure as JSON in the header's metadata.
+# (The synthetic state dict shares no storage between tensors; safetensors refuses shared ones.)
+
+def st_flatten(sd: Any) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
+    flat: Dict[str, torch.Tensor] = {}
+
+    def enc(o, name):
+        if isinstance(o, torch.Tensor):
+            flat[name] = o
+            return {"t": name}
+        if isinstance(o, dict):
+            return {"d": [[k, enc(v, f"{name}.{k}" if name else str(k))] for k, v in o.items()]}
+        if isinstance(o, (list, tuple)):
+            return {"l" if isinstance(o, list) else "u": [enc(v, f"{name}.{i}") for i, v in enumerate(o)]}
+        if o is None or isinstance(o, (bool, int, float, str)):
+            return {"v": o}
+        raise TypeError(f"safetensors peer: cannot encode {type(o).__name__} at {name}")
+
+    skeleton = enc(sd, "")
+    return flat, {"skeleton": json.dumps(skeleton, separators=(",", ":"))}
+
+
+def st_unflatten(flat: Dict[str, torch.Tensor], meta: Dict[str, str]) -> Any:
+    def dec(o):
+        if "t" in o:
+            return flat[o["t"]]
+        if "d" in o:
+            return {k: dec(v) for k, v in o["d"]}
+        if "l" in o:
+            return [dec(v) for v in o["l"]]
+        if "u" in o:
+            return tuple(dec(v) for v in o["u"])
+        return o["v"]
+
+    return dec(json.loads(meta["skeleton"]))
+
+
+# ----------------------------------------------------------------------------- durability helpers
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def path_bytes(path: str) -> int:
+    if os.path.isdir(path):
+        return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
+    return os.path.getsize(path) if os.path.exists(path) else 0
+
+
+def remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+# ----------------------------------------------------------------------------- methods
+
+class Method:
+    """One way of saving (and maybe loading) a state dict. Runs inside forked children."""
+
+    key = ""
+    label = ""
+    load_label = ""
+    has_load = True
+    lazy_result = False   # the load returns memory-mapped tensors (made resident by touch_pages)
+    dir_output = False    # the checkpoint is a directory
+
+    def warmup(self, workdir: str) -> None:
+        """Untimed: what a long-lived process does once (engines, pinned buffers), with a tiny save."""
+        p = os.path.join(workdir, f"warmup-{os.getpid()}")
+        tiny = {"model": {"w": torch.ones(1024, 64)}, "step": 1}
+        try:
+            self.save(tiny, p)
+            if self.has_load:
+                self.load(p, self.prepare_load(tiny))
+        finally:
+            remove(p)
+
+    def save(self, sd, path: str) -> Any:
+        raise NotImplementedError
+
+    def prepare_load(self, sd) -> Any:
+        return None
+
+    def load(self, path: str, prep: Any) -> Any:
+        raise NotImplementedError
+
+    def read_back(self, path: str, sd) -> Any:
+        """Untimed read back, to verify a save that has no load row."""
+        return self.load(path, self.prepare_load(sd))
+
+    def info(self) -> Dict[str, Any]:
+        return {}
+
+
+class FastckptMethod(Method):
+    key = "fastckpt"
+    label = "fastckpt.save"
+    load_label = "fastckpt.load"
+
+    def __init__(self, mod):
+        self.fc = mod
+
+    def save(self, sd, path):
+        return self.fc.save(sd, path)
+
+    def load(self, path, prep):
+        return self.fc.load(path, map_location="cpu", weights_only=True)
+
+    def info(self):
+        try:
+            eng = self.fc.get_engine()
+            return {"backend": eng.backend, "uring_refusal": eng.uring_refusal,
+                    "knobs": {k: str(v) for k, v in self.fc.knobs.as_dict().items()}}
+        except Exception as e:  # noqa: BLE001  (informational only)
+            return {"engine_info_error": repr(e)}
+
+
+class TorchMethod(Method):
+    key = "torch"
+    label = "torch.save+fsync"
+    load_label = "torch.load"
+
+    def save(self, sd, path):
+        torch.save(sd, path)
+        fsync_path(path)
+        fsync_dir(os.path.dirname(path))
+
+    def load(self, path, prep):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
+class DcpMethod(Method):
+    key = "dcp"
+    dir_output = True
+
+    def __init__(self, threads: int, has_load: bool):
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+        self.dcp, self.Writer, self.Reader = dcp, FileSystemWriter, FileSystemReader
+        self.threads = threads
+        self.has_load = has_load
+        self.label = f"DCP FileSystemWriter t={threads}"
+        self.load_label = "dcp.load"
+
+    def save(self, sd, path):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.dcp.save(sd, storage_writer=self.Writer(path, thread_count=self.threads, sync_files=True))
+        fsync_dir(path)
+        fsync_dir(os.path.dirname(path))
+
+    def prepare_load(self, sd):
+        return map_tensors(sd, torch.zeros_like)  # allocated and touched: a model already in memory
+
+    def load(self, path, prep):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.dcp.load(prep, storage_reader=self.Reader(path))
+        return prep
+
+
+class SafetensorsMethod(Method):
+    key = "safetensors"
+    label = "safetensors save_file+fsync"
+    load_label = "safetensors load"
+    lazy_result = True
+
+    def __init__(self):
+        from safetensors import safe_open
+        from safetensors.torch import save_file
+
+        self.safe_open, self.save_file = safe_open, save_file
+
+    def save(self, sd, path):
+        flat, meta = st_flatten(sd)
+        self.save_file(flat, path, metadata=meta)
+        fsync_path(path)
+        fsync_dir(os.path.dirname(path))
+
+    def load(self, path, prep):
+        with self.safe_open(path, framework="pt", device="cpu") as f:
+            meta = f.metadata()
+            flat = f.get_tensors() if hasattr(f, "get_tensors") else {k: f.get_tensor(k) for k in f.keys()}
+        return st_unflatten(flat, meta)
+
+
+class DeepSpeedMethod(Method):
+    key = "deepspeed"
+    has_load = False  # DeepSpeed's checkpoint engine loads with torch.load: see the torch.load row
+
+    def __init__(self, aio_op, parallelism: int):
+        from deepspeed.io import FastFileWriter, FastFileWriterConfig
+
+        self.aio_op, self.FFW, self.Cfg = aio_op, FastFileWriter, FastFileWriterConfig
+        self.par = parallelism
+        self.label = f"DeepSpeed FastFileWriter p={parallelism}"
+        self.handle = None
+        self.buf = None
+
+    def warmup(self, workdir):
+        # As DeepSpeed's CheckpointWriterFactory: one aio handle and one page-locked double buffer.
+        self.handle = self.aio_op.aio_handle(DS_BLOCK, DS_QUEUE_DEPTH, False, True, self.par)
+        self.buf = self.handle.new_cpu_locked_tensor(DS_IO_BUFFER, torch.empty(0, dtype=torch.uint8))
+        self.buf.zero_()
+        super().warmup(workdir)
+
+    def save(self, sd, path):
+        w = self.FFW(path, self.Cfg(dnvme_handle=self.handle, pinned_tensor=self.buf, double_buffer=True))
+        torch.save(sd, w)
+        w.close()  # drains the buffers, fsync(fd) and close
+        fsync_dir(os.path.dirname(path))
+
+    def read_back(self, path, sd):
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+    def info(self):
+        return {"block_size": DS_BLOCK, "queue_depth": DS_QUEUE_DEPTH, "io_buffer": DS_IO_BUFFER,
+                "double_buffer": True, "intra_op_parallelism": self.par}
+
+
+def setup_deepspeed(notes: List[str]) -> Tuple[Optional[Any], Optional[str]]:
+    """Import DeepSpeed and load (JIT-building once, cached) its AsyncIO op. (op, None) or (None, why not)."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    cache = os.environ.setdefault(
+        "TORCH_EXTENSIONS_DIR",
+        os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "fastckpt-bench",
+                     "torch_extensions"))
+    try:
+        import deepspeed  # noqa: F401
+        import deepspeed.io.fast_file_writer as ffw
+        from deepspeed.utils import logger as ds_logger
+
+        ds_logger.setLevel(logging.ERROR)  # its per-drain NVMe-endurance warning would flood stdout
+        from deepspeed.ops.op_builder import AsyncIOBuilder  # the accelerator's builder (links -laio)
+    except Exception as e:  # noqa: BLE001
+        return None, (f"DeepSpeed not importable ({type(e).__name__}: {e}); install it with "
+                      f"`.venv/bin/pip install -c .venv/torch-constraint.txt --no-deps deepspeed==0.19.8` "
+                      f"plus einops hjson msgpack psutil py-cpuinfo pydantic tqdm, and Debian's libaio-dev")
+    try:
+        b = AsyncIOBuilder()
+        if not b.is_compatible(verbose=False):
+            return None, "DeepSpeed's AsyncIO op is not compatible here (libaio-dev missing? apt-get install libaio-dev)"
+        log(f"loading DeepSpeed's AsyncIO op (JIT build cached in {cache}; the first build takes minutes) ...")
+        t = time.perf_counter()
+        aio_op = b.load(verbose=False)
+        # On a CPU-only torch the accelerator (cpu) has no UtilsBuilder, which FastFileWriter
+        # imports: use the generic one (it only provides cast_to_byte_tensor).
+        from deepspeed.ops.op_builder.utils import UtilsBuilder as GenericUtilsBuilder
+        acc = ffw.UtilsBuilder
+        if getattr(acc, "__name__", "") == "NotImplementedBuilder" or not acc().is_compatible(verbose=False):
+            ffw.UtilsBuilder = GenericUtilsBuilder
+            notes.append("DeepSpeed: patched deepspeed.io.fast_file_writer.UtilsBuilder to the generic "
+                         "deepspeed.ops.op_builder.utils.UtilsBuilder (the CPU accelerator has none)")
+        ffw.UtilsBuilder().load(verbose=False)
+        log(f"  DeepSpeed ops ready in {time.perf_counter() - t:.1f} s")
+        return aio_op, None
+    except Exception as e:  # noqa: BLE001
+        return None, f"DeepSpeed's AsyncIO op could not be built or loaded: {type(e).__name__}: {str(e)[-400:]}"
+
+
+# ----------------------------------------------------------------------------- children
+
+def _status_kb(field_name: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    return -1
+
+
+def reset_peak_rss() -> Tuple[int, bool]:
+    """Reset this process's RSS high-water mark; returns (VmRSS bytes, whether the reset worked)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        ok = True
+    except OSError:
+        ok = False
+    return _status_kb("VmRSS") * 1024, ok
+
+
+def run_in_child(fn: Callable[[], Dict[str, Any]], threads: int, timeout_s: int) -> Dict[str, Any]:
+    """Run fn in a process forked from this one (sharing the state dict copy-on-write); its dict result."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 0
+        try:
+            os.close(r)
+            signal.signal(signal.SIGALRM, signal.SIG_DFL)
+            signal.alarm(timeout_s)
+            torch.set_num_threads(threads)
+            out = fn()
+        except BaseException as e:  # noqa: BLE001
+            out = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+            code = 1
+        try:
+            data = json.dumps(out, default=str).encode()
+            with os.fdopen(w, "wb") as f:
+                f.write(data)
+        finally:
+            os._exit(code)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read()
+    _, status, ru = os.wait4(pid, 0)
+    try:
+        out = json.loads(data) if data else {}
+    except ValueError:
+        out = {}
+    if not out:
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+        out = {"error": f"child died (status {status}" + (f", signal {sig}" if sig else "") + ")"
+               + (" - timed out (--child-timeout)" if sig == signal.SIGALRM else "")}
+    out["child_cpu_total_s"] = ru.ru_utime + ru.ru_stime
+    return out
+
+
+def timed(op: Callable[[], Any], dev: Optional[str]) -> Tuple[Dict[str, Any], Any]:
+    gc.collect()
+    gc.disable()
+    try:
+        d0, m0, c0, t0 = be.dev_stat(dev), be.cpu_machine(), be.cpu_self(), time.perf_counter()
+        result = op()
+        t1, c1, m1, d1 = time.perf_counter(), be.cpu_self(), be.cpu_machine(), be.dev_stat(dev)
+    finally:
+        gc.enable()
+    return {"seconds": t1 - t0, "cpu_s": c1 - c0, "machine_cpu_s": m1 - m0}, (result, d0, d1)
+
+
+# ----------------------------------------------------------------------------- records
+
+@dataclass
+class Rec:
+    label: str
+    key: str
+    op: str                 # save | load
+    rep: int
+    bytes: int
+    seconds: float
+    gbps: float
+    cpu_s: float
+    machine_cpu_s: float
+    rss_extra: float = float("nan")   # bytes
+    pool: float = float("nan")        # bytes held after the warm-up (part of rss_extra)
+    file_bytes: float = float("nan")
+    verified: Optional[bool] = None
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class FioPoint:
+    bs: int
+    qd: int
+
+    @property
+    def item(self) -> "be.Item":
+        return be.Item("fio", "io_uring", self.bs, self.qd)
+
+    @property
+    def label(self) -> str:
+        return f"fio bs={be.fmt_size(self.bs)} qd={self.qd}"
+
+
+class Bench:
+    def __init__(self, args, workdir: str, sd, methods: List[Method], fio_points: List[FioPoint]):
+        self.args = args
+        self.dir = workdir
+        self.sd = sd
+        self.payload = sum(t.nbytes for t in iter_tensors(sd))
+        self.methods = methods
+        self.fio_points = fio_points
+        self.records: List[Rec] = []
+        self.notes: List[str] = []
+        self.errors: List[str] = []
+        self.drop_error: Optional[str] = None
+        self.drop_ok = 0
+        self.dev: Optional[str] = None
+        self.verified_once: Dict[str, bool] = {}
+        self.method_info: Dict[str, Any] = {}
+        unit = math.lcm(MiB, *(fp.bs for fp in fio_points))  # fio moves whole blocks only
+        self.fio_size = -(-self.payload // unit) * unit
+        self.load_label_of = {m.label: m.load_label for m in methods if m.has_load}
+        self.fio = be.Bench(SimpleNamespace(size=self.fio_size, no_fio=args.no_fio), workdir) if fio_points else None
+
+    # -- helpers
+
+    def drop(self) -> Optional[str]:
+        err = be.drop_caches()
+        if err is None:
+            self.drop_ok += 1
+        elif self.drop_error is None:
+            self.drop_error = err
+            log(f"NOTE: {err}: loads are NOT from a cold page cache (buffered readers profit from it)")
+        return err
+
+    def add(self, rec: Rec) -> None:
+        self.records.append(rec)
+        rss = f"  rss +{rec.rss_extra / MiB:.0f} MiB" if rec.rss_extra == rec.rss_extra else ""
+        chk = "" if rec.verified is None else ("  verified" if rec.verified else "  MISMATCH")
+        log(f"  rep {rec.rep + 1}  {rec.label:<36} {rec.op:<5} {rec.gbps:6.2f} GB/s  {rec.seconds:6.2f} s  "
+            f"cpu {rec.cpu_s / (rec.bytes / 1e9):.3f} s/GB{rss}{chk}")
+
+    # -- one method
+
+    def _child_save(self, m: Method, path: str, verify: bool) -> Dict[str, Any]:
+        base, reset_ok = reset_peak_rss()
+        m.warmup(self.dir)
+        pool = _status_kb("VmRSS") * 1024 - base
+        os.sync()
+        t, (ret, d0, d1) = timed(lambda: m.save(self.sd, path), self.dev)
+        hwm = _status_kb("VmHWM") * 1024
+        out = dict(t, rss_extra=hwm - base, pool=pool, reset_ok=reset_ok, file_bytes=path_bytes(path),
+                   dev=be.dev_delta(d0, d1, "write"), info=m.info())
+        if ret is not None:
+            out["returned"] = dict(ret) if isinstance(ret, dict) else repr(ret)[:2000]
+        if verify:
+            diffs = compare(self.sd, m.read_back(path, self.sd))
+            out["verified"], out["diffs"] = not diffs, diffs
+        return out
+
+    def _child_load(self, m: Method, path: str) -> Dict[str, Any]:
+        base, reset_ok = reset_peak_rss()
+        m.warmup(self.dir)
+        pool = _status_kb("VmRSS") * 1024 - base
+        prep = m.prepare_load(self.sd)
+        drop_err = be.drop_caches()
+        t, (res, d0, d1) = timed(lambda: (lambda sd: (sd, touch_pages(sd)))(m.load(path, prep)), self.dev)
+        hwm = _status_kb("VmHWM") * 1024
+        diffs = compare(self.sd, res[0])
+        return dict(t, rss_extra=hwm - base, pool=pool, reset_ok=reset_ok, drop_error=drop_err,
+                    dev=be.dev_delta(d0, d1, "read"), verified=not diffs, diffs=diffs)
+
+    def _record(self, m: Method, op: str, rep: int, out: Dict[str, Any]) -> bool:
+        label = m.label if op == "save" else m.load_label
+        if "error" in out:
+            msg = f"{label} ({op}, rep {rep + 1}) FAILED: {out['error']}"
+            self.errors.append(msg)
+            log("  " + msg + ("\n" + out["traceback"] if "traceback" in out else ""))
+            return False
+        if op == "load" and out.get("drop_error"):
+            if self.drop_error is None:
+                self.drop_error = out["drop_error"]
+                log(f"NOTE: {out['drop_error']}: loads are NOT from a cold page cache")
+        elif op == "load":
+            self.drop_ok += 1
+        if not out.get("reset_ok", True):
+            self.notes.append("could not reset the RSS high-water mark (/proc/self/clear_refs): peak RSS figures "
+                              "are VmHWM since the fork")
+        if out.get("info"):
+            self.method_info[m.label] = out["info"]
+        if "verified" in out:
+            self.verified_once[label] = self.verified_once.get(label, True) and out["verified"]
+            if not out["verified"]:
+                self.errors.append(f"{label}: DATA MISMATCH after rep {rep + 1}: {out['diffs']}")
+        extra = {k: out[k] for k in ("dev", "returned", "child_cpu_total_s", "diffs") if k in out}
+        self.add(Rec(label, m.key, op, rep, self.payload, out["seconds"], self.payload / out["seconds"] / 1e9,
+                     out["cpu_s"], out["machine_cpu_s"], out["rss_extra"], out["pool"],
+                     out.get("file_bytes", float("nan")), out.get("verified"), extra))
+        return True
+
+    def run_method(self, m: Method, rep: int) -> None:
+        path = os.path.join(self.dir, f"ckpt-{m.key}" + ("" if m.dir_output else ".bin"))
+        remove(path)
+        self.drop()  # flush earlier writes and empty the cache: every save starts from the same state
+        verify = (not m.has_load) and rep == 0
+        out = run_in_child(lambda: self._child_save(m, path, verify), self.args.threads, self.args.child_timeout)
+        ok = self._record(m, "save", rep, out)
+        if ok and m.has_load:
+            out = run_in_child(lambda: self._child_load(m, path), self.args.threads, self.args.child_timeout)
+            self._record(m, "load", rep, out)
+        remove(path)
+        for p in os.listdir(self.dir):  # leftovers of a failed save (temporary files)
+            if p.startswith(".") or p.startswith("ckpt-") or p.startswith("warmup-"):
+                remove(os.path.join(self.dir, p))
+
+    # -- reference: first touch of fresh memory (what any loader that allocates its result pays)
+
+    def _child_touch(self) -> Dict[str, Any]:
+        base, reset_ok = reset_peak_rss()
+        t, _ = timed(lambda: torch.empty(self.payload, dtype=torch.uint8).fill_(0), None)
+        return dict(t, rss_extra=_status_kb("VmHWM") * 1024 - base, pool=0, reset_ok=reset_ok)
+
+    def run_touch(self, rep: int) -> None:
+        out = run_in_child(self._child_touch, self.args.threads, self.args.child_timeout)
+        if "error" in out:
+            self.errors.append(f"first-touch reference failed: {out['error']}")
+            return
+        self.add(Rec(TOUCH_LABEL, "ref", "load", rep, self.payload, out["seconds"], self.payload / out["seconds"] / 1e9,
+                     out["cpu_s"], out["machine_cpu_s"], out["rss_extra"], 0.0))
+
+    # -- fio
+
+    def run_fio(self, fp: FioPoint, rep: int) -> None:
+        path = os.path.join(self.dir, "fio.bin")
+        remove(path)
+        self.drop()
+        try:
+            for op in ("write", "read"):
+                r = self.fio.fio_run(fp.item, path, op, rep)  # the read drops the cache itself
+                extra = dict(r.extra)
+                extra.pop("cmd", None)
+                self.add(Rec(fp.label, "fio", "save" if op == "write" else "load", rep, r.bytes, r.seconds, r.gbps,
+                             r.cpu_s, r.machine_cpu_s, extra=dict(extra, cmd=r.extra.get("cmd"))))
+        finally:
+            remove(path)
+
+    def run(self) -> None:
+        order = be.interleave(list(self.methods), list(self.fio_points))
+        for rep in range(self.args.reps):
+            seq = order if rep % 2 == 0 else list(reversed(order))
+            log(f"repetition {rep + 1}/{self.args.reps}: " + ", ".join(x.label for x in seq))
+            if not self.args.no_touch_ref:
+                self.run_touch(rep)
+            for x in seq:
+                if isinstance(x, FioPoint):
+                    self.run_fio(x, rep)
+                else:
+                    self.run_method(x, rep)
+        if self.fio:
+            self.notes += self.fio.notes
+            self.drop_ok += self.fio.drop_ok
+            if self.fio.drop_error and not self.drop_error:
+                self.drop_error = self.fio.drop_error
+
+
+# ----------------------------------------------------------------------------- report
+
+def median(xs: List[float]) -> float:
+    return be.median(xs)
+
+
+@dataclass
+class Row:
+    label: str
+    key: str
+    op: str
+    n: int
+    gbps: float
+    lo: float
+    hi: float
+    x_fast: float = float("nan")
+    x_disk: float = float("nan")
+    x_disk_paired: float = float("nan")
+    cpu_per_gb: float = float("nan")
+    machine_per_gb: float = float("nan")
+    rss_mb: float = float("nan")
+    pool_mb: float = float("nan")
+    file_mb: float = float("nan")
+    check: str = ""
+
+
+def summarize(bench: Bench) -> Tuple[Dict[str, List[Row]], Dict[str, Any]]:
+    rows: Dict[str, List[Row]] = {"save": [], "load": []}
+    summary: Dict[str, Any] = {}
+    for op in ("save", "load"):
+        recs = [r for r in bench.records if r.op == op]
+        labels = list(dict.fromkeys(r.label for r in recs))
+        fio_labels = [l for l in labels if l.startswith("fio")]
+        fio_meds = {l: median([r.gbps for r in recs if r.label == l]) for l in fio_labels}
+        disk = max(fio_meds.values()) if fio_meds else float("nan")
+        fio_by_rep: Dict[int, float] = {}
+        for r in recs:
+            if r.key == "fio":
+                fio_by_rep[r.rep] = max(fio_by_rep.get(r.rep, 0.0), r.gbps)
+        summary[f"disk_{op}_gbps"] = disk
+        summary[f"disk_{op}_point"] = max(fio_meds, key=fio_meds.get) if fio_meds else None
+        refs = [l for l in labels if l == TOUCH_LABEL]
+        for l in fio_labels + [l for l in labels if not l.startswith("fio") and l not in refs] + refs:
+            rs = [r for r in recs if r.label == l]
+            g = [r.gbps for r in rs]
+            v = [r.verified for r in rs if r.verified is not None]
+            check = ("verified" if all(v) else "MISMATCH") if v else ""
+            if not v and bench.verified_once.get(l) is not None:
+                check = "verified" if bench.verified_once[l] else "MISMATCH"
+            if not v and op == "save" and l in bench.load_label_of:  # checked by its load row
+                lv = [r.verified for r in bench.records if r.label == bench.load_label_of[l] and
+                      r.verified is not None]
+                check = ("verified (by load)" if all(lv) else "MISMATCH (load)") if lv else ""
+            rows[op].append(Row(
+                l, rs[0].key, op, len(rs), median(g), min(g), max(g),
+                x_disk=median(g) / disk if disk == disk else float("nan"),
+                x_disk_paired=median([r.gbps / fio_by_rep[r.rep] for r in rs if r.rep in fio_by_rep]),
+                cpu_per_gb=median([r.cpu_s / (r.bytes / 1e9) for r in rs]),
+                machine_per_gb=median([r.machine_cpu_s / (r.bytes / 1e9) for r in rs]),
+                rss_mb=median([r.rss_extra / MiB for r in rs]), pool_mb=median([r.pool / MiB for r in rs]),
+                file_mb=median([r.file_bytes / MiB for r in rs]), check=check))
+        fast = next((r for r in rows[op] if r.key == "fastckpt"), None)
+        for r in rows[op]:
+            if fast is not None:
+                r.x_fast = r.gbps / fast.gbps
+        summary[f"rows_{op}"] = [r.__dict__ for r in rows[op]]
+    return rows, summary
+
+
+def _f(x: float, fmt: str) -> str:
+    return format(x, fmt) if x == x else "-"
+
+
+def print_table(rows: List[Row], op: str, bench: Bench) -> None:
+    hdr = ["method", "n", f"{op} GB/s median [min-max]", "x fastckpt",
+           "x disk", "x disk paired", "CPU-s/GB", "machine CPU-s/GB", "peak extra RSS MB", "pool MB", "file MB",
+           "check"]
+    lines = []
+    for r in rows:
+        lines.append([r.label, str(r.n), f"{r.gbps:.3f} [{r.lo:.3f}-{r.hi:.3f}]", _f(r.x_fast, ".2f"),
+                      _f(r.x_disk, ".2f"), _f(r.x_disk_paired, ".2f"), _f(r.cpu_per_gb, ".3f"),
+                      _f(r.machine_per_gb, ".3f"), _f(r.rss_mb, ".0f"), _f(r.pool_mb, ".0f"), _f(r.file_mb, ".0f"),
+                      r.check])
+    widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(hdr)]
+    what = "durable save" if op == "save" else "cold load"
+    print(f"\n### {what}: {bench.payload / 1e9:.3f} GB of tensors per run\n")
+    print("| " + " | ".join(h.ljust(w) for h, w in zip(hdr, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for l in lines:
+        print("| " + " | ".join(c.ljust(w) for c, w in zip(l, widths)) + " |")
+
+
+def verdict(ok: Optional[bool]) -> str:
+    return "n/a" if ok is None else ("MET" if ok else "NOT MET")
+
+
+def targets(rows: Dict[str, List[Row]], summary: Dict[str, Any]) -> List[str]:
+    out: List[str] = []
+    res: Dict[str, Optional[bool]] = {}
+    by = {op: {r.label: r for r in rows[op]} for op in ("save", "load")}
+    fs, fl = by["save"].get("fastckpt.save"), by["load"].get("fastckpt.load")
+    ts, tl = by["save"].get("torch.save+fsync"), by["load"].get("torch.load")
+    ds, dl = summary.get("disk_save_gbps", float("nan")), summary.get("disk_load_gbps", float("nan"))
+    if fs is None:
+        out.append("fastckpt.save was not measured: no target can be judged")
+        return out
+    if ds == ds:
+        res["save_disk"] = fs.x_disk >= TARGET_DISK
+        out.append(f"durable save vs fio O_DIRECT write: fastckpt {fs.gbps:.3f} GB/s = {fs.x_disk:.2f} x disk "
+                   f"{ds:.3f} GB/s ({summary['disk_save_point']}), paired {fs.x_disk_paired:.2f} "
+                   f"(target >= {TARGET_DISK}): {verdict(res['save_disk'])}")
+    else:
+        out.append("durable save vs disk: no fio figure (fio not run)")
+    if ts is not None:
+        res["save_torch"] = fs.gbps >= TARGET_TORCH_SAVE * ts.gbps
+        out.append(f"durable save vs torch.save+fsync: {fs.gbps / ts.gbps:.2f} x ({ts.gbps:.3f} GB/s) "
+                   f"(target >= {TARGET_TORCH_SAVE:g} x): {verdict(res['save_torch'])}")
+    peers: Dict[str, Row] = {}
+    for r in rows["save"]:
+        if r.key in ("fio", "fastckpt", "ref"):
+            continue
+        best = peers.get(r.key)
+        if best is None or r.gbps > best.gbps:
+            peers[r.key] = r
+    if peers:
+        top = max(peers.values(), key=lambda r: r.gbps)
+        res["save_peers"] = fs.gbps > top.gbps
+        out.append("durable save ahead of every peer: " + ", ".join(
+            f"{r.label} {r.gbps:.3f} GB/s ({fs.gbps / r.gbps:.2f} x)" for r in sorted(peers.values(),
+                                                                                     key=lambda r: -r.gbps))
+            + f": {verdict(res['save_peers'])}")
+    if fl is not None:
+        if dl == dl:
+            res["load_disk"] = fl.x_disk >= TARGET_DISK
+            out.append(f"cold load vs fio O_DIRECT read: fastckpt {fl.gbps:.3f} GB/s = {fl.x_disk:.2f} x disk "
+                       f"{dl:.3f} GB/s ({summary['disk_load_point']}), paired {fl.x_disk_paired:.2f} "
+                       f"(target >= {TARGET_DISK}): {verdict(res['load_disk'])}")
+        if tl is not None:
+            res["load_torch"] = fl.gbps > tl.gbps
+            out.append(f"cold load ahead of torch.load: {fl.gbps / tl.gbps:.2f} x ({tl.gbps:.3f} GB/s): "
+                       f"{verdict(res['load_torch'])}")
+        lpeers = [r for r in rows["load"] if r.key not in ("fio", "fastckpt", "torch", "ref")]
+        if lpeers:
+            out.append("cold load vs the other loaders (no target): " + ", ".join(
+                f"{r.label} {r.gbps:.3f} GB/s ({fl.gbps / r.gbps:.2f} x)" for r in lpeers))
+    for op, f, t in (("save", fs, ts), ("load", fl, tl)):
+        if f is not None and t is not None:
+            ok = f.cpu_per_gb <= TARGET_CPU * t.cpu_per_gb
+            res[f"cpu_{op}"] = ok
+            out.append(f"CPU ({op}): fastckpt {f.cpu_per_gb:.3f} CPU-s/GB vs {t.label} {t.cpu_per_gb:.3f} "
+                       f"({f.cpu_per_gb / t.cpu_per_gb:.2f} x; machine-wide {f.machine_per_gb:.3f} vs "
+                       f"{t.machine_per_gb:.3f}) (target 'well below', taken as <= {TARGET_CPU:g} x): {verdict(ok)}")
+    summary["targets"] = res
+    return out
+
+
+def context(bench: Bench, workdir: str, threads: int) -> Dict[str, Any]:
+    ctx: Dict[str, Any] = {"kernel": platform.release(), "nproc": os.cpu_count(),
+                           "cpus_usable": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+                           "torch_threads_in_children": threads, "python": platform.python_version()}
+    try:
+        with open("/proc/cpuinfo") as f:
+            ctx["cpu"] = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "?")
+        with open("/proc/meminfo") as f:
+            mem = dict(l.split(":", 1) for l in f)
+        ctx["mem_total_gb"] = round(int(mem["MemTotal"].split()[0]) * 1024 / 1e9, 1)
+        ctx["mem_available_gb"] = round(int(mem["MemAvailable"].split()[0]) * 1024 / 1e9, 1)
+    except (OSError, KeyError, StopIteration):
+        pass
+    m = be.mount_of(workdir)
+    ctx.update(dir=workdir, fstype=m["fstype"], mount=m, block=be.block_queue_info(m["source"]))
+    if m["source"].startswith("/dev/"):
+        bench.dev = os.path.basename(os.path.realpath(m["source"]))
+        if be.dev_stat(bench.dev) is None:
+            bench.dev = None
+    if bench.fio is not None:
+        bench.fio.dev = bench.dev
+    try:
+        ctx["git"] = subprocess.run(["git", "-C", REPO_ROOT, "describe", "--always", "--dirty"], capture_output=True,
+                                    text=True).stdout.strip() or "?"
+    except OSError:
+        ctx["git"] = "?"
+    for mod in ("safetensors", "deepspeed"):
+        m_ = sys.modules.get(mod)
+        if m_ is not None:
+            ctx[mod] = getattr(m_, "__version__", "?")
+    if bench.fio is not None and bench.fio.fio:
+        ctx["fio"] = subprocess.run([bench.fio.fio, "--version"], capture_output=True, text=True).stdout.strip()
+    return ctx
+
+
+def report(bench: Bench, ctx: Dict[str, Any], skipped: Dict[str, str]) -> Dict[str, Any]:
+    a = bench.args
+    blk = ctx.get("block") or {}
+    print("## fastckpt save/load benchmark\n")
+    print(f"- kernel {ctx['kernel']}, {ctx['nproc']} CPUs ({ctx['cpus_usable']} usable), {ctx.get('cpu', '?')}, "
+          f"{ctx.get('mem_total_gb', '?')} GB RAM; torch {ctx['torch']} ({ctx['torch_threads_in_children']} "
+          f"intra-op threads in the children), fastckpt {ctx['git']}"
+          + "".join(f", {k} {ctx[k]}" for k in ("safetensors", "deepspeed") if k in ctx))
+    print(f"- dir {ctx['dir']}: {ctx['fstype']} on {ctx['mount']['source']}"
+          + (f"; device {blk.get('device')}: scheduler {blk.get('scheduler')}, write_cache {blk.get('write_cache')}"
+             if blk else ""))
+    d = bench.sd_info
+    print(f"- state dict: {d['tensors']} tensors, {d['bytes']} bytes ({d['bytes'] / 1e9:.3f} GB; "
+          f"{', '.join(f'{k} {v / 1e9:.2f} GB' for k, v in d['bytes_by_dtype'].items())}); "
+          f"{d['at_least_64mib']} tensors >= 64 MiB (largest {d['largest_mib'][:3]} MiB), {d['under_1mib']} under "
+          f"1 MiB; seed {SEED}; built in {bench.build_s:.1f} s")
+    print(f"- {a.reps} repetitions, interleaved (order reversed on odd repetitions); medians [min-max]")
+    if not a.no_touch_ref:
+        print(f"- '{TOUCH_LABEL}': torch.empty(payload bytes).fill_(0) in a fresh child, once per repetition: "
+              "the page-fault + zeroing rate of fresh memory, which every loader that allocates its result pays "
+              "(fio reads into one reused buffer and does not)")
+    print(f"- fio: {ctx.get('fio', 'not run')}" + (f", {bench.fio_size} bytes per run" if bench.fio_points else ""))
+    if bench.drop_error:
+        print(f"- page cache: NOT dropped ({bench.drop_error}): the loads are NOT cold")
+    else:
+        print(f"- page cache: dropped (os.sync(); echo 3 > /proc/sys/vm/drop_caches) before every load "
+              f"({bench.drop_ok} times in all, saves included)")
+    print("- durability: fastckpt.save: its own (tmp + fdatasync + rename + dir fsync); torch and safetensors: "
+          "reopen + fsync(file) + fsync(dir); DCP: sync_files=True + fsync(checkpoint dir) + fsync(parent); "
+          "DeepSpeed: FastFileWriter.close() (its fsync) + fsync(dir). Only fastckpt also renames atomically.")
+    print("- GB/s: tensor payload / wall time; x fastckpt: median / fastckpt's median; x disk: median / best fio "
+          "median (same op); paired: median over reps of GB/s / best fio of that rep")
+    print("- CPU-s/GB: the child's user+sys (all its threads) over the operation; machine: all CPUs' busy time in "
+          "the window (includes kernel flusher threads, interrupts); peak extra RSS: VmHWM after the operation "
+          "minus VmRSS at the child's start (after resetting VmHWM via /proc/self/clear_refs), including the "
+          "method's long-lived buffers ('pool', made by the untimed warm-up) and, for loads, the loaded state dict")
+    if a.deepspeed and "deepspeed" not in skipped:
+        print(f"- DeepSpeed: aio block {be.fmt_size(DS_BLOCK)}, queue depth {DS_QUEUE_DEPTH}, "
+              f"{be.fmt_size(DS_IO_BUFFER)} page-locked double buffer (its checkpoint defaults); its AsyncIO op "
+              "is built by DeepSpeed with -O0; no load row (DeepSpeed loads with torch.load)")
+    rows, summary = summarize(bench)
+    for op in ("save", "load"):
+        if rows[op]:
+            print_table(rows[op], op, bench)
+    print("\n## targets\n")
+    for line in targets(rows, summary):
+        print(line)
+    for k, why in skipped.items():
+        print(f"skipped {k}: {why}")
+    for n in dict.fromkeys(bench.notes):
+        print(f"note: {n}")
+    for e in bench.errors:
+        print(f"ERROR: {e}")
+    if bench.method_info:
+        for k, v in bench.method_info.items():
+            print(f"info {k}: {json.dumps(v, default=str)}")
+    return summary
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", help="directory on the disk to test; files go to a temporary .bench-tmp-* directory "
+                                  "inside it, removed at the end (default: the repository root)")
+    ap.add_argument("--size", type=be.parse_size, default=None,
+                    help="tensor bytes of the state dict (default 2G; --quick: 512M)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions (default 3; --quick: 2)")
+    ap.add_argument("--quick", action="store_true", help="512M, 2 reps, DCP thread_count 2 only, one fio point")
+    ap.add_argument("--only", help=f"comma-separated methods among {','.join(KEYS)} (default: all but deepspeed, "
+                                   "which needs --deepspeed); fio runs unless --no-fio")
+    ap.add_argument("--deepspeed", action="store_true", help="also DeepSpeed's FastFileWriter (JIT-builds its "
+                                                             "AsyncIO op once, minutes; cached)")
+    ap.add_argument("--ds-parallelism", default="1,2", help="DeepSpeed intra_op_parallelism values; the best is "
+                                                            "the peer (default 1,2; DeepSpeed's own default is 1)")
+    ap.add_argument("--dcp-threads", default=None, help="DCP FileSystemWriter thread_count values (default 1,2,4; "
+                                                        "--quick: 2)")
+    ap.add_argument("--fio-points", default=None,
+                    help="fio block:depth points, best is the disk limit (default 1M:16,8M:8; --quick: 8M:8)")
+    ap.add_argument("--no-fio", action="store_true", help="do not run fio")
+    ap.add_argument("--no-touch-ref", action="store_true",
+                    help="skip the reference row 'fresh memory' (torch.empty(payload).fill_(0) in a fresh child)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch intra-op threads in the children (default: torch's default here)")
+    ap.add_argument("--child-timeout", type=int, default=1800, help="seconds before a stuck child is killed")
+    ap.add_argument("--json", metavar="PATH", help="write raw results, context and summary here")
+    args = ap.parse_args(argv)
+    args.size = args.size or (512 * MiB if args.quick else 2 * GiB)
+    args.reps = args.reps or (2 if args.quick else 3)
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    dcp_threads = [int(x) for x in (args.dcp_threads or ("2" if args.quick else "1,2,4")).split(",") if x]
+    ds_par = [int(x) for x in args.ds_parallelism.split(",") if x]
+    fio_spec = args.fio_points or ("8M:8" if args.quick else "1M:16,8M:8")
+    fio_points = [] if args.no_fio else [FioPoint(be.parse_size(p.split(":")[0]), int(p.split(":")[1]))
+                                         for p in fio_spec.split(",") if p]
+    if args.only:
+        only = [k.strip() for k in args.only.split(",") if k.strip()]
+        bad = [k for k in only if k not in KEYS]
+        if bad:
+            ap.error(f"--only: unknown {bad}; choose among {list(KEYS)}")
+        if "deepspeed" in only:
+            args.deepspeed = True
+    else:
+        only = [k for k in KEYS if k != "deepspeed" or args.deepspeed]
+    if fio_points and not shutil.which("fio"):
+        log("NOTE: fio is not installed (Debian package 'fio'): no disk limit in this run")
+        fio_points = []
+    # torch's default intra-op thread count for the children; the parent stays single-threaded so
+    # that it never starts OpenMP's thread pool, which does not survive fork() (a child would hang).
+    args.threads = args.threads or torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    notes: List[str] = []
+    skipped: Dict[str, str] = {}
+    methods: List[Method] = []
+    for key in only:
+        if key == "fastckpt":
+            try:
+                import fastckpt
+                if not (hasattr(fastckpt, "save") and hasattr(fastckpt, "load")):
+                    raise ImportError("fastckpt has no save/load yet")
+                methods.append(FastckptMethod(fastckpt))
+            except Exception as e:  # noqa: BLE001
+                skipped[key] = f"{type(e).__name__}: {e} (rebuild with `make build` if fastckpt._C fails to import)"
+        elif key == "torch":
+            methods.append(TorchMethod())
+        elif key == "dcp":
+            try:
+                methods += [DcpMethod(k, has_load=(i == 0)) for i, k in
+                            enumerate(sorted(dcp_threads, key=lambda k: (k != 2, k)))]
+            except Exception as e:  # noqa: BLE001
+                skipped[key] = f"torch.distributed.checkpoint unavailable: {e}"
+        elif key == "safetensors":
+            try:
+                methods.append(SafetensorsMethod())
+            except ImportError as e:
+                skipped[key] = (f"{e}; install with `.venv/bin/pip install -c .venv/torch-constraint.txt "
+                                f"safetensors`")
+        elif key == "deepspeed":
+            aio_op, why = setup_deepspeed(notes)
+            if aio_op is None:
+                skipped[key] = why
+            else:
+                methods += [DeepSpeedMethod(aio_op, p) for p in ds_par]
+    for k, why in skipped.items():
+        log(f"SKIP {k}: {why}")
+    if not methods:
+        raise SystemExit("no method to measure")
+    # the DCP load row sits with the thread_count=2 (or first) variant; keep the list order readable
+    methods.sort(key=lambda m: (KEYS.index(m.key), getattr(m, "threads", 0), getattr(m, "par", 0)))
+
+    parent = os.path.abspath(args.dir) if args.dir else REPO_ROOT
+    os.makedirs(parent, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix=".bench-tmp-", dir=parent)
+    try:
+        free = shutil.disk_usage(workdir).free
+        if free < 2.5 * args.size + GiB:
+            raise SystemExit(f"not enough free space in {workdir}: {free / 1e9:.1f} GB free, need about "
+                             f"{(2.5 * args.size + GiB) / 1e9:.1f} GB")
+        with open("/proc/meminfo") as f:
+            avail = int(next(l for l in f if l.startswith("MemAvailable")).split()[1]) * 1024
+        if 3.5 * args.size > 0.9 * avail:
+            raise SystemExit(f"not enough memory: about {3.5 * args.size / 1e9:.1f} GB needed (the state dict, a "
+                             f"loaded copy, format copies), {avail / 1e9:.1f} GB available; use a smaller --size")
+        log(f"building the state dict ({args.size / 1e9:.2f} GB, seed {SEED}) ...")
+        t = time.perf_counter()
+        sd = build_state_dict(args.size)
+        build_s = time.perf_counter() - t
+        bench = Bench(args, workdir, sd, methods, fio_points)
+        bench.notes += notes
+        bench.sd_info = describe_sd(sd)
+        bench.build_s = build_s
+        touch_pages(sd)
+        log(f"  {bench.sd_info['tensors']} tensors, {bench.payload / 1e9:.3f} GB, in {build_s:.1f} s")
+        ctx = context(bench, workdir, args.threads)
+        if ctx["fstype"] in ("tmpfs", "ramfs"):
+            log(f"WARNING: {workdir} is on {ctx['fstype']}: this measures memory, not the disk")
+        t = time.perf_counter()
+        bench.run()
+        log(f"measured in {time.perf_counter() - t:.0f} s")
+
+        def dump(summary):
+            with open(args.json, "w") as f:
+                json.dump({"args": dict(vars(args)), "context": ctx, "state_dict": bench.sd_info,
+                           "summary": summary, "skipped": skipped, "notes": list(dict.fromkeys(bench.notes)),
+                           "errors": bench.errors, "drop_caches_error": bench.drop_error,
+                           "method_info": bench.method_info, "records": [r.__dict__ for r in bench.records]},
+                          f, indent=1, default=str)
+
+        if args.json:
+            dump(None)
+        summary = report(bench, ctx, skipped)
+        if args.json:
+            dump(summary)
+            log(f"raw results written to {args.json}")
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 1 if bench.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
