@@ -82,6 +82,7 @@ class Entry:
     crc: int
     header_offset: int
     data_offset: int = 0
+    method: int = 0  # compression method: fastckpt writes 0 (stored); others are refused on load
 
 
 def central_directory(entries: List[Entry], cd_offset: int) -> bytes:
@@ -230,8 +231,8 @@ class Archive:
                     except StopIteration:
                         raise bad(f"entry {name!r}: short zip64 field") from None
                 q += 4 + ln
-            if method != 0 or csize != usize:
-                raise bad(f"entry {name!r} is compressed (method {method}); checkpoints store records uncompressed")
+            if method == 0 and csize != usize:
+                raise bad(f"entry {name!r}: stored sizes differ ({csize} vs {usize})")
             if flags & 0x1:
                 raise bad(f"entry {name!r} is encrypted")
             top, sep, rest = name.partition("/")
@@ -251,10 +252,10 @@ class Archive:
             if read_at(hoff + LOCAL_HEADER_SIZE, lname_len) != raw_name:
                 raise bad(f"entry {name!r}: local header names another record")
             data_off = hoff + LOCAL_HEADER_SIZE + lname_len + lextra_len
-            if data_off + usize > cd_off:
-                raise bad(f"truncated or corrupt: record {name!r} ({usize} bytes at offset {data_off}) "
+            if data_off + csize > cd_off:
+                raise bad(f"truncated or corrupt: record {name!r} ({csize} bytes at offset {data_off}) "
                           f"overlaps the central directory at {cd_off}")
-            records[rest] = Entry(name, usize, crc, hoff, data_off)
+            records[rest] = Entry(name, usize, crc, hoff, data_off, method)
         if prefix is None:
             raise bad("empty archive")
         return cls(path, prefix, records, size)

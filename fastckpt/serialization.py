@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, IO, List, Optional, Tuple, Union
 import torch
 import torch.serialization as ts
 
-from . import _C, _zip
+from . import _C, _zip, knobs
 from .engine import get_engine
 from .errors import FormatError
 
@@ -182,7 +182,7 @@ class _PinnedStager:
 
 
 def _cuda_chunk() -> int:
-    return 4 * _C.EngineConfig.from_env().buffer_size
+    return 4 * knobs.config().buffer_size
 
 
 def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL) -> None:
@@ -279,6 +279,13 @@ class _Reader:
     def get_record_offset(self, name: str) -> int:
         return self.archive.records[name].data_offset
 
+    def get_record_header_offset(self, name: str) -> int:
+        return self.archive.records[name].header_offset
+
+    def get_record_offset_no_read(self, cursor: int, name: str, numel: int, alignment: int) -> int:
+        # torch predicts this from the layout; the central directory knows it.
+        return self.archive.records[name].data_offset
+
     def get_storage_from_record(self, name: str, numel: int, dtype) -> torch.Tensor:
         t = self.storages.get(name)
         if t is None:
@@ -295,6 +302,12 @@ class _Reader:
 def _read_archive(path: str, verify: bool):
     archive = _zip.Archive.open(path)
     recs = archive.records
+    if "constants.pkl" in recs:
+        raise FormatError(f"{path}: this is a TorchScript archive; load it with torch.jit.load")
+    for n, e in recs.items():
+        if e.method != 0:
+            raise FormatError(f"{path}: record {n!r} is compressed (method {e.method}); "
+                              "checkpoints store records uncompressed")
     if "data.pkl" not in recs:
         raise FormatError(f"{path}: no data.pkl record (not a torch.save checkpoint)")
     small_names = [n for n in recs if not n.startswith("data/")]
@@ -345,6 +358,24 @@ def _tensor_names_for_records(reader: _Reader, records: List[str], pickle_module
     return found or [f"record {n!r}" for n in records]
 
 
+def _weights_only_message(path: str, why: str) -> str:
+    return (f"fastckpt.load({path!r}): the weights-only unpickler refused the file: {why}\n"
+            "Nothing from the file was run. If you trust its source, load it with weights_only=False, "
+            "or allow the classes it needs with torch.serialization.add_safe_globals([...]) "
+            "(or the torch.serialization.safe_globals context manager).")
+
+
+def _is_legacy(head: bytes) -> bool:
+    """torch's pre-1.6 format: a pickle (protocol 2..5, maybe framed) that
+    starts with torch's magic number."""
+    if len(head) < 2 or head[0] != 0x80 or not 2 <= head[1] <= 5:
+        return False
+    rest = head[2:]
+    if rest[:1] == b"\x95":  # FRAME + 8-byte length (protocol 4+)
+        rest = rest[9:]
+    return rest.startswith(_LEGACY_MAGIC[2:])
+
+
 def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = None, *,
          weights_only: bool = True, mmap: bool = False, verify: bool = False, **pickle_load_args) -> Any:
     """Load an object saved by :func:`save` or by :func:`torch.save`.
@@ -378,7 +409,6 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
     if pickle_module is None:
         pickle_module = ts._weights_only_unpickler if weights_only else pickle
-    pickle_load_args.setdefault("encoding", "utf-8")
     if not _is_path(f) or mmap:
         if verify:
             raise ValueError("verify=True needs a path and mmap=False")
@@ -386,15 +416,14 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
                           **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
     path = os.fspath(f)
     with open(path, "rb") as fh:  # FileNotFoundError etc. with the usual errno and path
-        magic = fh.read(len(_LEGACY_MAGIC))
-    if magic.startswith(_LEGACY_MAGIC):  # torch's pre-1.6 format: torch.load knows it
+        head = fh.read(32)
+    if _is_legacy(head):  # torch's pre-1.6 format: torch.load knows it
         log.debug("fastckpt.load: %s is in torch's legacy format; using torch.load", path)
         return torch.load(path, map_location=map_location, weights_only=weights_only,
                           **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
+    pickle_load_args.setdefault("encoding", "utf-8")  # torch.load's default
     archive, small, storages, bad = _read_archive(path, verify)
     reader = _Reader(archive, small, storages)
-    if "constants.pkl" in archive.records:
-        raise FormatError(f"{path}: this is a TorchScript archive; load it with torch.jit.load")
     if bad:
         names = _tensor_names_for_records(reader, bad, pickle_module, pickle_load_args)
         raise FormatError(f"{path}: checksum mismatch (corrupt data) in {', '.join(names)}")
@@ -402,5 +431,5 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         return ts._load(reader, map_location, pickle_module, **pickle_load_args)
     except pickle.UnpicklingError as e:
         if weights_only:
-            raise pickle.UnpicklingError(ts._get_wo_message(str(e))) from None
+            raise pickle.UnpicklingError(_weights_only_message(path, str(e))) from None
         raise

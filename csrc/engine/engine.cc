@@ -24,7 +24,9 @@ static uint64_t round_down(uint64_t v, uint64_t a) { return v / a * a; }
 
 // ---------------------------------------------------------------- Engine
 
-BackendLease::~BackendLease() {
+BackendLease::~BackendLease() { give_back(); }
+
+void BackendLease::give_back() {
   if (be_ && eng_) eng_->give_back(std::move(be_));
 }
 
@@ -306,6 +308,8 @@ WriteStats Writer::commit() {
   st.bytes = pos_;
   st.requests = requests_;
   st.requeued = q_->requeued();
+  q_.reset();
+  lease_.give_back();
   st.seconds = now_seconds() - t0_;
   st.direct = direct_;
   st.backend = backend_;
@@ -327,7 +331,9 @@ void Writer::abort() noexcept {
   if (q_) {
     q_->drain();
     if (q_->broken()) lease_.discard();
+    q_.reset();
   }
+  lease_.give_back();  // an aborted writer holds no ring or threads
   release_buffers();
   sys::close_quiet(fd_);
   fd_ = -1;

