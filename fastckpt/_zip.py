@@ -34,6 +34,7 @@ FLAGS = 0x0808  # bit 3: sizes and CRC in a data descriptor; bit 11: UTF-8 names
 DOS_TIME, DOS_DATE = 0, (1 << 5) | 1  # 1980-01-01 00:00, fixed: reproducible files
 ZIP64_TAG = 0x0001
 PAD_TAG = 0x4246  # "FB": PyTorch's padding field
+_BLOCK = 64 << 10  # parsing reads the file in blocks of this size
 
 _local = struct.Struct("<IHHHHHIIIHH")
 _central = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -146,11 +147,22 @@ class Archive:
         def bad(what: str) -> FormatError:
             return FormatError(f"{path}: {what}")
 
+        blocks: Dict[int, bytes] = {}  # small reads (local headers) share 64 KiB blocks
+
         def read_at(off: int, n: int) -> bytes:
             if off < 0 or n < 0 or off + n > size:
                 raise bad(f"truncated: needs bytes {off}..{off + n} of a {size}-byte file")
-            f.seek(off)
-            b = f.read(n)
+            first, last = off // _BLOCK, (off + n - 1) // _BLOCK if n else off // _BLOCK
+            if n > _BLOCK or last - first > 1:
+                b = os.pread(f.fileno(), n, off)
+            else:
+                parts = []
+                for k in range(first, last + 1):
+                    if k not in blocks:
+                        blocks[k] = os.pread(f.fileno(), _BLOCK, k * _BLOCK)
+                    parts.append(blocks[k])
+                joined = b"".join(parts)
+                b = joined[off - first * _BLOCK:off - first * _BLOCK + n]
             if len(b) != n:
                 raise bad(f"truncated while reading {n} bytes at offset {off}")
             return b
