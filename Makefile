@@ -3,7 +3,8 @@ VENV       ?= .venv
 PY         := $(VENV)/bin/python
 CMAKE_DIR  ?= build/cmake
 STAMP      := $(VENV)/.fastckpt-setup
-BENCH_ARGS ?= --quick
+BENCH_ENGINE_ARGS ?= --quick
+BENCH_ARGS ?=
 PYTEST_ARGS ?=
 
 .PHONY: all setup build test test-cpp test-python bench bench-full clean distclean
@@ -31,11 +32,15 @@ test-python: build
 
 test: test-cpp test-python
 
+# The main job: fastckpt.save/load against torch.save, DCP, safetensors and
+# the disk's own limit (fio), after the engine against fio.
 bench: build
-	$(PY) benchmarks/bench_engine.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench_engine.py $(BENCH_ENGINE_ARGS)
+	$(PY) benchmarks/bench_save_load.py $(BENCH_ARGS)
 
 bench-full: build
 	$(PY) benchmarks/bench_engine.py --full
+	$(PY) benchmarks/bench_save_load.py --deepspeed
 
 clean:
 	rm -rf build fastckpt/*.so .pytest_cache
