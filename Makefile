@@ -39,6 +39,7 @@ bench: build
 	$(PY) benchmarks/bench_save_load.py $(BENCH_ARGS)
 
 bench-full: build
+	bash .ci/install_deepspeed.sh
 	$(PY) benchmarks/bench_engine.py --full
 	$(PY) benchmarks/bench_save_load.py --deepspeed
 
