@@ -358,6 +358,14 @@ def _tensor_names_for_records(reader: _Reader, records: List[str], pickle_module
     return found or [f"record {n!r}" for n in records]
 
 
+class _MapLocationError(Exception):
+    """Carries an error of map_location out of the unpickler unchanged."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
 def _weights_only_message(path: str, why: str) -> str:
     return (f"fastckpt.load({path!r}): the weights-only unpickler refused the file: {why}\n"
             "Nothing from the file was run. If you trust its source, load it with weights_only=False, "
@@ -427,9 +435,33 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     if bad:
         names = _tensor_names_for_records(reader, bad, pickle_module, pickle_load_args)
         raise FormatError(f"{path}: checksum mismatch (corrupt data) in {', '.join(names)}")
-    try:
+    if not weights_only:
         return ts._load(reader, map_location, pickle_module, **pickle_load_args)
+    # The restricted unpickler runs no code from the file, so anything it
+    # raises, other than a refusal, comes from a damaged pickle; errors of
+    # map_location itself are passed through unchanged.
+    restore = ts._get_restore_location(map_location)
+
+    def restore_location(storage, location):
+        if not isinstance(location, str):
+            raise FormatError(f"{path}: data.pkl is damaged: storage location {location!r} is not a string")
+        try:
+            return restore(storage, location)
+        except Exception as e:
+            try:
+                torch.device(location)
+            except Exception:
+                raise FormatError(f"{path}: data.pkl is damaged: unknown storage location {location!r}") from e
+            raise _MapLocationError(e) from e
+
+    try:
+        return ts._load(reader, restore_location, pickle_module, **pickle_load_args)
+    except _MapLocationError as e:
+        raise e.error from None
     except pickle.UnpicklingError as e:
-        if weights_only:
-            raise pickle.UnpicklingError(_weights_only_message(path, str(e))) from None
+        raise pickle.UnpicklingError(_weights_only_message(path, str(e))) from None
+    except (FormatError, OSError):
         raise
+    except Exception as e:
+        raise FormatError(f"{path}: data.pkl is damaged and cannot be unpickled "
+                          f"({type(e).__name__}: {e})") from e

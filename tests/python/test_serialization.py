@@ -1310,3 +1310,22 @@ def test_legacy_format_newer_protocols(tmp_path, protocol):
     torch.save(obj, path, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
     ref = torch.load(path, weights_only=False)
     assert_same(ref, fastckpt.load(path, weights_only=False))
+
+
+def test_map_location_errors_pass_through_like_torch(tmp_path):
+    """Errors of map_location itself are not reported as damaged files."""
+    path = tmp_path / "a.pt"
+    fastckpt.save({"w": torch.ones(3)}, path)
+
+    def bad(storage, location):
+        raise KeyError("no such device here")
+
+    with pytest.raises(KeyError, match="no such device"):
+        fastckpt.load(path, map_location=bad)
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError) as ours:
+            fastckpt.load(path, map_location="cuda:0")
+        with pytest.raises(RuntimeError) as theirs:
+            torch.load(path, map_location="cuda:0")
+        assert not isinstance(ours.value, fastckpt.FormatError)
+        assert str(ours.value) == str(theirs.value)
