@@ -1,0 +1,526 @@
+"""One DCP tensor record: a torch.save archive of one tensor, laid out for O_DIRECT.
+
+The stock ``FileSystemWriter`` stores every tensor of a ``.distcp`` file as a
+complete ``torch.save`` archive (a stored zip) at the offset/length recorded in
+``.metadata``, and the stock reader hands that byte range to ``torch.load``.
+fastckpt writes the same archives, byte for byte the same pickle and records,
+with one difference: the padding field of the ``data/0`` record is sized so
+that the tensor bytes start on a 4 KiB boundary *of the file* (for tensors of
+at least :data:`ALIGN_MIN` bytes), which lets a reader fetch them with
+``O_DIRECT`` straight into the destination. See docs/FORMAT.md, section 2.
+
+Reading goes the other way without ``torch.load``: the central directory and
+local headers locate ``data.pkl`` and the storage record, a restricted
+unpickler turns ``data.pkl`` into a :class:`TensorLayout` (dtype, size, stride,
+storage offset) without touching tensor data, and the caller reads only the
+bytes it needs. Anything this parser does not recognise is reported as
+:class:`Unsupported`, and the caller falls back to ``torch.load`` on the
+whole record, exactly as the stock reader does.
+
+Every offset and size read from disk is checked before use; an inconsistent
+record raises :class:`fastckpt.FormatError`.
+"""
+
+import collections
+import pickle
+import struct
+import sys
+import uuid
+import zlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import FormatError
+
+__all__ = ["ALIGN", "ALIGN_MIN", "RECORD_ALIGN", "TensorBlob", "plan_tensor_blob", "ZipIndex",
+           "parse_tail", "TAIL_READ", "local_data_offset", "TensorLayout", "parse_pickle", "Unsupported"]
+
+ALIGN = 4096          # file alignment of tensor bytes
+ALIGN_MIN = 64 << 10  # tensors smaller than this are only 64-byte aligned (no 4 KiB hole for a bias)
+RECORD_ALIGN = 64     # torch.save's own record alignment; every blob starts on a multiple of it
+TAIL_READ = 4096      # bytes read from the end of a record to find its central directory
+
+U16_MAX = 0xFFFF
+U32_MAX = 0xFFFFFFFF
+LOCAL_SIG = 0x04034B50
+CENTRAL_SIG = 0x02014B50
+DESCRIPTOR_SIG = 0x08074B50
+EOCD_SIG = 0x06054B50
+EOCD64_SIG = 0x06064B50
+EOCD64_LOC_SIG = 0x07064B50
+LOCAL_HEADER_SIZE = 30
+CENTRAL_HEADER_SIZE = 46
+EOCD_SIZE = 22
+EOCD64_SIZE = 56
+EOCD64_LOC_SIZE = 20
+FLAGS = 0x0808        # bit 3: CRC and sizes in a data descriptor; bit 11: UTF-8 names
+DOS_TIME, DOS_DATE = 0, (1 << 5) | 1  # 1980-01-01 00:00
+ZIP64_TAG = 0x0001
+PAD_TAG = 0x4246      # "FB": PyTorch's padding field
+
+_local = struct.Struct("<IHHHHHIIIHH")
+_central = struct.Struct("<IHHHHHHIIIHHHHHII")
+_descriptor32 = struct.Struct("<IIII")
+_descriptor64 = struct.Struct("<IIQQ")
+_eocd = struct.Struct("<IHHHHIIH")
+_eocd64 = struct.Struct("<IQHHIIQQQQ")
+_eocd64_loc = struct.Struct("<IIQI")
+
+ARCHIVE = "archive"   # the top folder torch.save uses for a file object without a name
+
+
+# ---------------------------------------------------------------- the pickle
+
+class _StorageRef:
+    """Pickled as torch.save's persistent id of a storage."""
+
+    def __init__(self, storage_type, numel: int):
+        self.storage_type = storage_type
+        self.numel = numel
+
+
+class _TensorStub:
+    """Pickles like a CPU tensor of `dtype` and `size` whose storage is exactly its
+    contiguous bytes (what torch.save writes for such a tensor; see
+    ``torch.Tensor._reduce_ex_internal``)."""
+
+    def __init__(self, dtype: torch.dtype, size: Tuple[int, ...]):
+        self.dtype = dtype
+        self.size = size
+
+    def __reduce__(self):
+        stride = _contiguous_stride(self.size)
+        numel = 1
+        for s in self.size:
+            numel *= s
+        hooks = collections.OrderedDict()
+        if self.dtype in _v3_dtypes():
+            storage = _StorageRef(torch.storage.UntypedStorage, numel * _itemsize(self.dtype))
+            return (torch._utils._rebuild_tensor_v3, (storage, 0, self.size, stride, False, hooks, self.dtype))
+        storage = _StorageRef(getattr(torch, _storage_type_names()[self.dtype]), numel)
+        return (torch._utils._rebuild_tensor_v2, (storage, 0, self.size, stride, False, hooks))
+
+
+def _v3_dtypes():
+    new = getattr(torch.storage, "_new_dtypes", None)
+    return new() if new is not None else set()
+
+
+def _storage_type_names() -> Dict[torch.dtype, str]:
+    return torch.storage._dtype_to_storage_type_map()
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _contiguous_stride(size: Sequence[int]) -> Tuple[int, ...]:
+    stride = []
+    acc = 1
+    for s in reversed(size):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+class _Pickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        if isinstance(obj, _StorageRef):
+            return ("storage", obj.storage_type, "0", "cpu", obj.numel)
+        return None
+
+
+_pickle_cache: Dict[Tuple[torch.dtype, Tuple[int, ...]], bytes] = {}
+
+
+def tensor_pickle(dtype: torch.dtype, size: Tuple[int, ...]) -> bytes:
+    """The ``data.pkl`` torch.save writes for a contiguous CPU tensor (protocol 2)."""
+    key = (dtype, size)
+    p = _pickle_cache.get(key)
+    if p is None:
+        if dtype not in _v3_dtypes() and dtype not in _storage_type_names():
+            raise TypeError(f"fastckpt.dcp: cannot save tensors of dtype {dtype}")
+        import io
+        buf = io.BytesIO()
+        _Pickler(buf, protocol=2).dump(_TensorStub(dtype, size))
+        p = buf.getvalue()
+        if len(_pickle_cache) < 4096:
+            _pickle_cache[key] = p
+    return p
+
+
+# ---------------------------------------------------------------- writing a record
+
+def _local_header(name: bytes, size: int, rel_offset: int, abs_offset: int, alignment: int) -> bytes:
+    """Local header whose "FB" padding puts the data on a multiple of `alignment`
+    of the file (`abs_offset` is where the header starts in the file)."""
+    extra = b""
+    if size >= U32_MAX or rel_offset >= U32_MAX:
+        z = b""
+        if size >= U32_MAX:
+            z += struct.pack("<QQ", 0, 0)
+        if rel_offset >= U32_MAX:
+            z += struct.pack("<Q", 0)
+        extra += struct.pack("<HH", ZIP64_TAG, len(z)) + z
+    start = abs_offset + LOCAL_HEADER_SIZE + len(name) + len(extra) + 4
+    pad = (-start) % alignment
+    extra += struct.pack("<HH", PAD_TAG, pad) + b"Z" * pad
+    return _local.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(extra)) + name + extra
+
+
+def _descriptor(crc: int, size: int, rel_offset: int) -> bytes:
+    if size == 0:
+        return b""
+    if size >= U32_MAX or rel_offset >= U32_MAX:
+        return _descriptor64.pack(DESCRIPTOR_SIG, crc, size, size)
+    return _descriptor32.pack(DESCRIPTOR_SIG, crc, size, size)
+
+
+@dataclass
+class _Rec:
+    name: bytes
+    size: int
+    crc: int
+    rel_offset: int
+
+
+def _central_directory(recs: List[_Rec], cd_offset: int) -> bytes:
+    out = []
+    for e in recs:
+        z = b""
+        size32, off32 = e.size, e.rel_offset
+        if e.size >= U32_MAX:
+            z += struct.pack("<QQ", e.size, e.size)
+            size32 = U32_MAX
+        if e.rel_offset >= U32_MAX:
+            z += struct.pack("<Q", e.rel_offset)
+            off32 = U32_MAX
+        extra = struct.pack("<HH", ZIP64_TAG, len(z)) + z if z else b""
+        version = 45 if z else 20
+        out += [_central.pack(CENTRAL_SIG, version, version, FLAGS, 0, DOS_TIME, DOS_DATE, e.crc, size32, size32,
+                              len(e.name), len(extra), 0, 0, 0, 0, off32), e.name, extra]
+    cd = b"".join(out)
+    n = len(recs)
+    end = b""
+    if n >= U16_MAX or len(cd) >= U32_MAX or cd_offset >= U32_MAX:
+        end += _eocd64.pack(EOCD64_SIG, EOCD64_SIZE - 12, 45, 45, 0, 0, n, n, len(cd), cd_offset)
+        end += _eocd64_loc.pack(EOCD64_LOC_SIG, 0, cd_offset + len(cd), 1)
+    end += _eocd.pack(EOCD_SIG, 0, 0, min(n, U16_MAX), min(n, U16_MAX), min(len(cd), U32_MAX),
+                      min(cd_offset, U32_MAX), 0)
+    return cd + end
+
+
+class TensorBlob:
+    """The layout of one tensor record at a known file offset: ``head`` (bytes up
+    to the tensor data), then the tensor's ``nbytes``, then ``tail(crc)``."""
+
+    def __init__(self, head: bytes, nbytes: int, data_offset: int, data_rec: _Rec, tail_len: int,
+                 small_tail: bytes, recs: List[_Rec], cd_rel: int):
+        self.head = head
+        self.nbytes = nbytes
+        self.data_offset = data_offset  # absolute file offset of the tensor bytes
+        self._data_rec = data_rec
+        self._small_tail = small_tail
+        self._recs = recs
+        self._cd_rel = cd_rel
+        self.length = len(head) + nbytes + tail_len
+
+    def tail(self, crc: int) -> bytes:
+        self._data_rec.crc = crc
+        return (_descriptor(crc, self.nbytes, self._data_rec.rel_offset) + self._small_tail
+                + _central_directory(self._recs, self._cd_rel))
+
+
+def plan_tensor_blob(dtype: torch.dtype, size: Tuple[int, ...], file_offset: int) -> TensorBlob:
+    """Lay out the torch.save archive of a contiguous tensor starting at `file_offset`."""
+    if file_offset % RECORD_ALIGN:
+        raise ValueError(f"tensor records start on multiples of {RECORD_ALIGN} (got {file_offset})")
+    numel = 1
+    for s in size:
+        numel *= s
+    nbytes = numel * _itemsize(dtype)
+    pkl = tensor_pickle(dtype, tuple(size))
+    serialization_id = f"{uuid.uuid4().int:040d}"[:40].encode()
+    before = [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", str(RECORD_ALIGN).encode()),
+              ("byteorder", sys.byteorder.encode())]
+    after = [("version", b"3\n"), (".data/serialization_id", serialization_id)]
+    recs: List[_Rec] = []
+    parts: List[bytes] = []
+    rel = 0
+
+    def small(name: str, payload: bytes, out: List[bytes]) -> None:
+        nonlocal rel
+        full = f"{ARCHIVE}/{name}".encode()
+        rec = _Rec(full, len(payload), zlib.crc32(payload), rel)
+        h = _local_header(full, len(payload), rel, file_offset + rel, RECORD_ALIGN)
+        d = _descriptor(rec.crc, len(payload), rel)
+        out += [h, payload, d]
+        rel += len(h) + len(payload) + len(d)
+        recs.append(rec)
+
+    for name, payload in before:
+        small(name, payload, parts)
+    full = f"{ARCHIVE}/data/0".encode()
+    data_rec = _Rec(full, nbytes, 0, rel)
+    h = _local_header(full, nbytes, rel, file_offset + rel, ALIGN if nbytes >= ALIGN_MIN else RECORD_ALIGN)
+    parts.append(h)
+    rel += len(h)
+    head = b"".join(parts)
+    data_offset = file_offset + rel
+    recs.append(data_rec)
+    rel += nbytes + len(_descriptor(0, nbytes, data_rec.rel_offset))
+    tail_parts: List[bytes] = []
+    for name, payload in after:
+        small(name, payload, tail_parts)
+    small_tail = b"".join(tail_parts)
+    cd_rel = rel
+    tail_len = (len(_descriptor(0, nbytes, data_rec.rel_offset)) + len(small_tail)
+                + len(_central_directory(recs, cd_rel)))
+    return TensorBlob(head, nbytes, data_offset, data_rec, tail_len, small_tail, recs, cd_rel)
+
+
+# ---------------------------------------------------------------- reading a record
+
+@dataclass
+class ZipEntry:
+    name: str          # without the top folder: "data.pkl", "data/0", ...
+    size: int
+    crc: int
+    rel_offset: int    # local header, relative to the record's start
+    method: int
+
+
+@dataclass
+class ZipIndex:
+    entries: Dict[str, ZipEntry]
+    cd_offset: int     # relative to the record's start
+
+    def span_end(self, e: ZipEntry) -> int:
+        """Where the next local header (or the central directory) starts."""
+        nxt = [x.rel_offset for x in self.entries.values() if x.rel_offset > e.rel_offset]
+        return min(nxt) if nxt else self.cd_offset
+
+
+class NeedMore(Exception):
+    """The central directory starts before the bytes read from the record's end."""
+
+    def __init__(self, start: int):
+        super().__init__(start)
+        self.start = start  # relative offset from which the record must be read
+
+
+class Unsupported(Exception):
+    """A valid record that this fast parser does not handle (torch.load will)."""
+
+
+def parse_tail(tail: bytes, tail_start: int, length: int, where: str) -> ZipIndex:
+    """Parse the end records and central directory of a record of `length` bytes,
+    given its bytes from relative offset `tail_start` to the end.
+
+    Raises NeedMore(start) when the directory begins before `tail_start`."""
+
+    def bad(what: str) -> FormatError:
+        return FormatError(f"{where}: {what}")
+
+    def at(off: int, n: int) -> bytes:
+        if off < tail_start:
+            raise NeedMore(off)
+        if off + n > length:
+            raise bad(f"zip structure runs past the end of the record (needs bytes {off}..{off + n} of {length})")
+        return tail[off - tail_start:off - tail_start + n]
+
+    if length < EOCD_SIZE:
+        raise bad(f"a {length}-byte record is too short to be a torch.save archive")
+    pos = tail.rfind(b"PK\x05\x06")
+    while pos >= 0 and pos + EOCD_SIZE > len(tail):
+        pos = tail.rfind(b"PK\x05\x06", 0, pos)
+    if pos < 0:
+        if tail_start > 0 and length - tail_start < EOCD_SIZE + U16_MAX:
+            raise NeedMore(max(0, length - EOCD_SIZE - U16_MAX))
+        raise bad("not a torch.save archive: no end-of-central-directory record (truncated or corrupt)")
+    eocd_rel = tail_start + pos
+    _, disk, cd_disk, n_disk, n, cd_size, cd_off, comment_len = _eocd.unpack_from(tail, pos)
+    if disk != 0 or cd_disk != 0 or n_disk != n:
+        raise bad("multi-disk zip archives are not supported")
+    if n == U16_MAX or cd_size == U32_MAX or cd_off == U32_MAX:
+        loc = at(eocd_rel - EOCD64_LOC_SIZE, EOCD64_LOC_SIZE)
+        sig, _, eocd64_off, _ = _eocd64_loc.unpack(loc)
+        if sig != EOCD64_LOC_SIG:
+            raise bad(f"corrupt zip64 end locator at record offset {eocd_rel - EOCD64_LOC_SIZE}")
+        fields = _eocd64.unpack(at(eocd64_off, EOCD64_SIZE))
+        if fields[0] != EOCD64_SIG:
+            raise bad(f"corrupt zip64 end record at record offset {eocd64_off}")
+        n, cd_size, cd_off = fields[7], fields[8], fields[9]
+    if cd_off + cd_size > eocd_rel or n * CENTRAL_HEADER_SIZE > cd_size:
+        raise bad(f"corrupt central directory (offset {cd_off}, {cd_size} bytes, {n} entries, "
+                  f"end record at {eocd_rel})")
+    cd = at(cd_off, cd_size)
+    entries: Dict[str, ZipEntry] = {}
+    prefix: Optional[str] = None
+    p = 0
+    for i in range(n):
+        if p + CENTRAL_HEADER_SIZE > len(cd):
+            raise bad(f"central directory entry {i} runs past the directory")
+        (sig, _, _, flags, method, _, _, crc, csize, usize, name_len, extra_len, comment_len,
+         _, _, _, hoff) = _central.unpack_from(cd, p)
+        if sig != CENTRAL_SIG:
+            raise bad(f"corrupt central directory entry {i}")
+        p += CENTRAL_HEADER_SIZE
+        if p + name_len + extra_len + comment_len > len(cd):
+            raise bad(f"central directory entry {i} runs past the directory")
+        raw = cd[p:p + name_len]
+        extra = cd[p + name_len:p + name_len + extra_len]
+        p += name_len + extra_len + comment_len
+        try:
+            name = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise bad(f"entry {i}: name is not UTF-8") from None
+        q = 0
+        while q + 4 <= len(extra):
+            tag, ln = struct.unpack_from("<HH", extra, q)
+            body = extra[q + 4:q + 4 + ln]
+            if len(body) != ln:
+                raise bad(f"entry {name!r}: truncated extra field")
+            if tag == ZIP64_TAG:
+                vals = [struct.unpack_from("<Q", body, r)[0] for r in range(0, len(body) - 7, 8)]
+                it = iter(vals)
+                try:
+                    if usize == U32_MAX:
+                        usize = next(it)
+                    if csize == U32_MAX:
+                        csize = next(it)
+                    if hoff == U32_MAX:
+                        hoff = next(it)
+                except StopIteration:
+                    raise bad(f"entry {name!r}: short zip64 field") from None
+            q += 4 + ln
+        if flags & 0x1:
+            raise bad(f"entry {name!r} is encrypted")
+        if method == 0 and csize != usize:
+            raise bad(f"entry {name!r}: stored sizes differ ({csize} vs {usize})")
+        top, sep, rest = name.partition("/")
+        if not sep or not rest:
+            raise bad(f"entry {name!r} is not inside the archive's folder")
+        if prefix is None:
+            prefix = top
+        elif top != prefix:
+            raise bad(f"entries in two top folders: {prefix!r} and {top!r}")
+        if rest in entries:
+            raise bad(f"duplicate entry {name!r}")
+        if hoff + LOCAL_HEADER_SIZE + csize > cd_off:
+            raise bad(f"record {name!r} ({csize} bytes, header at {hoff}) overlaps the central directory at {cd_off}")
+        entries[rest] = ZipEntry(rest, usize, crc, hoff, method)
+    return ZipIndex(entries, cd_off)
+
+
+def local_data_offset(header: bytes, e: ZipEntry, index: ZipIndex, where: str) -> int:
+    """The record-relative offset of `e`'s data, from its local header (at least
+    LOCAL_HEADER_SIZE bytes of it); checked against the central directory."""
+    if len(header) < LOCAL_HEADER_SIZE:
+        raise FormatError(f"{where}: truncated local header of {e.name!r}")
+    sig, _, _, _, _, _, _, _, _, name_len, extra_len = _local.unpack_from(header, 0)
+    if sig != LOCAL_SIG:
+        raise FormatError(f"{where}: no local header for {e.name!r} at record offset {e.rel_offset}")
+    start = e.rel_offset + LOCAL_HEADER_SIZE + name_len + extra_len
+    if start + e.size > index.cd_offset:
+        raise FormatError(f"{where}: record {e.name!r} ({e.size} bytes at record offset {start}) "
+                          f"runs into the central directory at {index.cd_offset}")
+    return start
+
+
+# ---------------------------------------------------------------- the pickle, read back
+
+@dataclass
+class _StorageType:
+    dtype: torch.dtype
+    untyped: bool
+
+
+@dataclass
+class _PStorage:
+    dtype: torch.dtype
+    untyped: bool
+    key: str
+    numel: int
+
+
+@dataclass
+class TensorLayout:
+    """What ``data.pkl`` says about the tensor: element type, shape and where
+    its elements lie in storage record ``data/<key>`` (``nbytes`` long)."""
+
+    dtype: torch.dtype
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+    offset: int     # storage offset, in elements
+    key: str
+    nbytes: int     # of the storage record
+
+
+def _rebuild_v2(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
+    if metadata:
+        raise Unsupported("tensor metadata (conjugate/negative bits)")
+    if not isinstance(storage, _PStorage) or storage.untyped:
+        raise Unsupported("_rebuild_tensor_v2 without a typed storage")
+    return _layout(storage, storage.dtype, storage_offset, size, stride)
+
+
+def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
+    if metadata:
+        raise Unsupported("tensor metadata (conjugate/negative bits)")
+    if not isinstance(storage, _PStorage) or not isinstance(dtype, torch.dtype):
+        raise Unsupported("_rebuild_tensor_v3 without an untyped storage")
+    return _layout(storage, dtype, storage_offset, size, stride)
+
+
+def _layout(storage: "_PStorage", dtype, storage_offset, size, stride) -> TensorLayout:
+    ok = (isinstance(storage_offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)
+          and len(size) == len(stride) and all(isinstance(x, int) for x in size + stride))
+    if not ok:
+        raise Unsupported("unexpected tensor arguments")
+    isz = 1 if storage.untyped else _itemsize(storage.dtype)
+    return TensorLayout(dtype, size, stride, storage_offset, storage.key, storage.numel * isz)
+
+
+class _LayoutUnpickler(pickle.Unpickler):
+    """Unpickles torch.save's data.pkl of one plain tensor into a TensorLayout;
+    any other global is Unsupported (no code from the file runs)."""
+
+    def find_class(self, module, name):
+        if module == "torch._utils" and name == "_rebuild_tensor_v2":
+            return _rebuild_v2
+        if module == "torch._utils" and name == "_rebuild_tensor_v3":
+            return _rebuild_v3
+        if module == "collections" and name == "OrderedDict":
+            return collections.OrderedDict
+        if module == "torch.storage" and name == "UntypedStorage":
+            return _StorageType(torch.uint8, True)
+        if module == "torch":
+            names = {v: k for k, v in _storage_type_names().items()}
+            if name in names:
+                return _StorageType(names[name], False)
+            obj = getattr(torch, name, None)
+            if isinstance(obj, torch.dtype):
+                return obj
+        raise Unsupported(f"global {module}.{name}")
+
+    def persistent_load(self, pid):
+        if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
+                or not isinstance(pid[1], _StorageType) or not isinstance(pid[2], str) or not isinstance(pid[4], int)):
+            raise Unsupported(f"persistent id {pid!r}")
+        return _PStorage(pid[1].dtype, pid[1].untyped, pid[2], pid[4])
+
+
+def parse_pickle(data: bytes) -> TensorLayout:
+    import io
+    try:
+        obj = _LayoutUnpickler(io.BytesIO(data)).load()
+    except Unsupported:
+        raise
+    except Exception as e:  # a corrupt pickle: let torch.load report it
+        raise Unsupported(f"unreadable data.pkl: {e}") from None
+    if not isinstance(obj, TensorLayout):
+        raise Unsupported(f"data.pkl holds a {type(obj).__name__}, not a tensor")
+    return obj

@@ -1,0 +1,162 @@
+"""Host staging for ``dcp.async_save``: a copy of the state dict in buffers kept across saves.
+
+``FastWriter.stage(state_dict)`` copies every tensor (plain or the local shard
+of a DTensor) into a host buffer of its own and returns a state dict of the
+same structure whose tensors are those buffers; values that are not tensors
+are copied (immutable ones are shared). Buffers are kept in a *slot* keyed by
+the tensor's place in the state dict, and the next ``stage()`` copies into the
+same buffers: repeated async saves of the same model allocate nothing.
+
+A slot is busy from ``stage()`` until the save that writes it has finished
+``write_data`` (or the staged dict has been garbage-collected, e.g. when a save
+failed before writing). ``stage()`` never overwrites a busy slot: if the
+previous save still runs, it stages into a second slot (and says so in a log
+line), so an overlapping save costs memory, never correctness.
+
+Buffers for CUDA tensors are pinned (the device-to-host copies are issued
+non-blocking and synchronized once at the end); others are plain memory
+aligned to 4 KiB.
+"""
+
+import collections
+import copy
+import io
+import logging
+import threading
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+log = logging.getLogger("fastckpt")
+
+_IMMUTABLE = (int, float, complex, str, bytes, bool, type(None), torch.dtype, torch.device, torch.Size,
+              torch.layout, torch.memory_format)
+
+
+class StagedStateDict(dict):
+    """The staged copy (a dict subclass only so that it can be weak-referenced)."""
+
+
+def _dtensor_type():
+    try:
+        from torch.distributed.tensor import DTensor
+        return DTensor
+    except ImportError:  # pragma: no cover (torch < 2.4)
+        return None
+
+
+def _aligned_empty(size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    if pin:
+        return torch.empty(size, dtype=dtype, pin_memory=True)
+    nbytes = torch.Size(size).numel() * torch.empty((), dtype=dtype).element_size()
+    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % 4096
+    return raw[off:off + nbytes].view(dtype).view(size)
+
+
+class _Slot:
+    def __init__(self):
+        self.buffers: Dict[Tuple, torch.Tensor] = {}
+        self.busy = False
+
+
+class Stager:
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._slots: List[_Slot] = []
+        self.pending: Optional[_Slot] = None  # staged, not yet claimed by a save
+        self.allocations = 0                  # buffers allocated so far (tests check reuse)
+
+    # -- slots
+
+    def _take_slot(self) -> _Slot:
+        with self._lock:
+            for s in self._slots:
+                if not s.busy:
+                    s.busy = True
+                    return s
+            if self._slots:
+                log.info("fastckpt.dcp: the previous async save still uses its staging buffers; "
+                         "staging into a second set (%d in all)", len(self._slots) + 1)
+            s = _Slot()
+            s.busy = True
+            self._slots.append(s)
+            return s
+
+    def release(self, slot: Optional[_Slot]) -> None:
+        if slot is not None:
+            with self._lock:
+                slot.busy = False
+
+    def close(self) -> None:
+        with self._lock:
+            self._slots = [s for s in self._slots if s.busy]
+            self.pending = None
+
+    # -- staging
+
+    def stage(self, state_dict: Dict[str, Any]) -> StagedStateDict:
+        slot = self._take_slot()
+        try:
+            used: Dict[Tuple, torch.Tensor] = {}
+            cuda = [False]
+            out = StagedStateDict()
+            for k, v in state_dict.items():
+                out[k] = self._walk(v, (k,), slot, used, cuda)
+            if cuda[0]:
+                torch.cuda.synchronize()
+            slot.buffers = used  # buffers of keys no longer in the state dict are dropped
+        except BaseException:
+            self.release(slot)
+            raise
+        weakref.finalize(out, self.release, slot)
+        self.pending = slot
+        return out
+
+    def _buffer(self, path: Tuple, t: torch.Tensor, slot: _Slot, used: Dict[Tuple, torch.Tensor]) -> torch.Tensor:
+        buf = slot.buffers.get(path)
+        pin = t.device.type == "cuda"
+        if (buf is None or buf.shape != t.shape or buf.dtype != t.dtype
+                or (pin and not buf.is_pinned())):
+            buf = _aligned_empty(t.shape, t.dtype, pin)
+            self.allocations += 1
+        used[path] = buf
+        return buf
+
+    def _copy(self, path, t: torch.Tensor, slot, used, cuda) -> torch.Tensor:
+        buf = self._buffer(path, t, slot, used)
+        if t.device.type == "cuda":
+            cuda[0] = True
+            buf.copy_(t.detach(), non_blocking=True)
+        else:
+            buf.copy_(t.detach())
+        return buf
+
+    def _walk(self, obj: Any, path: Tuple, slot: _Slot, used, cuda) -> Any:
+        DTensor = _dtensor_type()
+        if DTensor is not None and isinstance(obj, DTensor):
+            local = self._copy(path, obj._local_tensor, slot, used, cuda)
+            return DTensor(local, obj._spec, requires_grad=False)
+        if isinstance(obj, torch.Tensor):
+            if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided:
+                return self._copy(path, obj, slot, used, cuda)
+            # ShardedTensor and other tensor types: torch's own staging, no reuse
+            from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+            staged = _create_cpu_state_dict({"v": obj})
+            return _copy_state_dict({"v": obj}, staged)["v"]
+        if isinstance(obj, dict):
+            out = type(obj)() if type(obj) in (dict, collections.OrderedDict) else {}
+            for k, v in obj.items():
+                out[k] = self._walk(v, path + (k,), slot, used, cuda)
+            return out
+        if isinstance(obj, list):
+            return [self._walk(v, path + (i,), slot, used, cuda) for i, v in enumerate(obj)]
+        if isinstance(obj, tuple):
+            vals = [self._walk(v, path + (i,), slot, used, cuda) for i, v in enumerate(obj)]
+            return type(obj)(*vals) if hasattr(obj, "_fields") else tuple(vals)
+        if isinstance(obj, _IMMUTABLE):
+            return obj
+        if isinstance(obj, io.BytesIO):
+            return io.BytesIO(obj.getvalue())
+        return copy.deepcopy(obj)

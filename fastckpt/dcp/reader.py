@@ -1,0 +1,546 @@
+"""FastReader: a torch.distributed.checkpoint StorageReader that reads through fastckpt's engine.
+
+It loads any checkpoint in the stock filesystem layout (written by
+``FileSystemWriter`` or :class:`~fastckpt.dcp.FastWriter`). For each data file
+that the rank's load plan touches, it reads, with parallel ``read_ranges``
+calls of the engine:
+
+1. the end of every tensor record (its zip central directory),
+2. the record's ``data.pkl`` and the local header of its storage record,
+3. only the bytes of the storage that the plan asks for (the byte span of
+   the requested hyper-rectangle), straight into the destination tensor when
+   it is a contiguous CPU tensor laid out like the stored one, else into a
+   buffer that is then copied (and cast) into the destination.
+
+A record read whole is checked against the CRC-32 of its zip entry
+(``verify=True``). Records this fast path does not recognise (another pickle,
+big-endian data, stream transforms) are read whole and given to
+``torch.load``, as the stock reader does. Every ``relative_path``, offset and
+length from ``.metadata`` is checked against the checkpoint directory and the
+file before anything is read: a bad one raises ``fastckpt.FormatError``.
+"""
+
+import errno
+import io
+import logging
+import os
+import pickle
+import stat
+import sys
+import threading
+import time
+import uuid
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .. import _C
+from ..engine import get_engine
+from ..errors import FormatError
+from . import _blob
+
+__all__ = ["FastReader"]
+
+log = logging.getLogger("fastckpt")
+
+METADATA = ".metadata"
+BATCH = 256 << 20  # with verify, data is read in batches this big, two in flight, checked as they land
+MAX_SMALL_SPAN = 1 << 20  # data.pkl and byteorder records are expected to be small
+
+
+def _sd_str(index: MetadataIndex) -> str:
+    return index.fqn if index.offset is None else f"{index.fqn} (chunk at {tuple(index.offset)})"
+
+
+@dataclass
+class _Req:
+    req: ReadItem
+    info: Any                       # _StorageInfo
+    target: Optional[torch.Tensor] = None
+    data: Optional[bytearray] = None  # BYTE_IO / whole records for torch.load
+
+
+@dataclass
+class _Blob:
+    """One tensor record of a data file and what the fast path learned about it."""
+    offset: int
+    length: int
+    where: str
+    reqs: List[_Req] = field(default_factory=list)
+    index: Optional[_blob.ZipIndex] = None
+    layout: Optional[_blob.TensorLayout] = None
+    storage: Optional[_blob.ZipEntry] = None
+    data_rel: int = 0               # record-relative offset of the storage bytes
+    slow: Optional[str] = None      # why the fast path was abandoned (then read whole, torch.load)
+    whole: Optional[bytearray] = None
+
+
+@dataclass
+class _Copy:
+    """A planned data read: destination, file offset, then what to do once read."""
+    dest: Any
+    offset: int
+    nbytes: int
+    after: Any = None               # callable run after the read (copy into target, CRC check)
+
+
+class FastReader(StorageReader):
+    """Read DCP checkpoints through fastckpt's engine (drop-in for ``FileSystemReader``).
+
+    Args:
+        path: the checkpoint directory. ``dcp.load(..., checkpoint_id=...)`` replaces it.
+        verify: check every tensor record that is read whole against the
+            CRC-32 of its zip entry (records written with CRCs disabled, i.e.
+            CRC 0, are not checked). Partial reads (resharding) cannot be checked.
+        thread_count: data files read concurrently.
+
+    Raises (from ``dcp.load``, possibly wrapped by it):
+        FileNotFoundError: no ``.metadata`` (not a checkpoint, or a save that
+            did not finish), or a data file named in it is missing.
+        fastckpt.FormatError: corrupt ``.metadata``, a data file shorter than
+            ``.metadata`` says, a ``relative_path`` outside the checkpoint
+            directory, a corrupt record or a checksum mismatch.
+
+    Example:
+        >>> dcp.load(state_dict, storage_reader=fastckpt.dcp.FastReader("/ckpt/step_100"))
+    """
+
+    def __init__(self, path: Union[str, os.PathLike], verify: bool = True, thread_count: int = 2,
+                 _extension_registry: Any = None):
+        super().__init__()
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1 (got {thread_count})")
+        self.path = Path(path)
+        self.verify = verify
+        self.thread_count = thread_count
+        self.storage_data: Dict[Any, Any] = {}
+        self.load_id = str(uuid.uuid4())
+        self.rank: Optional[int] = None
+        self.use_collectives = True
+        self._extension_registry = _extension_registry
+        self.last_read_stats: Dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- StorageReader
+
+    def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        self.storage_data = {}
+        if checkpoint_id:
+            self.path = Path(checkpoint_id)
+        self.load_id = str(uuid.uuid4())
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        name = METADATA if rank is None else f"__{rank}{METADATA}"
+        p = os.path.join(self.path, name)
+        try:
+            with open(p, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, f"{p} does not exist: {self.path} is not a complete DCP "
+                                    "checkpoint (no save has finished there, or one was interrupted)", p) from None
+        try:
+            md = pickle.loads(data)
+        except Exception as e:
+            raise FormatError(f"{p}: corrupt checkpoint metadata ({type(e).__name__}: {e})") from None
+        if not isinstance(md, Metadata):
+            raise FormatError(f"{p}: not DCP checkpoint metadata (it holds a {type(md).__name__})")
+        if not isinstance(md.storage_data, dict) or not isinstance(md.state_dict_metadata, dict):
+            raise FormatError(f"{p}: corrupt checkpoint metadata (no storage table)")
+        if getattr(md, "storage_meta", None) is None:
+            md.storage_meta = StorageMeta()
+        md.storage_meta.load_id = self.load_id
+        return md
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(metadata.storage_data, dict):
+            raise FormatError(f"{self.path}: checkpoint metadata has no storage table")
+        self.storage_data = metadata.storage_data
+        self.rank = kwargs.get("rank")
+        self.use_collectives = kwargs.get("use_collectives", True)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        return plans
+
+    @property
+    def checkpoint_id(self) -> Union[str, os.PathLike]:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
+        if isinstance(checkpoint_id, Path):
+            return True
+        if "://" in str(checkpoint_id):
+            return False
+        return os.path.isdir(checkpoint_id)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        t0 = time.perf_counter()
+        per_file: Dict[str, List[_Req]] = {}
+        for req in plan.items:
+            info = self.storage_data.get(req.storage_index)
+            if info is None:
+                raise FormatError(f"{self.path}: .metadata has no storage entry for {_sd_str(req.storage_index)}")
+            rel = getattr(info, "relative_path", None)
+            per_file.setdefault(rel, []).append(_Req(req, info))
+        jobs = []
+        for rel, reqs in per_file.items():
+            full, size = self._resolve(rel)
+            for r in reqs:
+                off, ln = getattr(r.info, "offset", None), getattr(r.info, "length", None)
+                if not (isinstance(off, int) and isinstance(ln, int) and off >= 0 and ln >= 0):
+                    raise FormatError(f"{self.path}: .metadata gives {_sd_str(r.req.storage_index)} an invalid "
+                                      f"range (offset {off!r}, length {ln!r})")
+                if off + ln > size:
+                    raise FormatError(f"{full}: {_sd_str(r.req.storage_index)} lies at bytes {off}..{off + ln} "
+                                      f"according to .metadata, but the file has only {size} bytes "
+                                      "(truncated data file)")
+                if r.req.type != LoadItemType.BYTE_IO:
+                    r.target = planner.resolve_tensor(r.req).detach()
+            jobs.append(_FileJob(self, full, rel, reqs))
+        if self.thread_count == 1 or len(jobs) <= 1:
+            for j in jobs:
+                j.run()
+        else:
+            with ThreadPoolExecutor(max_workers=min(self.thread_count, len(jobs)),
+                                    thread_name_prefix="fastckpt-dcp-read") as ex:
+                for f in [ex.submit(j.run) for j in jobs]:
+                    f.result()
+        stats = {"files": len(jobs), "items": len(plan.items), "fast": 0, "slow": 0, "verified": 0,
+                 "bytes_requested": 0, "bytes_read": 0}
+        for j in jobs:
+            for k in ("fast", "slow", "verified", "bytes_requested", "bytes_read"):
+                stats[k] += j.stats[k]
+            for r in j.reqs:
+                if r.req.type == LoadItemType.BYTE_IO:
+                    planner.load_bytes(r.req, io.BytesIO(r.data))
+                else:
+                    planner.commit_tensor(r.req, r.target)
+        stats["seconds"] = time.perf_counter() - t0
+        self.last_read_stats = stats
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    # ---------------------------------------------------------------- helpers
+
+    def _resolve(self, rel: Any) -> Tuple[str, int]:
+        """The real path and size of a data file named in .metadata, which must be
+        a regular file inside the checkpoint directory."""
+        root = os.fspath(self.path)
+        if not isinstance(rel, str) or not rel or "\0" in rel:
+            raise FormatError(f"{root}: .metadata names an invalid data file {rel!r}")
+        if os.path.isabs(rel) or ".." in rel.split("/"):
+            raise FormatError(f"{root}: .metadata names data file {rel!r}, which is outside the checkpoint "
+                              "directory (absolute paths and '..' are refused)")
+        full = os.path.join(root, rel)
+        real, root_real = os.path.realpath(full), os.path.realpath(root)
+        if os.path.commonpath([real, root_real]) != root_real or real == root_real:
+            raise FormatError(f"{root}: data file {rel!r} resolves to {real}, outside the checkpoint directory "
+                              "(a symbolic link?)")
+        try:
+            st = os.stat(real)
+        except FileNotFoundError:
+            raise FileNotFoundError(errno.ENOENT, f"{full}: data file named in .metadata is missing", full) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{full}: data file named in .metadata is not a regular file")
+        return real, st.st_size
+
+    def _transforms(self):
+        from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+        return _StorageReaderTransforms(self._extension_registry)
+
+
+def _torch_load_record(data: bytes, req: ReadItem, descriptors, reader: FastReader, where: str):
+    stream: Any = io.BytesIO(data)
+    if descriptors:
+        try:
+            stream = reader._transforms().transform_load_stream(req, descriptors, stream)
+        except ImportError:
+            raise FormatError(f"{where}: record uses stream transforms {list(descriptors)}, which this torch "
+                              "cannot undo") from None
+        stream = io.BytesIO(stream.read(-1))
+    return stream
+
+
+class _FileJob:
+    def __init__(self, reader: FastReader, path: str, rel: str, reqs: List[_Req]):
+        self.reader = reader
+        self.path = path
+        self.rel = rel
+        self.reqs = reqs
+        self.eng = get_engine()
+        self.lock = threading.Lock()
+        self.stats = {"fast": 0, "slow": 0, "verified": 0, "bytes_requested": 0, "bytes_read": 0}
+
+    def _read(self, ranges: List[Tuple[Any, int]]) -> None:
+        ranges = [(d, o) for d, o in ranges if (d.numel() if isinstance(d, torch.Tensor) else len(d))]
+        if ranges:
+            st = _C.read_ranges(self.eng, self.path, ranges)
+            with self.lock:
+                self.stats["bytes_read"] += st["bytes_read"]
+
+    def run(self) -> None:
+        blobs: Dict[Tuple[int, int], _Blob] = {}
+        whole: List[_Req] = []  # BYTE_IO and transformed records: read whole
+        for r in self.reqs:
+            descs = getattr(r.info, "transform_descriptors", None)
+            if r.req.type == LoadItemType.BYTE_IO or descs:
+                whole.append(r)
+                continue
+            key = (r.info.offset, r.info.length)
+            b = blobs.get(key)
+            if b is None:
+                b = blobs[key] = _Blob(r.info.offset, r.info.length,
+                                       f"{self.path} @{r.info.offset}+{r.info.length} ({_sd_str(r.req.storage_index)})")
+            b.reqs.append(r)
+        blist = list(blobs.values())
+        self._locate(blist)
+        copies: List[_Copy] = []
+        for r in whole:
+            r.data = bytearray(r.info.length)
+            copies.append(_Copy(r.data, r.info.offset, r.info.length, after=self._after_whole_req(r)))
+        for b in blist:
+            if b.slow is None:
+                for r in b.reqs:
+                    c = self._plan_fast(b, r)
+                    if c is not None:
+                        copies.append(c)
+                    self.stats["fast"] += 1
+            else:
+                log.debug("fastckpt.dcp: %s: read whole (%s)", b.where, b.slow)
+                b.whole = bytearray(b.length)
+                copies.append(_Copy(b.whole, b.offset, b.length, after=self._after_slow_blob(b)))
+                self.stats["slow"] += len(b.reqs)
+        self.stats["bytes_requested"] += sum(c.nbytes for c in copies)
+        self._read_data(copies)
+
+    # -- rounds 1 and 2: zip structures and data.pkl
+
+    def _locate(self, blobs: List[_Blob]) -> None:
+        tails = []
+        for b in blobs:
+            n = min(b.length, _blob.TAIL_READ)
+            tails.append(bytearray(n))
+        self._read([(t, b.offset + b.length - len(t)) for b, t in zip(blobs, tails)])
+        more = []
+        for b, t in zip(blobs, tails):
+            try:
+                b.index = _blob.parse_tail(bytes(t), b.length - len(t), b.length, b.where)
+            except _blob.NeedMore as m:
+                more.append((b, m.start))
+        if more:
+            bufs = [bytearray(b.length - s) for b, s in more]
+            self._read([(buf, b.offset + s) for (b, s), buf in zip(more, bufs)])
+            for (b, s), buf in zip(more, bufs):
+                try:
+                    b.index = _blob.parse_tail(bytes(buf), s, b.length, b.where)
+                except _blob.NeedMore:
+                    raise FormatError(f"{b.where}: corrupt zip end records") from None
+
+        # data.pkl, byteorder and the storage record's local header
+        plan = []  # (blob, what, buffer)
+        for b in blobs:
+            ents = b.index.entries
+            pkl = ents.get("data.pkl")
+            if pkl is None:
+                raise FormatError(f"{b.where}: no data.pkl record (not a torch.save archive)")
+            storages = [e for n, e in ents.items() if n.startswith("data/")]
+            if len(storages) != 1:
+                b.slow = f"{len(storages)} storage records"
+                continue
+            b.storage = storages[0]
+            small = [("pkl", pkl)] + ([("byteorder", ents["byteorder"])] if "byteorder" in ents else [])
+            if any(e.method != 0 for _, e in small) or b.storage.method != 0:
+                b.slow = "compressed records"
+                continue
+            for what, e in small:
+                span = b.index.span_end(e) - e.rel_offset
+                if span > e.size + MAX_SMALL_SPAN:
+                    b.slow = f"unusual padding around {e.name}"
+                    break
+                plan.append((b, what, e, bytearray(span)))
+            else:
+                plan.append((b, "storage", b.storage, bytearray(_blob.LOCAL_HEADER_SIZE)))
+        plan = [p for p in plan if p[0].slow is None]
+        self._read([(buf, b.offset + e.rel_offset) for b, _, e, buf in plan])
+        got: Dict[int, Dict[str, bytes]] = {}
+        for b, what, e, buf in plan:
+            if b.slow is not None:
+                continue
+            start = _blob.local_data_offset(bytes(buf), e, b.index, b.where) - e.rel_offset
+            if what == "storage":
+                b.data_rel = start + e.rel_offset
+                continue
+            if start + e.size > len(buf):
+                raise FormatError(f"{b.where}: record {e.name!r} runs past the next record")
+            data = bytes(buf[start:start + e.size])
+            if e.crc and zlib.crc32(data) != e.crc:
+                raise FormatError(f"{b.where}: checksum mismatch in record {e.name!r} (corrupt data)")
+            got.setdefault(id(b), {})[what] = data
+        for b in blobs:
+            if b.slow is not None:
+                continue
+            small = got.get(id(b), {})
+            order = small.get("byteorder")
+            if order is not None and order not in (b"little", b"big"):
+                raise FormatError(f"{b.where}: unknown byte order {order!r}")
+            if order is not None and order.decode() != sys.byteorder:
+                b.slow = f"{order.decode()}-endian data"
+                continue
+            try:
+                lay = _blob.parse_pickle(small["pkl"])
+            except _blob.Unsupported as u:
+                b.slow = f"data.pkl: {u}"
+                continue
+            if f"data/{lay.key}" != b.storage.name:
+                raise FormatError(f"{b.where}: data.pkl refers to storage {lay.key!r}, the archive holds "
+                                  f"{b.storage.name!r}")
+            if lay.nbytes != b.storage.size:
+                raise FormatError(f"{b.where}: storage record {b.storage.name!r} holds {b.storage.size} bytes, "
+                                  f"data.pkl expects {lay.nbytes}")
+            isz = _blob._itemsize(lay.dtype)
+            if lay.offset < 0 or any(s < 0 for s in lay.size) or any(s < 0 for s in lay.stride):
+                raise FormatError(f"{b.where}: data.pkl describes a tensor with negative sizes or strides")
+            numel = 1
+            for s in lay.size:
+                numel *= s
+            if numel:
+                last = lay.offset + sum((n - 1) * s for n, s in zip(lay.size, lay.stride))
+                if (last + 1) * isz > lay.nbytes:
+                    raise FormatError(f"{b.where}: data.pkl describes a tensor that runs past its storage "
+                                      f"({(last + 1) * isz} > {lay.nbytes} bytes)")
+            b.layout = lay
+
+    # -- round 3: the data
+
+    def _plan_fast(self, b: _Blob, r: _Req) -> Optional[_Copy]:
+        lay = b.layout
+        req = r.req
+        offs, lens = tuple(req.storage_offsets), tuple(req.lengths)
+        if len(offs) != len(lay.size) or len(lens) != len(lay.size):
+            raise FormatError(f"{b.where}: the load plan asks for a {len(lens)}-d piece of a "
+                              f"{len(lay.size)}-d tensor")
+        for o, n, s in zip(offs, lens, lay.size):
+            if o < 0 or n < 0 or o + n > s:
+                raise FormatError(f"{b.where}: the load plan asks for [{offs}, +{lens}) of a tensor of "
+                                  f"size {lay.size}")
+        target = r.target
+        if tuple(target.shape) != lens:
+            raise FormatError(f"{b.where}: destination has shape {tuple(target.shape)}, the checkpoint piece "
+                              f"{lens}")
+        numel = 1
+        for n in lens:
+            numel *= n
+        if numel == 0:
+            return None
+        isz = _blob._itemsize(lay.dtype)
+        lo = lay.offset + sum(o * s for o, s in zip(offs, lay.stride))
+        hi = lo + sum((n - 1) * s for n, s in zip(lens, lay.stride))
+        span = (hi - lo + 1) * isz
+        file_off = b.offset + b.data_rel + lo * isz
+        whole_record = lo == 0 and span == lay.nbytes
+        check = self.reader.verify and whole_record and (b.storage.crc != 0 or lay.nbytes == 0)
+        crc = b.storage.crc
+        dense = span == numel * isz and all(
+            s == c for n, s, c in zip(lens, lay.stride, _blob._contiguous_stride(lens)) if n > 1)
+        if (dense and target.device.type == "cpu" and target.is_contiguous() and target.dtype == lay.dtype):
+            dest = target.reshape(-1).view(torch.uint8)
+
+            def after():
+                if check:
+                    self._check(b, dest, crc)
+            return _Copy(dest, file_off, span, after)
+        buf = torch.empty(span, dtype=torch.uint8)
+
+        def after():
+            if check:
+                self._check(b, buf, crc)
+            src = torch.empty(0, dtype=lay.dtype).set_(buf.untyped_storage(), 0, lens, lay.stride)
+            target.copy_(src)
+        return _Copy(buf, file_off, span, after)
+
+    def _check(self, b: _Blob, data: torch.Tensor, crc: int) -> None:
+        if _C.crc32(data, 0) != crc:
+            raise FormatError(f"{b.where}: checksum mismatch in {b.storage.name!r} (corrupt data)")
+        with self.lock:
+            self.stats["verified"] += 1
+
+    def _after_whole_req(self, r: _Req):
+        descs = getattr(r.info, "transform_descriptors", None)
+        where = f"{self.path} @{r.info.offset}+{r.info.length} ({_sd_str(r.req.storage_index)})"
+
+        def after():
+            if r.req.type == LoadItemType.BYTE_IO:
+                if descs:
+                    r.data = bytearray(_torch_load_record(bytes(r.data), r.req, descs, self.reader, where).read())
+                return
+            b = _Blob(r.info.offset, r.info.length, where, reqs=[r])
+            b.whole = r.data
+            self._after_slow_blob(b)()
+            r.data = None
+        return after
+
+    def _after_slow_blob(self, b: _Blob):
+        def after():
+            r0 = b.reqs[0]
+            stream = _torch_load_record(bytes(b.whole), r0.req, getattr(r0.info, "transform_descriptors", None),
+                                        self.reader, b.where)
+            try:
+                t = torch.load(stream, map_location="cpu", weights_only=True)
+            except Exception as e:
+                raise FormatError(f"{b.where}: cannot load the tensor record ({type(e).__name__}: {e})") from None
+            if not isinstance(t, torch.Tensor):
+                raise FormatError(f"{b.where}: the record holds a {type(t).__name__}, not a tensor")
+            for r in b.reqs:
+                src = t
+                for d, (o, n) in enumerate(zip(r.req.storage_offsets, r.req.lengths)):
+                    if d >= src.dim() or o < 0 or o + n > src.size(d):
+                        raise FormatError(f"{b.where}: the load plan asks for [{tuple(r.req.storage_offsets)}, "
+                                          f"+{tuple(r.req.lengths)}) of a tensor of size {tuple(t.shape)}")
+                    if n < src.size(d):
+                        src = src.narrow(d, o, n)
+                if r.target.size() != src.size():
+                    raise FormatError(f"{b.where}: destination has shape {tuple(r.target.shape)}, the checkpoint "
+                                      f"piece {tuple(src.shape)}")
+                r.target.copy_(src)
+            b.whole = None
+        return after
+
+    def _read_data(self, copies: List[_Copy]) -> None:
+        copies.sort(key=lambda c: c.offset)
+        batches: List[List[_Copy]] = [[]]
+        acc = 0
+        for c in copies:
+            if acc >= BATCH and self.reader.verify:
+                batches.append([])
+                acc = 0
+            batches[-1].append(c)
+            acc += c.nbytes
+        if len(batches) == 1:
+            self._read([(c.dest, c.offset) for c in batches[0]])
+            for c in batches[0]:
+                if c.after:
+                    c.after()
+            return
+        # Two batches in flight: the disk keeps working while the CPU checks the last one.
+        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="fastckpt-dcp-batch") as ex:
+            futs = [ex.submit(self._read, [(c.dest, c.offset) for c in batch]) for batch in batches[:2]]
+            for i, batch in enumerate(batches):
+                futs[i].result()
+                if i + 2 < len(batches):
+                    nxt = batches[i + 2]
+                    futs.append(ex.submit(self._read, [(c.dest, c.offset) for c in nxt]))
+                for c in batch:
+                    if c.after:
+                        c.after()
