@@ -137,35 +137,47 @@ class _FileSink:
 
 
 class _PinnedStager:
-    """Copies CUDA storages to the host through a few reused pinned buffers on
-    a side stream, overlapping each device-to-host copy with the disk write of
-    the previous chunk. Host memory used: 2 x chunk, whatever the model size."""
+    """Copies CUDA storages to the host through two reused pinned buffers on a
+    side stream, overlapping each device-to-host copy with the disk write of
+    the previous chunk. Host memory used: 2 x chunk per concurrent save,
+    whatever the model size; the pairs are kept and reused across saves."""
 
     _lock = threading.Lock()
-    _buffers: Dict[int, List[torch.Tensor]] = {}
+    _free: Dict[int, List[List[torch.Tensor]]] = {}
 
     def __init__(self, chunk: int):
         self.chunk = chunk
+        self.pair: Optional[List[torch.Tensor]] = None
 
-    def buffers(self) -> List[torch.Tensor]:
-        with self._lock:
-            bufs = self._buffers.get(self.chunk)
-            if bufs is None:
-                bufs = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-                self._buffers[self.chunk] = bufs
-            return bufs
+    def __enter__(self) -> "_PinnedStager":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.pair is not None:
+            with self._lock:
+                self._free.setdefault(self.chunk, []).append(self.pair)
+            self.pair = None
+
+    def _buffers(self) -> List[torch.Tensor]:
+        if self.pair is None:
+            with self._lock:
+                free = self._free.get(self.chunk)
+                self.pair = free.pop() if free else None
+            if self.pair is None:
+                self.pair = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        return self.pair
 
     def write(self, sink, src: torch.Tensor, crc: int) -> int:
         device = src.device
         stream = torch.cuda.Stream(device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        bufs = self.buffers()
+        bufs = self._buffers()
         events = [torch.cuda.Event(), torch.cuda.Event()]
         n = src.numel()
         pending: Optional[Tuple[int, int]] = None  # (buffer index, length) copied, not yet written
         for i, off in enumerate(range(0, n, self.chunk)):
             k = min(self.chunk, n - off)
-            b = i % 2
+            b = i % 2  # this buffer's previous chunk was written in the last iteration
             with torch.cuda.stream(stream):
                 bufs[b][:k].copy_(src[off:off + k], non_blocking=True)
                 events[b].record(stream)
@@ -227,7 +239,7 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
     expected = pos + cd_len
 
     sink = _EngineSink(os.fspath(f), expected) if _is_path(f) else _FileSink(f)
-    stager: Optional[_PinnedStager] = None
+    stager = _PinnedStager(_cuda_chunk())  # pinned buffers only if a CUDA storage comes
     try:
         for payload, header, entry in plan:
             sink.write(header)
@@ -238,7 +250,6 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
                 elif t.device.type == "cpu":
                     crc = sink.write_crc(t, 0)
                 elif t.device.type == "cuda":
-                    stager = stager or _PinnedStager(_cuda_chunk())
                     crc = stager.write(sink, t, 0)
                 else:  # other accelerators: a plain host copy of this storage
                     crc = sink.write_crc(t.cpu(), 0)
@@ -252,6 +263,8 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
     except BaseException:
         sink.abort()
         raise
+    finally:
+        stager.__exit__()
 
 
 # ---------------------------------------------------------------- loading
