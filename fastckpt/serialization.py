@@ -149,10 +149,8 @@ class _PinnedStager:
         self.chunk = chunk
         self.pair: Optional[List[torch.Tensor]] = None
 
-    def __enter__(self) -> "_PinnedStager":
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def release(self) -> None:
+        """Return the buffers for the next save."""
         if self.pair is not None:
             with self._lock:
                 self._free.setdefault(self.chunk, []).append(self.pair)
@@ -264,7 +262,7 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
         sink.abort()
         raise
     finally:
-        stager.__exit__()
+        stager.release()
 
 
 # ---------------------------------------------------------------- loading
