@@ -9,3 +9,4 @@ from .serialization import load, save
 
 __all__ = ["save", "load", "FormatError", "knobs", "get_engine", "reset_engine"]
 __version__ = "0.1.0"
+from .dcp import __getattr__  # noqa: E402,F401  fastckpt.FastWriter/FastReader, imported on first use (torch.distributed)

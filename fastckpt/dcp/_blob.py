@@ -420,14 +420,52 @@ def local_data_offset(header: bytes, e: ZipEntry, index: ZipIndex, where: str) -
     LOCAL_HEADER_SIZE bytes of it); checked against the central directory."""
     if len(header) < LOCAL_HEADER_SIZE:
         raise FormatError(f"{where}: truncated local header of {e.name!r}")
-    sig, _, _, _, _, _, _, _, _, name_len, extra_len = _local.unpack_from(header, 0)
+    sig, _, _, method, _, _, _, _, _, name_len, extra_len = _local.unpack_from(header, 0)
     if sig != LOCAL_SIG:
         raise FormatError(f"{where}: no local header for {e.name!r} at record offset {e.rel_offset}")
+    if method != e.method:
+        raise FormatError(f"{where}: record {e.name!r}: the local header says compression method {method}, "
+                          f"the central directory {e.method}")
     start = e.rel_offset + LOCAL_HEADER_SIZE + name_len + extra_len
     if start + e.size > index.cd_offset:
         raise FormatError(f"{where}: record {e.name!r} ({e.size} bytes at record offset {start}) "
                           f"runs into the central directory at {index.cd_offset}")
     return start
+
+
+def verify_archive(data: bytes, where: str) -> int:
+    """Check every record of a whole in-memory archive against its CRC-32 (stored
+    and deflated records). Returns how many were checked; 0 when `data` is not a
+    zip archive. A mismatch or an inconsistent structure raises FormatError."""
+    try:
+        index = parse_tail(data, 0, len(data), where)
+    except FormatError:
+        if data[:4] != b"PK\x03\x04":
+            return 0  # not an archive at all: nothing to check here
+        raise
+    checked = 0
+    for e in index.entries.values():
+        start = local_data_offset(data[e.rel_offset:e.rel_offset + LOCAL_HEADER_SIZE], e, index, where)
+        end = index.span_end(e)
+        raw = data[start:end]
+        if e.method == 0:
+            payload = raw[:e.size]
+        elif e.method == 8:
+            d = zlib.decompressobj(-15)
+            try:
+                payload = d.decompress(raw, e.size + 1)
+            except zlib.error as z:
+                raise FormatError(f"{where}: record {e.name!r} does not inflate ({z})") from None
+        else:
+            continue
+        if len(payload) != e.size:
+            raise FormatError(f"{where}: record {e.name!r} holds {len(payload)} bytes, the directory says {e.size}")
+        if e.crc == 0 and e.size:
+            continue  # written with CRCs disabled
+        if zlib.crc32(payload) != e.crc:
+            raise FormatError(f"{where}: checksum mismatch in record {e.name!r} (corrupt data)")
+        checked += 1
+    return checked
 
 
 # ---------------------------------------------------------------- the pickle, read back

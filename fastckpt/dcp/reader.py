@@ -484,6 +484,9 @@ class _FileJob:
             if r.req.type == LoadItemType.BYTE_IO:
                 if descs:
                     r.data = bytearray(_torch_load_record(bytes(r.data), r.req, descs, self.reader, where).read())
+                if self.reader.verify and _blob.verify_archive(bytes(r.data), where):
+                    with self.lock:
+                        self.stats["verified"] += 1
                 return
             b = _Blob(r.info.offset, r.info.length, where, reqs=[r])
             b.whole = r.data
@@ -496,6 +499,10 @@ class _FileJob:
             r0 = b.reqs[0]
             stream = _torch_load_record(bytes(b.whole), r0.req, getattr(r0.info, "transform_descriptors", None),
                                         self.reader, b.where)
+            # torch.load does not check CRCs: a corrupt record would load as wrong values
+            if self.reader.verify and _blob.verify_archive(stream.getvalue(), b.where):
+                with self.lock:
+                    self.stats["verified"] += 1
             try:
                 t = torch.load(stream, map_location="cpu", weights_only=True)
             except Exception as e:
