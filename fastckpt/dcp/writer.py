@@ -286,11 +286,12 @@ class FastWriter(StorageWriter, AsyncStager):
     def _layout(self, items: List[WriteItem], planner: SavePlanner) -> Tuple[List[_Entry], int]:
         entries: List[_Entry] = []
         pos = 0
-        # bytes first (small), then tensors in plan order
+        # bytes first (small), then tensors in plan order; every record 64-byte aligned
         for it in items:
             if it.type == WriteItemType.BYTE_IO:
                 data = planner.resolve_data(it)
                 payload = bytes(data.getbuffer()) if hasattr(data, "getbuffer") else bytes(data)
+                pos += (-pos) % _blob.RECORD_ALIGN
                 entries.append(_Entry(it, pos, len(payload), payload=payload))
                 pos += len(payload)
         for it in items:

@@ -161,6 +161,7 @@ def test_records_are_torch_save_archives_with_aligned_data(saved):
         with open(saved / "fast" / info.relative_path, "rb") as f:
             f.seek(info.offset)
             rec = f.read(info.length)
+        assert info.offset % 64 == 0
         if not isinstance(md.state_dict_metadata[idx.fqn], dcp.metadata.TensorStorageMetadata):
             continue
         t = torch.load(io.BytesIO(rec), weights_only=True)
