@@ -52,7 +52,8 @@ __all__ = ["FastReader"]
 log = logging.getLogger("fastckpt")
 
 METADATA = ".metadata"
-BATCH = 256 << 20  # with verify, data is read in batches this big, two in flight, checked as they land
+BATCH = 64 << 20  # with verify, data is read in batches this big, INFLIGHT at a time, checked as they land
+INFLIGHT = 3
 MAX_SMALL_SPAN = 1 << 20  # data.pkl and byteorder records are expected to be small
 
 
@@ -540,13 +541,14 @@ class _FileJob:
                 if c.after:
                     c.after()
             return
-        # Two batches in flight: the disk keeps working while the CPU checks the last one.
-        with ThreadPoolExecutor(max_workers=2, thread_name_prefix="fastckpt-dcp-batch") as ex:
-            futs = [ex.submit(self._read, [(c.dest, c.offset) for c in batch]) for batch in batches[:2]]
+        # Several batches in flight: the disk keeps working while the CPU checks the last one.
+        k = INFLIGHT
+        with ThreadPoolExecutor(max_workers=k, thread_name_prefix="fastckpt-dcp-batch") as ex:
+            futs = [ex.submit(self._read, [(c.dest, c.offset) for c in batch]) for batch in batches[:k]]
             for i, batch in enumerate(batches):
                 futs[i].result()
-                if i + 2 < len(batches):
-                    nxt = batches[i + 2]
+                if i + k < len(batches):
+                    nxt = batches[i + k]
                     futs.append(ex.submit(self._read, [(c.dest, c.offset) for c in nxt]))
                 for c in batch:
                     if c.after:
