@@ -112,6 +112,35 @@ def _host_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _host_tensors(entries: List[_Entry], planner: SavePlanner):
+    """(entry, host tensor or None) in order. A device tensor's copy to pinned host
+    memory is started one entry ahead, so that it overlaps the write of the
+    previous one (the stock writer's _OverlappingCpuLoader idea)."""
+    pending = None  # (entry, tensor, event)
+    for e in entries:
+        if e.payload is not None:
+            cur = (e, None, None)
+        else:
+            t = planner.resolve_data(e.item).detach()
+            if t.device.type == "cuda":
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                host.copy_(t, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record()
+                cur = (e, host, ev)
+            else:
+                cur = (e, _host_tensor(t), None)
+        if pending is not None:
+            if pending[2] is not None:
+                pending[2].synchronize()
+            yield pending[0], pending[1]
+        pending = cur
+    if pending is not None:
+        if pending[2] is not None:
+            pending[2].synchronize()
+        yield pending[0], pending[1]
+
+
 class FastWriter(StorageWriter, AsyncStager):
     """Write DCP checkpoints through fastckpt's engine (drop-in for ``FileSystemWriter``).
 
@@ -124,10 +153,15 @@ class FastWriter(StorageWriter, AsyncStager):
             files durable (fdatasync + rename + directory fsync).
         thread_count: data files each rank writes concurrently (items are
             split between them by size), each through its own engine Writer.
+        per_thread_copy_ahead, cache_staged_state_dict: accepted for
+            compatibility (device-to-host copies always run one tensor ahead of
+            the writes; stage() always reuses its buffers).
         overwrite: allow replacing an existing checkpoint in ``path`` (its
             ``.metadata`` is removed before any data file is written, so an
             interrupted overwrite leaves no loadable checkpoint, never a mixed
             one). False raises if ``path`` holds a checkpoint.
+        _extensions, serialization_format: only the defaults (no stream
+            transforms, torch.save records); others raise NotImplementedError.
 
     As an ``AsyncStager`` (``dcp.async_save(sd, storage_writer=FastWriter(p))``),
     :meth:`stage` copies the state dict into host buffers that are kept and
@@ -143,14 +177,21 @@ class FastWriter(StorageWriter, AsyncStager):
     _synchronize_after_execute: bool = False  # stage() is synchronous
 
     def __init__(self, path: Union[str, os.PathLike], single_file_per_rank: bool = True, sync_files: bool = True,
-                 thread_count: int = 1, overwrite: bool = True, **_ignored: Any):
+                 thread_count: int = 1, per_thread_copy_ahead: int = 10_000_000, cache_staged_state_dict: bool = True,
+                 overwrite: bool = True, _extensions: Optional[Sequence[Any]] = None,
+                 serialization_format: Any = None):
         super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1 (got {thread_count})")
         if not sync_files:
             log.warning("fastckpt.dcp.FastWriter: sync_files=False is ignored; files are always fdatasync'd")
-        if _ignored:
-            log.debug("fastckpt.dcp.FastWriter: ignoring FileSystemWriter options %s", sorted(_ignored))
+        if _extensions:
+            raise NotImplementedError("fastckpt.dcp.FastWriter does not apply stream transforms (_extensions)")
+        if serialization_format is not None and getattr(serialization_format, "value", "torch_save") != "torch_save":
+            raise NotImplementedError(f"fastckpt.dcp.FastWriter writes torch.save records only, not "
+                                      f"{serialization_format}")
+        # per_thread_copy_ahead: device-to-host copies run one tensor ahead of the writes;
+        # cache_staged_state_dict: stage() always reuses its buffers. Both accepted for compatibility.
         self.path = Path(path)
         self.single_file_per_rank = single_file_per_rank
         self.thread_count = thread_count
@@ -309,7 +350,7 @@ class FastWriter(StorageWriter, AsyncStager):
         entries, total = self._layout(items, planner)
         w = _C.Writer(get_engine(), os.path.join(self.path, name), total)
         try:
-            for e in entries:
+            for e, t in _host_tensors(entries, planner):
                 if stop.is_set():
                     raise _Cancelled()
                 if w.position < e.offset:
@@ -317,7 +358,6 @@ class FastWriter(StorageWriter, AsyncStager):
                 if e.payload is not None:
                     w.write(e.payload)
                     continue
-                t = _host_tensor(planner.resolve_data(e.item))
                 td = e.item.tensor_data
                 if t.dtype != td.properties.dtype or tuple(t.shape) != tuple(td.chunk.sizes):
                     raise ValueError(f"fastckpt.dcp: {e.item.index.fqn}: the planner resolved a {t.dtype} tensor "
@@ -339,7 +379,7 @@ class FastWriter(StorageWriter, AsyncStager):
         return results, stats
 
     def _write_files(self, plan: SavePlan, planner: SavePlanner) -> List[WriteResult]:
-        prefix = plan.storage_data.prefix
+        prefix = plan.storage_data.prefix if plan.storage_data is not None else f"__{self.rank or 0}_"
         if self.single_file_per_rank:
             buckets = [b for b in _split(self.thread_count, plan.items) if b]
         else:

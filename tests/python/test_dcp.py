@@ -410,6 +410,21 @@ def test_stage_never_overwrites_buffers_in_use():
     assert w.staging_allocations == 2 and torch.equal(c["x"], torch.full((4,), 3.0))
 
 
+def test_unsupported_writer_options(tmp_path, caplog):
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+    with pytest.raises(NotImplementedError, match="stream transforms"):
+        FastWriter(tmp_path, _extensions=[object()])
+    with pytest.raises(NotImplementedError, match="torch.save records only"):
+        FastWriter(tmp_path, serialization_format=SerializationFormat.SAFETENSORS)
+    FastWriter(tmp_path, serialization_format=SerializationFormat.TORCH_SAVE, per_thread_copy_ahead=0,
+               cache_staged_state_dict=False)
+    with caplog.at_level("WARNING", logger="fastckpt"):
+        FastWriter(tmp_path, sync_files=False)
+    assert "sync_files=False is ignored" in caplog.text
+    with pytest.raises(ValueError):
+        FastWriter(tmp_path, thread_count=0)
+
+
 def test_overwrite_false(tmp_path):
     dcp.save({"a": torch.ones(2)}, storage_writer=FastWriter(tmp_path))
     with pytest.raises(RuntimeError, match="overwrite=False"):
