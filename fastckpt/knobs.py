@@ -7,30 +7,38 @@ for a block of code with :func:`override`::
     with fastckpt.knobs.override(backend="threads", buffer_size=4 << 20):
         fastckpt.save(sd, path)
 
-==================  ===========================  ==========================================
-knob                environment variable         meaning
-==================  ===========================  ==========================================
-buffer_size         FASTCKPT_BUFFER_SIZE         bytes per staging buffer (K/M/G suffixes)
-buffer_count        FASTCKPT_BUFFER_COUNT        staging buffers in the pool
-queue_depth         FASTCKPT_QUEUE_DEPTH         I/Os in flight per writer or reader
-io_threads          FASTCKPT_IO_THREADS          workers of the thread backend
-backend             FASTCKPT_BACKEND             auto | uring | threads
-direct              FASTCKPT_DIRECT              0 disables O_DIRECT
-flush_interval      FASTCKPT_FLUSH_INTERVAL      async fdatasync every N bytes (0 = at the end)
-preallocate         FASTCKPT_PREALLOCATE         fallocate when the final size is known
-==================  ===========================  ==========================================
+===================  ============================  =======================================================
+knob                 environment variable          meaning
+===================  ============================  =======================================================
+buffer_size          FASTCKPT_BUFFER_SIZE          bytes per staging buffer (K/M/G suffixes)
+buffer_count         FASTCKPT_BUFFER_COUNT         staging buffers in the pool
+queue_depth          FASTCKPT_QUEUE_DEPTH          I/Os in flight per writer or reader
+io_threads           FASTCKPT_IO_THREADS           workers of the thread backend
+backend              FASTCKPT_BACKEND              auto | uring | threads
+direct               FASTCKPT_DIRECT               0 disables O_DIRECT
+flush_interval       FASTCKPT_FLUSH_INTERVAL       async fdatasync every N bytes (0 = at the end)
+preallocate          FASTCKPT_PREALLOCATE          fallocate when the final size is known
+async_max_in_flight  FASTCKPT_ASYNC_MAX_IN_FLIGHT  async saves in flight, each holding a host snapshot (1)
+===================  ============================  =======================================================
+
+The first eight configure the C++ engine (:func:`config`); the others are read
+by the Python side with :func:`get`.
 """
 
 import contextlib
+import os
 import threading
 from typing import Dict, Iterator
 
 from . import _C
 
-__all__ = ["NAMES", "config", "override", "as_dict"]
+__all__ = ["NAMES", "PY_NAMES", "config", "get", "override", "as_dict"]
 
 NAMES = ("buffer_size", "buffer_count", "queue_depth", "io_threads", "backend", "direct",
          "flush_interval", "preallocate")
+
+# Knobs of the Python side: name -> (environment variable, default). All are integers >= 1.
+PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1)}
 
 _lock = threading.Lock()
 _overrides: Dict[str, object] = {}
@@ -41,9 +49,33 @@ def config() -> "_C.EngineConfig":
     with _lock:
         cfg = _C.EngineConfig.from_env()
         for k, v in _overrides.items():
-            setattr(cfg, k, v)
+            if k in NAMES:
+                setattr(cfg, k, v)
     cfg.validate()
     return cfg
+
+
+def _py_value(name: str, value: object, source: str) -> int:
+    try:
+        n = int(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        n = 0
+    if n < 1 or (isinstance(value, float) and value != n):
+        raise ValueError(f"fastckpt knob {name} ({source}) must be an integer >= 1, got {value!r}")
+    return n
+
+
+def get(name: str) -> int:
+    """The effective value of a Python-side knob (see ``PY_NAMES``):
+    its default, then its environment variable, then overrides."""
+    if name not in PY_NAMES:
+        raise ValueError(f"unknown fastckpt Python-side knob {name!r}; known: {list(PY_NAMES)}")
+    with _lock:
+        if name in _overrides:
+            return _overrides[name]  # type: ignore[return-value]
+    env, default = PY_NAMES[name]
+    raw = os.environ.get(env)
+    return default if raw is None or raw == "" else _py_value(name, raw, env)
 
 
 def as_dict(cfg=None) -> Dict[str, object]:
@@ -54,12 +86,14 @@ def as_dict(cfg=None) -> Dict[str, object]:
 @contextlib.contextmanager
 def override(**values) -> Iterator[None]:
     """Override knobs for the duration of a ``with`` block (process-wide)."""
-    unknown = set(values) - set(NAMES)
+    unknown = set(values) - set(NAMES) - set(PY_NAMES)
     if unknown:
-        raise ValueError(f"unknown fastckpt knob(s): {sorted(unknown)}; known: {list(NAMES)}")
+        raise ValueError(f"unknown fastckpt knob(s): {sorted(unknown)}; known: {list(NAMES) + list(PY_NAMES)}")
+    values = {k: _py_value(k, v, "override") if k in PY_NAMES else v for k, v in values.items()}
     probe = _C.EngineConfig.from_env()
     for k, v in values.items():
-        setattr(probe, k, v)  # type errors surface here, before anything changes
+        if k in NAMES:
+            setattr(probe, k, v)  # type errors surface here, before anything changes
     probe.validate()
     with _lock:
         saved = dict(_overrides)
