@@ -6,7 +6,10 @@ from .errors import FormatError
 from . import knobs
 from .engine import get_engine, reset_engine
 from .serialization import load, save
+from .async_save import async_save, wait_for_saves
+from .manager import CheckpointManager
 
-__all__ = ["save", "load", "FormatError", "knobs", "get_engine", "reset_engine"]
+__all__ = ["save", "load", "async_save", "wait_for_saves", "CheckpointManager", "FormatError", "knobs",
+           "get_engine", "reset_engine"]
 __version__ = "0.1.0"
 from .dcp import __getattr__  # noqa: E402,F401  fastckpt.FastWriter/FastReader, imported on first use (torch.distributed)

@@ -1,0 +1,445 @@
+"""fastckpt.async_save: checkpoint in the background while training goes on.
+
+``async_save(obj, path)`` pickles ``obj`` and copies every tensor's storage
+(CPU or CUDA) into host staging memory, then returns a
+:class:`concurrent.futures.Future`; a background thread writes that snapshot
+with :func:`fastckpt.save` (same file, same atomic durable commit). The caller
+may modify or free its tensors as soon as ``async_save`` returns.
+
+Staging memory is one contiguous *arena* per snapshot (page-locked when the
+state holds CUDA tensors, so device-to-host copies run at full speed), taken
+from a small pool and given back when the write is done: saving the same
+state again reuses the same arena, nothing is allocated. Host memory is
+bounded by ``async_max_in_flight`` (a :mod:`fastckpt.knobs` knob, default 1)
+times the size of the state: a call that would exceed that many saves in
+flight waits for the oldest to finish first.
+
+Errors are never lost: a failed save's future holds the exception; if nobody
+looked at it (``result()`` or ``exception()``), the next ``async_save``,
+:func:`wait_for_saves` or :class:`fastckpt.CheckpointManager` save raises it,
+and at interpreter exit (which waits for pending saves) it is logged at error
+level on the ``fastckpt`` logger.
+"""
+
+import atexit
+import concurrent.futures
+import logging
+import os
+import pickle
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Tuple
+
+import torch
+
+from . import knobs
+from . import serialization as _ser
+
+__all__ = ["async_save", "wait_for_saves", "AsyncSaver", "SaveFuture", "SaveResult", "Stager", "default_saver"]
+
+log = logging.getLogger("fastckpt")
+
+_ALIGN = 64            # each staged storage starts on a cache line
+_ARENA_ROUND = 1 << 20  # arenas are rounded up to 1 MiB so small growth reuses them
+
+
+@dataclass(frozen=True)
+class SaveResult:
+    """What a completed asynchronous save reports through its future."""
+    path: str
+    nbytes: int              # bytes of tensor data in the snapshot
+    snapshot_seconds: float  # how long async_save blocked its caller (pickle + copies)
+    write_seconds: float     # background: fastckpt.save of the snapshot, durable on return
+
+
+class SaveFuture(concurrent.futures.Future):
+    """A Future that knows whether anyone looked at its outcome.
+
+    ``result()`` or ``exception()`` count as looking; a failure nobody looked
+    at is raised by the next save call or logged at exit.
+    """
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+        self.observed = False
+
+    def result(self, timeout: Optional[float] = None) -> SaveResult:
+        self.observed = True
+        return super().result(timeout)
+
+    def exception(self, timeout: Optional[float] = None) -> Optional[BaseException]:
+        self.observed = True
+        return super().exception(timeout)
+
+    def __repr__(self) -> str:
+        return f"<SaveFuture path={self.path!r} state={self._state}>"
+
+
+# ---------------------------------------------------------------- staging
+
+class _Arena:
+    __slots__ = ("buf", "pinned")
+
+    def __init__(self, nbytes: int, pinned: bool):
+        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        self.pinned = pinned
+
+    @property
+    def capacity(self) -> int:
+        return self.buf.numel()
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class Stager:
+    """Copies storages into host arenas that are reused across snapshots.
+
+    ``snapshot(storages)`` returns an arena and one staged ``UntypedStorage``
+    per input (a view of the arena, same size); ``release(arena)`` gives the
+    arena back. Free arenas are kept for reuse, at most ``keep`` of them
+    (the in-flight limit), and only those large enough for the last snapshot.
+    ``allocations`` and ``allocated_bytes`` count what was ever allocated.
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: List[_Arena] = []
+        self._last_need = 0
+        self.allocations = 0
+        self.allocated_bytes = 0
+
+    def _acquire(self, need: int, pinned: bool) -> _Arena:
+        with self._lock:
+            self._last_need = need
+            fits = [a for a in self._free if a.pinned == pinned and a.capacity >= need]
+            if fits:
+                arena = min(fits, key=lambda a: a.capacity)
+                self._free.remove(arena)
+                return arena
+            # The state grew (or changed kind): smaller free arenas will not fit it again.
+            self._free = [a for a in self._free if a.pinned != pinned or a.capacity >= need]
+        size = max(_ARENA_ROUND, (need + _ARENA_ROUND - 1) // _ARENA_ROUND * _ARENA_ROUND)
+        arena = _Arena(size, pinned)
+        with self._lock:
+            self.allocations += 1
+            self.allocated_bytes += size
+        log.debug("fastckpt.async_save: new %s staging arena of %d bytes", "pinned" if pinned else "host", size)
+        return arena
+
+    def release(self, arena: _Arena, keep: int = 1) -> None:
+        with self._lock:
+            if arena.capacity >= self._last_need:
+                self._free.insert(0, arena)
+            del self._free[max(keep, 0):]
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(a.capacity for a in self._free)
+
+    def clear(self) -> None:
+        """Drop the free arenas (memory is returned once no save uses them)."""
+        with self._lock:
+            self._free.clear()
+
+    def snapshot(self, storages: List[torch.UntypedStorage]) -> Tuple[_Arena, List[torch.UntypedStorage]]:
+        need = sum(_align(s.nbytes()) for s in storages)
+        pinned = any(s.device.type == "cuda" for s in storages) and torch.cuda.is_available()
+        arena = self._acquire(need, pinned)
+        try:
+            staged = self._copy(arena, storages)
+        except BaseException:
+            self.release(arena)
+            raise
+        return arena, staged
+
+    @staticmethod
+    def _copy(arena: _Arena, storages: List[torch.UntypedStorage]) -> List[torch.UntypedStorage]:
+        whole = arena.buf.untyped_storage()
+        staged: List[torch.UntypedStorage] = []
+        cuda_devices = set()
+        off = 0
+        for src in storages:
+            n = src.nbytes()
+            if n == 0:
+                staged.append(torch.UntypedStorage(0))
+                continue
+            dst = whole[off:off + n]  # a view of the arena, exactly n bytes
+            off += _align(n)
+            d, s = _ser._as_bytes_tensor(dst), _ser._as_bytes_tensor(src)
+            if src.device.type == "cuda":
+                # On the device's current stream: ordered after the kernels that
+                # produced the data; asynchronous into pinned memory.
+                d.copy_(s, non_blocking=arena.pinned)
+                cuda_devices.add(src.device)
+            else:
+                d.copy_(s)
+            staged.append(dst)
+        for dev in cuda_devices:
+            torch.cuda.current_stream(dev).synchronize()
+        return staged
+
+
+# ---------------------------------------------------------------- writing a prepared pickle
+
+class _Replay:
+    """Stands in for the pickle module in :func:`fastckpt.save` so that it writes
+    a pickle made earlier (by ``serialization._pickle`` on the live object)
+    with the staged storages as its data: ``dump`` registers staged storage i
+    through save's own persistent_id, which gives it key ``str(i)`` exactly as
+    the original storage i had, then emits the earlier pickle's bytes.
+
+    (A ``serialization._write_archive(f, data_pkl, storages)`` split out of
+    ``save`` would make this unnecessary; see the module's notes.)
+    """
+
+    def __init__(self, data_pkl: bytes, staged: List[torch.UntypedStorage]):
+        replay = self
+
+        class Pickler:
+            def __init__(self, file, protocol=None):
+                self._file = file
+
+            def dump(self, _obj) -> None:
+                for i, s in enumerate(replay.staged):
+                    pid = self.persistent_id(s)  # save()'s subclass registers the storage
+                    if not (isinstance(pid, tuple) and len(pid) > 2 and pid[2] == str(i)):
+                        raise RuntimeError(f"fastckpt.async_save: storage {i} got persistent id {pid!r} "
+                                           "from fastckpt.save; the replay no longer matches serialization._pickle")
+                self._file.write(replay.data_pkl)
+
+        self.Pickler = Pickler
+        self.data_pkl = data_pkl
+        self.staged = staged
+
+
+class _Snapshot:
+    __slots__ = ("data_pkl", "staged", "arena", "nbytes", "pickle_protocol")
+
+    def __init__(self, data_pkl, staged, arena, nbytes, pickle_protocol):
+        self.data_pkl = data_pkl
+        self.staged = staged
+        self.arena = arena
+        self.nbytes = nbytes
+        self.pickle_protocol = pickle_protocol
+
+
+# ---------------------------------------------------------------- the saver
+
+_savers: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()
+
+
+class AsyncSaver:
+    """Background checkpoint writer: one writer thread (saves complete in call
+    order, so the last save of a path wins), a :class:`Stager`, the in-flight
+    limit and the record of failures nobody looked at.
+
+    Most code uses the process-wide one through :func:`async_save`.
+    """
+
+    def __init__(self, max_in_flight: Optional[int] = None):
+        self._max_in_flight = max_in_flight
+        self.stager = Stager()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-save")
+        self._cv = threading.Condition()
+        self._in_flight: List[SaveFuture] = []
+        self._failed: List[SaveFuture] = []
+        self._worker_ident: Optional[int] = None
+        _savers.add(self)
+
+    @property
+    def max_in_flight(self) -> int:
+        n = self._max_in_flight if self._max_in_flight is not None else knobs.get("async_max_in_flight")
+        return max(1, int(n))
+
+    def pending(self) -> List[SaveFuture]:
+        """Saves snapshotted and not yet finished, oldest first."""
+        with self._cv:
+            return list(self._in_flight)
+
+    # -- errors nobody looked at
+    def raise_unobserved(self) -> None:
+        """Raise the first failure of an earlier save whose future nobody
+        checked (with a note saying which save it was); forget the others."""
+        with self._cv:
+            failed = [f for f in self._failed if not f.observed]
+            self._failed.clear()
+        if not failed:
+            return
+        for f in failed:
+            f.observed = True
+        exc = concurrent.futures.Future.exception(failed[0])
+        note = (f"fastckpt: raised here because the asynchronous save of {failed[0].path!r} failed "
+                "and its future was never checked")
+        if len(failed) > 1:
+            note += f" ({len(failed) - 1} more failed: {', '.join(repr(f.path) for f in failed[1:])})"
+        if hasattr(exc, "add_note"):
+            exc.add_note(note)
+        else:  # pragma: no cover - Python < 3.11
+            log.error("%s", note)
+        raise exc
+
+    # -- saving
+    def save(self, obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = _ser.DEFAULT_PROTOCOL,
+             *, after: Optional[Callable[[], None]] = None) -> SaveFuture:
+        """Snapshot ``obj`` and write it to ``f`` in the background; see :func:`async_save`.
+
+        ``after``, if given, runs on the writer thread once the file is
+        committed (a failure there fails the future); the checkpoint manager
+        uses it to move its ``latest`` pointer.
+        """
+        if not isinstance(f, (str, os.PathLike)):
+            raise TypeError("fastckpt.async_save writes to a path (str or os.PathLike), "
+                            f"not {type(f).__name__}")
+        if threading.get_ident() == self._worker_ident:
+            raise RuntimeError("fastckpt.async_save called from the save thread itself (it would wait for itself)")
+        path = os.fspath(f)
+        self.raise_unobserved()
+        limit = self.max_in_flight
+        with self._cv:
+            while len(self._in_flight) >= limit:
+                self._cv.wait()
+            fut = SaveFuture(path)
+            self._in_flight.append(fut)  # the slot is ours from here
+        try:
+            self.raise_unobserved()  # a save we just waited for may have failed
+            t0 = time.perf_counter()
+            data_pkl, storages = _ser._pickle(obj, pickle_module, pickle_protocol)
+            arena, staged = self.stager.snapshot(storages)
+            nbytes = sum(s.nbytes() for s in storages)
+            del storages  # the live storages are not kept alive by the background save
+            snap = _Snapshot(data_pkl, staged, arena, nbytes, pickle_protocol)
+            snap_s = time.perf_counter() - t0
+            self._executor.submit(self._run, fut, snap, snap_s, after)
+        except BaseException:
+            self._done(fut)
+            raise
+        return fut
+
+    def _run(self, fut: SaveFuture, snap: _Snapshot, snap_s: float, after) -> None:
+        self._worker_ident = threading.get_ident()
+        try:
+            if not fut.set_running_or_notify_cancel():
+                return  # cancelled before it started: nothing written
+            t0 = time.perf_counter()
+            try:
+                _ser.save(None, fut.path, pickle_module=_Replay(snap.data_pkl, snap.staged),
+                          pickle_protocol=snap.pickle_protocol)
+                snap.staged = None
+                self.stager.release(snap.arena, keep=self.max_in_flight)
+                snap.arena = None
+                if after is not None:
+                    after()
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                log.debug("fastckpt.async_save of %s failed: %r", fut.path, e)
+                with self._cv:
+                    self._failed.append(fut)
+                fut.set_exception(e)
+                return
+            fut.set_result(SaveResult(fut.path, snap.nbytes, snap_s, time.perf_counter() - t0))
+        finally:
+            if snap.arena is not None:
+                snap.staged = None
+                self.stager.release(snap.arena, keep=self.max_in_flight)
+            self._done(fut)
+
+    def _done(self, fut: SaveFuture) -> None:
+        with self._cv:
+            if fut in self._in_flight:
+                self._in_flight.remove(fut)
+            self._cv.notify_all()
+
+    def wait(self, timeout: Optional[float] = None, raise_errors: bool = True) -> bool:
+        """Wait until every save started so far is finished. Returns False on
+        timeout. With ``raise_errors``, then raises the first failure nobody
+        looked at (see :meth:`raise_unobserved`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._in_flight:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        if raise_errors:
+            self.raise_unobserved()
+        return True
+
+    def _at_exit(self) -> None:
+        self.wait(raise_errors=False)
+        with self._cv:
+            failed = [f for f in self._failed if not f.observed]
+            self._failed.clear()
+        for f in failed:
+            exc = concurrent.futures.Future.exception(f)
+            log.error("fastckpt: the asynchronous save of %r FAILED and nobody checked its future; "
+                      "that checkpoint does not exist: %s: %s", f.path, type(exc).__name__, exc,
+                      exc_info=(type(exc), exc, exc.__traceback__))
+
+
+_default: Optional[AsyncSaver] = None
+_default_lock = threading.Lock()
+
+
+def default_saver() -> AsyncSaver:
+    """The process-wide saver behind :func:`async_save` (and the checkpoint manager)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = AsyncSaver()
+        return _default
+
+
+def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = _ser.DEFAULT_PROTOCOL) -> SaveFuture:
+    """Save like :func:`fastckpt.save`, in the background.
+
+    Returns once ``obj`` is pickled and every tensor's data is copied into
+    host staging memory (page-locked for CUDA tensors; device-to-host copies
+    are issued on each device's current stream and waited for), so the caller
+    may modify its tensors right away. The file is then written by a
+    background thread with :func:`fastckpt.save`: temporary file, O_DIRECT
+    writes, fdatasync, rename, directory fsync.
+
+    At most ``fastckpt.knobs.get("async_max_in_flight")`` saves (default 1,
+    environment ``FASTCKPT_ASYNC_MAX_IN_FLIGHT``) are in flight; a further
+    call first waits for the oldest. Saves complete in call order.
+
+    Args:
+        obj: what :func:`fastckpt.save` accepts.
+        f: a path (str or os.PathLike).
+        pickle_module, pickle_protocol: as for torch.save.
+
+    Returns:
+        A :class:`SaveFuture`; its result is a :class:`SaveResult` once the
+        file is durable under its final name.
+
+    Raises:
+        The failure of an earlier asynchronous save whose future nobody
+        checked; pickling errors (``obj`` cannot be saved), raised before
+        anything is staged. I/O errors of this save are raised by its future.
+
+    Example:
+        >>> fut = fastckpt.async_save({"model": model.state_dict(), "step": step}, "ckpt.pt")
+        >>> opt.step()            # safe: the snapshot is taken
+        >>> fut.result()          # or fastckpt.wait_for_saves() before exiting
+    """
+    return default_saver().save(obj, f, pickle_module, pickle_protocol)
+
+
+def wait_for_saves(timeout: Optional[float] = None) -> bool:
+    """Wait for every pending :func:`async_save` (and checkpoint manager save);
+    then raise the first failure nobody looked at. Returns False on timeout."""
+    return default_saver().wait(timeout)
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    for saver in list(_savers):
+        try:
+            saver._at_exit()
+        except Exception:  # noqa: BLE001 - never mask other exit handlers
+            log.exception("fastckpt: error while waiting for asynchronous saves at exit")

@@ -1,0 +1,607 @@
+"""fastckpt.CheckpointManager: a directory of step checkpoints for a training loop.
+
+Layout of ``directory``::
+
+    step_00000100.pt     complete checkpoints (replicated mode: one fastckpt.save file each)
+    step_00000200/       ... or, in sharded mode, one DCP directory each
+    latest               "step_00000200.pt\\n": the last checkpoint saved, replaced atomically
+    .step_00000300.pt.fastckpt-tmp.<pid>.<n>.<r>   a save in progress (or left by a crash)
+
+A checkpoint appears under its final name only when it is complete: single
+files are committed by the engine (temporary file, fdatasync, rename,
+directory fsync); sharded directories are written under a temporary name and
+renamed by rank 0 once every rank's data and DCP's ``.metadata`` are durable.
+``latest`` is then replaced the same way, and retention deletes older
+checkpoints. Anything named ``.*.fastckpt-tmp.*`` is never a checkpoint.
+
+Distributed rules (when ``torch.distributed`` is initialized; every rank must
+call every method, in the same order):
+
+* replicated mode (DDP; default): rank 0 writes, all ranks wait for it
+  (a barrier before and after that also tells every rank whether rank 0
+  failed, so that no rank hangs or runs ahead); all ranks read.
+* sharded mode (``sharded=True``; FSDP, DTensor): every rank writes its shards
+  with ``torch.distributed.checkpoint``; all ranks load in place.
+
+The directory must be visible to every rank that reads it (one node, or a
+shared filesystem).
+"""
+
+import concurrent.futures
+import logging
+import os
+import pickle
+import re
+import shutil
+import threading
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, List, NamedTuple, Optional, Set, Tuple, Union
+
+from . import _C
+from .async_save import AsyncSaver, SaveFuture, default_saver
+from .engine import get_engine
+from .serialization import load as _load
+from .serialization import save as _save
+
+__all__ = ["CheckpointManager", "Restored", "TMP_MARK"]
+
+log = logging.getLogger("fastckpt")
+
+TMP_MARK = ".fastckpt-tmp."          # docs/FORMAT.md 1.6: `.<name>.fastckpt-tmp.<pid>.<n>.<r>`
+_TMP_RE = re.compile(r"^\..+\.fastckpt-tmp\.(?:(\d+)\.)?")
+LATEST = "latest"
+
+
+class Restored(NamedTuple):
+    """What :meth:`CheckpointManager.load_latest` found."""
+    step: int
+    state: Any
+    path: str
+
+
+def _fsync_dir(path: Union[str, os.PathLike]) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _dcp_storage(path: str, writing: bool, verify: bool = True):
+    """The storage layer of sharded checkpoints: fastckpt.dcp's FastWriter /
+    FastReader (the engine; the reader checks CRCs when ``verify``). They take
+    the stock FileSystemWriter / FileSystemReader's path argument, which can
+    stand in for them here."""
+    from .dcp import FastReader, FastWriter
+    return FastWriter(path) if writing else FastReader(path, verify=verify)
+
+
+_failures_cache: Optional[Tuple[type, ...]] = None
+
+
+def _failures() -> Tuple[type, ...]:
+    """What a failed save or load can raise: Exception, and DCP's
+    CheckpointException, which is a BaseException."""
+    global _failures_cache
+    if _failures_cache is None:
+        try:
+            from torch.distributed.checkpoint.api import CheckpointException
+            _failures_cache = (Exception, CheckpointException)
+        except ImportError:  # pragma: no cover - torch without distributed
+            _failures_cache = (Exception,)
+    return _failures_cache
+
+
+def _done_future(result=None) -> concurrent.futures.Future:
+    f: concurrent.futures.Future = concurrent.futures.Future()
+    f.set_result(result)
+    return f
+
+
+class CheckpointManager:
+    """Save, keep and restore step checkpoints in one directory.
+
+    Args:
+        directory: where checkpoints live (created if missing).
+        keep_last: how many complete checkpoints to keep (the newest by step;
+            ``None`` keeps all). The one ``latest`` names and any being written
+            are never deleted.
+        sharded: every rank writes its own shards through
+            ``torch.distributed.checkpoint`` (a directory per step) instead of
+            rank 0 writing one file.
+        process_group: the group whose ranks share this directory (default:
+            the world, when torch.distributed is initialized).
+        verify: check every storage's CRC-32 when loading (replicated mode).
+        clean: delete leftover temporary files/directories of crashed saves
+            now (see :meth:`clean_temporaries`).
+        saver: the :class:`~fastckpt.async_save.AsyncSaver` for
+            :meth:`async_save` (default: the process-wide one, which
+            :func:`fastckpt.wait_for_saves` also waits for).
+
+    Example:
+        >>> mgr = fastckpt.CheckpointManager("ckpt", keep_last=3)
+        >>> restored = mgr.load_latest(map_location="cpu")
+        >>> start = 0 if restored is None else restored.step + 1
+        >>> for step in range(start, steps):
+        ...     train_step()
+        ...     if step % 100 == 0:
+        ...         mgr.async_save(step, {"model": model.module.state_dict(), "optim": opt.state_dict()})
+        >>> mgr.wait()
+    """
+
+    def __init__(self, directory: Union[str, os.PathLike], keep_last: Optional[int] = 3, *, sharded: bool = False,
+                 process_group: Any = None, verify: bool = True, clean: bool = True,
+                 saver: Optional[AsyncSaver] = None):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None (got {keep_last})")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+        self.sharded = sharded
+        self.verify = verify
+        self._pg = process_group
+        self._saver = saver
+        self._lock = threading.Lock()
+        self._writing: Set[str] = set()          # final names of saves in flight
+        self._futures: List[SaveFuture] = []     # this manager's asynchronous saves (rank 0)
+        self._dist = self._dist_initialized()
+        if self._dist:
+            import torch.distributed as dist
+            self.rank = dist.get_rank(self._pg)
+            self.world_size = dist.get_world_size(self._pg)
+        else:
+            self.rank, self.world_size = 0, 1
+        err = None
+        if self.rank == 0:
+            try:
+                if not self.directory.is_dir():
+                    self.directory.mkdir(parents=True, exist_ok=True)
+                    _fsync_dir(self.directory.parent)
+                if clean:
+                    self.clean_temporaries()
+            except _failures() as e:  # noqa: BLE001 - every rank learns of it
+                err = e
+        self._agree(err, "preparing the checkpoint directory")
+
+    # ------------------------------------------------------------ names
+    def name_for(self, step: int) -> str:
+        return f"step_{step:08d}" if self.sharded else f"step_{step:08d}.pt"
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / self.name_for(step)
+
+    def _parse(self, name: str) -> Optional[int]:
+        m = re.fullmatch(r"step_(\d+)" if self.sharded else r"step_(\d+)\.pt", name)
+        return int(m.group(1)) if m else None
+
+    def _complete(self) -> List[Tuple[int, str]]:
+        """Complete checkpoints as (step, name), oldest first."""
+        found = []
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            step = self._parse(name)
+            if step is None:
+                continue
+            p = self.directory / name
+            if self.sharded and not (p.is_dir() and (p / ".metadata").is_file()):
+                continue
+            if not self.sharded and not p.is_file():
+                continue
+            found.append((step, name))
+        return sorted(found)
+
+    def steps(self) -> List[int]:
+        """Steps of the complete checkpoints in the directory, oldest first."""
+        return [s for s, _ in self._complete()]
+
+    def latest_name(self) -> Optional[str]:
+        """The checkpoint the ``latest`` pointer names, or None."""
+        try:
+            text = (self.directory / LATEST).read_text().strip()
+        except FileNotFoundError:
+            return None
+        if self._parse(text) is None:
+            warnings.warn(f"fastckpt.CheckpointManager: {self.directory / LATEST} holds {text[:80]!r}, "
+                          "which is not a checkpoint name; ignoring it", RuntimeWarning, stacklevel=2)
+            return None
+        return text
+
+    # ------------------------------------------------------------ collectives
+    @staticmethod
+    def _dist_initialized() -> bool:
+        try:
+            import torch.distributed as dist
+        except ImportError:  # pragma: no cover
+            return False
+        return dist.is_available() and dist.is_initialized()
+
+    def _gather(self, obj: Any) -> List[Any]:
+        if not self._dist:
+            return [obj]
+        import torch.distributed as dist
+        out: List[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._pg)  # also a barrier
+        return out
+
+    def _agree(self, err: Optional[BaseException], what: str, payload: Any = None) -> Any:
+        """A barrier that also tells every rank whether any rank failed: raises
+        ``err`` here, or a RuntimeError naming the rank that failed. Returns
+        rank 0's ``payload``."""
+        msg = None if err is None else f"{type(err).__name__}: {err}"
+        got = self._gather((msg, payload))
+        if err is not None:
+            raise err
+        for r, (m, _) in enumerate(got):
+            if m is not None:
+                raise RuntimeError(f"fastckpt.CheckpointManager: {what} failed on rank {r}: {m}")
+        return got[0][1]
+
+    # ------------------------------------------------------------ saving
+    @property
+    def saver(self) -> AsyncSaver:
+        return self._saver if self._saver is not None else default_saver()
+
+    def _check_step(self, step: int) -> None:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative int (got {step!r})")
+
+    def _previous_errors(self) -> None:
+        """Rank 0: raise the failure of an earlier asynchronous save nobody looked at."""
+        self.saver.raise_unobserved()
+
+    def save(self, step: int, state: Any) -> Optional[Path]:
+        """Save ``state`` as the checkpoint of ``step``, wait until it is durable,
+        point ``latest`` at it and apply retention. Collective.
+
+        Returns the checkpoint's path (None on ranks that do not write in
+        replicated mode).
+
+        Raises:
+            OSError etc.: this rank's write failed; ``latest`` still names the
+                previous checkpoint and no temporary file is left.
+            RuntimeError: another rank failed (the message says which and why).
+            The failure of an earlier :meth:`async_save` nobody looked at.
+        """
+        self._check_step(step)
+        name = self.name_for(step)
+        if self.sharded:
+            return self._save_sharded(step, name, state)
+        err = None
+        if self.rank == 0:
+            try:
+                self.wait_local()          # earlier async saves first: the pointer moves in order
+                self._previous_errors()
+            except _failures() as e:  # noqa: BLE001
+                err = e
+        self._agree(err, f"an earlier checkpoint save (before step {step})")
+        path = self.directory / name
+        if self.rank == 0:
+            with self._lock:
+                self._writing.add(name)
+            try:
+                _save(state, path)
+                self._commit(name)
+            except _failures() as e:  # noqa: BLE001
+                err = e
+            finally:
+                with self._lock:
+                    self._writing.discard(name)
+        self._agree(err, f"saving the checkpoint of step {step}")
+        return path if self.rank == 0 else None
+
+    def async_save(self, step: int, state: Any) -> concurrent.futures.Future:
+        """Like :meth:`save`, but rank 0 returns once ``state`` is snapshotted
+        into host memory (see :func:`fastckpt.async_save`) and writes it in the
+        background; ``latest`` moves and retention runs when the write is
+        durable. Collective: every rank waits for rank 0's snapshot, so all may
+        change their state on return.
+
+        Returns:
+            On rank 0, the save's future (result: a SaveResult once the
+            checkpoint is durable and ``latest`` names it); elsewhere a
+            completed future whose result is None. :meth:`wait` (collective)
+            waits for every save and reports failures on all ranks.
+
+        Raises:
+            The failure of an earlier asynchronous save that nobody looked at
+            (on every rank); a snapshot error (e.g. unpicklable state).
+        """
+        self._check_step(step)
+        if self.sharded:
+            raise NotImplementedError("CheckpointManager.async_save in sharded mode; use save()")
+        name = self.name_for(step)
+        err = None
+        if self.rank == 0:
+            try:
+                self._previous_errors()
+            except _failures() as e:  # noqa: BLE001
+                err = e
+        self._agree(err, f"an earlier asynchronous checkpoint save (before step {step})")
+        fut: Optional[concurrent.futures.Future] = None
+        if self.rank == 0:
+            with self._lock:
+                self._writing.add(name)
+            try:
+                fut = self.saver.save(state, self.directory / name, after=lambda: self._commit(name))
+            except _failures() as e:  # noqa: BLE001
+                err = e
+                with self._lock:
+                    self._writing.discard(name)
+            else:
+                with self._lock:
+                    self._futures = [f for f in self._futures if not f.done()] + [fut]
+                fut.add_done_callback(lambda _f: self._finished(name))
+        self._agree(err, f"snapshotting the checkpoint of step {step}")
+        return fut if fut is not None else _done_future()
+
+    def _finished(self, name: str) -> None:
+        with self._lock:
+            self._writing.discard(name)
+
+    def wait_local(self, timeout: Optional[float] = None) -> bool:
+        """Wait for this process's asynchronous saves of this manager (not
+        collective; no error is raised). False on timeout."""
+        with self._lock:
+            futs = list(self._futures)
+        done, not_done = concurrent.futures.wait(futs, timeout=timeout)
+        return not not_done
+
+    def wait(self) -> None:
+        """Wait until every asynchronous save of this manager is durable; then
+        raise, on every rank, any failure nobody looked at. Collective."""
+        err = None
+        if self.rank == 0:
+            try:
+                self.wait_local()
+                self._previous_errors()
+            except _failures() as e:  # noqa: BLE001
+                err = e
+        self._agree(err, "an asynchronous checkpoint save")
+
+    close = wait
+
+    def __enter__(self) -> "CheckpointManager":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.wait()
+        else:
+            self.wait_local()
+
+    # ------------------------------------------------------------ commit, retention, cleanup
+    def _commit(self, name: str) -> None:
+        """The checkpoint ``name`` is complete and durable: point ``latest`` at
+        it (atomically), then apply retention. Rank 0 only."""
+        data = (name + "\n").encode()
+        w = _C.Writer(get_engine(), str(self.directory / LATEST), len(data))
+        try:
+            w.write(data)
+            w.commit()  # temporary file, fdatasync, rename over `latest`, directory fsync
+        except BaseException:
+            w.abort()
+            raise
+        self._prune()
+
+    def _prune(self) -> List[str]:
+        if self.keep_last is None:
+            return []
+        complete = self._complete()
+        keep = {n for _, n in complete[-self.keep_last:]}
+        latest = self.latest_name()
+        with self._lock:
+            protected = keep | set(self._writing) | ({latest} if latest else set())
+        removed = []
+        for step, name in complete:
+            if name in protected:
+                continue
+            p = self.directory / name
+            try:
+                if p.is_dir():  # rename first, so that a crash never leaves half a checkpoint under its name
+                    doomed = self.directory / f".{name}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}.del"
+                    os.rename(p, doomed)
+                    shutil.rmtree(doomed)
+                else:
+                    os.unlink(p)
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+        if removed:
+            _fsync_dir(self.directory)
+            log.debug("fastckpt.CheckpointManager: retention removed %s", removed)
+        return removed
+
+    def clean_temporaries(self) -> List[str]:
+        """Delete what crashed saves left in the directory: names matching
+        ``.*.fastckpt-tmp.*`` (docs/FORMAT.md 1.6), files or directories.
+
+        Skipped: names whose process id is this process's or that of a live
+        process on this host (it may be saving right now). Refused while a save
+        of this manager is in flight. Not collective: the constructor calls it
+        on rank 0 only.
+
+        Caveat: a process on *another host* that writes into the same (shared)
+        directory right now cannot be recognised; do not point two running jobs
+        at one directory.
+
+        Returns the names removed.
+        """
+        with self._lock:
+            busy = bool(self._writing) or any(not f.done() for f in self._futures)
+        if busy:
+            raise RuntimeError("fastckpt.CheckpointManager.clean_temporaries: a save of this manager is in flight")
+        removed = []
+        for name in sorted(os.listdir(self.directory)):
+            m = _TMP_RE.match(name)
+            if not m:
+                continue
+            pid = int(m.group(1)) if m.group(1) else None
+            if pid is not None and (pid == os.getpid() or _pid_alive(pid)):
+                log.debug("fastckpt.CheckpointManager: keeping %s (process %d is alive)", name, pid)
+                continue
+            p = self.directory / name
+            try:
+                if p.is_dir() and not p.is_symlink():
+                    shutil.rmtree(p)
+                else:
+                    os.unlink(p)
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+        if removed:
+            _fsync_dir(self.directory)
+            log.warning("fastckpt.CheckpointManager: removed %d leftover temporary file(s) of interrupted saves "
+                        "in %s: %s", len(removed), self.directory, ", ".join(removed))
+        return removed
+
+    # ------------------------------------------------------------ sharded (DCP)
+    def _save_sharded(self, step: int, name: str, state: Any) -> Path:
+        import torch.distributed.checkpoint as dcp
+        err = None
+        tmp_name = None
+        if self.rank == 0:
+            try:
+                self._previous_errors()
+                tmp_name = f".{name}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}.dcp"
+                (self.directory / tmp_name).mkdir()
+                with self._lock:
+                    self._writing.add(name)
+            except _failures() as e:  # noqa: BLE001
+                err = e
+        tmp_name = self._agree(err, f"preparing the checkpoint of step {step}", tmp_name)
+        tmp = self.directory / tmp_name
+        try:
+            try:
+                dcp.save(state, storage_writer=_dcp_storage(str(tmp), writing=True), process_group=self._pg)
+            except _failures() as e:  # noqa: BLE001
+                err = e
+            self._agree(err, f"writing the shards of step {step}")
+            if self.rank == 0:
+                try:
+                    self._publish_dir(tmp, name)
+                    self._commit(name)
+                except _failures() as e:  # noqa: BLE001
+                    err = e
+            self._agree(err, f"committing the checkpoint of step {step}")
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            if self.rank == 0:
+                with self._lock:
+                    self._writing.discard(name)
+        return self.directory / name
+
+    def _publish_dir(self, tmp: Path, name: str) -> None:
+        """Rank 0: every rank's files and .metadata are written; make the
+        directory durable and rename it to its final name."""
+        for entry in os.scandir(tmp):  # the stock writer fsyncs its files; a cheap check for the others
+            if entry.is_file():
+                fd = os.open(entry.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _fsync_dir(tmp)
+        final = self.directory / name
+        if final.exists():  # re-saving a step: move the old one aside (then it is a temporary)
+            aside = self.directory / f".{name}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}.old"
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _fsync_dir(self.directory)
+
+    # ------------------------------------------------------------ loading
+    def load_latest(self, map_location: Any = None, *, state: Any = None, weights_only: bool = True) -> Optional[Restored]:
+        """Load the newest complete checkpoint that loads and verifies. Collective.
+
+        Candidates are the complete checkpoints, newest step first (normally
+        the one ``latest`` names; a newer complete one, left by a crash between
+        its commit and the pointer's, counts too). One that fails to load or
+        verify on any rank is skipped with a warning, and the next older one
+        is tried, on every rank alike.
+
+        Args:
+            map_location: as for :func:`fastckpt.load` (replicated mode), e.g.
+                ``f"cuda:{local_rank}"``.
+            state: sharded mode: the state dict to load into, in place
+                (``torch.distributed.checkpoint.load``); required there.
+            weights_only: as for :func:`fastckpt.load`.
+
+        Returns:
+            ``Restored(step, state, path)``, or None when the directory holds
+            no complete checkpoint (a fresh start).
+
+        Raises:
+            pickle.UnpicklingError: ``weights_only`` refused a checkpoint (not
+                corruption: older checkpoints are not tried).
+            RuntimeError: checkpoints exist but none could be loaded.
+        """
+        if self.sharded and state is None:
+            raise ValueError("sharded mode loads in place: pass state=<state dict to fill>")
+        listing = None
+        err = None
+        if self.rank == 0:
+            try:
+                complete = self._complete()
+                latest = self.latest_name()
+                if latest is not None and latest not in {n for _, n in complete}:
+                    warnings.warn(f"fastckpt.CheckpointManager: {self.directory / LATEST} names {latest}, "
+                                  "which is missing or incomplete", RuntimeWarning, stacklevel=2)
+                elif latest is not None and complete and complete[-1][1] != latest:
+                    log.info("fastckpt.CheckpointManager: %s is complete and newer than %s that latest names "
+                             "(interrupted before the pointer moved); trying it first", complete[-1][1], latest)
+                listing = [(s, n) for s, n in reversed(complete)]
+            except _failures() as e:  # noqa: BLE001
+                err = e
+        listing = self._agree(err, "listing checkpoints", listing)
+        failures = []
+        for step, name in listing:
+            path = self.directory / name
+            result, err = None, None
+            try:
+                if self.sharded:
+                    import torch.distributed.checkpoint as dcp
+                    dcp.load(state, storage_reader=_dcp_storage(str(path), writing=False, verify=self.verify), process_group=self._pg)
+                    result = state
+                else:
+                    result = _load(path, map_location=map_location, weights_only=weights_only, verify=self.verify)
+            except _failures() as e:  # noqa: BLE001 - a damaged checkpoint can fail in many ways
+                err = e
+            got = self._gather(None if err is None else (type(err).__name__, str(err),
+                                                        isinstance(err, pickle.UnpicklingError)))
+            bad = [(r, g) for r, g in enumerate(got) if g is not None]
+            if not bad:
+                return Restored(step, result, str(path))
+            if isinstance(err, pickle.UnpicklingError):
+                raise err
+            if any(g[2] for _, g in bad):
+                raise RuntimeError(f"fastckpt.CheckpointManager: {path}: the weights-only unpickler refused it on "
+                                   f"rank(s) {[r for r, _ in bad]}: {bad[0][1][1]}")
+            why = "; ".join(f"rank {r}: {g[0]}: {g[1]}" for r, g in bad)
+            failures.append(f"{name} ({why})")
+            warnings.warn(f"fastckpt.CheckpointManager: skipping checkpoint {path}: {why}; "
+                          "falling back to the previous one", RuntimeWarning, stacklevel=2)
+        if failures:
+            raise RuntimeError(f"fastckpt.CheckpointManager: no checkpoint in {self.directory} could be loaded: "
+                               + "; ".join(failures))
+        return None
+
+    restore = load_latest
