@@ -1,0 +1,70 @@
+"""One rank of test_ddp_resume.py::test_sharded_manager_two_ranks (gloo, CPU).
+
+Usage (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment):
+    python sharded_worker.py CKPT_DIR
+Rank 0 prints "ok" at the end; any failed check raises (non-zero exit).
+"""
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from fastckpt import CheckpointManager
+
+
+def main(ckpt: str) -> None:
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world,))
+
+    def state(v):
+        full = torch.arange(64, dtype=torch.float32).reshape(16, 4) + v
+        return {"model": {"w": distribute_tensor(full, mesh, [Shard(0)]), "b": torch.full((3,), float(v))},
+                "step": v}
+
+    def check(expected, got):
+        assert torch.equal(expected["model"]["w"].to_local(), got["model"]["w"].to_local())
+        assert torch.equal(expected["model"]["b"], got["model"]["b"])
+        assert expected["step"] == got["step"], (expected["step"], got["step"])
+
+    mgr = CheckpointManager(ckpt, keep_last=2, sharded=True)
+    assert mgr.load_latest(state=state(0)) is None
+    for v in (1, 2, 3):
+        mgr.save(v, state(v))
+    names = sorted(os.listdir(os.path.join(ckpt, "step_00000003")))
+    assert ".metadata" in names and {f"__{r}_0.distcp" for r in range(world)} <= set(names), names
+    assert mgr.steps() == [2, 3], mgr.steps()
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read() == "step_00000003\n"
+
+    target = state(0)
+    r = mgr.load_latest(state=target)
+    assert r.step == 3 and r.state is target
+    check(state(3), target)
+
+    # Damage rank 1's shard of the newest checkpoint: every rank falls back to step 2.
+    dist.barrier()
+    if rank == 0:
+        shard = os.path.join(ckpt, "step_00000003", "__1_0.distcp")
+        os.truncate(shard, os.path.getsize(shard) // 2)
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r = mgr.load_latest(state=state(0))
+    assert r.step == 2, r.step
+    check(state(2), r.state)
+    assert any("skipping checkpoint" in str(w.message) and "step_00000003" in str(w.message) for w in caught)
+
+    dist.barrier()
+    if rank == 0:
+        print("ok", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
