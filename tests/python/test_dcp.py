@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-import warnings
 import zlib
 
 import pytest
@@ -608,7 +607,7 @@ def test_random_corruption_never_crashes(small_ckpt, seed):
 
 
 def test_fuzz_zip_parser():
-    hypothesis = pytest.importorskip("hypothesis")
+    pytest.importorskip("hypothesis")
     from hypothesis import given, settings, strategies as st
 
     blob = _blob.plan_tensor_blob(torch.float32, (3,), 0)
