@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import pickle
+import re
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -253,7 +254,9 @@ class FastWriter(StorageWriter, AsyncStager):
         # Runs on the coordinator after every rank planned and before any rank
         # writes: an old checkpoint here stops being one before its files change.
         if self.use_collectives:
-            self._invalidate([METADATA])
+            # also rank-local metadata of a use_collectives=False save: dcp.load falls back to it
+            rank_local = [n for n in os.listdir(self.path) if re.fullmatch(r"__\d+\.metadata", n)]
+            self._invalidate([METADATA] + rank_local)
         return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) if p.storage_data is None else p
                 for i, p in enumerate(plans)]
 

@@ -376,6 +376,15 @@ def test_use_collectives_false(tmp_path):
         assert torch.equal(tgt["a"], sd["a"])
 
 
+def test_collective_save_removes_rank_local_metadata(tmp_path):
+    dcp.save({"a": torch.arange(6.0)}, storage_writer=FastWriter(tmp_path), use_collectives=False)
+    _C.fault_inject("write", nth=1, errno=errno.EIO, path_contains="distcp")
+    with pytest.raises(OSError):
+        _unwrapped(dcp.save, {"a": torch.zeros(6)}, storage_writer=FastWriter(tmp_path))
+    # dcp.load would fall back to __0.metadata: it must be gone too
+    assert not [n for n in os.listdir(tmp_path) if n.endswith(".metadata")]
+
+
 def test_async_save_reuses_staging_buffers(tmp_path):
     src = {"w": torch.randn(100, 100), "b": torch.randn(100), "step": 3, "nested": {"m": torch.ones(5)}}
     w = FastWriter(tmp_path / "a")
