@@ -5,6 +5,7 @@ CMAKE_DIR  ?= build/cmake
 STAMP      := $(VENV)/.fastckpt-setup
 BENCH_ENGINE_ARGS ?= --quick
 BENCH_ARGS ?=
+BENCH_DCP_ARGS ?= --reps 2
 PYTEST_ARGS ?=
 
 .PHONY: all setup build test test-cpp test-python bench bench-full clean distclean
@@ -37,11 +38,13 @@ test: test-cpp test-python
 bench: build
 	$(PY) benchmarks/bench_engine.py $(BENCH_ENGINE_ARGS)
 	$(PY) benchmarks/bench_save_load.py $(BENCH_ARGS)
+	$(PY) benchmarks/bench_dcp.py $(BENCH_DCP_ARGS)
 
 bench-full: build
 	bash .ci/install_deepspeed.sh
 	$(PY) benchmarks/bench_engine.py --full
 	$(PY) benchmarks/bench_save_load.py --deepspeed
+	$(PY) benchmarks/bench_dcp.py
 
 clean:
 	rm -rf build fastckpt/*.so .pytest_cache
