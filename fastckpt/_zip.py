@@ -47,12 +47,14 @@ _eocd64_loc = struct.Struct("<IIQI")
 
 # ---------------------------------------------------------------- writing
 
-def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT) -> bytes:
+def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT, base: int = 0) -> bytes:
     """Local file header for a record of `size` bytes whose header starts at
-    `offset`, padded (PyTorch's "FB" extra field) so that the data starts on a
-    multiple of `alignment`. Same padding rule as PyTorch's getPadding()."""
+    `offset` of the archive, padded (PyTorch's "FB" extra field) so that the
+    data starts on a multiple of `alignment` of the file, where the archive
+    itself starts at file offset `base` (an archive embedded in a bigger file,
+    as in DCP data files). Same padding rule as PyTorch's getPadding()."""
     extra = b""
-    start = offset + LOCAL_HEADER_SIZE + len(name) + 4
+    start = base + offset + LOCAL_HEADER_SIZE + len(name) + 4
     if size >= U32_MAX or offset >= U32_MAX:
         z = b""
         if size >= U32_MAX:

@@ -42,31 +42,12 @@ ALIGN_MIN = 64 << 10  # tensors smaller than this are only 64-byte aligned (no 4
 RECORD_ALIGN = 64     # torch.save's own record alignment; every blob starts on a multiple of it
 TAIL_READ = 4096      # bytes read from the end of a record to find its central directory
 
-U16_MAX = 0xFFFF
-U32_MAX = 0xFFFFFFFF
-LOCAL_SIG = 0x04034B50
-CENTRAL_SIG = 0x02014B50
-DESCRIPTOR_SIG = 0x08074B50
-EOCD_SIG = 0x06054B50
-EOCD64_SIG = 0x06064B50
-EOCD64_LOC_SIG = 0x07064B50
-LOCAL_HEADER_SIZE = 30
-CENTRAL_HEADER_SIZE = 46
-EOCD_SIZE = 22
-EOCD64_SIZE = 56
-EOCD64_LOC_SIZE = 20
-FLAGS = 0x0808        # bit 3: CRC and sizes in a data descriptor; bit 11: UTF-8 names
-DOS_TIME, DOS_DATE = 0, (1 << 5) | 1  # 1980-01-01 00:00
-ZIP64_TAG = 0x0001
-PAD_TAG = 0x4246      # "FB": PyTorch's padding field
-
-_local = struct.Struct("<IHHHHHIIIHH")
-_central = struct.Struct("<IHHHHHHIIIHHHHHII")
-_descriptor32 = struct.Struct("<IIII")
-_descriptor64 = struct.Struct("<IIQQ")
-_eocd = struct.Struct("<IHHHHIIH")
-_eocd64 = struct.Struct("<IQHHIIQQQQ")
-_eocd64_loc = struct.Struct("<IIQI")
+# The zip container is the one of single-file checkpoints (docs/FORMAT.md 1.1).
+from .._zip import (  # noqa: E402
+    CENTRAL_HEADER_SIZE, CENTRAL_SIG, EOCD64_LOC_SIG, EOCD64_LOC_SIZE, EOCD64_SIG, EOCD64_SIZE, EOCD_SIG,
+    EOCD_SIZE, LOCAL_HEADER_SIZE, LOCAL_SIG, U16_MAX, U32_MAX, ZIP64_TAG, Entry, _central, _eocd, _eocd64,
+    _eocd64_loc, _local, central_directory, descriptor, local_header,
+)
 
 ARCHIVE = "archive"   # the top folder torch.save uses for a file object without a name
 
@@ -153,71 +134,12 @@ def tensor_pickle(dtype: torch.dtype, size: Tuple[int, ...]) -> bytes:
 
 # ---------------------------------------------------------------- writing a record
 
-def _local_header(name: bytes, size: int, rel_offset: int, abs_offset: int, alignment: int) -> bytes:
-    """Local header whose "FB" padding puts the data on a multiple of `alignment`
-    of the file (`abs_offset` is where the header starts in the file)."""
-    extra = b""
-    if size >= U32_MAX or rel_offset >= U32_MAX:
-        z = b""
-        if size >= U32_MAX:
-            z += struct.pack("<QQ", 0, 0)
-        if rel_offset >= U32_MAX:
-            z += struct.pack("<Q", 0)
-        extra += struct.pack("<HH", ZIP64_TAG, len(z)) + z
-    start = abs_offset + LOCAL_HEADER_SIZE + len(name) + len(extra) + 4
-    pad = (-start) % alignment
-    extra += struct.pack("<HH", PAD_TAG, pad) + b"Z" * pad
-    return _local.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(extra)) + name + extra
-
-
-def _descriptor(crc: int, size: int, rel_offset: int) -> bytes:
-    if size == 0:
-        return b""
-    if size >= U32_MAX or rel_offset >= U32_MAX:
-        return _descriptor64.pack(DESCRIPTOR_SIG, crc, size, size)
-    return _descriptor32.pack(DESCRIPTOR_SIG, crc, size, size)
-
-
-@dataclass
-class _Rec:
-    name: bytes
-    size: int
-    crc: int
-    rel_offset: int
-
-
-def _central_directory(recs: List[_Rec], cd_offset: int) -> bytes:
-    out = []
-    for e in recs:
-        z = b""
-        size32, off32 = e.size, e.rel_offset
-        if e.size >= U32_MAX:
-            z += struct.pack("<QQ", e.size, e.size)
-            size32 = U32_MAX
-        if e.rel_offset >= U32_MAX:
-            z += struct.pack("<Q", e.rel_offset)
-            off32 = U32_MAX
-        extra = struct.pack("<HH", ZIP64_TAG, len(z)) + z if z else b""
-        version = 45 if z else 20
-        out += [_central.pack(CENTRAL_SIG, version, version, FLAGS, 0, DOS_TIME, DOS_DATE, e.crc, size32, size32,
-                              len(e.name), len(extra), 0, 0, 0, 0, off32), e.name, extra]
-    cd = b"".join(out)
-    n = len(recs)
-    end = b""
-    if n >= U16_MAX or len(cd) >= U32_MAX or cd_offset >= U32_MAX:
-        end += _eocd64.pack(EOCD64_SIG, EOCD64_SIZE - 12, 45, 45, 0, 0, n, n, len(cd), cd_offset)
-        end += _eocd64_loc.pack(EOCD64_LOC_SIG, 0, cd_offset + len(cd), 1)
-    end += _eocd.pack(EOCD_SIG, 0, 0, min(n, U16_MAX), min(n, U16_MAX), min(len(cd), U32_MAX),
-                      min(cd_offset, U32_MAX), 0)
-    return cd + end
-
-
 class TensorBlob:
     """The layout of one tensor record at a known file offset: ``head`` (bytes up
     to the tensor data), then the tensor's ``nbytes``, then ``tail(crc)``."""
 
-    def __init__(self, head: bytes, nbytes: int, data_offset: int, data_rec: _Rec, tail_len: int,
-                 small_tail: bytes, recs: List[_Rec], cd_rel: int):
+    def __init__(self, head: bytes, nbytes: int, data_offset: int, data_rec: Entry, tail_len: int,
+                 small_tail: bytes, recs: List[Entry], cd_rel: int):
         self.head = head
         self.nbytes = nbytes
         self.data_offset = data_offset  # absolute file offset of the tensor bytes
@@ -229,8 +151,8 @@ class TensorBlob:
 
     def tail(self, crc: int) -> bytes:
         self._data_rec.crc = crc
-        return (_descriptor(crc, self.nbytes, self._data_rec.rel_offset) + self._small_tail
-                + _central_directory(self._recs, self._cd_rel))
+        return (descriptor(crc, self.nbytes, self._data_rec.header_offset) + self._small_tail
+                + central_directory(self._recs, self._cd_rel))
 
 
 def plan_tensor_blob(dtype: torch.dtype, size: Tuple[int, ...], file_offset: int) -> TensorBlob:
@@ -246,16 +168,16 @@ def plan_tensor_blob(dtype: torch.dtype, size: Tuple[int, ...], file_offset: int
     before = [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", str(RECORD_ALIGN).encode()),
               ("byteorder", sys.byteorder.encode())]
     after = [("version", b"3\n"), (".data/serialization_id", serialization_id)]
-    recs: List[_Rec] = []
+    recs: List[Entry] = []
     parts: List[bytes] = []
     rel = 0
 
     def small(name: str, payload: bytes, out: List[bytes]) -> None:
         nonlocal rel
         full = f"{ARCHIVE}/{name}".encode()
-        rec = _Rec(full, len(payload), zlib.crc32(payload), rel)
-        h = _local_header(full, len(payload), rel, file_offset + rel, RECORD_ALIGN)
-        d = _descriptor(rec.crc, len(payload), rel)
+        rec = Entry(full.decode(), len(payload), zlib.crc32(payload), rel)
+        h = local_header(full, len(payload), rel, RECORD_ALIGN, base=file_offset)
+        d = descriptor(rec.crc, len(payload), rel)
         out += [h, payload, d]
         rel += len(h) + len(payload) + len(d)
         recs.append(rec)
@@ -263,21 +185,21 @@ def plan_tensor_blob(dtype: torch.dtype, size: Tuple[int, ...], file_offset: int
     for name, payload in before:
         small(name, payload, parts)
     full = f"{ARCHIVE}/data/0".encode()
-    data_rec = _Rec(full, nbytes, 0, rel)
-    h = _local_header(full, nbytes, rel, file_offset + rel, ALIGN if nbytes >= ALIGN_MIN else RECORD_ALIGN)
+    data_rec = Entry(full.decode(), nbytes, 0, rel)
+    h = local_header(full, nbytes, rel, ALIGN if nbytes >= ALIGN_MIN else RECORD_ALIGN, base=file_offset)
     parts.append(h)
     rel += len(h)
     head = b"".join(parts)
     data_offset = file_offset + rel
     recs.append(data_rec)
-    rel += nbytes + len(_descriptor(0, nbytes, data_rec.rel_offset))
+    rel += nbytes + len(descriptor(0, nbytes, data_rec.header_offset))
     tail_parts: List[bytes] = []
     for name, payload in after:
         small(name, payload, tail_parts)
     small_tail = b"".join(tail_parts)
     cd_rel = rel
-    tail_len = (len(_descriptor(0, nbytes, data_rec.rel_offset)) + len(small_tail)
-                + len(_central_directory(recs, cd_rel)))
+    tail_len = (len(descriptor(0, nbytes, data_rec.header_offset)) + len(small_tail)
+                + len(central_directory(recs, cd_rel)))
     return TensorBlob(head, nbytes, data_offset, data_rec, tail_len, small_tail, recs, cd_rel)
 
 
