@@ -44,7 +44,7 @@ TAIL_READ = 4096      # bytes read from the end of a record to find its central 
 
 # The zip container is the one of single-file checkpoints (docs/FORMAT.md 1.1).
 from .._zip import (  # noqa: E402
-    CENTRAL_HEADER_SIZE, CENTRAL_SIG, EOCD64_LOC_SIG, EOCD64_LOC_SIZE, EOCD64_SIG, EOCD64_SIZE, EOCD_SIG,
+    CENTRAL_HEADER_SIZE, CENTRAL_SIG, EOCD64_LOC_SIG, EOCD64_LOC_SIZE, EOCD64_SIG, EOCD64_SIZE,
     EOCD_SIZE, LOCAL_HEADER_SIZE, LOCAL_SIG, U16_MAX, U32_MAX, ZIP64_TAG, Entry, _central, _eocd, _eocd64,
     _eocd64_loc, _local, central_directory, descriptor, local_header,
 )
