@@ -86,6 +86,7 @@ class Entry:
     header_offset: int
     data_offset: int = 0
     method: int = 0  # compression method: fastckpt writes 0 (stored); others are refused on load
+    compressed_size: int = -1  # as read from the central directory (-1: same as size)
 
 
 def central_directory(entries: List[Entry], cd_offset: int) -> bytes:
@@ -122,6 +123,109 @@ def central_directory(entries: List[Entry], cd_offset: int) -> bytes:
 
 
 # ---------------------------------------------------------------- reading
+class NeedMore(Exception):
+    """The central directory starts before the bytes given to parse_directory."""
+
+    def __init__(self, start: int):
+        super().__init__(start)
+        self.start = start  # offset from which the archive must be read
+
+
+def parse_directory(tail: bytes, tail_start: int, length: int, at, bad):
+    """Parse the end records and central directory of an archive of `length`
+    bytes, given its last bytes `tail` (from offset `tail_start`).
+
+    `at(offset, n)` returns n bytes of the archive (or raises NeedMore), `bad(what)`
+    makes the error to raise. Returns ({name without top folder: Entry without
+    data_offset}, central directory offset, top folder). Every count, size and
+    offset is checked against the archive before it is used."""
+    if length < EOCD_SIZE:
+        raise bad(f"a {length}-byte file is too short for a zip archive")
+    pos = tail.rfind(b"PK\x05\x06")
+    while pos >= 0 and pos + EOCD_SIZE > len(tail):
+        pos = tail.rfind(b"PK\x05\x06", 0, pos)
+    if pos < 0:
+        if tail_start > 0 and length - tail_start < EOCD_SIZE + U16_MAX:
+            raise NeedMore(max(0, length - EOCD_SIZE - U16_MAX))
+        raise bad("truncated or corrupt: no end-of-central-directory record")
+    eocd_off = tail_start + pos
+    (_, disk, cd_disk, n_disk, n, cd_size, cd_off, _) = _eocd.unpack_from(tail, pos)
+    if disk != 0 or cd_disk != 0 or n_disk != n:
+        raise bad("multi-disk zip archives are not supported")
+    if n == U16_MAX or cd_size == U32_MAX or cd_off == U32_MAX:
+        loc_off = eocd_off - EOCD64_LOC_SIZE
+        sig, _, eocd64_off, _ = _eocd64_loc.unpack(at(loc_off, EOCD64_LOC_SIZE))
+        if sig != EOCD64_LOC_SIG:
+            raise bad(f"corrupt zip64 end locator at offset {loc_off}")
+        fields = _eocd64.unpack(at(eocd64_off, EOCD64_SIZE))
+        if fields[0] != EOCD64_SIG:
+            raise bad(f"corrupt zip64 end record at offset {eocd64_off}")
+        n, cd_size, cd_off = fields[7], fields[8], fields[9]
+    if cd_off + cd_size > eocd_off or n * CENTRAL_HEADER_SIZE > cd_size:
+        raise bad(f"corrupt central directory (offset {cd_off}, {cd_size} bytes, {n} entries, "
+                  f"end record at {eocd_off})")
+    cd = at(cd_off, cd_size)
+    entries: Dict[str, Entry] = {}
+    prefix: Optional[str] = None
+    p = 0
+    for i in range(n):
+        if p + CENTRAL_HEADER_SIZE > len(cd):
+            raise bad(f"central directory entry {i} runs past the directory")
+        (sig, _, _, flags, method, _, _, crc, csize, usize, name_len, extra_len, comment_len,
+         _, _, _, hoff) = _central.unpack_from(cd, p)
+        if sig != CENTRAL_SIG:
+            raise bad(f"corrupt central directory entry {i} at offset {cd_off + p}")
+        p += CENTRAL_HEADER_SIZE
+        if p + name_len + extra_len + comment_len > len(cd):
+            raise bad(f"central directory entry {i} runs past the directory")
+        raw_name = cd[p:p + name_len]
+        extra = cd[p + name_len:p + name_len + extra_len]
+        p += name_len + extra_len + comment_len
+        try:
+            name = raw_name.decode("utf-8")
+        except UnicodeDecodeError:
+            raise bad(f"entry {i}: name is not UTF-8") from None
+        # zip64 extended information: only the fields that overflowed are present.
+        q = 0
+        while q + 4 <= len(extra):
+            tag, ln = struct.unpack_from("<HH", extra, q)
+            body = extra[q + 4:q + 4 + ln]
+            if len(body) != ln:
+                raise bad(f"entry {name!r}: truncated extra field")
+            if tag == ZIP64_TAG:
+                it = iter([struct.unpack_from("<Q", body, r)[0] for r in range(0, len(body) - 7, 8)])
+                try:
+                    if usize == U32_MAX:
+                        usize = next(it)
+                    if csize == U32_MAX:
+                        csize = next(it)
+                    if hoff == U32_MAX:
+                        hoff = next(it)
+                except StopIteration:
+                    raise bad(f"entry {name!r}: short zip64 field") from None
+            q += 4 + ln
+        if flags & 0x1:
+            raise bad(f"entry {name!r} is encrypted")
+        if method == 0 and csize != usize:
+            raise bad(f"entry {name!r}: stored sizes differ ({csize} vs {usize})")
+        top, sep, rest = name.partition("/")
+        if not sep or not rest:
+            raise bad(f"entry {name!r} is not inside the archive's folder")
+        if prefix is None:
+            prefix = top
+        elif top != prefix:
+            raise bad(f"entries in two top folders: {prefix!r} and {top!r}")
+        if rest in entries:
+            raise bad(f"duplicate entry {name!r}")
+        if hoff + LOCAL_HEADER_SIZE + csize > cd_off:
+            raise bad(f"truncated or corrupt: record {name!r} ({csize} bytes, header at {hoff}) "
+                      f"overlaps the central directory at {cd_off}")
+        entries[rest] = Entry(name, usize, crc, hoff, 0, method, csize)
+    if prefix is None:
+        raise bad("empty archive")
+    return entries, cd_off, prefix
+
+
 
 class Archive:
     """The records of a zip archive, parsed from its central directory.
@@ -176,100 +280,20 @@ class Archive:
             raise bad(f"not a zip-format torch checkpoint (starts with {head!r})")
         tail_len = min(size, EOCD_SIZE + U16_MAX)
         tail = read_at(size - tail_len, tail_len)
-        pos = tail.rfind(b"PK\x05\x06")
-        while pos >= 0 and pos + EOCD_SIZE > len(tail):
-            pos = tail.rfind(b"PK\x05\x06", 0, pos)
-        if pos < 0:
-            raise bad("truncated or corrupt: no end-of-central-directory record")
-        eocd_off = size - tail_len + pos
-        (_, disk, cd_disk, n_disk, n, cd_size, cd_off, comment_len) = _eocd.unpack_from(tail, pos)
-        if disk != 0 or cd_disk != 0 or n_disk != n:
-            raise bad("multi-disk zip archives are not supported")
-        if n == U16_MAX or cd_size == U32_MAX or cd_off == U32_MAX:
-            loc_off = eocd_off - EOCD64_LOC_SIZE
-            loc = read_at(loc_off, EOCD64_LOC_SIZE)
-            sig, _, eocd64_off, _ = _eocd64_loc.unpack(loc)
-            if sig != EOCD64_LOC_SIG:
-                raise bad(f"corrupt zip64 end locator at offset {loc_off}")
-            rec = read_at(eocd64_off, EOCD64_SIZE)
-            fields = _eocd64.unpack(rec)
-            if fields[0] != EOCD64_SIG:
-                raise bad(f"corrupt zip64 end record at offset {eocd64_off}")
-            n, cd_size, cd_off = fields[7], fields[8], fields[9]
-        if cd_off + cd_size > eocd_off or n * CENTRAL_HEADER_SIZE > cd_size:
-            raise bad(f"corrupt central directory (offset {cd_off}, {cd_size} bytes, {n} entries, "
-                      f"end record at {eocd_off})")
-        cd = read_at(cd_off, cd_size)
-
+        entries, cd_off, prefix = parse_directory(tail, size - tail_len, size, read_at, bad)
         records: Dict[str, Entry] = {}
-        prefix: Optional[str] = None
-        p = 0
-        for i in range(n):
-            if p + CENTRAL_HEADER_SIZE > len(cd):
-                raise bad(f"central directory entry {i} runs past the directory")
-            (sig, _, _, flags, method, _, _, crc, csize, usize, name_len, extra_len, comment_len,
-             _, _, _, hoff) = _central.unpack_from(cd, p)
-            if sig != CENTRAL_SIG:
-                raise bad(f"corrupt central directory entry {i} at offset {cd_off + p}")
-            p += CENTRAL_HEADER_SIZE
-            if p + name_len + extra_len + comment_len > len(cd):
-                raise bad(f"central directory entry {i} runs past the directory")
-            raw_name = cd[p:p + name_len]
-            extra = cd[p + name_len:p + name_len + extra_len]
-            p += name_len + extra_len + comment_len
-            try:
-                name = raw_name.decode("utf-8")
-            except UnicodeDecodeError:
-                raise bad(f"entry {i}: name is not UTF-8") from None
-            # zip64 extended information: only the fields that overflowed are present.
-            q = 0
-            while q + 4 <= len(extra):
-                tag, ln = struct.unpack_from("<HH", extra, q)
-                body = extra[q + 4:q + 4 + ln]
-                if len(body) != ln:
-                    raise bad(f"entry {name!r}: truncated extra field")
-                if tag == ZIP64_TAG:
-                    r = 0
-                    vals = []
-                    while r + 8 <= len(body):
-                        vals.append(struct.unpack_from("<Q", body, r)[0])
-                        r += 8
-                    it = iter(vals)
-                    try:
-                        if usize == U32_MAX:
-                            usize = next(it)
-                        if csize == U32_MAX:
-                            csize = next(it)
-                        if hoff == U32_MAX:
-                            hoff = next(it)
-                    except StopIteration:
-                        raise bad(f"entry {name!r}: short zip64 field") from None
-                q += 4 + ln
-            if method == 0 and csize != usize:
-                raise bad(f"entry {name!r}: stored sizes differ ({csize} vs {usize})")
-            if flags & 0x1:
-                raise bad(f"entry {name!r} is encrypted")
-            top, sep, rest = name.partition("/")
-            if not sep or not rest:
-                raise bad(f"entry {name!r} is not inside the archive's folder")
-            if prefix is None:
-                prefix = top
-            elif top != prefix:
-                raise bad(f"entries in two top folders: {prefix!r} and {top!r}")
-            if rest in records:
-                raise bad(f"duplicate entry {name!r}")
+        for rest, e in entries.items():
             # The local header gives where the data starts.
-            lh = read_at(hoff, LOCAL_HEADER_SIZE)
+            raw_name = e.name.encode("utf-8")
+            lh = read_at(e.header_offset, LOCAL_HEADER_SIZE)
             lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = _local.unpack(lh)
             if lsig != LOCAL_SIG:
-                raise bad(f"entry {name!r}: no local header at offset {hoff}")
-            if read_at(hoff + LOCAL_HEADER_SIZE, lname_len) != raw_name:
-                raise bad(f"entry {name!r}: local header names another record")
-            data_off = hoff + LOCAL_HEADER_SIZE + lname_len + lextra_len
-            if data_off + csize > cd_off:
-                raise bad(f"truncated or corrupt: record {name!r} ({csize} bytes at offset {data_off}) "
-                          f"overlaps the central directory at {cd_off}")
-            records[rest] = Entry(name, usize, crc, hoff, data_off, method)
-        if prefix is None:
-            raise bad("empty archive")
+                raise bad(f"entry {e.name!r}: no local header at offset {e.header_offset}")
+            if read_at(e.header_offset + LOCAL_HEADER_SIZE, lname_len) != raw_name:
+                raise bad(f"entry {e.name!r}: local header names another record")
+            e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
+            if e.data_offset + e.compressed_size > cd_off:
+                raise bad(f"truncated or corrupt: record {e.name!r} ({e.compressed_size} bytes at offset "
+                          f"{e.data_offset}) overlaps the central directory at {cd_off}")
+            records[rest] = e
         return cls(path, prefix, records, size)

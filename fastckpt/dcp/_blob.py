@@ -23,12 +23,11 @@ record raises :class:`fastckpt.FormatError`.
 
 import collections
 import pickle
-import struct
 import sys
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 
@@ -44,9 +43,8 @@ TAIL_READ = 4096      # bytes read from the end of a record to find its central 
 
 # The zip container is the one of single-file checkpoints (docs/FORMAT.md 1.1).
 from .._zip import (  # noqa: E402
-    CENTRAL_HEADER_SIZE, CENTRAL_SIG, EOCD64_LOC_SIG, EOCD64_LOC_SIZE, EOCD64_SIG, EOCD64_SIZE,
-    EOCD_SIZE, LOCAL_HEADER_SIZE, LOCAL_SIG, U16_MAX, U32_MAX, ZIP64_TAG, Entry, _central, _eocd, _eocd64,
-    _eocd64_loc, _local, central_directory, descriptor, local_header,
+    LOCAL_HEADER_SIZE, LOCAL_SIG, Entry, NeedMore, _local, central_directory, descriptor, local_header,
+    parse_directory,
 )
 
 ARCHIVE = "archive"   # the top folder torch.save uses for a file object without a name
@@ -225,14 +223,6 @@ class ZipIndex:
         return min(nxt) if nxt else self.cd_offset
 
 
-class NeedMore(Exception):
-    """The central directory starts before the bytes read from the record's end."""
-
-    def __init__(self, start: int):
-        super().__init__(start)
-        self.start = start  # relative offset from which the record must be read
-
-
 class Unsupported(Exception):
     """A valid record that this fast parser does not handle (torch.load will)."""
 
@@ -253,88 +243,9 @@ def parse_tail(tail: bytes, tail_start: int, length: int, where: str) -> ZipInde
             raise bad(f"zip structure runs past the end of the record (needs bytes {off}..{off + n} of {length})")
         return tail[off - tail_start:off - tail_start + n]
 
-    if length < EOCD_SIZE:
-        raise bad(f"a {length}-byte record is too short to be a torch.save archive")
-    pos = tail.rfind(b"PK\x05\x06")
-    while pos >= 0 and pos + EOCD_SIZE > len(tail):
-        pos = tail.rfind(b"PK\x05\x06", 0, pos)
-    if pos < 0:
-        if tail_start > 0 and length - tail_start < EOCD_SIZE + U16_MAX:
-            raise NeedMore(max(0, length - EOCD_SIZE - U16_MAX))
-        raise bad("not a torch.save archive: no end-of-central-directory record (truncated or corrupt)")
-    eocd_rel = tail_start + pos
-    _, disk, cd_disk, n_disk, n, cd_size, cd_off, comment_len = _eocd.unpack_from(tail, pos)
-    if disk != 0 or cd_disk != 0 or n_disk != n:
-        raise bad("multi-disk zip archives are not supported")
-    if n == U16_MAX or cd_size == U32_MAX or cd_off == U32_MAX:
-        loc = at(eocd_rel - EOCD64_LOC_SIZE, EOCD64_LOC_SIZE)
-        sig, _, eocd64_off, _ = _eocd64_loc.unpack(loc)
-        if sig != EOCD64_LOC_SIG:
-            raise bad(f"corrupt zip64 end locator at record offset {eocd_rel - EOCD64_LOC_SIZE}")
-        fields = _eocd64.unpack(at(eocd64_off, EOCD64_SIZE))
-        if fields[0] != EOCD64_SIG:
-            raise bad(f"corrupt zip64 end record at record offset {eocd64_off}")
-        n, cd_size, cd_off = fields[7], fields[8], fields[9]
-    if cd_off + cd_size > eocd_rel or n * CENTRAL_HEADER_SIZE > cd_size:
-        raise bad(f"corrupt central directory (offset {cd_off}, {cd_size} bytes, {n} entries, "
-                  f"end record at {eocd_rel})")
-    cd = at(cd_off, cd_size)
-    entries: Dict[str, ZipEntry] = {}
-    prefix: Optional[str] = None
-    p = 0
-    for i in range(n):
-        if p + CENTRAL_HEADER_SIZE > len(cd):
-            raise bad(f"central directory entry {i} runs past the directory")
-        (sig, _, _, flags, method, _, _, crc, csize, usize, name_len, extra_len, comment_len,
-         _, _, _, hoff) = _central.unpack_from(cd, p)
-        if sig != CENTRAL_SIG:
-            raise bad(f"corrupt central directory entry {i}")
-        p += CENTRAL_HEADER_SIZE
-        if p + name_len + extra_len + comment_len > len(cd):
-            raise bad(f"central directory entry {i} runs past the directory")
-        raw = cd[p:p + name_len]
-        extra = cd[p + name_len:p + name_len + extra_len]
-        p += name_len + extra_len + comment_len
-        try:
-            name = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            raise bad(f"entry {i}: name is not UTF-8") from None
-        q = 0
-        while q + 4 <= len(extra):
-            tag, ln = struct.unpack_from("<HH", extra, q)
-            body = extra[q + 4:q + 4 + ln]
-            if len(body) != ln:
-                raise bad(f"entry {name!r}: truncated extra field")
-            if tag == ZIP64_TAG:
-                vals = [struct.unpack_from("<Q", body, r)[0] for r in range(0, len(body) - 7, 8)]
-                it = iter(vals)
-                try:
-                    if usize == U32_MAX:
-                        usize = next(it)
-                    if csize == U32_MAX:
-                        csize = next(it)
-                    if hoff == U32_MAX:
-                        hoff = next(it)
-                except StopIteration:
-                    raise bad(f"entry {name!r}: short zip64 field") from None
-            q += 4 + ln
-        if flags & 0x1:
-            raise bad(f"entry {name!r} is encrypted")
-        if method == 0 and csize != usize:
-            raise bad(f"entry {name!r}: stored sizes differ ({csize} vs {usize})")
-        top, sep, rest = name.partition("/")
-        if not sep or not rest:
-            raise bad(f"entry {name!r} is not inside the archive's folder")
-        if prefix is None:
-            prefix = top
-        elif top != prefix:
-            raise bad(f"entries in two top folders: {prefix!r} and {top!r}")
-        if rest in entries:
-            raise bad(f"duplicate entry {name!r}")
-        if hoff + LOCAL_HEADER_SIZE + csize > cd_off:
-            raise bad(f"record {name!r} ({csize} bytes, header at {hoff}) overlaps the central directory at {cd_off}")
-        entries[rest] = ZipEntry(rest, usize, crc, hoff, method)
-    return ZipIndex(entries, cd_off)
+    entries, cd_off, _ = parse_directory(tail, tail_start, length, at, bad)
+    return ZipIndex({rest: ZipEntry(rest, e.size, e.crc, e.header_offset, e.method) for rest, e in entries.items()},
+                    cd_off)
 
 
 def local_data_offset(header: bytes, e: ZipEntry, index: ZipIndex, where: str) -> int:
