@@ -461,3 +461,22 @@ def test_manager_sharded_mode_single_process(tmp_path):
             mgr.load_latest()
         with pytest.raises(NotImplementedError):
             mgr.async_save(4, st(4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_snapshot_is_pinned_isolated_and_keeps_locations(tmp_path):
+    saver = AsyncSaver()
+    dev = torch.device("cuda", 0)
+    state = {"w": torch.randn(1 << 20, device=dev), "h": torch.arange(1000, device=dev).half(), "c": torch.ones(3)}
+    state["v"] = state["w"][10:20]
+    expected = {k: v.cpu() for k, v in state.items()}
+    _C.fault_inject("write", nth=1, delay_ms=100, times=0, path_contains="cuda.pt")
+    fut = saver.save(state, tmp_path / "cuda.pt")
+    state["w"].mul_(-1)  # queued on the same stream after the snapshot's copies
+    state["h"].zero_()
+    fut.result(timeout=60)
+    assert saver.stager.allocations == 1 and saver.stager._free[0].pinned
+    got = fastckpt.load(tmp_path / "cuda.pt", verify=True)  # no map_location: back on the saved device
+    assert got["w"].device == dev and got["c"].device.type == "cpu"
+    assert_same(expected, {k: v.cpu() for k, v in got.items()})
+    assert got["v"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()
