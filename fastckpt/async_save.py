@@ -306,6 +306,7 @@ class AsyncSaver:
                 self._cv.wait()
             fut = SaveFuture(path)
             self._in_flight.append(fut)  # the slot is ours from here
+        arena = None
         try:
             self.raise_unobserved()  # a save we just waited for may have failed
             t0 = time.perf_counter()
@@ -317,6 +318,8 @@ class AsyncSaver:
             snap_s = time.perf_counter() - t0
             self._executor.submit(self._run, fut, snap, snap_s, after)
         except BaseException:
+            if arena is not None:  # staged but not submitted (e.g. interpreter shutdown)
+                self.stager.release(arena, keep=limit)
             self._done(fut)
             raise
         return fut
