@@ -49,7 +49,7 @@ _ARENA_ROUND = 1 << 20  # arenas are rounded up to 1 MiB so small growth reuses 
 class SaveResult:
     """What a completed asynchronous save reports through its future."""
     path: str
-    nbytes: int              # bytes of tensor data in the snapshot
+    nbytes: int              # bytes of tensor data in the snapshot (0 for the manager's sharded saves)
     snapshot_seconds: float  # how long async_save blocked its caller (pickle + copies)
     write_seconds: float     # background: fastckpt.save of the snapshot, durable on return
 
@@ -263,6 +263,12 @@ class AsyncSaver:
             return list(self._in_flight)
 
     # -- errors nobody looked at
+    def note_failure(self, fut: SaveFuture) -> None:
+        """Record a failed save made elsewhere (the checkpoint manager's sharded
+        saves) so that, unobserved, it is raised and logged like this saver's."""
+        with self._cv:
+            self._failed.append(fut)
+
     def raise_unobserved(self) -> None:
         """Raise the first failure of an earlier save whose future nobody
         checked (with a note saying which save it was); forget the others."""

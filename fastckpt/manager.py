@@ -34,6 +34,7 @@ import pickle
 import re
 import shutil
 import threading
+import time
 import uuid
 import warnings
 from pathlib import Path
@@ -154,7 +155,9 @@ class CheckpointManager:
         self._saver = saver
         self._lock = threading.Lock()
         self._writing: Set[str] = set()          # final names of saves in flight
-        self._futures: List[SaveFuture] = []     # this manager's asynchronous saves (rank 0)
+        self._futures: List[concurrent.futures.Future] = []  # this manager's asynchronous saves
+        self._dcp_writer = None                  # sharded async saves: one FastWriter, its staging reused
+        self._dcp_pg = None                      # ... and a gloo group of their own for DCP's background collectives
         self._dist = self._dist_initialized()
         if self._dist:
             import torch.distributed as dist
@@ -173,6 +176,12 @@ class CheckpointManager:
             except _failures() as e:  # noqa: BLE001 - every rank learns of it
                 err = e
         self._agree(err, "preparing the checkpoint directory")
+        if sharded and self._dist:
+            import torch.distributed as dist
+            # dcp.async_save runs collectives from a background thread: never on the
+            # group the training loop uses (two threads' collectives would interleave).
+            self._dcp_pg = dist.new_group(ranks=dist.get_process_group_ranks(self._pg or dist.group.WORLD),
+                                          backend="gloo")
 
     # ------------------------------------------------------------ names
     def name_for(self, step: int) -> str:
@@ -259,9 +268,34 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative int (got {step!r})")
 
-    def _previous_errors(self) -> None:
-        """Rank 0: raise the failure of an earlier asynchronous save nobody looked at."""
-        self.saver.raise_unobserved()
+    def _begin(self, step: int, name: str, *, wait_previous: bool, tmp_dir: bool = False) -> Optional[Path]:
+        """The barrier before a save. Every rank (with ``wait_previous``) waits
+        for its earlier asynchronous saves of this manager, so that ``latest``
+        moves in order, and raises any failure of an asynchronous save nobody
+        looked at; rank 0 makes the temporary directory of a sharded save. Every
+        rank learns of any rank's failure. Returns that directory."""
+        err, tmp_name = None, None
+        try:
+            if wait_previous:
+                self.wait_local()
+            self.saver.raise_unobserved()
+            if tmp_dir and self.rank == 0:
+                tmp_name = f".{name}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}.dcp"
+                (self.directory / tmp_name).mkdir()
+        except _failures() as e:  # noqa: BLE001
+            err = e
+        try:
+            tmp_name = self._agree(err, f"an earlier checkpoint save (before step {step})", tmp_name)
+        except BaseException:
+            if tmp_name is not None and self.rank == 0:
+                shutil.rmtree(self.directory / tmp_name, ignore_errors=True)
+            raise
+        if tmp_name is None:
+            return None
+        if self.rank == 0:
+            with self._lock:
+                self._writing.add(name)
+        return self.directory / tmp_name
 
     def save(self, step: int, state: Any) -> Optional[Path]:
         """Save ``state`` as the checkpoint of ``step``, wait until it is durable,
@@ -280,14 +314,8 @@ class CheckpointManager:
         name = self.name_for(step)
         if self.sharded:
             return self._save_sharded(step, name, state)
+        self._begin(step, name, wait_previous=True)
         err = None
-        if self.rank == 0:
-            try:
-                self.wait_local()          # earlier async saves first: the pointer moves in order
-                self._previous_errors()
-            except _failures() as e:  # noqa: BLE001
-                err = e
-        self._agree(err, f"an earlier checkpoint save (before step {step})")
         path = self.directory / name
         if self.rank == 0:
             with self._lock:
@@ -304,33 +332,35 @@ class CheckpointManager:
         return path if self.rank == 0 else None
 
     def async_save(self, step: int, state: Any) -> concurrent.futures.Future:
-        """Like :meth:`save`, but rank 0 returns once ``state`` is snapshotted
-        into host memory (see :func:`fastckpt.async_save`) and writes it in the
-        background; ``latest`` moves and retention runs when the write is
-        durable. Collective: every rank waits for rank 0's snapshot, so all may
-        change their state on return.
+        """Like :meth:`save`, but returns once ``state`` is snapshotted into
+        host memory and writes it in the background; ``latest`` moves and
+        retention runs when the write is durable. Collective: on return every
+        rank may change its state.
+
+        Replicated mode: rank 0 snapshots (see :func:`fastckpt.async_save`;
+        the in-flight limit applies) and the other ranks wait for that.
+        Sharded mode: every rank stages its shards (``dcp.async_save`` with
+        FastWriter, whose staging buffers are reused) after waiting for its
+        previous sharded save; DCP's background collectives run on a gloo
+        group of the manager's own, not on the training loop's.
 
         Returns:
-            On rank 0, the save's future (result: a SaveResult once the
-            checkpoint is durable and ``latest`` names it); elsewhere a
-            completed future whose result is None. :meth:`wait` (collective)
-            waits for every save and reports failures on all ranks.
+            The save's future (result: a SaveResult once the checkpoint is
+            durable and, on rank 0, ``latest`` names it); in replicated mode,
+            on ranks other than 0, a completed future whose result is None.
+            :meth:`wait` (collective) waits for every save and reports
+            failures on all ranks.
 
         Raises:
             The failure of an earlier asynchronous save that nobody looked at
             (on every rank); a snapshot error (e.g. unpicklable state).
         """
         self._check_step(step)
-        if self.sharded:
-            raise NotImplementedError("CheckpointManager.async_save in sharded mode; use save()")
         name = self.name_for(step)
+        if self.sharded:
+            return self._async_save_sharded(step, name, state)
+        self._begin(step, name, wait_previous=False)  # the saver's in-flight limit orders the saves
         err = None
-        if self.rank == 0:
-            try:
-                self._previous_errors()
-            except _failures() as e:  # noqa: BLE001
-                err = e
-        self._agree(err, f"an earlier asynchronous checkpoint save (before step {step})")
         fut: Optional[concurrent.futures.Future] = None
         if self.rank == 0:
             with self._lock:
@@ -364,15 +394,19 @@ class CheckpointManager:
         """Wait until every asynchronous save of this manager is durable; then
         raise, on every rank, any failure nobody looked at. Collective."""
         err = None
-        if self.rank == 0:
-            try:
-                self.wait_local()
-                self._previous_errors()
-            except _failures() as e:  # noqa: BLE001
-                err = e
+        try:
+            self.wait_local()
+            self.saver.raise_unobserved()
+        except _failures() as e:  # noqa: BLE001
+            err = e
         self._agree(err, "an asynchronous checkpoint save")
 
-    close = wait
+    def close(self) -> None:
+        """:meth:`wait`, then free the staging memory of sharded asynchronous saves. Collective."""
+        self.wait()
+        if self._dcp_writer is not None:
+            self._dcp_writer.close()
+            self._dcp_writer = None
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -471,19 +505,8 @@ class CheckpointManager:
     # ------------------------------------------------------------ sharded (DCP)
     def _save_sharded(self, step: int, name: str, state: Any) -> Path:
         import torch.distributed.checkpoint as dcp
+        tmp = self._begin(step, name, wait_previous=True, tmp_dir=True)
         err = None
-        tmp_name = None
-        if self.rank == 0:
-            try:
-                self._previous_errors()
-                tmp_name = f".{name}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}.dcp"
-                (self.directory / tmp_name).mkdir()
-                with self._lock:
-                    self._writing.add(name)
-            except _failures() as e:  # noqa: BLE001
-                err = e
-        tmp_name = self._agree(err, f"preparing the checkpoint of step {step}", tmp_name)
-        tmp = self.directory / tmp_name
         try:
             try:
                 dcp.save(state, storage_writer=_dcp_storage(str(tmp), writing=True), process_group=self._pg)
@@ -506,6 +529,63 @@ class CheckpointManager:
                 with self._lock:
                     self._writing.discard(name)
         return self.directory / name
+
+    def _async_save_sharded(self, step: int, name: str, state: Any) -> concurrent.futures.Future:
+        """Every rank stages its shards (FastWriter's reused buffers) and writes
+        them in the background with ``dcp.async_save`` on the manager's own gloo
+        group; when rank 0's save is done, DCP's .metadata is written (after
+        every rank's data), and rank 0 renames the directory, moves ``latest``
+        and applies retention, still in the background."""
+        import torch.distributed.checkpoint as dcp
+        from .async_save import SaveResult
+        from .dcp import FastWriter
+        # one sharded save in flight: every rank waits for its previous one first
+        tmp = self._begin(step, name, wait_previous=True, tmp_dir=True)
+        err = None
+        fut = SaveFuture(str(self.directory / name))
+        fut.set_running_or_notify_cancel()
+        dfut = None
+        try:
+            if self._dcp_writer is None:
+                self._dcp_writer = FastWriter(str(tmp))
+            dfut = dcp.async_save(state, checkpoint_id=str(tmp), storage_writer=self._dcp_writer,
+                                  process_group=self._dcp_pg)
+            dfut = getattr(dfut, "upload_completion", dfut)  # an AsyncSaveResponse in some modes
+        except _failures() as e:  # noqa: BLE001
+            err = e
+        try:
+            self._agree(err, f"staging the shards of step {step}")
+        except BaseException:
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._finished(name)
+            raise
+        t0 = time.perf_counter()
+
+        def done(df) -> None:
+            exc = None
+            try:
+                df.result()
+                if self.rank == 0:
+                    self._publish_dir(tmp, name)
+                    self._commit(name)
+            except BaseException as e:  # noqa: BLE001 - delivered through the future
+                exc = e
+                if self.rank == 0:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            finally:
+                if self.rank == 0:
+                    self._finished(name)
+            if exc is None:
+                fut.set_result(SaveResult(fut.path, 0, 0.0, time.perf_counter() - t0))
+            else:
+                self.saver.note_failure(fut)
+                fut.set_exception(exc)
+
+        with self._lock:
+            self._futures = [f for f in self._futures if not f.done()] + [fut]
+        dfut.add_done_callback(done)
+        return fut
 
     def _publish_dir(self, tmp: Path, name: str) -> None:
         """Rank 0: every rank's files and .metadata are written; make the

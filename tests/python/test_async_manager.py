@@ -459,8 +459,15 @@ def test_manager_sharded_mode_single_process(tmp_path):
         assert_same(st(2), r.state)
         with pytest.raises(ValueError, match="state="):
             mgr.load_latest()
-        with pytest.raises(NotImplementedError):
-            mgr.async_save(4, st(4))
+        src = st(4)
+        fut = mgr.async_save(4, src)
+        src["model"]["w"].mul_(-1)  # after staging: must not reach the checkpoint
+        assert isinstance(fut.result(timeout=60), SaveResult)
+        assert (tmp_path / "latest").read_text() == "step_00000004\n" and mgr.steps() == [3, 4]
+        assert_same(st(4), mgr.load_latest(state=st(0)).state)
+        mgr.async_save(5, st(5))
+        mgr.wait()
+        assert mgr.steps() == [4, 5] and temp_files(tmp_path) == []
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -1,4 +1,5 @@
-"""One rank of test_ddp_resume.py::test_sharded_manager_two_ranks (gloo, CPU).
+"""One rank of test_ddp_resume.py::test_sharded_manager_two_ranks (gloo, CPU): sharded
+save, load, fallback from a damaged checkpoint, asynchronous sharded saves.
 
 Usage (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment):
     python sharded_worker.py CKPT_DIR
@@ -59,6 +60,32 @@ def main(ckpt: str) -> None:
     assert r.step == 2, r.step
     check(state(2), r.state)
     assert any("skipping checkpoint" in str(w.message) and "step_00000003" in str(w.message) for w in caught)
+
+    # Asynchronous sharded saves: staged on return, written in the background (on the
+    # manager's own gloo group) while this thread runs collectives of its own.
+    src = state(4)
+    fut = mgr.async_save(4, src)
+    src["model"]["w"].to_local().mul_(-1)  # after staging: must not reach the checkpoint
+    src["model"]["b"].zero_()
+    for _ in range(20):
+        t = torch.ones(1000)
+        dist.all_reduce(t)
+        assert t[0].item() == world
+    fut.result(timeout=60)
+    mgr.async_save(5, state(5))
+    mgr.wait()
+    assert mgr.steps() == [4, 5], mgr.steps()
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read() == "step_00000005\n"
+    r = mgr.load_latest(state=state(0))
+    assert r.step == 5
+    check(state(5), r.state)
+    target = state(0)
+    from torch.distributed.checkpoint import load
+    from fastckpt.dcp import FastReader
+    load(target, storage_reader=FastReader(os.path.join(ckpt, "step_00000004")))
+    check(state(4), target)
+    assert not [n for n in os.listdir(ckpt) if ".fastckpt-tmp." in n]
 
     dist.barrier()
     if rank == 0:
