@@ -124,13 +124,14 @@ def rng_state(device) -> dict:
 
 
 def set_rng_state(st: dict, device) -> None:
-    torch.set_rng_state(st["torch"])
+    # .cpu(): map_location may have put these tensors on the GPU; RNG states live on the host
+    torch.set_rng_state(st["torch"].cpu())
     random.setstate(st["python"])
     if device.type == "cuda" and "cuda" in st:
-        torch.cuda.set_rng_state(st["cuda"], device)
+        torch.cuda.set_rng_state(st["cuda"].cpu(), device)
     if np is not None and "numpy" in st:
         name, key, pos, has_gauss, gauss = st["numpy"]
-        np.random.set_state((name, key.numpy().astype(np.uint32), pos, has_gauss, gauss))
+        np.random.set_state((name, key.cpu().numpy().astype(np.uint32), pos, has_gauss, gauss))
 
 
 def seed_everything(seed: int) -> None:

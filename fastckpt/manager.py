@@ -622,7 +622,9 @@ class CheckpointManager:
             map_location: as for :func:`fastckpt.load` (replicated mode), e.g.
                 ``f"cuda:{local_rank}"``.
             state: sharded mode: the state dict to load into, in place
-                (``torch.distributed.checkpoint.load``); required there.
+                (``torch.distributed.checkpoint.load``); required there. A
+                checkpoint that fails part-way may have filled some entries;
+                the next one tried overwrites every entry it loads.
             weights_only: as for :func:`fastckpt.load`.
 
         Returns:
