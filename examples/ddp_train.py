@@ -20,6 +20,7 @@ per checkpoint (``step N loss L``, ``ckpt-begin N``, ``ckpt-end N``,
 """
 
 import argparse
+import gc
 import hashlib
 import os
 import random
@@ -196,9 +197,7 @@ def digest(state: dict) -> str:
     return h.hexdigest()
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
-    device = init_distributed()
+def train(args, device) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
@@ -273,6 +272,18 @@ def main(argv=None) -> None:
         say(f"final-digest {digest(final)}")
     say("done")
     dist.barrier()  # no rank tears the group down while another still uses it
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    device = init_distributed()
+    train(args, device)
+    # DDP (and whatever else holds the process group) must be gone before the
+    # interpreter shuts down: gloo's worker threads may still be releasing the
+    # last collectives' tensors, which needs a live interpreter (otherwise:
+    # "terminate called without an active exception" at exit, pytorch PR 179291).
+    # Destroying the group here joins those threads while Python is alive.
+    gc.collect()
     dist.destroy_process_group()
 
 

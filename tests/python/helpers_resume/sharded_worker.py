@@ -5,6 +5,7 @@ Usage (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment):
     python sharded_worker.py CKPT_DIR
 Rank 0 prints "ok" at the end; any failed check raises (non-zero exit).
 """
+import gc
 import os
 import sys
 import warnings
@@ -19,6 +20,12 @@ from fastckpt import CheckpointManager
 
 def main(ckpt: str) -> None:
     dist.init_process_group("gloo")
+    run(ckpt)
+    gc.collect()  # the manager's and the mesh's groups go while Python is alive (see examples/ddp_train.py)
+    dist.destroy_process_group()
+
+
+def run(ckpt: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (world,))
@@ -90,7 +97,6 @@ def main(ckpt: str) -> None:
     dist.barrier()
     if rank == 0:
         print("ok", flush=True)
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
