@@ -185,48 +185,14 @@ class Stager:
         return staged
 
 
-# ---------------------------------------------------------------- writing a prepared pickle
-
-class _Replay:
-    """Stands in for the pickle module in :func:`fastckpt.save` so that it writes
-    a pickle made earlier (by ``serialization._pickle`` on the live object)
-    with the staged storages as its data: ``dump`` registers staged storage i
-    through save's own persistent_id, which gives it key ``str(i)`` exactly as
-    the original storage i had, then emits the earlier pickle's bytes.
-
-    (A ``serialization._write_archive(f, data_pkl, storages)`` split out of
-    ``save`` would make this unnecessary; see the module's notes.)
-    """
-
-    def __init__(self, data_pkl: bytes, staged: List[torch.UntypedStorage]):
-        replay = self
-
-        class Pickler:
-            def __init__(self, file, protocol=None):
-                self._file = file
-
-            def dump(self, _obj) -> None:
-                for i, s in enumerate(replay.staged):
-                    pid = self.persistent_id(s)  # save()'s subclass registers the storage
-                    if not (isinstance(pid, tuple) and len(pid) > 2 and pid[2] == str(i)):
-                        raise RuntimeError(f"fastckpt.async_save: storage {i} got persistent id {pid!r} "
-                                           "from fastckpt.save; the replay no longer matches serialization._pickle")
-                self._file.write(replay.data_pkl)
-
-        self.Pickler = Pickler
-        self.data_pkl = data_pkl
-        self.staged = staged
-
-
 class _Snapshot:
-    __slots__ = ("data_pkl", "staged", "arena", "nbytes", "pickle_protocol")
+    __slots__ = ("data_pkl", "staged", "arena", "nbytes")
 
-    def __init__(self, data_pkl, staged, arena, nbytes, pickle_protocol):
+    def __init__(self, data_pkl, staged, arena, nbytes):
         self.data_pkl = data_pkl
         self.staged = staged
         self.arena = arena
         self.nbytes = nbytes
-        self.pickle_protocol = pickle_protocol
 
 
 # ---------------------------------------------------------------- the saver
@@ -320,7 +286,7 @@ class AsyncSaver:
             arena, staged = self.stager.snapshot(storages)
             nbytes = sum(s.nbytes() for s in storages)
             del storages  # the live storages are not kept alive by the background save
-            snap = _Snapshot(data_pkl, staged, arena, nbytes, pickle_protocol)
+            snap = _Snapshot(data_pkl, staged, arena, nbytes)
             snap_s = time.perf_counter() - t0
             self._executor.submit(self._run, fut, snap, snap_s, after)
         except BaseException:
@@ -337,8 +303,7 @@ class AsyncSaver:
                 return  # cancelled before it started: nothing written
             t0 = time.perf_counter()
             try:
-                _ser.save(None, fut.path, pickle_module=_Replay(snap.data_pkl, snap.staged),
-                          pickle_protocol=snap.pickle_protocol)
+                _ser._write_archive(fut.path, snap.data_pkl, snap.staged)
                 snap.staged = None
                 self.stager.release(snap.arena, keep=self.max_in_flight)
                 snap.arena = None

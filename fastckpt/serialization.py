@@ -217,6 +217,13 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
         >>> fastckpt.save({"model": model.module.state_dict(), "optim": opt.state_dict()}, "ckpt.pt")
     """
     data_pkl, storages = _pickle(obj, pickle_module, pickle_protocol)
+    _write_archive(f, data_pkl, storages)
+
+
+def _write_archive(f: FileLike, data_pkl: bytes, storages: List[torch.UntypedStorage]) -> None:
+    """Write the archive of a pickle made by :func:`_pickle` whose storage i is
+    ``storages[i]`` (the storages may be copies of the pickled object's, as
+    async_save's snapshots are)."""
     serialization_id = f"{uuid.uuid4().int:040d}"[:40].encode()
     head = [("data.pkl", data_pkl), (".format_version", b"1"),
             (".storage_alignment", str(_zip.ALIGNMENT).encode()),
