@@ -45,6 +45,7 @@ bench-full: build
 	$(PY) benchmarks/bench_engine.py --full
 	$(PY) benchmarks/bench_save_load.py --deepspeed
 	$(PY) benchmarks/bench_dcp.py
+	$(PY) benchmarks/bench_training.py
 
 clean:
 	rm -rf build fastckpt/*.so .pytest_cache
