@@ -63,11 +63,7 @@ class Restored(NamedTuple):
 
 
 def _fsync_dir(path: Union[str, os.PathLike]) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _C.fsync_dir(os.fspath(path))
 
 
 def _pid_alive(pid: int) -> bool:

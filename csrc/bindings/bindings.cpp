@@ -281,6 +281,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         py::arg("data"), py::arg("crc") = 0, "Zip CRC-32 of a CPU tensor or buffer, continued from `crc`.");
 
+  m.def("fsync_dir", [](const std::string& path) {
+          py::gil_scoped_release nogil;
+          sys::fsync_dir(path);
+        },
+        py::arg("path"),
+        "fsync a directory (makes renames and removals in it durable) through the engine's checker and fault hook.");
+
   m.def("uring_compiled", &uring_compiled, "Whether this build has the io_uring backend.");
 
   m.def("fault_inject", [](const std::string& op, uint64_t nth, int err, int64_t short_len, uint64_t times,

@@ -55,13 +55,7 @@ SUFFIX = ".distcp"
 
 
 def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        raise OSError(e.errno, f"fsync(directory) {path}: {e.strerror}", path) from None
-    finally:
-        os.close(fd)
+    _C.fsync_dir(os.fspath(path))
 
 
 def _item_nbytes(item: WriteItem) -> int:
