@@ -318,7 +318,7 @@ class _Reader:
 
 
 def _read_archive(path: str, verify: bool):
-    archive = _zip.Archive.open(path)
+    archive = _zip.Archive.open(path, lambda ranges: _C.read_ranges(get_engine(), path, ranges))
     recs = archive.records
     if "constants.pkl" in recs:
         raise FormatError(f"{path}: this is a TorchScript archive; load it with torch.jit.load")
