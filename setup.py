@@ -65,6 +65,7 @@ setup(
     version="0.1.0",
     description="Fast, durable, atomic PyTorch checkpoint I/O (O_DIRECT + io_uring)",
     packages=find_packages(include=["fastckpt", "fastckpt.*"]),
+    package_data={"fastckpt": ["_C.pyi", "py.typed"]},
     python_requires=">=3.9",
     install_requires=["torch>=2.6"],
     ext_modules=[_extension()],
