@@ -247,10 +247,11 @@ class Archive:
         given, fills buffers from the file in one batch (the engine's parallel
         reads); it must raise FormatError for a range past the end."""
         with open(path, "rb") as f:
-            return cls._parse(f, os.fspath(path), read_many)
+            return cls.parse(f, os.fspath(path), read_many)
 
     @classmethod
-    def _parse(cls, f, path: str, read_many=None) -> "Archive":
+    def parse(cls, f, path: str, read_many=None) -> "Archive":
+        """Parse the archive open as binary file `f` (`path` names it in errors)."""
         size = os.fstat(f.fileno()).st_size
 
         def bad(what: str) -> FormatError:

@@ -317,8 +317,11 @@ class _Reader:
         return self.small.get(".data/serialization_id", b"").decode("ascii", "replace")
 
 
-def _read_archive(path: str, verify: bool):
-    archive = _zip.Archive.open(path, lambda ranges: _C.read_ranges(get_engine(), path, ranges))
+def _read_archive(path: str, fh, verify: bool):
+    """Parse and read the archive open as `fh`: every read goes to that one
+    file, even if `path` is atomically replaced meanwhile."""
+    fd = fh.fileno()
+    archive = _zip.Archive.parse(fh, path, lambda ranges: _C.read_ranges(get_engine(), path, ranges, fd))
     recs = archive.records
     if "constants.pkl" in recs:
         raise FormatError(f"{path}: this is a TorchScript archive; load it with torch.jit.load")
@@ -337,7 +340,7 @@ def _read_archive(path: str, verify: bool):
     storages = {n: torch.empty(recs[n].size, dtype=torch.uint8) for n in recs if n.startswith("data/")}
     ranges = [(small[n], recs[n].data_offset) for n in small_names if recs[n].size]
     ranges += [(t, recs[n].data_offset) for n, t in storages.items() if t.numel()]
-    _C.read_ranges(get_engine(), path, ranges)
+    _C.read_ranges(get_engine(), path, ranges, fd)
     for n in small_names:  # metadata records are always checked: they are small
         e = recs[n]
         if e.crc and zlib.crc32(small[n]) != e.crc:
@@ -443,12 +446,13 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     path = os.fspath(f)
     with open(path, "rb") as fh:  # FileNotFoundError etc. with the usual errno and path
         head = fh.read(32)
-    if _is_legacy(head):  # torch's pre-1.6 format: torch.load knows it
-        log.debug("fastckpt.load: %s is in torch's legacy format; using torch.load", path)
-        return torch.load(path, map_location=map_location, weights_only=weights_only,
-                          **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
-    pickle_load_args.setdefault("encoding", "utf-8")  # torch.load's default
-    archive, small, storages, bad = _read_archive(path, verify)
+        if _is_legacy(head):  # torch's pre-1.6 format: torch.load knows it
+            log.debug("fastckpt.load: %s is in torch's legacy format; using torch.load", path)
+            fh.seek(0)
+            return torch.load(fh, map_location=map_location, weights_only=weights_only,
+                              **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
+        pickle_load_args.setdefault("encoding", "utf-8")  # torch.load's default
+        archive, small, storages, bad = _read_archive(path, fh, verify)
     reader = _Reader(archive, small, storages)
     if bad:
         names = _tensor_names_for_records(reader, bad, pickle_module, pickle_load_args)

@@ -234,7 +234,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return false;
       });
 
-  m.def("read_ranges", [](std::shared_ptr<Engine> eng, const std::string& path, py::sequence items) {
+  m.def("read_ranges", [](std::shared_ptr<Engine> eng, const std::string& path, py::sequence items, int fd) {
           // Each item: (destination, file_offset); the whole destination is filled.
           std::vector<Span> spans;
           std::vector<ReadRange> ranges;
@@ -250,12 +250,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           ReadStats st;
           {
             py::gil_scoped_release nogil;
-            st = read_ranges(*eng, path, ranges);
+            st = read_ranges(*eng, path, ranges, fd);
           }
           return read_stats_dict(st);
         },
-        py::arg("engine"), py::arg("path"), py::arg("ranges"),
-        "Fill each (destination, offset) from the file with parallel reads.");
+        py::arg("engine"), py::arg("path"), py::arg("ranges"), py::arg("fd") = -1,
+        "Fill each (destination, offset) from the file with parallel reads; with fd, from the file that open "
+        "descriptor refers to (consistent with what was read through it, even if path is renamed over meanwhile).");
 
   m.def("dio_alignment", [](const std::string& path) {
     int fd = sys::open(path, O_RDONLY);

@@ -363,7 +363,8 @@ constexpr uint64_t kCoalesceGap = 64u << 10;  // read through gaps up to this si
 
 }  // namespace
 
-ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector<ReadRange>& ranges) {
+ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector<ReadRange>& ranges,
+                      int same_file_fd) {
   const double t0 = now_seconds();
   const EngineConfig& cfg = engine.config();
   BufferPool& pool = engine.pool();
@@ -372,17 +373,19 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
 
   BackendLease lease = engine.lease();
   st.backend = lease.get().name();
+  // A new descriptor (O_DIRECT is per open file), on the caller's file if given.
+  const std::string open_path = same_file_fd >= 0 ? "/proc/self/fd/" + std::to_string(same_file_fd) : path;
   int fd = -1;
   bool direct = cfg.direct;
   if (direct) {
     try {
-      fd = sys::open(path, O_RDONLY | O_DIRECT);
+      fd = sys::open(open_path, O_RDONLY | O_DIRECT);
     } catch (const IoError& e) {
       if (e.err() != EINVAL) throw;
       direct = false;
     }
   }
-  if (fd < 0) fd = sys::open(path, O_RDONLY);
+  if (fd < 0) fd = sys::open(open_path, O_RDONLY);
   std::vector<int> held, free_bufs;
   std::unique_ptr<IoQueue> q;
   auto cleanup = [&]() noexcept {

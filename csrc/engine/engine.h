@@ -154,7 +154,12 @@ struct ReadStats {
 // O_DIRECT straight into the destination where it is aligned, otherwise
 // through staging buffers (coalescing nearby ranges). Throws TruncatedError if
 // a range lies beyond the end of the file, IoError on an I/O failure.
-ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector<ReadRange>& ranges);
+// With `same_file_fd` >= 0 (a descriptor the caller holds open on `path`), the
+// file read is the one that descriptor refers to, even if `path` has been
+// renamed over since (it is reopened through /proc/self/fd); `path` still names
+// it in errors.
+ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector<ReadRange>& ranges,
+                      int same_file_fd = -1);
 
 // Zip CRC-32 (zlib's polynomial) of n bytes, continuing from `crc`.
 uint32_t crc32(uint32_t crc, const void* data, uint64_t n);
