@@ -379,13 +379,13 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
   bool direct = cfg.direct;
   if (direct) {
     try {
-      fd = sys::open(open_path, O_RDONLY | O_DIRECT);
+      fd = sys::open(open_path, O_RDONLY | O_DIRECT, 0, &path);
     } catch (const IoError& e) {
       if (e.err() != EINVAL) throw;
       direct = false;
     }
   }
-  if (fd < 0) fd = sys::open(open_path, O_RDONLY);
+  if (fd < 0) fd = sys::open(open_path, O_RDONLY, 0, &path);
   std::vector<int> held, free_bufs;
   std::unique_ptr<IoQueue> q;
   auto cleanup = [&]() noexcept {

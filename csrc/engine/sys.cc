@@ -36,17 +36,18 @@ bool injected(Op op, const std::string& path, const char* name, int& tries, int6
 }
 }  // namespace
 
-int open(const std::string& path, int flags, mode_t mode) {
+int open(const std::string& path, int flags, mode_t mode, const std::string* shown) {
+  const std::string& name = shown ? *shown : path;
   int fd, tries = 0;
   do {
-    if (injected(Op::Open, path, "open", tries)) {
+    if (injected(Op::Open, name, "open", tries)) {
       fd = -1;
       errno = EINTR;
       continue;
     }
     fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
   } while (fd < 0 && errno == EINTR && ++tries < kMaxRetries);
-  return static_cast<int>(check_sys(fd, "open", path));
+  return static_cast<int>(check_sys(fd, "open", name));
 }
 
 void close_quiet(int fd) noexcept {

@@ -12,8 +12,9 @@
 namespace fastckpt {
 namespace sys {
 
-// open(2); throws IoError. `op` names the call in error messages.
-int open(const std::string& path, int flags, mode_t mode = 0644);
+// open(2); throws IoError. `shown`, if given, is the name the fault hook and
+// error messages use instead of `path` (e.g. for a /proc/self/fd reopen).
+int open(const std::string& path, int flags, mode_t mode = 0644, const std::string* shown = nullptr);
 // close(2), errors ignored (data was already made durable by fdatasync).
 void close_quiet(int fd) noexcept;
 // unlink(2), errors ignored (cleanup paths).
