@@ -1,6 +1,8 @@
 import gc
 import os
 
+import torch
+
 import pytest
 
 import fastckpt
@@ -58,3 +60,12 @@ def _clear_faults():
     _C.fault_clear()
     yield
     _C.fault_clear()
+
+
+def same_state(a, b):
+    """Nested dicts of tensors and plain values equal: dtypes, shapes and bytes."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+    return a == b

@@ -14,7 +14,7 @@ import torch
 import fastckpt
 from fastckpt import _C
 
-from conftest import temp_files
+from conftest import same_state, temp_files
 
 WRITER = textwrap.dedent("""
     import os, sys, time, torch, fastckpt
@@ -38,16 +38,9 @@ def _expected(seed):
     return {"seed": seed, "w": torch.randn(1 << 20, generator=g), "i": torch.randint(0, 1 << 20, (4097,), generator=g)}
 
 
-def _same(a, b):
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b
-
-
-def test_same_can_fail():
-    assert not _same(_expected(1), _expected(2))
+def test_same_state_can_fail():
+    assert same_state(_expected(1), _expected(1))
+    assert not same_state(_expected(1), _expected(2))
 
 
 @pytest.mark.parametrize("delay_ms,reps", [(0, 3), (5, 1)], ids=["full-speed", "stretched"])
@@ -60,7 +53,7 @@ def test_two_processes_save_to_one_path(tmp_path, delay_ms, reps):
     assert [p.returncode for p in procs] == [0, 0], outs
     got = fastckpt.load(path, verify=True)
     assert got["seed"] in (1, 2)
-    assert _same(got, _expected(got["seed"])), "the final file mixes the two saves"
+    assert same_state(got, _expected(got["seed"])), "the final file mixes the two saves"
     assert temp_files(tmp_path) == []
     assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
 
@@ -79,7 +72,7 @@ def test_many_threads_share_one_engine(tmp_path):
                 p = tmp_path / f"t{i}.pt"
                 fastckpt.save(obj, p)
                 got = fastckpt.load(p, verify=True)
-                assert _same(got, obj), f"thread {i} rep {rep}: wrong content"
+                assert same_state(got, obj), f"thread {i} rep {rep}: wrong content"
                 assert fastckpt.get_engine() is eng
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append((i, e))
@@ -125,7 +118,7 @@ def test_load_during_an_atomic_replace_sees_old_or_new(tmp_path):
     _C.fault_clear()
     assert "err" not in result, result.get("err")
     got = result["got"]
-    assert _same(got, a) or _same(got, b)
+    assert same_state(got, a) or same_state(got, b)
 
 
 HOG = textwrap.dedent("""
@@ -155,7 +148,7 @@ def test_save_while_another_process_hammers_the_disk(tmp_path):
         for rep in range(2):
             fastckpt.save(obj, tmp_path / "ckpt.pt")
             assert hog.poll() is None, "the other writer stopped too early: nothing was contended"
-            assert _same(fastckpt.load(tmp_path / "ckpt.pt", verify=True), obj)
+            assert same_state(fastckpt.load(tmp_path / "ckpt.pt", verify=True), obj)
         assert temp_files(tmp_path) == []
     finally:
         hog.kill()

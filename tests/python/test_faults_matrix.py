@@ -29,7 +29,7 @@ import fastckpt
 from fastckpt import FormatError, _C
 from fastckpt.dcp import FastReader, FastWriter
 
-from conftest import fd_count, temp_files
+from conftest import fd_count, same_state, temp_files
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -40,18 +40,6 @@ def _state(seed, n=300000):
     g = torch.Generator().manual_seed(seed)
     return {"w": torch.randn(n, generator=g), "i": torch.randint(0, 1000, (4099,), generator=g),
             "h": torch.randn(333, generator=g).to(torch.bfloat16), "step": seed}
-
-
-def _same(a, b):
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return a == b
-
-
-def test_same_can_fail():
-    assert not _same(_state(1), _state(2))
 
 
 def _unwrap(fn, *args, **kw):
@@ -182,12 +170,12 @@ def test_save_faults(tmp_path, backend, direct, op, nth, kw, expect):
         assert temp_files(tmp_path) == []
         assert fd_count() == fds
         if outcome == "ok":
-            assert _same(fastckpt.load(path, verify=True), new)
+            assert same_state(fastckpt.load(path, verify=True), new)
         else:
             assert path.read_bytes() == before
-            assert _same(fastckpt.load(path, verify=True), old)
+            assert same_state(fastckpt.load(path, verify=True), old)
         fastckpt.save(_state(3), path)
-        assert _same(fastckpt.load(path, verify=True), _state(3))
+        assert same_state(fastckpt.load(path, verify=True), _state(3))
         assert temp_files(tmp_path) == []
 
 
@@ -203,7 +191,7 @@ def test_save_fault_in_directory_fsync_after_rename(tmp_path, backend):
             fastckpt.save(_state(2), path)
         _check_error(ei.value, errno.EIO, tmp_path)
         del ei
-        assert _same(fastckpt.load(path, verify=True), _state(2))
+        assert same_state(fastckpt.load(path, verify=True), _state(2))
         assert temp_files(tmp_path) == [] and fd_count() == fds
 
 
@@ -218,11 +206,11 @@ def test_load_faults(tmp_path, backend, direct, op, nth, kw, expect):
         got = {}
         outcome = _run(lambda: got.update(fastckpt.load(path, verify=True)), op, nth, kw, expect, tmp_path)
         if outcome == "ok":
-            assert _same(got, old)
+            assert same_state(got, old)
         assert fd_count() == fds and temp_files(tmp_path) == []
         assert path.read_bytes() == before
         fastckpt.save(_state(3), path)
-        assert _same(fastckpt.load(path, verify=True), _state(3))
+        assert same_state(fastckpt.load(path, verify=True), _state(3))
 
 
 def test_short_unaligned_reads_are_requeued_when_buffered(tmp_path):
@@ -232,7 +220,7 @@ def test_short_unaligned_reads_are_requeued_when_buffered(tmp_path):
     with fastckpt.knobs.override(direct=0, **SMALL):
         fastckpt.save(_state(1), path)
         _C.fault_inject("read", nth=1, short=100, times=50)
-        assert _same(fastckpt.load(path, verify=True), _state(1))
+        assert same_state(fastckpt.load(path, verify=True), _state(1))
         assert _C.fault_fired() == 50
 
 
@@ -271,18 +259,18 @@ def test_dcp_save_faults(tmp_path, op, nth, kw, expect):
         if outcome == "ok":
             tgt = _dcp_target(2)
             _unwrap(dcp.load, tgt, storage_reader=FastReader(d2))
-            assert _same(tgt, _dcp_sd(2))
+            assert same_state(tgt, _dcp_sd(2))
         else:
             assert not (d2 / ".metadata").exists()
             with pytest.raises(FileNotFoundError, match="not a complete DCP checkpoint"):
                 FastReader(d2).read_metadata()
         tgt = _dcp_target(1)
         _unwrap(dcp.load, tgt, storage_reader=FastReader(d1))
-        assert _same(tgt, _dcp_sd(1))
+        assert same_state(tgt, _dcp_sd(1))
         dcp.save(_dcp_sd(3), storage_writer=FastWriter(d2))  # a retry succeeds
         tgt = _dcp_target(3)
         _unwrap(dcp.load, tgt, storage_reader=FastReader(d2))
-        assert _same(tgt, _dcp_sd(3))
+        assert same_state(tgt, _dcp_sd(3))
 
 
 # (.metadata is read with Python I/O, not through the engine's hook: no point there)
@@ -299,7 +287,7 @@ def test_dcp_load_faults(tmp_path, op, nth, kw, expect):
         tgt = _dcp_target(1)
         outcome = _run(lambda: _unwrap(dcp.load, tgt, storage_reader=FastReader(d)), op, nth, kw, expect, d)
         if outcome == "ok":
-            assert _same(tgt, _dcp_sd(1))
+            assert same_state(tgt, _dcp_sd(1))
         assert fd_count() == fds and _all_temps(tmp_path) == []
         assert _tree(d) == before
 
@@ -337,10 +325,10 @@ def test_manager_save_faults(tmp_path, op, nth, kw, expect):
         # `latest` update the complete, durable step 2 file is the newest one
         newest = 2 if (d / "step_00000002.pt").exists() else 1
         assert outcome == "failed" or newest == 2
-        assert r.step == newest and _same(r.state, _state(r.step))
+        assert r.step == newest and same_state(r.state, _state(r.step))
         mgr.save(3, _state(3))
         r = fastckpt.CheckpointManager(d, keep_last=2).load_latest()
-        assert r.step == 3 and _same(r.state, _state(3))
+        assert r.step == 3 and same_state(r.state, _state(3))
         assert temp_files(d) == []
 
 
@@ -356,14 +344,14 @@ def test_manager_load_latest_faults(tmp_path, case):
             _C.fault_inject("read", nth=1, errno=errno.EIO, times=0, path_contains="step_00000002")
             with pytest.warns(RuntimeWarning, match="step_00000002"):
                 r = mgr.load_latest()
-            assert r.step == 1 and _same(r.state, _state(1))
+            assert r.step == 1 and same_state(r.state, _state(1))
         else:
             kw = dict(errno=errno.EINTR) if case == "eintr_storm" else dict(short=4096)
             _C.fault_inject("read", nth=1, times=50, **kw)
             with warnings.catch_warnings():
                 warnings.simplefilter("error", RuntimeWarning)
                 r = mgr.load_latest()
-            assert r.step == 2 and _same(r.state, _state(2))
+            assert r.step == 2 and same_state(r.state, _state(2))
         assert _C.fault_fired() >= 1
         _C.fault_clear()
         assert fd_count() == fds and temp_files(d) == []
@@ -407,8 +395,8 @@ def test_real_enospc_on_a_full_filesystem(small_tmpfs, backend_name):
             del ei
             assert temp_files(small_tmpfs) == [] and fd_count() == fds
             assert open(path, "rb").read() == before
-            assert _same(fastckpt.load(path, verify=True), old)
+            assert same_state(fastckpt.load(path, verify=True), old)
         small = {"w": torch.randn(1000)}
         fastckpt.save(small, path)  # fits: the old file's space comes back after the rename
-        assert _same(fastckpt.load(path, verify=True), small)
+        assert same_state(fastckpt.load(path, verify=True), small)
         assert temp_files(small_tmpfs) == []
