@@ -19,6 +19,7 @@ direct               FASTCKPT_DIRECT               0 disables O_DIRECT
 flush_interval       FASTCKPT_FLUSH_INTERVAL       async fdatasync every N bytes (0 = at the end)
 preallocate          FASTCKPT_PREALLOCATE          fallocate when the final size is known
 async_max_in_flight  FASTCKPT_ASYNC_MAX_IN_FLIGHT  async saves in flight, each holding a host snapshot (1)
+allow_foreign_owner  FASTCKPT_ALLOW_FOREIGN_OWNER  1: use checkpoint directories owned by another user (0)
 ===================  ============================  =======================================================
 
 The first eight configure the C++ engine (:func:`config`); the others are read
@@ -37,8 +38,9 @@ __all__ = ["NAMES", "PY_NAMES", "config", "get", "override", "as_dict"]
 NAMES = ("buffer_size", "buffer_count", "queue_depth", "io_threads", "backend", "direct",
          "flush_interval", "preallocate")
 
-# Knobs of the Python side: name -> (environment variable, default). All are integers >= 1.
-PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1)}
+# Knobs of the Python side: name -> (environment variable, default, smallest allowed value). Integers.
+PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
+            "allow_foreign_owner": ("FASTCKPT_ALLOW_FOREIGN_OWNER", 0, 0)}
 
 _lock = threading.Lock()
 _overrides: Dict[str, object] = {}
@@ -56,12 +58,13 @@ def config() -> "_C.EngineConfig":
 
 
 def _py_value(name: str, value: object, source: str) -> int:
+    low = PY_NAMES[name][2]
     try:
         n = int(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        n = 0
-    if n < 1 or (isinstance(value, float) and value != n):
-        raise ValueError(f"fastckpt knob {name} ({source}) must be an integer >= 1, got {value!r}")
+        n = low - 1
+    if n < low or (isinstance(value, float) and value != n):
+        raise ValueError(f"fastckpt knob {name} ({source}) must be an integer >= {low}, got {value!r}")
     return n
 
 
@@ -73,7 +76,7 @@ def get(name: str) -> int:
     with _lock:
         if name in _overrides:
             return _overrides[name]  # type: ignore[return-value]
-    env, default = PY_NAMES[name]
+    env, default, _ = PY_NAMES[name]
     raw = os.environ.get(env)
     return default if raw is None or raw == "" else _py_value(name, raw, env)
 

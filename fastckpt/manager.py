@@ -42,6 +42,7 @@ from typing import Any, List, NamedTuple, Optional, Set, Tuple, Union
 
 from . import _C
 from .async_save import AsyncSaver, SaveFuture, default_saver
+from ._owner import check_directory_owner
 from .engine import get_engine
 from .serialization import load as _load
 from .serialization import save as _save
@@ -164,6 +165,7 @@ class CheckpointManager:
         err = None
         if self.rank == 0:
             try:
+                check_directory_owner(self.directory)
                 if not self.directory.is_dir():
                     self.directory.mkdir(parents=True, exist_ok=True)
                     _fsync_dir(self.directory.parent)

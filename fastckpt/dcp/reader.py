@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import _C
+from .._owner import check_directory_owner
 from ..engine import get_engine
 from ..errors import FormatError
 from . import _blob
@@ -141,6 +142,7 @@ class FastReader(StorageReader):
         rank = kwargs.get("rank")
         name = METADATA if rank is None else f"__{rank}{METADATA}"
         p = os.path.join(self.path, name)
+        check_directory_owner(self.path, "DCP checkpoint directory")
         try:
             with open(p, "rb") as f:
                 data = f.read()
@@ -153,7 +155,8 @@ class FastReader(StorageReader):
             raise FormatError(f"{p}: corrupt checkpoint metadata ({type(e).__name__}: {e})") from None
         if not isinstance(md, Metadata):
             raise FormatError(f"{p}: not DCP checkpoint metadata (it holds a {type(md).__name__})")
-        if not isinstance(md.storage_data, dict) or not isinstance(md.state_dict_metadata, dict):
+        if (not isinstance(getattr(md, "storage_data", None), dict)
+                or not isinstance(getattr(md, "state_dict_metadata", None), dict)):
             raise FormatError(f"{p}: corrupt checkpoint metadata (no storage table)")
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
@@ -193,6 +196,9 @@ class FastReader(StorageReader):
             if info is None:
                 raise FormatError(f"{self.path}: .metadata has no storage entry for {_sd_str(req.storage_index)}")
             rel = getattr(info, "relative_path", None)
+            if not isinstance(rel, str):  # before it is used as a key: a damaged one may not be hashable
+                raise FormatError(f"{self.path}: .metadata names an invalid data file {rel!r} for "
+                                  f"{_sd_str(req.storage_index)}")
             per_file.setdefault(rel, []).append(_Req(req, info))
         jobs = []
         for rel, reqs in per_file.items():
@@ -224,7 +230,16 @@ class FastReader(StorageReader):
                 stats[k] += j.stats[k]
             for r in j.reqs:
                 if r.req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(r.req, io.BytesIO(r.data))
+                    # The planner torch.loads the record: unchecked (verify=False), a damaged one
+                    # raises whatever torch's zip reader or unpickler raises.
+                    try:
+                        planner.load_bytes(r.req, io.BytesIO(r.data))
+                    except (FormatError, OSError):
+                        raise
+                    except Exception as e:
+                        raise FormatError(f"{j.path} @{r.info.offset}+{r.info.length} "
+                                          f"({_sd_str(r.req.storage_index)}): cannot load the record "
+                                          f"({type(e).__name__}: {e})") from e
                 else:
                     planner.commit_tensor(r.req, r.target)
         stats["seconds"] = time.perf_counter() - t0
@@ -267,10 +282,15 @@ def _torch_load_record(data: bytes, req: ReadItem, descriptors, reader: FastRead
     if descriptors:
         try:
             stream = reader._transforms().transform_load_stream(req, descriptors, stream)
+            stream = io.BytesIO(stream.read(-1))
         except ImportError:
-            raise FormatError(f"{where}: record uses stream transforms {list(descriptors)}, which this torch "
+            raise FormatError(f"{where}: record uses stream transforms {descriptors!r}, which this torch "
                               "cannot undo") from None
-        stream = io.BytesIO(stream.read(-1))
+        except (FormatError, OSError):
+            raise
+        except Exception as e:  # unknown or damaged descriptors, a damaged transformed stream
+            raise FormatError(f"{where}: cannot undo the record's stream transforms {descriptors!r} "
+                              f"({type(e).__name__}: {e})") from None
     return stream
 
 

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.futures import Future
 
 from .. import _C
+from .._owner import check_directory_owner
 from ..engine import get_engine
 from . import _blob
 from ._staging import Stager
@@ -233,6 +234,7 @@ class FastWriter(StorageWriter, AsyncStager):
             _fsync_dir(os.fspath(self.path))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        check_directory_owner(self.path, "DCP checkpoint directory")
         os.makedirs(self.path, exist_ok=True)
         if not self.overwrite:
             existing = METADATA if self.use_collectives else "__0" + METADATA

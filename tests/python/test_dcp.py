@@ -32,25 +32,13 @@ from fastckpt import FormatError, _C  # noqa: E402
 from fastckpt.dcp import FastReader, FastWriter  # noqa: E402
 from fastckpt.dcp import _blob  # noqa: E402
 
-from conftest import fd_count, temp_files  # noqa: E402
+from conftest import dcp_unwrapped, fd_count, temp_files  # noqa: E402
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dcp_helpers", "dist_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
-
-def _unwrapped(fn, *args, **kw):
-    """Call fn; an exception that dcp wrapped in a CheckpointException (as it does
-    even without a process group) is re-raised as itself."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    try:
-        return fn(*args, **kw)
-    except CheckpointException as ce:
-        errors = [f[0] if isinstance(f, tuple) else f for f in ce.failures.values()]
-        if len(errors) == 1 and isinstance(errors[0], BaseException):
-            raise errors[0] from None
-        raise
 
 
 # ---------------------------------------------------------------- multi-process helpers
@@ -380,7 +368,7 @@ def test_collective_save_removes_rank_local_metadata(tmp_path):
     dcp.save({"a": torch.arange(6.0)}, storage_writer=FastWriter(tmp_path), use_collectives=False)
     _C.fault_inject("write", nth=1, errno=errno.EIO, path_contains="distcp")
     with pytest.raises(OSError):
-        _unwrapped(dcp.save, {"a": torch.zeros(6)}, storage_writer=FastWriter(tmp_path))
+        dcp_unwrapped(dcp.save, {"a": torch.zeros(6)}, storage_writer=FastWriter(tmp_path))
     # dcp.load would fall back to __0.metadata: it must be gone too
     assert not [n for n in os.listdir(tmp_path) if n.endswith(".metadata")]
 
@@ -436,7 +424,7 @@ def test_unsupported_writer_options(tmp_path, caplog):
 def test_overwrite_false(tmp_path):
     dcp.save({"a": torch.ones(2)}, storage_writer=FastWriter(tmp_path))
     with pytest.raises(RuntimeError, match="overwrite=False"):
-        _unwrapped(dcp.save, {"a": torch.ones(2)}, storage_writer=FastWriter(tmp_path, overwrite=False))
+        dcp_unwrapped(dcp.save, {"a": torch.ones(2)}, storage_writer=FastWriter(tmp_path, overwrite=False))
     assert os.path.exists(tmp_path / ".metadata")
 
 
@@ -446,7 +434,7 @@ def test_failed_overwrite_is_not_loadable_and_leaves_no_files(tmp_path):
     before = fd_count()
     _C.fault_inject("write", nth=2, errno=errno.ENOSPC, path_contains="distcp")
     with pytest.raises(OSError, match="No space left on device") as ei:
-        _unwrapped(dcp.save, {"a": torch.full((300, 300), 2.0)}, storage_writer=FastWriter(tmp_path))
+        dcp_unwrapped(dcp.save, {"a": torch.full((300, 300), 2.0)}, storage_writer=FastWriter(tmp_path))
     assert ei.value.errno == errno.ENOSPC
     assert _C.fault_fired() == 1
     assert fd_count() == before
@@ -460,7 +448,7 @@ def test_failed_overwrite_is_not_loadable_and_leaves_no_files(tmp_path):
 def test_metadata_write_failure_leaves_no_checkpoint(tmp_path):
     _C.fault_inject("rename", nth=1, errno=errno.EIO, path_contains=".metadata")
     with pytest.raises(OSError, match="Input/output error"):
-        _unwrapped(dcp.save, {"a": torch.ones(3)}, storage_writer=FastWriter(tmp_path))
+        dcp_unwrapped(dcp.save, {"a": torch.ones(3)}, storage_writer=FastWriter(tmp_path))
     assert not os.path.exists(tmp_path / ".metadata") and not temp_files(tmp_path)
 
 
@@ -475,7 +463,7 @@ def small_ckpt(tmp_path):
 
 def _load(ck, **kw):
     tgt = {"a": torch.zeros(100000), "b": torch.zeros(7, dtype=torch.int64)}
-    _unwrapped(dcp.load, tgt, storage_reader=FastReader(ck, **kw))
+    dcp_unwrapped(dcp.load, tgt, storage_reader=FastReader(ck, **kw))
     return tgt
 
 
@@ -491,7 +479,7 @@ def test_missing_metadata(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a complete DCP checkpoint"):
         FastReader(tmp_path).read_metadata()
     with pytest.raises(AssertionError, match="not a complete DCP checkpoint"):  # dcp.load's own wrapping
-        _unwrapped(dcp.load, {"a": torch.zeros(1)}, storage_reader=FastReader(tmp_path))
+        dcp_unwrapped(dcp.load, {"a": torch.zeros(1)}, storage_reader=FastReader(tmp_path))
 
 
 @pytest.mark.parametrize("content", [b"", b"garbage", pickle.dumps({"not": "metadata"})])

@@ -29,7 +29,7 @@ import fastckpt
 from fastckpt import FormatError, _C
 from fastckpt.dcp import FastReader, FastWriter
 
-from conftest import fd_count, same_state, temp_files
+from conftest import dcp_unwrapped, fd_count, same_state, temp_files
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -41,18 +41,6 @@ def _state(seed, n=300000):
     return {"w": torch.randn(n, generator=g), "i": torch.randint(0, 1000, (4099,), generator=g),
             "h": torch.randn(333, generator=g).to(torch.bfloat16), "step": seed}
 
-
-def _unwrap(fn, *args, **kw):
-    """dcp wraps a rank's exception in a CheckpointException (a BaseException) even
-    without a process group: re-raise the single underlying exception."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    try:
-        return fn(*args, **kw)
-    except CheckpointException as ce:
-        errors = [f[0] if isinstance(f, tuple) else f for f in ce.failures.values()]
-        if len(errors) == 1 and isinstance(errors[0], BaseException):
-            raise errors[0] from None
-        raise
 
 
 def _tree(d):
@@ -252,24 +240,24 @@ def test_dcp_save_faults(tmp_path, op, nth, kw, expect):
         dcp.save(_dcp_sd(1), storage_writer=FastWriter(tmp_path / "warm"))
         shutil.rmtree(tmp_path / "warm")
         before, fds = _tree(d1), fd_count()
-        outcome = _run(lambda: _unwrap(dcp.save, _dcp_sd(2), storage_writer=FastWriter(d2)), op, nth, kw, expect, d2)
+        outcome = _run(lambda: dcp_unwrapped(dcp.save, _dcp_sd(2), storage_writer=FastWriter(d2)), op, nth, kw, expect, d2)
         assert _all_temps(tmp_path) == []
         assert fd_count() == fds
         assert _tree(d1) == before
         if outcome == "ok":
             tgt = _dcp_target(2)
-            _unwrap(dcp.load, tgt, storage_reader=FastReader(d2))
+            dcp_unwrapped(dcp.load, tgt, storage_reader=FastReader(d2))
             assert same_state(tgt, _dcp_sd(2))
         else:
             assert not (d2 / ".metadata").exists()
             with pytest.raises(FileNotFoundError, match="not a complete DCP checkpoint"):
                 FastReader(d2).read_metadata()
         tgt = _dcp_target(1)
-        _unwrap(dcp.load, tgt, storage_reader=FastReader(d1))
+        dcp_unwrapped(dcp.load, tgt, storage_reader=FastReader(d1))
         assert same_state(tgt, _dcp_sd(1))
         dcp.save(_dcp_sd(3), storage_writer=FastWriter(d2))  # a retry succeeds
         tgt = _dcp_target(3)
-        _unwrap(dcp.load, tgt, storage_reader=FastReader(d2))
+        dcp_unwrapped(dcp.load, tgt, storage_reader=FastReader(d2))
         assert same_state(tgt, _dcp_sd(3))
 
 
@@ -282,10 +270,10 @@ def test_dcp_load_faults(tmp_path, op, nth, kw, expect):
     d = tmp_path / "step_1"
     with fastckpt.knobs.override(**SMALL):
         dcp.save(_dcp_sd(1), storage_writer=FastWriter(d))
-        _unwrap(dcp.load, _dcp_target(1), storage_reader=FastReader(d))
+        dcp_unwrapped(dcp.load, _dcp_target(1), storage_reader=FastReader(d))
         before, fds = _tree(d), fd_count()
         tgt = _dcp_target(1)
-        outcome = _run(lambda: _unwrap(dcp.load, tgt, storage_reader=FastReader(d)), op, nth, kw, expect, d)
+        outcome = _run(lambda: dcp_unwrapped(dcp.load, tgt, storage_reader=FastReader(d)), op, nth, kw, expect, d)
         if outcome == "ok":
             assert same_state(tgt, _dcp_sd(1))
         assert fd_count() == fds and _all_temps(tmp_path) == []
