@@ -173,21 +173,27 @@ class _PinnedStager:
         events = [torch.cuda.Event(), torch.cuda.Event()]
         n = src.numel()
         pending: Optional[Tuple[int, int]] = None  # (buffer index, length) copied, not yet written
-        for i, off in enumerate(range(0, n, self.chunk)):
-            k = min(self.chunk, n - off)
-            b = i % 2  # this buffer's previous chunk was written in the last iteration
-            with torch.cuda.stream(stream):
-                bufs[b][:k].copy_(src[off:off + k], non_blocking=True)
-                events[b].record(stream)
+        try:
+            for i, off in enumerate(range(0, n, self.chunk)):
+                k = min(self.chunk, n - off)
+                b = i % 2  # this buffer's previous chunk was written in the last iteration
+                with torch.cuda.stream(stream):
+                    bufs[b][:k].copy_(src[off:off + k], non_blocking=True)
+                    events[b].record(stream)
+                if pending is not None:
+                    pb, pk = pending
+                    events[pb].synchronize()
+                    crc = sink.write_crc(bufs[pb][:pk], crc)
+                pending = (b, k)
             if pending is not None:
                 pb, pk = pending
                 events[pb].synchronize()
                 crc = sink.write_crc(bufs[pb][:pk], crc)
-            pending = (b, k)
-        if pending is not None:
-            pb, pk = pending
-            events[pb].synchronize()
-            crc = sink.write_crc(bufs[pb][:pk], crc)
+        except BaseException:
+            # A failed write leaves a copy in flight into the other buffer: wait
+            # for it before the pair goes back to the pool for the next save.
+            stream.synchronize()
+            raise
         return crc
 
 

@@ -388,3 +388,61 @@ def test_real_enospc_on_a_full_filesystem(small_tmpfs, backend_name):
         fastckpt.save(small, path)  # fits: the old file's space comes back after the rename
         assert same_state(fastckpt.load(path, verify=True), small)
         assert temp_files(small_tmpfs) == []
+
+
+# ---------------------------------------------------------------- CUDA: pinned memory after faults
+
+def _pinned_state():
+    s = torch.cuda.memory.host_memory_stats()
+    from fastckpt.serialization import _PinnedStager
+    return (s.get("allocated_bytes.current", 0), s.get("active_requests.current", 0),
+            sum(len(v) for v in _PinnedStager._free.values()))
+
+
+def test_cuda_faults_leak_no_pinned_memory(tmp_path):
+    """Faulted saves of CUDA state (fastckpt.save through the pinned stager,
+    async_save through its pinned arena, dcp.save with FastWriter) give the
+    injected error and leave the pinned pools as they were: no pinned block
+    allocated or left checked out, the stager's buffer pair back in its pool,
+    no descriptor or temporary file left; the next saves succeed."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    sd = {"w": torch.randn(20 << 20, device="cuda", generator=g), "b": torch.randn(1000, device="cuda", generator=g)}
+    path, ck = tmp_path / "c.pt", tmp_path / "dcp"
+
+    def sync_save():
+        fastckpt.save(sd, path)
+
+    def async_save():
+        err = fastckpt.async_save(sd, path).exception()
+        if err is not None:
+            raise err
+
+    def dcp_save():
+        dcp_unwrapped(dcp.save, sd, storage_writer=FastWriter(ck), no_dist=True)
+
+    kinds = (sync_save, async_save, dcp_save)
+    for save in kinds:  # the pools are filled once, then reused
+        save()
+    torch.cuda.synchronize()
+    before, fds = _pinned_state(), fd_count()
+    for _ in range(3):
+        for save in kinds:
+            _C.fault_inject("write", nth=2, errno=errno.ENOSPC)
+            with pytest.raises(OSError) as ei:
+                save()
+            _C.fault_clear()
+            assert ei.value.errno == errno.ENOSPC, (save.__name__, ei.value)
+            del ei
+            torch.cuda.synchronize()
+            assert _pinned_state() == before, save.__name__
+            assert fd_count() == fds and temp_files(tmp_path) == [] and temp_files(ck) == []
+    for save in kinds:
+        save()
+    cpu = {k: v.cpu() for k, v in sd.items()}
+    assert same_state(fastckpt.load(path, map_location="cpu", verify=True), cpu)
+    tgt = {k: torch.zeros_like(v) for k, v in cpu.items()}
+    dcp_unwrapped(dcp.load, tgt, storage_reader=FastReader(ck), no_dist=True)
+    assert same_state(tgt, cpu)
+    assert _pinned_state() == before
