@@ -4,6 +4,13 @@ The engine's sources are taken from csrc/engine/ by glob, as CMakeLists.txt
 does. io_uring support is compiled in when liburing's headers and library are
 found (Debian: liburing-dev); otherwise the build says so and the engine uses
 its thread backend only. DEBUG=1 builds with -O0 -g.
+
+FASTCKPT_SANITIZE=address,undefined (a comma list, passed to -fsanitize=)
+builds the extension with sanitizers: -fsanitize=<list> -fno-omit-frame-pointer
+-fno-sanitize-recover=undefined -O1 -g, on both the compile and the link line.
+Python itself is not instrumented, so such an extension only imports with the
+sanitizer runtime preloaded (LD_PRELOAD); tests/fuzz/run_sanitized.sh builds one
+out of tree and runs the fuzzers against it. Never build it in place.
 """
 import glob
 import os
@@ -47,6 +54,13 @@ def _extension():
     debug = os.environ.get("DEBUG") == "1"
     cxx = ["-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]
     cxx += ["-O0", "-g"] if debug else ["-O2"]
+    link = []
+    sanitize = os.environ.get("FASTCKPT_SANITIZE", "").strip()
+    if sanitize:
+        san = [f"-fsanitize={sanitize}", "-fno-omit-frame-pointer", "-fno-sanitize-recover=undefined", "-O1", "-g"]
+        cxx += san  # the last -O wins: -O1 replaces -O2 / -O0
+        link += san
+        print(f"fastckpt: FASTCKPT_SANITIZE={sanitize}: building with {' '.join(san)}", file=sys.stderr)
     macros, libs = [], ["z"]  # zlib: the zip CRC-32
     if _find_liburing():
         macros.append(("FASTCKPT_HAVE_URING", "1"))
@@ -57,6 +71,7 @@ def _extension():
         define_macros=macros,
         libraries=libs,
         extra_compile_args={"cxx": cxx},
+        extra_link_args=link,
     )
 
 
