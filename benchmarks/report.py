@@ -1,0 +1,600 @@
+#!/usr/bin/env python3
+"""The benchmark report (``make bench``): one Markdown report, its JSON and PNG charts in benchmarks/results/.
+
+What it runs, on the directory ``--dir`` (default: the repository root, i.e. the project's disk):
+
+1. for every size of ``--sizes`` (default 256M, 1G, 4G), ``benchmarks/bench_save_load.py``: the
+   disk's limits (fio O_DIRECT write with end_fsync, and read), fastckpt.save/load,
+   fastckpt.async_save, torch.save(+fsync)/torch.load, DCP FileSystemWriter/Reader (stock) and
+   FastWriter/FastReader, safetensors (+fsync) and, with ``--deepspeed yes``, DeepSpeed's
+   FastPersist writer (FastFileWriter); every operation in a fresh forked child, durable saves,
+   cold loads, all of them interleaved with fio in each repetition, medians of ``--reps``;
+2. with ``--tune-size`` (default 1G; 0 for none), the knob sweep of ``fastckpt bench --tune``
+   (fastckpt/_bench.py) on the same directory;
+3. with ``--extras`` (make bench-full): bench_engine.py --full, bench_dcp.py, bench_training.py,
+   whose own reports are kept in results/raw/ and linked.
+
+Then it writes, into ``--out`` (default benchmarks/results/):
+
+* ``REPORT.md``: the machine, the disk's limits, a summary across sizes, one table per size
+  (save and load GB/s, ratio to the disk's limit, CPU-s/GB, peak extra RSS, for every method),
+  the knob sweep, what was not run and why;
+* ``results.json``: the same figures, machine-readable;
+* ``save_gbps.png``, ``load_gbps.png`` (GB/s against the size, per method, the fio limit dashed)
+  and ``cpu_per_gb.png`` (CPU-s/GB per method at the largest size);
+* ``raw/``: every script's own JSON and Markdown output.
+
+``--assemble-only`` rebuilds the report from ``raw/`` without measuring anything.
+
+Examples::
+
+    .venv/bin/python benchmarks/report.py                                  # what make bench runs
+    .venv/bin/python benchmarks/report.py --sizes 256M,1G --reps 2 --tune-size 0
+    .venv/bin/python benchmarks/report.py --assemble-only
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(HERE)
+try:
+    from fastckpt import _bench as fb
+except ImportError:  # a checkout whose extension was built in place but not installed
+    sys.path.insert(0, REPO_ROOT)
+    from fastckpt import _bench as fb
+
+DEFAULT_SIZES = "256M,1G,4G"
+DEFAULT_OUT = os.path.join(HERE, "results")
+REPORT_VERSION = 1
+DS_INSTALL = ".ci/install_deepspeed.sh"
+
+# chart lines: (series name, save-row predicate, load-row predicate), in legend order
+SERIES = [
+    ("fastckpt", lambda r: r["key"] == "fastckpt", lambda r: r["key"] == "fastckpt"),
+    ("fastckpt.async_save", lambda r: r["key"] == "async", None),
+    ("torch", lambda r: r["key"] == "torch", lambda r: r["key"] == "torch"),
+    ("DCP stock (best t)", lambda r: r["key"] == "dcp", lambda r: r["key"] == "dcp"),
+    ("DCP FastWriter/Reader", lambda r: r["key"] == "fastdcp", lambda r: r["key"] == "fastdcp"),
+    ("safetensors", lambda r: r["key"] == "safetensors", lambda r: r["key"] == "safetensors"),
+    ("DeepSpeed FastPersist (best p)", lambda r: r["key"] == "deepspeed", None),
+]
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def size_tag(n: int) -> str:
+    return fb.fmt_size(n)
+
+
+def human_size(n: int) -> str:
+    for unit, mult in (("GiB", fb.GiB), ("MiB", fb.MiB)):
+        if n >= mult:
+            v = n / mult
+            return f"{v:g} {unit}" if v == int(v) else f"{v:.2f} {unit}"
+    return f"{n} B"
+
+
+def clean(x: Any) -> Any:
+    """NaN -> None, recursively (results.json is strict JSON)."""
+    if isinstance(x, float) and x != x:
+        return None
+    if isinstance(x, dict):
+        return {k: clean(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [clean(v) for v in x]
+    return x
+
+
+def num(x: Any) -> Optional[float]:
+    return None if x is None or (isinstance(x, float) and x != x) else float(x)
+
+
+# ----------------------------------------------------------------------------- running the scripts
+
+def run_script(cmd: List[str], md_path: str, timeout: Optional[int] = None) -> Tuple[int, float]:
+    """Run a benchmark script: its stdout (a Markdown report) to md_path, its progress to our stderr."""
+    log("$ " + " ".join(cmd))
+    t = time.perf_counter()
+    with open(md_path, "w") as out:
+        try:
+            p = subprocess.run(cmd, stdout=out, cwd=REPO_ROOT, timeout=timeout)
+            code = p.returncode
+        except subprocess.TimeoutExpired:
+            code = 124
+    return code, time.perf_counter() - t
+
+
+def deepspeed_status(mode: str) -> Tuple[bool, str]:
+    """(run it?, what the report says about DeepSpeed)."""
+    if mode == "no":
+        return False, (f"not run in `make bench`: installing it from scratch takes seconds ({DS_INSTALL}: pip, "
+                       f"libaio-dev), but JIT-compiling its AsyncIO op takes minutes (8 on the 2-core development "
+                       f"VM), a third of the report's time budget. `make bench-full` installs and runs it "
+                       f"(BENCH_DEEPSPEED=yes adds it to `make bench` once installed).")
+    try:
+        import importlib.util
+        if importlib.util.find_spec("deepspeed") is None:
+            raise ImportError("no module named deepspeed")
+    except Exception as e:  # noqa: BLE001
+        return False, f"not run: DeepSpeed is not installed here ({e}); `bash {DS_INSTALL}` installs it"
+    return True, "run"
+
+
+def measure(args: argparse.Namespace, raw: str) -> Dict[str, Any]:
+    """Run everything; returns {'runs': [...], 'deepspeed': str, 'tune': path or None, 'extras': {...}}."""
+    py = sys.executable
+    sizes = [fb.parse_size(s) for s in args.sizes.split(",") if s.strip()]
+    run_ds, ds_note = deepspeed_status(args.deepspeed)
+    meta: Dict[str, Any] = {"runs": [], "deepspeed": ds_note, "tune": None, "extras": {}}
+    for size in sizes:
+        tag = size_tag(size)
+        js, md = os.path.join(raw, f"save_load-{tag}.json"), os.path.join(raw, f"save_load-{tag}.md")
+        cmd = [py, os.path.join(HERE, "bench_save_load.py"), "--dir", args.dir, "--size", str(size),
+               "--reps", str(args.reps), "--json", js] + (["--deepspeed"] if run_ds else []) + args.save_load_args
+        log(f"== {human_size(size)}: save/load of every method, {args.reps} repetitions")
+        code, sec = run_script(cmd, md)
+        meta["runs"].append({"size": size, "json": os.path.relpath(js, args.out), "md": os.path.relpath(md, args.out),
+                             "exit": code, "seconds": round(sec, 1)})
+        log(f"   {human_size(size)} done in {sec:.0f} s (exit {code})")
+    if args.tune_size not in ("", "0"):
+        js, md = os.path.join(raw, "tune.json"), os.path.join(raw, "tune.md")
+        cmd = [py, "-m", "fastckpt._bench", args.dir, "--tune", "--size", args.tune_size, "--reps",
+               str(args.tune_reps), "--json", js]
+        log(f"== knob sweep (fastckpt bench --tune) at {args.tune_size}")
+        code, sec = run_script(cmd, md)
+        meta["tune"] = {"json": os.path.relpath(js, args.out), "md": os.path.relpath(md, args.out), "exit": code,
+                        "seconds": round(sec, 1)}
+    extras = [x for x in (args.extras or "").split(",") if x]
+    for x in extras:
+        md = os.path.join(raw, f"{x}.md")
+        js = os.path.join(raw, f"{x}.json")
+        script = {"engine": ["bench_engine.py", "--full"], "dcp": ["bench_dcp.py"],
+                  "training": ["bench_training.py"]}[x]
+        cmd = [py, os.path.join(HERE, script[0])] + script[1:] + ["--dir", args.dir, "--json", js]
+        log(f"== extra: {' '.join(script)}")
+        code, sec = run_script(cmd, md)
+        meta["extras"][x] = {"md": os.path.relpath(md, args.out), "exit": code, "seconds": round(sec, 1)}
+    return meta
+
+
+# ----------------------------------------------------------------------------- collecting
+
+def collect_size(raw_json: Dict[str, Any]) -> Dict[str, Any]:
+    """One bench_save_load.py JSON -> the report's entry for that size (rows pairing each save with its load)."""
+    s = raw_json.get("summary") or {}
+    saves, loads = s.get("rows_save", []), s.get("rows_load", [])
+    load_of = raw_json.get("load_label_of") or {}
+    by_label = {r["label"]: r for r in loads}
+    rows: List[Dict[str, Any]] = []
+
+    def cell(r: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        if r is None:
+            return None
+        return {"label": r["label"], "n": r["n"], "gbps": num(r["gbps"]), "min": num(r["lo"]), "max": num(r["hi"]),
+                "x_disk": num(r.get("x_disk")), "x_disk_paired": num(r.get("x_disk_paired")),
+                "cpu_s_per_gb": num(r.get("cpu_per_gb")), "machine_cpu_s_per_gb": num(r.get("machine_per_gb")),
+                "peak_rss_mb": num(r.get("rss_mb")), "pool_mb": num(r.get("pool_mb")), "check": r.get("check", "")}
+
+    fio_s = [r for r in saves if r["key"] == "fio"]
+    fio_l = [r for r in loads if r["key"] == "fio"]
+    disk = {"write_gbps": num(s.get("disk_save_gbps")), "read_gbps": num(s.get("disk_load_gbps")),
+            "write_point": s.get("disk_save_point"), "read_point": s.get("disk_load_point"),
+            "points": {"write": {r["label"]: num(r["gbps"]) for r in fio_s},
+                       "read": {r["label"]: num(r["gbps"]) for r in fio_l}}}
+    if fio_s or fio_l:
+        bs = max(fio_s, key=lambda r: r["gbps"]) if fio_s else None
+        bl = max(fio_l, key=lambda r: r["gbps"]) if fio_l else None
+        rows.append({"key": "fio", "name": "disk limit (fio O_DIRECT, best point)", "save": cell(bs),
+                     "load": cell(bl)})
+    used = set()
+    for r in saves:
+        if r["key"] in ("fio", "ref"):
+            continue
+        lr = by_label.get(load_of.get(r["label"], ""))
+        if lr is not None:
+            used.add(lr["label"])
+        row = {"key": r["key"], "name": r["label"] + (f" / {lr['label']}" if lr else ""), "save": cell(r),
+               "load": cell(lr)}
+        if num(r.get("blocked_s")) is not None:
+            row["blocked_s"] = num(r["blocked_s"])
+        rows.append(row)
+    for r in loads:
+        if r["key"] != "fio" and r["label"] not in used:
+            rows.append({"key": r["key"], "name": r["label"], "save": None, "load": cell(r)})
+    ctx = raw_json.get("context") or {}
+    return {"size": (raw_json.get("args") or {}).get("size"), "payload": (raw_json.get("state_dict") or {}).get("bytes"),
+            "state_dict": raw_json.get("state_dict"), "reps": (raw_json.get("args") or {}).get("reps"),
+            "disk": disk, "rows": rows, "skipped": raw_json.get("skipped") or {},
+            "notes": raw_json.get("notes") or [], "errors": raw_json.get("errors") or [],
+            "cache": ("NOT dropped: " + raw_json["drop_caches_error"]) if raw_json.get("drop_caches_error")
+            else "dropped before every load", "targets": s.get("targets"),
+            "versions": {k: ctx[k] for k in ("safetensors", "deepspeed") if k in ctx},
+            "load_avg": ctx.get("load_avg")}
+
+
+def collect(out: str, meta: Dict[str, Any], machine: Dict[str, Any], settings: Dict[str, Any]) -> Dict[str, Any]:
+    sizes = []
+    for run in meta["runs"]:
+        path = os.path.join(out, run["json"])
+        if not os.path.exists(path):
+            sizes.append({"size": run["size"], "failed": f"no results (exit {run.get('exit')}); see {run['md']}",
+                          "rows": []})
+            continue
+        with open(path) as f:
+            entry = collect_size(json.load(f))
+        entry.update(md=run["md"], seconds=run.get("seconds"), exit=run.get("exit"))
+        sizes.append(entry)
+    sizes.sort(key=lambda e: e["size"] or 0)
+    tune = None
+    if meta.get("tune"):
+        path = os.path.join(out, meta["tune"]["json"])
+        if os.path.exists(path):
+            with open(path) as f:
+                t = json.load(f)
+            tune = {k: t.get(k) for k in ("args", "seconds", "configs", "failed", "disk", "best", "env", "override",
+                                           "gain_over_default", "significant", "cache", "notes")}
+            tune["state_dict_bytes"] = (t.get("state_dict") or {}).get("bytes")
+            tune["md"] = meta["tune"]["md"]
+        else:
+            tune = {"failed": f"no results (exit {meta['tune'].get('exit')}); see {meta['tune']['md']}"}
+    versions: Dict[str, str] = {}
+    for e in sizes:
+        versions.update(e.get("versions") or {})
+    return {"kind": "fastckpt-bench-report", "version": REPORT_VERSION, "machine": machine, "settings": settings,
+            "versions": versions, "sizes": sizes, "tune": tune, "deepspeed": meta.get("deepspeed"),
+            "extras": meta.get("extras") or {}}
+
+
+# ----------------------------------------------------------------------------- writing
+
+def _f(x: Optional[float], fmt: str) -> str:
+    return "-" if x is None else format(x, fmt)
+
+
+def _table(header: List[str], rows: List[List[str]]) -> List[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def _series(entry: Dict[str, Any], op: str, pred) -> Optional[Dict[str, Any]]:
+    """The best cell of op among the rows matching pred (e.g. the best DCP thread count)."""
+    cells = [r[op] for r in entry["rows"] if pred(r) and r.get(op) and r[op].get("gbps") is not None]
+    return max(cells, key=lambda c: c["gbps"]) if cells else None
+
+
+def _row_by_key(entry: Dict[str, Any], key: str) -> Optional[Dict[str, Any]]:
+    return next((r for r in entry["rows"] if r["key"] == key), None)
+
+
+def charts(res: Dict[str, Any], out: str) -> List[str]:
+    """save_gbps.png, load_gbps.png, cpu_per_gb.png; returns the files written (none without matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:
+        log(f"no charts: matplotlib unavailable ({e})")
+        return []
+    sizes = [e for e in res["sizes"] if e.get("rows")]
+    if not sizes:
+        return []
+    m = res["machine"]
+    where = f"{m.get('fstype', '?')} on {m.get('mount', {}).get('source', '?')}, {m.get('nproc', '?')} CPUs"
+    written = []
+    xs_all = [e["size"] / fb.GiB for e in sizes]
+    for op, fname, title in (("save", "save_gbps.png", "durable save"), ("load", "load_gbps.png", "cold load")):
+        fig, ax = plt.subplots(figsize=(10, 5), dpi=110)
+        for idx, (name, sp, lp) in enumerate(SERIES):
+            pred = sp if op == "save" else lp
+            if pred is None:
+                continue
+            xs, ys, lo, hi = [], [], [], []
+            for e in sizes:
+                c = _series(e, op, pred)
+                if c is not None:
+                    xs.append(e["size"] / fb.GiB)
+                    ys.append(c["gbps"])
+                    lo.append(c["gbps"] - (c["min"] if c["min"] is not None else c["gbps"]))
+                    hi.append((c["max"] if c["max"] is not None else c["gbps"]) - c["gbps"])
+            if xs:
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name, color=f"C{idx}",
+                            linewidth=2.5 if name == "fastckpt" else 1.5)
+        disk = [(e["size"] / fb.GiB, e["disk"]["write_gbps" if op == "save" else "read_gbps"]) for e in sizes]
+        disk = [(x, y) for x, y in disk if y is not None]
+        if disk:
+            ax.plot([x for x, _ in disk], [y for _, y in disk], "k--", linewidth=1.5,
+                    label=f"disk limit (fio O_DIRECT {'write' if op == 'save' else 'read'})")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs_all)
+        ax.set_xticklabels([size_tag(e["size"]) for e in sizes])
+        ax.set_xlabel("state dict size (tensor bytes)")
+        ax.set_ylabel("GB/s (1e9 bytes/s), median; bars: min-max")
+        ax.set_ylim(bottom=0)
+        ax.set_title(f"{title} ({where})", fontsize=10)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        fig.tight_layout()
+        p = os.path.join(out, fname)
+        fig.savefig(p)
+        plt.close(fig)
+        written.append(p)
+    # CPU-s/GB at the largest size, every row
+    e = sizes[-1]
+    rows = [r for r in e["rows"] if r["key"] != "fio"]
+    names = [r["name"].split(" / ")[0] for r in rows]
+    sv = [(r["save"] or {}).get("cpu_s_per_gb") or 0.0 for r in rows]
+    ld = [(r["load"] or {}).get("cpu_s_per_gb") or 0.0 for r in rows]
+    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
+    ys = list(range(len(rows)))
+    ax.barh([y - 0.2 for y in ys], sv, height=0.4, label="save")
+    ax.barh([y + 0.2 for y in ys], ld, height=0.4, label="load")
+    ax.set_yticks(ys)
+    ax.set_yticklabels(names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("CPU-seconds per GB (user+sys of the process), median")
+    ax.set_title(f"CPU cost at {human_size(e['size'])} ({where})", fontsize=10)
+    ax.grid(True, axis="x", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = os.path.join(out, "cpu_per_gb.png")
+    fig.savefig(p)
+    plt.close(fig)
+    written.append(p)
+    return written
+
+
+def markdown(res: Dict[str, Any], pngs: List[str]) -> str:
+    m, st = res["machine"], res["settings"]
+    L: List[str] = ["# fastckpt benchmark report", ""]
+    took = f" in {st['seconds'] / 60:.0f} min" if st.get("seconds") else ""
+    L.append(f"Produced by `{st.get('command', 'make bench')}` (benchmarks/report.py) on {m.get('date', '?')}{took}. "
+             "Do not compare these figures with another machine's: the ratios to the disk's limit travel better.")
+    L += ["", "## Machine", ""]
+    L += [f"- {line}" for line in fb.describe_machine(m)]
+    if res.get("versions"):
+        L.append("- " + ", ".join(f"{k} {v}" for k, v in sorted(res["versions"].items())))
+    if m.get("fstype") in ("tmpfs", "ramfs"):
+        L.append(f"- **WARNING**: {m['dir']} is on {m['fstype']}: these figures measure memory, not a disk")
+    L += ["", "## How it was measured", ""]
+    L.append("- State dict: a model + AdamW optimizer state (float32 and bfloat16; a few 64-128 MiB tensors scaled "
+             "with the size and about a thousand small ones), built once per size with a fixed seed.")
+    L.append(f"- Every save is durable before the clock stops (fsync of the file and its directory for the peers), "
+             f"every load starts from a cold page cache (dropped before each); every operation runs in a fresh "
+             f"forked child after an untimed warm-up; {st.get('reps', '?')} repetitions per size, all methods and fio "
+             f"interleaved (order reversed on odd repetitions); medians, [min-max].")
+    L.append("- GB/s: tensor bytes (1e9) / wall time. x disk: the median over the disk's limit, the best fio O_DIRECT "
+             "median of the same run and size (write with --end_fsync=1; read). CPU-s/GB: the child's user+sys "
+             "(all its threads). Peak RSS: the child's extra peak resident memory (its long-lived buffers included; "
+             "for loads the loaded state dict too, about the payload).")
+    L.append("- Loads allocate fresh memory for their result (see the '(ref) fresh memory' row: the rate at which "
+             "this machine faults in and zeroes new memory), except DCP's, which fill a state dict allocated "
+             "beforehand, outside the timing (as dcp.load is used); fio reads into a reused buffer.")
+    sizes = [e for e in res["sizes"] if e.get("rows")]
+    L += ["", "## The disk's limits (fio)", ""]
+    L += _table(["size", "write GB/s", "read GB/s", "points (write; read)"],
+                [[human_size(e["size"]), _f(e["disk"]["write_gbps"], ".2f"), _f(e["disk"]["read_gbps"], ".2f"),
+                  "; ".join(", ".join(f"{k[4:]} {v:.2f}" for k, v in e["disk"]["points"][op].items() if v is not None)
+                            for op in ("write", "read"))] for e in sizes]
+                if sizes else [])
+    L += ["", "## Summary", ""]
+    srows = []
+    for e in sizes:
+        f, t = _row_by_key(e, "fastckpt"), _row_by_key(e, "torch")
+        if f is None:
+            continue
+        fs, fl = f.get("save") or {}, f.get("load") or {}
+        ts, tl = (t or {}).get("save") or {}, (t or {}).get("load") or {}
+        ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
+        srows.append([human_size(e["size"]), _f(fs.get("gbps"), ".2f"), _f(fs.get("x_disk"), ".2f"),
+                      ratio(fs.get("gbps"), ts.get("gbps")), _f(fs.get("cpu_s_per_gb"), ".2f"),
+                      _f(fl.get("gbps"), ".2f"), _f(fl.get("x_disk"), ".2f"), ratio(fl.get("gbps"), tl.get("gbps")),
+                      _f(fl.get("cpu_s_per_gb"), ".2f")])
+    L += _table(["size", "fastckpt.save GB/s", "x disk", "x torch.save+fsync", "CPU-s/GB",
+                 "fastckpt.load GB/s", "x disk", "x torch.load", "CPU-s/GB"], srows)
+    if pngs:
+        L.append("")
+        for p in pngs:
+            name = os.path.basename(p)
+            L.append(f"![{name[:-4]}]({name})")
+    for e in res["sizes"]:
+        L += ["", f"## {human_size(e['size'])}" if e.get("size") else "## ?", ""]
+        if not e.get("rows"):
+            L.append(f"Not measured: {e.get('failed', 'no results')}")
+            continue
+        sd = e.get("state_dict") or {}
+        L.append(f"{sd.get('bytes', 0) / 1e9:.3f} GB of tensors in {sd.get('tensors', '?')} tensors; "
+                 f"{e.get('reps', '?')} repetitions; page cache {e['cache']}"
+                 + (f"; measured in {e['seconds']:.0f} s" if e.get("seconds") else "")
+                 + (f"; load average {e['load_avg'][0]} at the start" if e.get("load_avg") else "")
+                 + (f" ([raw output]({e['md']}))" if e.get("md") else "") + ".")
+        L.append("")
+        rows = []
+        for r in e["rows"]:
+            s, l = r.get("save"), r.get("load")
+
+            def part(c):
+                if not c:
+                    return ["", "", "", ""]
+                g = f"{c['gbps']:.2f}" + (f" [{c['min']:.2f}-{c['max']:.2f}]" if c.get("n", 1) > 1 else "")
+                return [g, _f(c.get("x_disk"), ".2f"), _f(c.get("cpu_s_per_gb"), ".2f"), _f(c.get("peak_rss_mb"), ".0f")]
+            name = r["name"] if r["key"] != "fio" else "**" + r["name"] + "**"
+            if r["key"] == "fastckpt":
+                name = f"**{name}**"
+            checks = sorted({c.get("check") for c in (s, l) if c and c.get("check")})
+            note = "verified" if checks and all(c.startswith("verified") for c in checks) else "; ".join(checks)
+            if r.get("blocked_s") is not None:
+                note = (note + "; " if note else "") + f"caller blocked {r['blocked_s']:.2f} s"
+            rows.append([name] + part(s) + part(l) + [note])
+        L += _table(["method (save / load)", "save GB/s", "x disk", "CPU-s/GB", "peak RSS MB", "load GB/s", "x disk",
+                     "CPU-s/GB", "peak RSS MB", "check, notes"], rows)
+        extra = []
+        for k, why in (e.get("skipped") or {}).items():
+            if k != "deepspeed":
+                extra.append(f"- not run: {k}: {why}")
+        extra += [f"- note: {n}" for n in e.get("notes") or []]
+        extra += [f"- **ERROR**: {x}" for x in e.get("errors") or []]
+        if extra:
+            L += [""] + extra
+    L += ["", "## DeepSpeed FastPersist", ""]
+    ds_rows = [r for e in sizes for r in e["rows"] if r["key"] == "deepspeed"]
+    ds_skip = next((e["skipped"]["deepspeed"] for e in sizes if "deepspeed" in (e.get("skipped") or {})), None)
+    if ds_rows:
+        L.append("Measured (rows above): `torch.save(sd, FastFileWriter(path))` + close (its fsync) + fsync of the "
+                 "directory, with DeepSpeed's checkpoint defaults (1 MiB blocks, queue depth 8, 64 MiB page-locked "
+                 "double buffer); no load row (DeepSpeed loads with torch.load).")
+    elif ds_skip:
+        L.append(f"Not run: {ds_skip}")
+    else:
+        L.append(f"DeepSpeed: {res.get('deepspeed') or 'not run'}")
+    t = res.get("tune")
+    L += ["", "## Knob sweep (`fastckpt bench --tune`)", ""]
+    if not t:
+        L.append("Not run (`--tune-size 0`); `fastckpt bench DIR --tune` runs it.")
+    elif t.get("failed") and not t.get("configs"):
+        L.append(f"Failed: {t['failed']}")
+    else:
+        a = t.get("args") or {}
+        L.append(f"fastckpt.save + cold fastckpt.load of a {(t.get('state_dict_bytes') or 0) / 1e9:.2f} GB state dict "
+                 f"under {len(t['configs'])} engine configurations, {a.get('reps', '?')} repetitions interleaved, "
+                 f"medians, in {t.get('seconds', 0):.0f} s; ranked by the harmonic mean of save and load GB/s"
+                 + (f" ([raw output]({t['md']}))" if t.get("md") else "") + ".")
+        L.append("")
+        L += _table(["knobs", "save GB/s", "load GB/s", "save+load GB/s", "save CPU-s/GB", "load CPU-s/GB"],
+                    [[c["label"] + (" (default)" if c.get("default") else ""), f"{c['save_gbps']:.2f}",
+                      f"{c['load_gbps']:.2f}", f"{c['combined_gbps']:.2f}", f"{c['save_cpu_s_per_gb']:.3f}",
+                      f"{c['load_cpu_s_per_gb']:.3f}"] for c in t["configs"]])
+        if t.get("best"):
+            L += ["", f"Best here: {t['best']['label']}:", "", "```"]
+            L += [f"export {x}" for x in t.get("env") or []]
+            L += [t.get("override", ""), "```"]
+            g = t.get("gain_over_default")
+            if g is not None:
+                if t["best"].get("default"):
+                    L.append("The defaults were the best measured.")
+                else:
+                    L.append(f"{g * 100:.0f}% over the defaults" + (
+                        "." if t.get("significant") else
+                        " (one repetition: no noise estimate)." if t.get("significant") is None else
+                        ", within this run's noise: keep the defaults."))
+        for label, err in (t.get("failed") or {}).items():
+            L.append(f"- failed: {label}: {err}")
+    if res.get("extras"):
+        L += ["", "## More (`make bench-full`)", ""]
+        for k, x in res["extras"].items():
+            L.append(f"- {k}: [{x['md']}]({x['md']}) (exit {x['exit']}, {x['seconds']:.0f} s)")
+    L += ["", "## Files", "",
+          "`results.json` (these figures, machine-readable), the PNG charts, `raw/` (every script's own JSON "
+          "and Markdown output, with every repetition's figures).", ""]
+    return "\n".join(L)
+
+
+def assemble(res: Dict[str, Any], out: str) -> List[str]:
+    """Write REPORT.md, results.json and the charts into out; returns the paths written."""
+    os.makedirs(out, exist_ok=True)
+    pngs = charts(res, out)
+    paths = list(pngs)
+    p = os.path.join(out, "results.json")
+    with open(p, "w") as f:
+        json.dump(clean(res), f, indent=1, default=str)
+        f.write("\n")
+    paths.append(p)
+    p = os.path.join(out, "REPORT.md")
+    with open(p, "w") as f:
+        f.write(markdown(res, pngs))
+    paths.append(p)
+    return paths
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", default=REPO_ROOT, help="directory on the disk to measure (default: the repository "
+                                                     "root); each script works in a private temporary directory")
+    ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"state dict sizes (default {DEFAULT_SIZES})")
+    ap.add_argument("--reps", type=int, default=3, help="repetitions per size, interleaved (default 3)")
+    ap.add_argument("--deepspeed", choices=("yes", "no"), default="no",
+                    help="also DeepSpeed's FastFileWriter (must be installed: " + DS_INSTALL + "; default no)")
+    ap.add_argument("--tune-size", default="1G", help="knob sweep at this size (default 1G; 0: none)")
+    ap.add_argument("--tune-reps", type=int, default=2, help="knob sweep repetitions (default 2)")
+    ap.add_argument("--extras", default="", help="comma-separated: engine (bench_engine.py --full), dcp "
+                                                  "(bench_dcp.py), training (bench_training.py)")
+    ap.add_argument("--out", default=DEFAULT_OUT, help="where the report goes (default benchmarks/results)")
+    ap.add_argument("--save-load-args", default="", help="more options for bench_save_load.py, in one string")
+    ap.add_argument("--command", default="make bench", help="how the report says it was produced")
+    ap.add_argument("--assemble-only", action="store_true", help="rebuild the report from OUT/raw, measure nothing")
+    args = ap.parse_args(argv)
+    args.save_load_args = args.save_load_args.split()
+    args.dir = os.path.abspath(args.dir)
+    args.out = os.path.abspath(args.out)
+    raw = os.path.join(args.out, "raw")
+    bad = [x for x in args.extras.split(",") if x and x not in ("engine", "dcp", "training")]
+    if bad:
+        ap.error(f"--extras: unknown {bad}")
+    if args.reps < 1:
+        ap.error("--reps must be at least 1")
+    for s in args.sizes.split(","):
+        try:
+            fb.parse_size(s)
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"--sizes: {e}")
+    if args.tune_size not in ("", "0"):
+        try:
+            fb.parse_size(args.tune_size)
+        except argparse.ArgumentTypeError as e:
+            ap.error(f"--tune-size: {e}")
+    meta_path = os.path.join(raw, "meta.json")
+    t0 = time.perf_counter()
+    if args.assemble_only:
+        with open(meta_path) as f:
+            saved = json.load(f)
+        meta, machine, settings = saved["meta"], saved["machine"], saved["settings"]
+    else:
+        if not os.path.isdir(args.dir):
+            ap.error(f"--dir {args.dir}: not a directory")
+        fio = fb.find_fio()
+        machine = fb.machine_info(args.dir, fio)
+        if machine["fstype"] in ("tmpfs", "ramfs"):
+            log(f"WARNING: {args.dir} is on {machine['fstype']}: this measures memory, not a disk (set BENCH_DIR)")
+        if fio is None:
+            log(f"NOTE: {fb.FIO_MISSING}")
+        if os.path.isdir(raw):
+            shutil.rmtree(raw)  # one run's raw files, never a mix of two runs
+        os.makedirs(raw)
+        log(f"benchmark report: {args.dir} ({machine['fstype']} on {machine['mount']['source']}), sizes {args.sizes}, "
+            f"{args.reps} reps; output in {args.out}")
+        meta = measure(args, raw)
+        settings = {"sizes": args.sizes, "reps": args.reps, "tune_size": args.tune_size, "tune_reps": args.tune_reps,
+                    "deepspeed": args.deepspeed, "extras": args.extras, "command": args.command,
+                    "save_load_args": args.save_load_args, "seconds": round(time.perf_counter() - t0, 1)}
+        with open(meta_path, "w") as f:
+            json.dump({"meta": meta, "machine": machine, "settings": settings}, f, indent=1)
+    res = collect(args.out, meta, machine, settings)
+    paths = assemble(res, args.out)
+    print(f"report: {os.path.relpath(os.path.join(args.out, 'REPORT.md'))}")
+    for p in paths:
+        if not p.endswith("REPORT.md"):
+            print(f"  {os.path.relpath(p)}")
+    failed = [r for r in meta["runs"] if r.get("exit")] + ([meta["tune"]] if meta.get("tune") and
+                                                          meta["tune"].get("exit") else [])
+    errors = [x for e in res["sizes"] for x in e.get("errors") or []]
+    if failed or errors:
+        log(f"{len(failed)} script(s) failed, {len(errors)} error(s): see the report")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

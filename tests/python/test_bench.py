@@ -1,0 +1,239 @@
+"""`fastckpt bench` (fastckpt/_bench.py) and the report assembler (benchmarks/report.py).
+
+Structure only: tiny sizes, one repetition, no figure is compared with a speed (speeds belong in
+benchmarks, not in timed tests); every measured figure must merely be positive.
+"""
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import shutil
+
+import pytest
+
+import fastckpt
+from fastckpt import _bench
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _args(*argv):
+    p = argparse.ArgumentParser()
+    _bench.add_arguments(p)
+    return p.parse_args([str(a) for a in argv])
+
+
+def _strict_json(text):
+    def no_nan(x):
+        raise ValueError(f"not strict JSON: {x}")
+    return json.loads(text, parse_constant=no_nan)
+
+
+def _leftovers(d):
+    return [n for n in os.listdir(d) if n.startswith(".fastckpt-bench-")]
+
+
+def test_parse_and_format_size():
+    assert _bench.parse_size("2G") == 2 << 30
+    assert _bench.parse_size("512M") == 512 << 20
+    assert _bench.parse_size("1.5GiB") == 3 << 29
+    assert _bench.parse_size("65536") == 65536
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        _bench.parse_size("two gigs")
+    with pytest.raises(argparse.ArgumentTypeError, match="too small"):
+        _bench.parse_size("1K")
+    assert _bench.fmt_size(8 << 20) == "8M"
+    assert _bench.fmt_size(3 << 30) == "3G"
+    assert _bench.fmt_size(1000) == "1000"
+
+
+def test_defaults():
+    a = _args()
+    assert (a.dir, a.size, a.reps, a.json, a.tune) == (".", 2 << 30, None, None, False)
+
+
+def test_quick(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert _bench.run(_args(tmp_path, "--size", "16M", "--reps", "1", "--json", out, "-q")) == 0
+    res = _strict_json(out.read_text())
+    assert res["kind"] == "fastckpt-bench"
+    for k in ("machine", "state_dict", "args", "cache", "summary", "records", "notes", "errors", "seconds"):
+        assert k in res, k
+    assert res["errors"] == []
+    m = res["machine"]
+    assert m["nproc"] >= 1 and m["fstype"] and m["torch"] and m["fastckpt"] and m["date"]
+    have_fio = shutil.which("fio") is not None
+    assert res["args"]["fio"] == have_fio
+    payload = res["state_dict"]["bytes"]
+    assert 12 << 20 < payload < 20 << 20
+    for op in ("save", "load"):
+        rows = {r["method"]: r for r in res["summary"][op]}
+        assert set(rows) == ({"disk", "fastckpt", "torch"} if have_fio else {"fastckpt", "torch"})
+        for key, r in rows.items():
+            assert r["n"] == 1
+            assert r["gbps"] > 0 and r["gbps_min"] <= r["gbps"] <= r["gbps_max"]
+            assert r["cpu_s_per_gb"] >= 0
+            if key != "disk":
+                assert r["peak_rss_mb"] > 0
+                if have_fio:
+                    assert r["x_disk"] == pytest.approx(r["gbps"] / res["summary"][f"disk_{op}_gbps"])
+        assert rows["fastckpt"]["label"] == f"fastckpt.{op}"
+        if op == "load":
+            assert rows["fastckpt"]["verified"] is True and rows["torch"]["verified"] is True
+    assert len(res["records"]) == 4 + (4 if have_fio else 0)  # 2 methods x save+load, 2 fio points x write+read
+    if not have_fio:
+        assert any("fio is not installed" in n for n in res["notes"])
+    text = capsys.readouterr().out
+    assert "| save | fastckpt.save" in text and "| load | torch.load" in text and "x disk" in text
+    assert _leftovers(tmp_path) == []
+
+
+def test_tune_tiny_grid(tmp_path, capsys):
+    grid = "uring:1M:4:4,threads:1M:4:4:2"
+    assert _bench.run(_args(tmp_path, "--tune", "--grid", grid, "--size", "16M", "--reps", "1", "--no-fio",
+                            "--json", "-", "-q")) == 0
+    res = _strict_json(capsys.readouterr().out)
+    assert res["kind"] == "fastckpt-bench-tune"
+    labels = [c["label"] for c in res["configs"]] + list(res["failed"])
+    assert len(labels) == 3  # the grid, plus the current settings (not in it)
+    assert sum(c["default"] for c in res["configs"]) == 1
+    for c in res["configs"]:
+        assert c["save_gbps"] > 0 and c["load_gbps"] > 0
+        assert min(c["save_gbps"], c["load_gbps"]) <= c["combined_gbps"] <= max(c["save_gbps"], c["load_gbps"])
+    assert [c["combined_gbps"] for c in res["configs"]] == sorted((c["combined_gbps"] for c in res["configs"]),
+                                                                 reverse=True)
+    assert res["best"] == res["configs"][0]
+    assert res["env"] and all(e.startswith("FASTCKPT_") and "=" in e for e in res["env"])
+    assert res["significant"] is None  # one repetition: no noise estimate
+    # the printed override line is valid Python for fastckpt.knobs
+    assert res["override"].startswith("fastckpt.knobs.override(")
+    with eval(res["override"], {"fastckpt": fastckpt}):  # noqa: S307
+        cfg = fastckpt.knobs.as_dict()
+        for line in res["env"]:
+            name, value = line.split("=", 1)
+            knob = next(k for k, v in _bench.ENV.items() if v == name)
+            want = _bench.parse_size(value) if knob == "buffer_size" else value
+            assert str(cfg[knob]) == str(want)
+    assert _leftovers(tmp_path) == []
+
+
+def test_tune_text_output(tmp_path, capsys):
+    assert _bench.run(_args(tmp_path, "--tune", "--grid", "threads:1M:4:4:2", "--size", "8M", "--reps", "1",
+                            "--no-fio", "-q")) == 0
+    text = capsys.readouterr().out
+    assert "export FASTCKPT_" in text and "fastckpt.knobs.override(" in text and "save+load GB/s" in text
+
+
+def test_cannot_run_here(tmp_path, capsys):
+    assert _bench.run(_args(tmp_path / "missing", "--size", "16M", "-q")) == 2
+    assert "not a directory" in capsys.readouterr().err
+    assert _bench.run(_args(tmp_path, "--size", "1T", "-q")) == 2
+    assert "not enough" in capsys.readouterr().err
+    assert _bench.run(_args(tmp_path, "--tune", "--grid", "uring:8M:8", "-q")) == 2
+    assert "--grid" in capsys.readouterr().err
+    assert _leftovers(tmp_path) == []
+
+
+def test_build_state_dict_scales():
+    sd = _bench.build_state_dict(8 << 20)
+    info = _bench.describe_sd(sd)
+    assert 6 << 20 < info["bytes"] < 10 << 20 and info["tensors"] > 1000
+    assert _bench.compare(sd, _bench.build_state_dict(8 << 20)) == []
+    other = _bench.build_state_dict(8 << 20, seed=1)
+    assert _bench.compare(sd, other)  # a different state dict is told apart
+
+
+# ----------------------------------------------------------------------------- the report assembler
+
+def _report_module():
+    spec = importlib.util.spec_from_file_location("fastckpt_bench_report", os.path.join(REPO, "benchmarks",
+                                                                                         "report.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _row(label, key, op, gbps, disk, cpu=0.5, rss=100.0, check="verified", blocked=math.nan):
+    return {"label": label, "key": key, "op": op, "n": 3, "gbps": gbps, "lo": gbps * 0.9, "hi": gbps * 1.1,
+            "x_fast": math.nan, "x_disk": gbps / disk, "x_disk_paired": gbps / disk, "cpu_per_gb": cpu,
+            "machine_per_gb": cpu * 2, "rss_mb": rss, "pool_mb": 10.0, "file_mb": 100.0, "check": check,
+            "blocked_s": blocked}
+
+
+def _fake_save_load(size):
+    f = size / (1 << 30)  # figures that grow with the size, as on a real disk
+    dw, dr = 2.0 + f, 2.5 + f
+    saves = [_row("fio bs=8M qd=8", "fio", "save", dw, dw, rss=math.nan, check=""),
+             _row("fastckpt.save", "fastckpt", "save", 1.9 + f, dw, cpu=0.3, check="verified (by load)"),
+             _row("fastckpt.async_save", "async", "save", 1.8 + f, dw, blocked=0.2),
+             _row("torch.save+fsync", "torch", "save", 0.4, dw, cpu=2.0, check="verified (by load)"),
+             _row("DCP FileSystemWriter t=1", "dcp", "save", 0.9, dw),
+             _row("DCP FileSystemWriter t=2", "dcp", "save", 1.1, dw, check="verified (by load)"),
+             _row("safetensors save_file+fsync", "safetensors", "save", 1.5, dw)]
+    loads = [_row("fio bs=8M qd=8", "fio", "load", dr, dr, rss=math.nan, check=""),
+             _row("fastckpt.load", "fastckpt", "load", 1.7 + f, dr),
+             _row("torch.load", "torch", "load", 1.0, dr),
+             _row("DCP FileSystemReader", "dcp", "load", 0.8, dr),
+             _row("(ref) fresh memory: empty+fill_", "ref", "load", 3.0, dr, check="")]
+    return {"args": {"size": size, "reps": 3}, "state_dict": {"tensors": 1172, "bytes": int(size * 1.02)},
+            "summary": {"rows_save": saves, "rows_load": loads, "disk_save_gbps": dw, "disk_load_gbps": dr,
+                        "disk_save_point": "fio bs=8M qd=8", "disk_load_point": "fio bs=8M qd=8"},
+            "load_label_of": {"fastckpt.save": "fastckpt.load", "torch.save+fsync": "torch.load",
+                              "DCP FileSystemWriter t=2": "DCP FileSystemReader",
+                              "safetensors save_file+fsync": "safetensors load"},
+            "skipped": {"deepspeed": "not installed here"}, "notes": ["a note"], "errors": [],
+            "drop_caches_error": None, "context": {"safetensors": "0.0-test", "load_avg": [0.1, 0.1, 0.1]}}
+
+
+def test_report_assembler(tmp_path):
+    pytest.importorskip("matplotlib")
+    report = _report_module()
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    runs = []
+    for size in (256 << 20, 1 << 30, 4 << 30):
+        tag = _bench.fmt_size(size)
+        (raw / f"save_load-{tag}.json").write_text(json.dumps(_fake_save_load(size)))
+        (raw / f"save_load-{tag}.md").write_text("raw\n")
+        runs.append({"size": size, "json": f"raw/save_load-{tag}.json", "md": f"raw/save_load-{tag}.md", "exit": 0,
+                     "seconds": 60.0})
+    runs.append({"size": 8 << 30, "json": "raw/save_load-8G.json", "md": "raw/save_load-8G.md", "exit": 1})
+    tune = {"args": {"reps": 2}, "seconds": 100.0, "state_dict": {"bytes": 1 << 30}, "failed": {},
+            "configs": [{"label": "uring 16M x 8 buffers, depth 8", "knobs": {}, "save_gbps": 2.0, "load_gbps": 2.2,
+                         "combined_gbps": 2.1, "save_cpu_s_per_gb": 0.1, "load_cpu_s_per_gb": 0.1, "default": False},
+                        {"label": "uring 8M x 8 buffers, depth 8", "knobs": {}, "save_gbps": 1.9, "load_gbps": 2.1,
+                         "combined_gbps": 2.0, "save_cpu_s_per_gb": 0.1, "load_cpu_s_per_gb": 0.1, "default": True}],
+            "env": ["FASTCKPT_BUFFER_SIZE=16M"], "override": "fastckpt.knobs.override(buffer_size=16 << 20)",
+            "gain_over_default": 0.05, "significant": False}
+    tune["best"] = tune["configs"][0]
+    (raw / "tune.json").write_text(json.dumps(tune))
+    meta = {"runs": runs, "deepspeed": "not run (test)", "extras": {},
+            "tune": {"json": "raw/tune.json", "md": "raw/tune.md", "exit": 0, "seconds": 100.0}}
+    machine = _bench.machine_info(str(tmp_path))
+    settings = {"sizes": "256M,1G,4G,8G", "reps": 3, "command": "make bench", "seconds": 1200.0}
+    (raw / "meta.json").write_text(json.dumps({"meta": meta, "machine": machine, "settings": settings}))
+
+    assert report.main(["--assemble-only", "--out", str(tmp_path)]) == 1  # the 8G run failed: said, exit 1
+    md = (tmp_path / "REPORT.md").read_text()
+    for s in ("## Machine", "## The disk's limits (fio)", "## Summary", "## 256 MiB", "## 1 GiB", "## 4 GiB",
+              "## 8 GiB", "Not measured: no results (exit 1)", "| **fastckpt.save / fastckpt.load** |",
+              "| DCP FileSystemWriter t=2 / DCP FileSystemReader |", "| fastckpt.async_save |",
+              "caller blocked 0.20 s", "| (ref) fresh memory: empty+fill_ |", "not installed here",
+              "export FASTCKPT_BUFFER_SIZE=16M", "within this run's noise", "![save_gbps](save_gbps.png)",
+              machine["fstype"]):
+        assert s in md, s
+    # the summary's 4 GiB line: fastckpt.save 5.90 GB/s = 0.98 x the disk (6.0), 14.75 x torch.save
+    assert "| 4 GiB | 5.90 | 0.98 | 14.75 |" in md
+    for png in ("save_gbps.png", "load_gbps.png", "cpu_per_gb.png"):
+        data = (tmp_path / png).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
+    res = _strict_json((tmp_path / "results.json").read_text())
+    assert [e["size"] for e in res["sizes"]] == [256 << 20, 1 << 30, 4 << 30, 8 << 30]
+    e = res["sizes"][2]
+    assert e["disk"]["write_gbps"] == 6.0
+    fast = next(r for r in e["rows"] if r["key"] == "fastckpt")
+    assert fast["save"]["gbps"] == pytest.approx(5.9) and fast["load"]["label"] == "fastckpt.load"
+    assert next(r for r in e["rows"] if r["key"] == "async")["blocked_s"] == 0.2
+    assert res["tune"]["best"]["label"].startswith("uring 16M")
