@@ -3,9 +3,13 @@ VENV       ?= .venv
 PY         := $(VENV)/bin/python
 CMAKE_DIR  ?= build/cmake
 STAMP      := $(VENV)/.fastckpt-setup
-BENCH_ENGINE_ARGS ?= --quick
-BENCH_ARGS ?=
-BENCH_DCP_ARGS ?= --reps 2
+# make bench: BENCH_DIR is a directory on the disk to measure (the repository's by default; not a tmpfs).
+BENCH_DIR       ?= $(CURDIR)
+BENCH_SIZES     ?= 256M,1G,4G
+BENCH_REPS      ?= 3
+BENCH_TUNE_SIZE ?= 1G
+BENCH_DEEPSPEED ?= no
+BENCH_ARGS      ?=
 PYTEST_ARGS ?=
 
 .PHONY: all setup build test test-cpp test-python bench bench-full clean distclean
@@ -33,19 +37,23 @@ test-python: build
 
 test: test-cpp test-python
 
-# The main job: fastckpt.save/load against torch.save, DCP, safetensors and
-# the disk's own limit (fio), after the engine against fio.
-bench: build
-	$(PY) benchmarks/bench_engine.py $(BENCH_ENGINE_ARGS)
-	$(PY) benchmarks/bench_save_load.py $(BENCH_ARGS)
-	$(PY) benchmarks/bench_dcp.py $(BENCH_DCP_ARGS)
+# The report: benchmarks/results/REPORT.md, results.json, PNG charts and raw/: on BENCH_DIR, the
+# disk's limits (fio), then fastckpt.save/load/async_save against torch.save(+fsync)/torch.load, DCP
+# (stock FileSystemWriter/Reader and FastWriter/FastReader) and safetensors at each of BENCH_SIZES,
+# medians of BENCH_REPS interleaved runs, and the knob sweep of `fastckpt bench --tune`.
+# (benchmarks/report.py; BENCH_TUNE_SIZE=0 skips the sweep, BENCH_ARGS adds report.py options.)
+BENCH_REPORT = $(PY) benchmarks/report.py --dir "$(BENCH_DIR)" --sizes $(BENCH_SIZES) --reps $(BENCH_REPS) \
+	--tune-size $(BENCH_TUNE_SIZE)
 
+bench: build
+	$(BENCH_REPORT) --deepspeed $(BENCH_DEEPSPEED) $(BENCH_ARGS)
+
+# The same report with DeepSpeed's FastPersist writer (installed here first: minutes to JIT-build
+# its AsyncIO op) and, linked from it, the engine's full knob sweep against fio, the DCP study
+# (world size 2) and the training-loop benchmark.
 bench-full: build
 	bash .ci/install_deepspeed.sh
-	$(PY) benchmarks/bench_engine.py --full
-	$(PY) benchmarks/bench_save_load.py --deepspeed
-	$(PY) benchmarks/bench_dcp.py
-	$(PY) benchmarks/bench_training.py
+	$(BENCH_REPORT) --deepspeed yes --extras engine,dcp,training --command "make bench-full" $(BENCH_ARGS)
 
 clean:
 	rm -rf build fastckpt/*.so .pytest_cache

@@ -44,11 +44,7 @@ import gc
 import glob
 import json
 import os
-import platform
-import re
-import resource
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -73,131 +69,15 @@ TARGET_CPU = 0.2  # CPU-seconds (user+sys) per GB (1e9 bytes)
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KkMmGgTt]?)(i?[Bb])?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512M, 1G, 2GiB, 1048576)")
-    mult = {"": 1, "K": 1 << 10, "M": MiB, "G": GiB, "T": 1 << 40}[m.group(2).upper()]
-    n = int(float(m.group(1)) * mult)
-    if n < 4096:
-        raise argparse.ArgumentTypeError(f"size too small: {text!r} (at least 4 KiB)")
-    return n
-
-
-def fmt_size(n: int) -> str:
-    for unit, mult in (("G", GiB), ("M", MiB), ("K", 1 << 10)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult}{unit}"
-    return str(n)
+# One copy of the measuring pieces, shared with bench_save_load.py, bench_dcp.py and `fastckpt bench`
+# (they are re-exported here: the other scripts use them as bench_engine.X).
+from fastckpt._bench import (  # noqa: E402,F401
+    block_queue_info, cpu_children, cpu_machine, cpu_self, dev_delta, dev_stat, drop_caches, fmt_size,
+    machine_info, median, mount_of, parse_size, run_fio)
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def cpu_self() -> float:
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def cpu_children() -> float:
-    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return ru.ru_utime + ru.ru_stime
-
-
-_CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_machine() -> float:
-    """Busy CPU-seconds of the whole machine so far (all CPUs; idle, iowait and steal excluded)."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()
-        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
-        return (user + nice + system + irq + softirq) / _CLK_TCK
-    except (OSError, ValueError):
-        return float("nan")
-
-
-def drop_caches() -> Optional[str]:
-    """Flush dirty data and drop the page cache. Returns None on success, else why not."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return None
-    except OSError as e:
-        return f"cannot write /proc/sys/vm/drop_caches: {e.strerror}" + (" (not root)" if os.geteuid() else "")
-
-
-def mount_of(path: str) -> Dict[str, str]:
-    """The mount (point, fstype, source) that holds path, from /proc/self/mountinfo."""
-    real = os.path.realpath(path)
-    best = {"mount_point": "?", "fstype": "?", "source": "?"}
-    best_len = -1
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                mp = left.split()[4].encode().decode("unicode_escape")
-                fstype, source = right.split()[:2]
-                inside = real == mp or real.startswith(mp.rstrip("/") + "/")
-                if inside and len(mp) >= best_len:
-                    best, best_len = {"mount_point": mp, "fstype": fstype, "source": source}, len(mp)
-    except OSError:
-        pass
-    return best
-
-
-def block_queue_info(source: str) -> Dict[str, str]:
-    """A few /sys/block/<dev>/queue attributes of the device behind a mount source."""
-    if not source.startswith("/dev/"):
-        return {}
-    try:
-        dev = os.path.basename(os.path.realpath(source))
-        sysdir = f"/sys/class/block/{dev}"
-        if os.path.exists(os.path.join(sysdir, "partition")):
-            dev = os.path.basename(os.path.dirname(os.path.realpath(sysdir)))
-        q = f"/sys/block/{dev}/queue"
-        out = {"device": dev}
-        for k in ("scheduler", "rotational", "logical_block_size", "max_sectors_kb", "nr_requests", "write_cache"):
-            try:
-                with open(os.path.join(q, k)) as f:
-                    out[k] = f.read().strip()
-            except OSError:
-                pass
-        return out
-    except OSError:
-        return {}
-
-
-def dev_stat(dev: Optional[str]) -> Optional[List[int]]:
-    """The block device's I/O counters (Documentation/block/stat.rst), or None."""
-    if not dev:
-        return None
-    try:
-        with open(f"/sys/class/block/{dev}/stat") as f:
-            return [int(x) for x in f.read().split()]
-    except (OSError, ValueError):
-        return None
-
-
-def dev_delta(a: Optional[List[int]], b: Optional[List[int]], op: str) -> Dict[str, float]:
-    """Requests, mean request size and flushes the device completed between two dev_stat()s."""
-    if not a or not b:
-        return {}
-    ios, sectors = (0, 2) if op == "read" else (4, 6)
-    n = b[ios] - a[ios]
-    out = {"requests": n, "kib_per_request": (b[sectors] - a[sectors]) * 512 / 1024 / n if n else float("nan")}
-    if len(a) >= 17:
-        out["flushes"] = b[15] - a[15]
-    return out
-
-
-def median(xs: List[float]) -> float:
-    xs = [x for x in xs if x == x]
-    return statistics.median(xs) if xs else float("nan")
 
 
 # ----------------------------------------------------------------------------- configurations
@@ -410,40 +290,18 @@ class Bench:
     # -- fio
 
     def fio_run(self, item: Item, path: str, op: str, rep: int) -> Record:
-        cmd = [self.fio, "--name=fastckpt-bench", f"--filename={path}", f"--size={self.size}",
-               f"--bs={item.bs}", f"--iodepth={item.qd}", "--direct=1", "--ioengine=io_uring",
-               "--output-format=json"]
-        cmd += ["--rw=write", "--end_fsync=1"] if op == "write" else ["--rw=read"]
-        if item.fixedbufs and self.fixedbufs_ok:
-            cmd.append("--fixedbufs=1")
         if op == "read":
             self.drop()
-        d0, m0, ch0, t0 = dev_stat(self.dev), cpu_machine(), cpu_children(), time.perf_counter()
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        t1, ch1, m1, d1 = time.perf_counter(), cpu_children(), cpu_machine(), dev_stat(self.dev)
-        if p.returncode != 0 and "--fixedbufs=1" in cmd:
+        r = run_fio(self.fio, path, self.size, op, item.bs, item.qd, fixedbufs=item.fixedbufs and self.fixedbufs_ok,
+                    dev=self.dev)
+        if r["extra"].get("fixedbufs_error"):
             # Registering buffers needs RLIMIT_MEMLOCK (or CAP_IPC_LOCK): go on without.
             self.fixedbufs_ok = False
-            self.notes.append(f"fio --fixedbufs=1 failed, fio runs without it: {p.stderr.strip()[-200:]}")
-            return self.fio_run(item, path, op, rep)
-        if p.returncode != 0:
-            raise RuntimeError(f"fio failed ({p.returncode}): {' '.join(cmd)}\n{p.stderr.strip()}")
-        out = p.stdout
-        job = json.loads(out[out.index("{"):])["jobs"][0]
-        if job.get("error"):
-            raise RuntimeError(f"fio reported error {job['error']}: {' '.join(cmd)}")
-        d = job[op]
-        # ms; for writes it includes the --end_fsync (unlike fsync_on_close: axboe/fio#831, #837)
-        sec = d["runtime"] / 1e3
-        cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100.0 * job["job_runtime"] / 1e3
-        if d["io_bytes"] != self.size:
-            self.notes.append(f"{item.label} {op}: fio moved {d['io_bytes']} bytes, not {self.size}")
-        return Record("fio", item.label, op, rep, item.backend, item.bs, item.qd, 0, d["io_bytes"], sec,
-                      d["io_bytes"] / sec / 1e9, cpu, m1 - m0,
-                      extra=dict(dev=dev_delta(d0, d1, op), wall=t1 - t0, children_cpu=ch1 - ch0,
-                                 usr_cpu_pct=job["usr_cpu"], sys_cpu_pct=job["sys_cpu"],
-                                 job_runtime_ms=job["job_runtime"],
-                                 bw_bytes=d["bw_bytes"], fixedbufs="--fixedbufs=1" in cmd, cmd=" ".join(cmd)))
+            self.notes.append(f"fio --fixedbufs=1 failed, fio runs without it: {r['extra']['fixedbufs_error']}")
+        if r["bytes"] != self.size:
+            self.notes.append(f"{item.label} {op}: fio moved {r['bytes']} bytes, not {self.size}")
+        return Record("fio", item.label, op, rep, item.backend, item.bs, item.qd, 0, r["bytes"], r["seconds"],
+                      r["gbps"], r["cpu_s"], r["machine_cpu_s"], extra=r["extra"])
 
     # -- driver
 
@@ -497,35 +355,14 @@ class Bench:
 # ----------------------------------------------------------------------------- context and report
 
 def context(bench: Bench, workdir: str) -> Dict[str, object]:
-    ctx: Dict[str, object] = {}
-    ctx["kernel"] = platform.release()
-    ctx["nproc"] = os.cpu_count()
-    ctx["cpus_usable"] = len(os.sched_getaffinity(0))
-    try:
-        with open("/proc/cpuinfo") as f:
-            ctx["cpu"] = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "?")
-        with open("/proc/meminfo") as f:
-            mem = dict(l.split(":", 1) for l in f)
-        ctx["mem_total_gb"] = round(int(mem["MemTotal"].split()[0]) * 1024 / 1e9, 1)
-        ctx["mem_available_gb"] = round(int(mem["MemAvailable"].split()[0]) * 1024 / 1e9, 1)
-    except (OSError, KeyError, StopIteration):
-        pass
-    m = mount_of(workdir)
+    ctx: Dict[str, object] = machine_info(workdir)  # CPUs, memory, kernel, filesystem, device, versions
     ctx["dir"] = workdir
-    ctx["fstype"] = m["fstype"]
-    ctx["mount"] = m
-    ctx["block"] = block_queue_info(m["source"])
+    ctx["git"] = ctx["fastckpt"]
+    m = ctx["mount"]
     if m["source"].startswith("/dev/"):
         bench.dev = os.path.basename(os.path.realpath(m["source"]))
         if dev_stat(bench.dev) is None:
             bench.dev = None
-    ctx["torch"] = torch.__version__
-    ctx["python"] = platform.python_version()
-    try:
-        ctx["git"] = subprocess.run(["git", "-C", REPO_ROOT, "describe", "--always", "--dirty"], capture_output=True,
-                                    text=True).stdout.strip() or "?"
-    except OSError:
-        ctx["git"] = "?"
     ctx["uring_compiled"] = _C.uring_compiled()
     try:
         with open("/proc/sys/kernel/io_uring_disabled") as f:

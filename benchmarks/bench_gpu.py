@@ -19,21 +19,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fastckpt  # noqa: E402
-
-
-def parse_size(s):
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-    return int(float(s[:-1]) * mult[s[-1].upper()]) if s[-1].upper() in mult else int(s)
+from fastckpt import _bench  # noqa: E402  (parse_size, drop_caches: one copy, shared with `fastckpt bench`)
+parse_size = _bench.parse_size
 
 
 def drop_caches():
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
+    return _bench.drop_caches() is None
 
 
 def rss_mb():

@@ -17,11 +17,18 @@ Saves (every one durable before the clock stops):
 
 * ``fastckpt.save(sd, path)``: its own protocol (temporary name, O_DIRECT, fdatasync, rename,
   directory fsync).
+* ``fastckpt.async_save(sd, path).result()``: the same file, written by the background thread;
+  GB/s until it is durable, and how long the call itself blocked its caller (pickling + the host
+  snapshot; "caller blocked"). Its snapshot arena is made once, untimed, as a trainer's first
+  checkpoint would have (every later one reuses it); it shows in "pool MB". No load row (the file
+  is fastckpt.save's); read back once with fastckpt.load and compared.
 * ``torch.save(sd, path)``, then the file opened again (O_RDONLY) and ``fsync``-ed, then
   ``fsync`` of the directory.
 * DCP: ``torch.distributed.checkpoint.save(sd, storage_writer=FileSystemWriter(dir,
   thread_count=k, sync_files=True))`` in this single process (no process group), then
   ``fsync`` of the checkpoint directory and of its parent; k = 1, 2, 4 (--dcp-threads).
+  And fastckpt's ``FastWriter(dir)`` (its own fdatasync + rename + directory fsync), then
+  ``fsync`` of the parent.
 * safetensors: the nested state dict flattened to ``{dotted.name: tensor}`` (the non-tensor
   parts and the key types go, as JSON, into the header's metadata), ``save_file``, then
   ``fsync`` of the file (reopened) and of the directory.
@@ -32,8 +39,9 @@ Saves (every one durable before the clock stops):
 
 Loads, each from a cold page cache (``os.sync()`` and ``echo 3 > /proc/sys/vm/drop_caches``
 right before the clock starts): ``fastckpt.load(path, map_location="cpu", weights_only=True)``,
-``torch.load(path, map_location="cpu", weights_only=True)``, ``dcp.load`` into a pre-built
-state dict of the same shapes (``zeros_like``, allocated and touched outside the timing: an
+``torch.load(path, map_location="cpu", weights_only=True)``, ``dcp.load`` (stock
+``FileSystemReader`` of the t=2 checkpoint; fastckpt's ``FastReader``, CRC-verified, of the
+FastWriter one) into a pre-built state dict of the same shapes (``zeros_like``, allocated and touched outside the timing: an
 advantage to DCP), and safetensors ``safe_open(...).get_tensors()`` plus rebuilding the
 nesting. DeepSpeed has no reader of its own (its checkpoint engine loads with torch.load), so
 it has no load row. Every load is followed, inside the timing, by reading one byte of every
@@ -72,25 +80,18 @@ Examples::
 """
 
 import argparse
-import gc
 import json
 import logging
 import math
 import os
-import platform
-import resource
 import shutil
-import signal
-import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
@@ -99,149 +100,27 @@ sys.path.insert(0, HERE)
 import torch  # noqa: E402
 
 import bench_engine as be  # noqa: E402  (fio runner, size parsing, drop_caches, /proc helpers)
+from fastckpt._bench import (  # noqa: E402  (the shared measuring pieces)
+    SEED, build_state_dict, compare, describe_sd, fsync_dir, fsync_path, iter_tensors, map_tensors, path_bytes,
+    remove, reset_peak_rss, run_in_child, status_kb, timed, touch_pages)
 
 MiB = be.MiB
 GiB = be.GiB
-SEED = 20240611
 TARGET_DISK = 0.95     # fastckpt save/load >= this x fio's O_DIRECT write/read
 TARGET_TORCH_SAVE = 2.0  # fastckpt save >= this x torch.save+fsync
 TARGET_CPU = 0.5       # "well below torch's": fastckpt CPU-s/GB <= this x torch's
-PAGE = 4096
 DS_BLOCK = 1 * MiB     # DeepSpeed aio defaults (runtime/swap_tensor/constants.py)
 DS_QUEUE_DEPTH = 8
 DS_IO_BUFFER = 64 * MiB  # DeepSpeed checkpoint io_buffer_size default, double-buffered
-KEYS = ("fastckpt", "torch", "dcp", "safetensors", "deepspeed")
+KEYS = ("fastckpt", "async", "torch", "dcp", "fastdcp", "safetensors", "deepspeed")
 TOUCH_LABEL = "(ref) fresh memory: empty+fill_"
 log = be.log
 
 
 # ----------------------------------------------------------------------------- the state dict
 
-def build_state_dict(total: int, seed: int = SEED) -> Dict[str, Any]:
-    """A model + AdamW state dict of about `total` bytes of tensors (fixed seed, fully touched).
-
-    AdamW keeps exp_avg and exp_avg_sq in the parameter's dtype and shape, so the parameters
-    take about a third of the bytes: three large ones (64-128 MiB each at 2 GiB, scaled with
-    the size) and 24 transformer-like layers of 12 parameters, alternately float32 and bfloat16.
-    """
-    scale = total / (2 * GiB)
-    g = torch.Generator().manual_seed(seed)
-    specs: List[Tuple[str, torch.dtype, Tuple[int, ...]]] = []
-    cols = 1024
-    big = [("embed_tokens.weight", torch.float32, 128), ("lm_head.weight", torch.bfloat16, 64),
-           ("vision_proj.weight", torch.float32, 96)]
-    big_bytes = 0
-    for name, dt, mib in big:
-        elt = torch.empty((), dtype=dt).element_size()
-        rows = max(1, int(mib * MiB * scale) // (elt * cols))
-        specs.append((name, dt, (rows, cols)))
-        big_bytes += 3 * rows * cols * elt
-    layers = 24
-    per_layer = max(0, total - big_bytes) / 3 / layers  # parameter bytes per layer
-    # 12 h^2 elements of matrices per layer, half the layers float32 (4 B), half bfloat16 (2 B)
-    h = max(16, int(math.sqrt(per_layer / (12 * 3))) // 16 * 16)
-    for i in range(layers):
-        dt = torch.float32 if i % 2 == 0 else torch.bfloat16
-        p = f"layers.{i}."
-        specs += [(p + "attn.qkv.weight", dt, (3 * h, h)), (p + "attn.qkv.bias", dt, (3 * h,)),
-                  (p + "attn.out.weight", dt, (h, h)), (p + "attn.out.bias", dt, (h,)),
-                  (p + "mlp.fc1.weight", dt, (4 * h, h)), (p + "mlp.fc1.bias", dt, (4 * h,)),
-                  (p + "mlp.fc2.weight", dt, (h, 4 * h)), (p + "mlp.fc2.bias", dt, (h,)),
-                  (p + "ln1.weight", torch.float32, (h,)), (p + "ln1.bias", torch.float32, (h,)),
-                  (p + "ln2.weight", torch.float32, (h,)), (p + "ln2.bias", torch.float32, (h,))]
-    specs += [("final_ln.weight", torch.float32, (h,)), ("final_ln.bias", torch.float32, (h,))]
-
-    model: Dict[str, torch.Tensor] = {}
-    state: Dict[int, Dict[str, torch.Tensor]] = {}
-    for i, (name, dt, shape) in enumerate(specs):
-        model[name] = torch.randn(shape, generator=g, dtype=dt)
-        avg = torch.randn(shape, generator=g, dtype=dt).mul_(1e-3)
-        sq = torch.randn(shape, generator=g, dtype=dt).square_().mul_(1e-6)
-        state[i] = {"step": torch.tensor(1000.0), "exp_avg": avg, "exp_avg_sq": sq}
-    groups = [{"lr": 3e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "amsgrad": False,
-               "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
-               "fused": None, "decoupled_weight_decay": True, "params": list(range(len(specs)))}]
-    return {"model": model, "optimizer": {"state": state, "param_groups": groups}, "step": 1000}
-
-
-def iter_tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from iter_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from iter_tensors(v)
-
-
-def describe_sd(sd: Dict[str, Any]) -> Dict[str, Any]:
-    ts = list(iter_tensors(sd))
-    sizes = sorted((t.nbytes for t in ts), reverse=True)
-    by_dtype: Dict[str, int] = {}
-    for t in ts:
-        by_dtype[str(t.dtype).replace("torch.", "")] = by_dtype.get(str(t.dtype).replace("torch.", ""), 0) + t.nbytes
-    return {"tensors": len(ts), "bytes": sum(sizes), "largest_mib": [round(s / MiB, 1) for s in sizes[:9]],
-            "at_least_64mib": sum(1 for s in sizes if s >= 64 * MiB),
-            "under_1mib": sum(1 for s in sizes if s < MiB), "bytes_by_dtype": by_dtype}
-
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [map_tensors(v, fn) for v in obj]
-    if isinstance(obj, tuple):
-        return tuple(map_tensors(v, fn) for v in obj)
-    return obj
-
-
-def compare(a: Any, b: Any, path: str = "", out: Optional[List[str]] = None) -> List[str]:
-    """Differences between the original `a` and the loaded `b` (at most 5 reported)."""
-    out = [] if out is None else out
-    if len(out) >= 5:
-        return out
-    if isinstance(a, torch.Tensor):
-        if not isinstance(b, torch.Tensor):
-            out.append(f"{path}: {type(b).__name__} instead of a tensor")
-        elif a.dtype != b.dtype or a.shape != b.shape:
-            out.append(f"{path}: {b.dtype}{list(b.shape)} instead of {a.dtype}{list(a.shape)}")
-        elif b.device.type != "cpu":
-            out.append(f"{path}: on {b.device}")
-        elif not torch.equal(a, b):
-            out.append(f"{path}: values differ")
-    elif isinstance(a, dict):
-        if not isinstance(b, dict):
-            out.append(f"{path}: {type(b).__name__} instead of dict")
-        elif list(a.keys()) != list(b.keys()):
-            ka, kb = set(a), set(b)
-            out.append(f"{path}: keys differ (missing {sorted(map(repr, ka - kb))[:3]}, "
-                       f"extra {sorted(map(repr, kb - ka))[:3]})" if ka != kb else f"{path}: key order differs")
-        else:
-            for k in a:
-                compare(a[k], b[k], f"{path}.{k}" if path else str(k), out)
-    elif isinstance(a, (list, tuple)):
-        if type(a) is not type(b) or len(a) != len(b):
-            out.append(f"{path}: {type(b).__name__}[{len(b) if hasattr(b, '__len__') else '?'}] instead of "
-                       f"{type(a).__name__}[{len(a)}]")
-        else:
-            for i, (x, y) in enumerate(zip(a, b)):
-                compare(x, y, f"{path}.{i}", out)
-    elif type(a) is not type(b) or a != b:
-        out.append(f"{path}: {b!r} instead of {a!r}")
-    return out
-
-
-def touch_pages(sd: Any) -> int:
-    """Read one byte of every 4 KiB page of every tensor (materializes lazily mapped results)."""
-    s = 0
-    for t in iter_tensors(sd):
-        if t.numel():
-            b = t.reshape(-1).view(torch.uint8)
-            s += int(b[::PAGE].sum()) + int(b[-1])
-    return s
+# build_state_dict, iter_tensors, describe_sd, map_tensors, compare and touch_pages: fastckpt._bench
+# (one copy, shared with `fastckpt bench`), imported at the top.
 
 
 # safetensors: flat tensors + the rest of the structure as JSON in the header's metadata.
@@ -283,33 +162,7 @@ def st_unflatten(flat: Dict[str, torch.Tensor], meta: Dict[str, str]) -> Any:
 
 # ----------------------------------------------------------------------------- durability helpers
 
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def path_bytes(path: str) -> int:
-    if os.path.isdir(path):
-        return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
-    return os.path.getsize(path) if os.path.exists(path) else 0
-
-
-def remove(path: str) -> None:
-    if os.path.isdir(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.unlink(path)
+# fsync_path, fsync_dir, path_bytes, remove: fastckpt._bench, imported at the top.
 
 
 # ----------------------------------------------------------------------------- methods
@@ -334,6 +187,9 @@ class Method:
                 self.load(p, self.prepare_load(tiny))
         finally:
             remove(p)
+
+    def prime(self, sd, workdir: str) -> None:
+        """Untimed, after warmup(): what a trainer's earlier checkpoints of this same state left behind."""
 
     def save(self, sd, path: str) -> Any:
         raise NotImplementedError
@@ -375,6 +231,42 @@ class FastckptMethod(Method):
             return {"engine_info_error": repr(e)}
 
 
+class AsyncSaveMethod(Method):
+    """fastckpt.async_save until its future is done (the file durable); the caller's blocked time
+    (pickling + the host snapshot) is in the record's ``returned`` and the report's 'caller blocked'."""
+
+    key = "async"
+    label = "fastckpt.async_save"
+    has_load = False  # the file is fastckpt.save's: see the fastckpt.load row
+
+    def __init__(self, mod):
+        self.fc = mod
+
+    def prime(self, sd, workdir):
+        # A trainer's steady state: its snapshot arena already exists (the first async_save made
+        # it; every later one reuses it). Stage the state once, untimed, and give the arena back.
+        import importlib
+        import pickle
+
+        am = importlib.import_module("fastckpt.async_save")  # the module (fastckpt.async_save is the function)
+        ser = importlib.import_module("fastckpt.serialization")
+        _, storages = ser._pickle(sd, pickle, ser.DEFAULT_PROTOCOL)
+        saver = am.default_saver()
+        arena, staged = saver.stager.snapshot(storages)
+        del staged, storages
+        saver.stager.release(arena, keep=saver.max_in_flight)
+
+    def save(self, sd, path):
+        t0 = time.perf_counter()
+        fut = self.fc.async_save(sd, path)
+        returned = time.perf_counter() - t0
+        res = fut.result()
+        return {"blocking_s": returned, "snapshot_s": res.snapshot_seconds, "write_s": res.write_seconds}
+
+    def load(self, path, prep):
+        return self.fc.load(path, map_location="cpu", weights_only=True)
+
+
 class TorchMethod(Method):
     key = "torch"
     label = "torch.save+fsync"
@@ -401,7 +293,7 @@ class DcpMethod(Method):
         self.threads = threads
         self.has_load = has_load
         self.label = f"DCP FileSystemWriter t={threads}"
-        self.load_label = "dcp.load"
+        self.load_label = "DCP FileSystemReader"
 
     def save(self, sd, path):
         with warnings.catch_warnings():
@@ -412,6 +304,36 @@ class DcpMethod(Method):
 
     def prepare_load(self, sd):
         return map_tensors(sd, torch.zeros_like)  # allocated and touched: a model already in memory
+
+    def load(self, path, prep):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.dcp.load(prep, storage_reader=self.Reader(path))
+        return prep
+
+
+class FastDcpMethod(Method):
+    """dcp.save with fastckpt's FastWriter, dcp.load with its FastReader (CRC-verified)."""
+
+    key = "fastdcp"
+    dir_output = True
+    label = "DCP FastWriter"
+    load_label = "DCP FastReader"
+
+    def __init__(self):
+        import torch.distributed.checkpoint as dcp
+        from fastckpt.dcp import FastReader, FastWriter
+
+        self.dcp, self.Writer, self.Reader = dcp, FastWriter, FastReader
+
+    def save(self, sd, path):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.dcp.save(sd, storage_writer=self.Writer(path))  # fdatasync + rename + fsync of its directory
+        fsync_dir(os.path.dirname(path))  # as the stock rows: the parent too
+
+    def prepare_load(self, sd):
+        return map_tensors(sd, torch.zeros_like)
 
     def load(self, path, prep):
         with warnings.catch_warnings():
@@ -522,74 +444,9 @@ def setup_deepspeed(notes: List[str]) -> Tuple[Optional[Any], Optional[str]]:
 
 # ----------------------------------------------------------------------------- children
 
-def _status_kb(field_name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field_name + ":"):
-                return int(line.split()[1])
-    return -1
-
-
-def reset_peak_rss() -> Tuple[int, bool]:
-    """Reset this process's RSS high-water mark; returns (VmRSS bytes, whether the reset worked)."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        ok = True
-    except OSError:
-        ok = False
-    return _status_kb("VmRSS") * 1024, ok
-
-
-def run_in_child(fn: Callable[[], Dict[str, Any]], threads: int, timeout_s: int) -> Dict[str, Any]:
-    """Run fn in a process forked from this one (sharing the state dict copy-on-write); its dict result."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child
-        code = 0
-        try:
-            os.close(r)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(timeout_s)
-            torch.set_num_threads(threads)
-            out = fn()
-        except BaseException as e:  # noqa: BLE001
-            out = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
-            code = 1
-        try:
-            data = json.dumps(out, default=str).encode()
-            with os.fdopen(w, "wb") as f:
-                f.write(data)
-        finally:
-            os._exit(code)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read()
-    _, status, ru = os.wait4(pid, 0)
-    try:
-        out = json.loads(data) if data else {}
-    except ValueError:
-        out = {}
-    if not out:
-        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-        out = {"error": f"child died (status {status}" + (f", signal {sig}" if sig else "") + ")"
-               + (" - timed out (--child-timeout)" if sig == signal.SIGALRM else "")}
-    out["child_cpu_total_s"] = ru.ru_utime + ru.ru_stime
-    return out
-
-
-def timed(op: Callable[[], Any], dev: Optional[str]) -> Tuple[Dict[str, Any], Any]:
-    gc.collect()
-    gc.disable()
-    try:
-        d0, m0, c0, t0 = be.dev_stat(dev), be.cpu_machine(), be.cpu_self(), time.perf_counter()
-        result = op()
-        t1, c1, m1, d1 = time.perf_counter(), be.cpu_self(), be.cpu_machine(), be.dev_stat(dev)
-    finally:
-        gc.enable()
-    return {"seconds": t1 - t0, "cpu_s": c1 - c0, "machine_cpu_s": m1 - m0}, (result, d0, d1)
+# status_kb, reset_peak_rss, run_in_child (a forked child reporting its result, CPU and peak RSS) and
+# timed: fastckpt._bench, imported at the top.
+_status_kb = status_kb
 
 
 # ----------------------------------------------------------------------------- records
@@ -670,6 +527,7 @@ class Bench:
     def _child_save(self, m: Method, path: str, verify: bool) -> Dict[str, Any]:
         base, reset_ok = reset_peak_rss()
         m.warmup(self.dir)
+        m.prime(self.sd, self.dir)
         pool = _status_kb("VmRSS") * 1024 - base
         os.sync()
         t, (ret, d0, d1) = timed(lambda: m.save(self.sd, path), self.dev)
@@ -812,6 +670,7 @@ class Row:
     pool_mb: float = float("nan")
     file_mb: float = float("nan")
     check: str = ""
+    blocked_s: float = float("nan")   # async_save: how long the caller waited (median)
 
 
 def summarize(bench: Bench) -> Tuple[Dict[str, List[Row]], Dict[str, Any]]:
@@ -848,7 +707,10 @@ def summarize(bench: Bench) -> Tuple[Dict[str, List[Row]], Dict[str, Any]]:
                 cpu_per_gb=median([r.cpu_s / (r.bytes / 1e9) for r in rs]),
                 machine_per_gb=median([r.machine_cpu_s / (r.bytes / 1e9) for r in rs]),
                 rss_mb=median([r.rss_extra / MiB for r in rs]), pool_mb=median([r.pool / MiB for r in rs]),
-                file_mb=median([r.file_bytes / MiB for r in rs]), check=check))
+                file_mb=median([r.file_bytes / MiB for r in rs]), check=check,
+                blocked_s=median([r.extra["returned"]["blocking_s"] for r in rs
+                                  if isinstance(r.extra.get("returned"), dict)
+                                  and "blocking_s" in r.extra["returned"]])))
         fast = next((r for r in rows[op] if r.key == "fastckpt"), None)
         for r in rows[op]:
             if fast is not None:
@@ -878,6 +740,10 @@ def print_table(rows: List[Row], op: str, bench: Bench) -> None:
     print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     for l in lines:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(l, widths)) + " |")
+    for r in rows:
+        if r.blocked_s == r.blocked_s:
+            print(f"\n{r.label}: the caller was blocked {r.blocked_s:.3f} s (median; pickling + host snapshot), "
+                  f"{bench.payload / r.blocked_s / 1e9:.2f} GB/s; the GB/s above run until the file is durable")
 
 
 def verdict(ok: Optional[bool]) -> str:
@@ -945,37 +811,20 @@ def targets(rows: Dict[str, List[Row]], summary: Dict[str, Any]) -> List[str]:
 
 
 def context(bench: Bench, workdir: str, threads: int) -> Dict[str, Any]:
-    ctx: Dict[str, Any] = {"kernel": platform.release(), "nproc": os.cpu_count(),
-                           "cpus_usable": len(os.sched_getaffinity(0)), "torch": torch.__version__,
-                           "torch_threads_in_children": threads, "python": platform.python_version()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            ctx["cpu"] = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), "?")
-        with open("/proc/meminfo") as f:
-            mem = dict(l.split(":", 1) for l in f)
-        ctx["mem_total_gb"] = round(int(mem["MemTotal"].split()[0]) * 1024 / 1e9, 1)
-        ctx["mem_available_gb"] = round(int(mem["MemAvailable"].split()[0]) * 1024 / 1e9, 1)
-    except (OSError, KeyError, StopIteration):
-        pass
-    m = be.mount_of(workdir)
-    ctx.update(dir=workdir, fstype=m["fstype"], mount=m, block=be.block_queue_info(m["source"]))
+    fio = bench.fio.fio if bench.fio is not None and bench.fio.fio else None
+    ctx = be.machine_info(workdir, fio)  # CPUs, memory, kernel, filesystem, device, versions, date
+    ctx.update(dir=workdir, git=ctx["fastckpt"], torch_threads_in_children=threads)
+    m = ctx["mount"]
     if m["source"].startswith("/dev/"):
         bench.dev = os.path.basename(os.path.realpath(m["source"]))
         if be.dev_stat(bench.dev) is None:
             bench.dev = None
     if bench.fio is not None:
         bench.fio.dev = bench.dev
-    try:
-        ctx["git"] = subprocess.run(["git", "-C", REPO_ROOT, "describe", "--always", "--dirty"], capture_output=True,
-                                    text=True).stdout.strip() or "?"
-    except OSError:
-        ctx["git"] = "?"
     for mod in ("safetensors", "deepspeed"):
         m_ = sys.modules.get(mod)
         if m_ is not None:
             ctx[mod] = getattr(m_, "__version__", "?")
-    if bench.fio is not None and bench.fio.fio:
-        ctx["fio"] = subprocess.run([bench.fio.fio, "--version"], capture_output=True, text=True).stdout.strip()
     return ctx
 
 
@@ -1105,8 +954,19 @@ def main(argv=None) -> int:
                 methods.append(FastckptMethod(fastckpt))
             except Exception as e:  # noqa: BLE001
                 skipped[key] = f"{type(e).__name__}: {e} (rebuild with `make build` if fastckpt._C fails to import)"
+        elif key == "async":
+            try:
+                import fastckpt
+                methods.append(AsyncSaveMethod(fastckpt))
+            except Exception as e:  # noqa: BLE001
+                skipped[key] = f"{type(e).__name__}: {e}"
         elif key == "torch":
             methods.append(TorchMethod())
+        elif key == "fastdcp":
+            try:
+                methods.append(FastDcpMethod())
+            except Exception as e:  # noqa: BLE001
+                skipped[key] = f"fastckpt.dcp unavailable: {type(e).__name__}: {e}"
         elif key == "dcp":
             try:
                 methods += [DcpMethod(k, has_load=(i == 0)) for i, k in
@@ -1167,7 +1027,8 @@ def main(argv=None) -> int:
                 json.dump({"args": dict(vars(args)), "context": ctx, "state_dict": bench.sd_info,
                            "summary": summary, "skipped": skipped, "notes": list(dict.fromkeys(bench.notes)),
                            "errors": bench.errors, "drop_caches_error": bench.drop_error,
-                           "method_info": bench.method_info, "records": [r.__dict__ for r in bench.records]},
+                           "method_info": bench.method_info, "load_label_of": bench.load_label_of,
+                           "records": [r.__dict__ for r in bench.records]},
                           f, indent=1, default=str)
 
         if args.json:

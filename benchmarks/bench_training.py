@@ -46,7 +46,6 @@ import argparse
 import gc
 import json
 import os
-import re
 import shutil
 import statistics
 import sys
@@ -60,16 +59,10 @@ from torch import nn
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 import fastckpt  # noqa: E402
+from fastckpt._bench import parse_size  # noqa: E402  (one copy, shared with `fastckpt bench`)
 
 MiB, GiB = 1 << 20, 1 << 30
 MODES = ("none", "torch.save", "fastckpt.save", "fastckpt.async_save")
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KkMmGg]?)(i?[Bb])?\s*", text)
-    if not m:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 64M, 1.5G)")
-    return int(float(m.group(1)) * {"": 1, "K": 1 << 10, "M": MiB, "G": GiB}[m.group(2).upper()])
 
 
 def fsync_path(path: str, directory: bool = False) -> None:
