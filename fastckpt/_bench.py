@@ -661,8 +661,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="bytes of tensors in the state dict, K/M/G suffixes (default 2G)")
     parser.add_argument("--reps", type=int, default=None,
                         help="repetitions, interleaved; medians are reported (default 3; --tune: 2)")
-    parser.add_argument("--json", metavar="PATH",
-                        help="also write the results as JSON to PATH ('-': JSON on stdout instead of the table)")
+    parser.add_argument("--json", metavar="PATH", nargs="?", const="-",
+                        help="JSON on stdout instead of the table; --json PATH: the table, and the JSON written "
+                             "to PATH (put DIR before --json)")
     parser.add_argument("--tune", action="store_true",
                         help="sweep the engine's knobs (backend, buffer size and count, queue depth, I/O threads) "
                              "with fastckpt.save + load and print the best as FASTCKPT_* lines; about 12 "
@@ -672,25 +673,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "[:IO_THREADS], e.g. uring:8M:8:8,threads:8M:8:8:4 (default: a built-in grid of 12)")
     parser.add_argument("--no-fio", action="store_true", help="do not run fio (no disk limit, no ratio)")
     parser.add_argument("--no-torch", action="store_true", help="quick mode: skip torch.save / torch.load")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    try:
+        parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines on stderr")
+    except argparse.ArgumentError:
+        pass  # the fastckpt command's common -q/--quiet
 
 
 @contextlib.contextmanager
 def _progress(quiet: bool) -> Iterator[None]:
-    """Progress lines on stderr through the fastckpt.bench logger, unless logging is configured already."""
-    handler = None
-    old_level = log.level
-    if not quiet and not log.handlers and not logging.getLogger().handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
+    """Progress lines (and warnings) of the fastckpt.bench logger on stderr, plain, for the duration of a run;
+    not also through the handlers of the loggers above it (the fastckpt command's would prefix every line)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    old_level, old_propagate = log.level, log.propagate
+    log.addHandler(handler)
     log.setLevel(logging.WARNING if quiet else logging.INFO)
+    log.propagate = False
     try:
         yield
     finally:
+        log.removeHandler(handler)
         log.setLevel(old_level)
-        if handler is not None:
-            log.removeHandler(handler)
+        log.propagate = old_propagate
 
 
 @contextlib.contextmanager
@@ -958,7 +962,7 @@ def _quick(args: argparse.Namespace) -> Tuple[int, Dict[str, Any]]:
 def _print_quick(res: Dict[str, Any]) -> None:
     sd, a = res["state_dict"], res["args"]
     print(f"fastckpt bench: {sd['bytes'] / 1e9:.2f} GB state dict ({sd['tensors']} tensors, model + AdamW), "
-          f"{a['reps']} repetitions interleaved, medians ({res['seconds']:.0f} s)")
+          f"{a['reps']} repetition{'s' if a['reps'] != 1 else ''} interleaved, medians ({res['seconds']:.0f} s)")
     for line in describe_machine(res["machine"]):
         print(f"  {line}")
     print(f"  saves durable; page cache before each load: {res['cache']}")
@@ -1182,7 +1186,8 @@ def _tune(args: argparse.Namespace) -> Tuple[int, Dict[str, Any]]:
 
 def _print_tune(res: Dict[str, Any]) -> None:
     sd = res["state_dict"]
-    print(f"fastckpt bench --tune: {len(res['configs'])} configurations x {res['args']['reps']} repetitions "
+    print(f"fastckpt bench --tune: {len(res['configs'])} configurations x {res['args']['reps']} "
+          f"repetition{'s' if res['args']['reps'] != 1 else ''} "
           f"(interleaved, medians) of fastckpt.save + cold fastckpt.load of a {sd['bytes'] / 1e9:.2f} GB state dict, "
           f"in {res['seconds']:.0f} s")
     for line in describe_machine(res["machine"]):

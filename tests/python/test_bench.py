@@ -52,6 +52,18 @@ def test_parse_and_format_size():
 def test_defaults():
     a = _args()
     assert (a.dir, a.size, a.reps, a.json, a.tune) == (".", 2 << 30, None, None, False)
+    assert _args("d", "--json").json == "-" and _args("d", "--json", "r.json").json == "r.json"
+
+
+def test_arguments_beside_a_common_quiet_option():
+    # the fastckpt command gives every subcommand -q/--quiet (and -v) through a parent parser
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("-q", "--quiet", action="store_true")
+    common.add_argument("-v", "--verbose", action="count", default=0)
+    p = argparse.ArgumentParser(parents=[common])
+    _bench.add_arguments(p)
+    a = p.parse_args(["/x", "-q", "--tune"])
+    assert (a.dir, a.quiet, a.tune) == ("/x", True, True)
 
 
 def test_quick(tmp_path, capsys):
@@ -93,7 +105,7 @@ def test_quick(tmp_path, capsys):
 def test_tune_tiny_grid(tmp_path, capsys):
     grid = "uring:1M:4:4,threads:1M:4:4:2"
     assert _bench.run(_args(tmp_path, "--tune", "--grid", grid, "--size", "16M", "--reps", "1", "--no-fio",
-                            "--json", "-", "-q")) == 0
+                            "--json", "-q")) == 0  # --json without PATH: JSON on stdout
     res = _strict_json(capsys.readouterr().out)
     assert res["kind"] == "fastckpt-bench-tune"
     labels = [c["label"] for c in res["configs"]] + list(res["failed"])
