@@ -101,17 +101,20 @@ def num(x: Any) -> Optional[float]:
 
 # ----------------------------------------------------------------------------- running the scripts
 
-def run_script(cmd: List[str], md_path: str, timeout: Optional[int] = None) -> Tuple[int, float]:
-    """Run a benchmark script: its stdout (a Markdown report) to md_path, its progress to our stderr."""
+def run_script(cmd: List[str], md_path: str) -> Tuple[int, float, str]:
+    """Run a benchmark script: its stdout (a Markdown report) to md_path, its progress passed on to our
+    stderr as it comes; returns (exit status, seconds, its last stderr line: why it failed, if it did)."""
     log("$ " + " ".join(cmd))
     t = time.perf_counter()
+    last = ""
     with open(md_path, "w") as out:
-        try:
-            p = subprocess.run(cmd, stdout=out, cwd=REPO_ROOT, timeout=timeout)
-            code = p.returncode
-        except subprocess.TimeoutExpired:
-            code = 124
-    return code, time.perf_counter() - t
+        p = subprocess.Popen(cmd, stdout=out, stderr=subprocess.PIPE, cwd=REPO_ROOT, text=True)
+        for line in p.stderr:
+            sys.stderr.write(line)
+            if line.strip():
+                last = line.strip()
+        code = p.wait()
+    return code, time.perf_counter() - t, last
 
 
 def deepspeed_status(mode: str) -> Tuple[bool, str]:
@@ -142,18 +145,18 @@ def measure(args: argparse.Namespace, raw: str) -> Dict[str, Any]:
         cmd = [py, os.path.join(HERE, "bench_save_load.py"), "--dir", args.dir, "--size", str(size),
                "--reps", str(args.reps), "--json", js] + (["--deepspeed"] if run_ds else []) + args.save_load_args
         log(f"== {human_size(size)}: save/load of every method, {args.reps} repetitions")
-        code, sec = run_script(cmd, md)
+        code, sec, last = run_script(cmd, md)
         meta["runs"].append({"size": size, "json": os.path.relpath(js, args.out), "md": os.path.relpath(md, args.out),
-                             "exit": code, "seconds": round(sec, 1)})
+                             "exit": code, "seconds": round(sec, 1), "last_line": last})
         log(f"   {human_size(size)} done in {sec:.0f} s (exit {code})")
     if args.tune_size not in ("", "0"):
         js, md = os.path.join(raw, "tune.json"), os.path.join(raw, "tune.md")
         cmd = [py, "-m", "fastckpt._bench", args.dir, "--tune", "--size", args.tune_size, "--reps",
                str(args.tune_reps), "--json", js]
         log(f"== knob sweep (fastckpt bench --tune) at {args.tune_size}")
-        code, sec = run_script(cmd, md)
+        code, sec, last = run_script(cmd, md)
         meta["tune"] = {"json": os.path.relpath(js, args.out), "md": os.path.relpath(md, args.out), "exit": code,
-                        "seconds": round(sec, 1)}
+                        "seconds": round(sec, 1), "last_line": last}
     extras = [x for x in (args.extras or "").split(",") if x]
     for x in extras:
         md = os.path.join(raw, f"{x}.md")
@@ -162,8 +165,9 @@ def measure(args: argparse.Namespace, raw: str) -> Dict[str, Any]:
                   "training": ["bench_training.py"]}[x]
         cmd = [py, os.path.join(HERE, script[0])] + script[1:] + ["--dir", args.dir, "--json", js]
         log(f"== extra: {' '.join(script)}")
-        code, sec = run_script(cmd, md)
-        meta["extras"][x] = {"md": os.path.relpath(md, args.out), "exit": code, "seconds": round(sec, 1)}
+        code, sec, last = run_script(cmd, md)
+        meta["extras"][x] = {"md": os.path.relpath(md, args.out), "exit": code, "seconds": round(sec, 1),
+                             "last_line": last}
     return meta
 
 
@@ -227,7 +231,8 @@ def collect(out: str, meta: Dict[str, Any], machine: Dict[str, Any], settings: D
     for run in meta["runs"]:
         path = os.path.join(out, run["json"])
         if not os.path.exists(path):
-            sizes.append({"size": run["size"], "failed": f"no results (exit {run.get('exit')}); see {run['md']}",
+            why = f": {run['last_line']}" if run.get("last_line") else ""
+            sizes.append({"size": run["size"], "failed": f"no results (exit {run.get('exit')}{why}); see {run['md']}",
                           "rows": []})
             continue
         with open(path) as f:
@@ -246,7 +251,8 @@ def collect(out: str, meta: Dict[str, Any], machine: Dict[str, Any], settings: D
             tune["state_dict_bytes"] = (t.get("state_dict") or {}).get("bytes")
             tune["md"] = meta["tune"]["md"]
         else:
-            tune = {"failed": f"no results (exit {meta['tune'].get('exit')}); see {meta['tune']['md']}"}
+            why = f": {meta['tune']['last_line']}" if meta["tune"].get("last_line") else ""
+            tune = {"failed": f"no results (exit {meta['tune'].get('exit')}{why}); see {meta['tune']['md']}"}
     versions: Dict[str, str] = {}
     for e in sizes:
         versions.update(e.get("versions") or {})
@@ -371,7 +377,8 @@ def markdown(res: Dict[str, Any], pngs: List[str]) -> str:
              "with the size and about a thousand small ones), built once per size with a fixed seed.")
     L.append(f"- Every save is durable before the clock stops (fsync of the file and its directory for the peers), "
              f"every load starts from a cold page cache (dropped before each); every operation runs in a fresh "
-             f"forked child after an untimed warm-up; {st.get('reps', '?')} repetitions per size, all methods and fio "
+             f"forked child after an untimed warm-up; {st.get('reps', '?')} repetition{'' if st.get('reps') == 1 else 's'} "
+             f"per size, all methods and fio "
              f"interleaved (order reversed on odd repetitions); medians, [min-max].")
     L.append("- GB/s: tensor bytes (1e9) / wall time. x disk: the median over the disk's limit, the best fio O_DIRECT "
              "median of the same run and size (write with --end_fsync=1; read). CPU-s/GB: the child's user+sys "
@@ -414,7 +421,7 @@ def markdown(res: Dict[str, Any], pngs: List[str]) -> str:
             continue
         sd = e.get("state_dict") or {}
         L.append(f"{sd.get('bytes', 0) / 1e9:.3f} GB of tensors in {sd.get('tensors', '?')} tensors; "
-                 f"{e.get('reps', '?')} repetitions; page cache {e['cache']}"
+                 f"{e.get('reps', '?')} repetition{'' if e.get('reps') == 1 else 's'}; page cache {e['cache']}"
                  + (f"; measured in {e['seconds']:.0f} s" if e.get("seconds") else "")
                  + (f"; load average {e['load_avg'][0]} at the start" if e.get("load_avg") else "")
                  + (f" ([raw output]({e['md']}))" if e.get("md") else "") + ".")

@@ -211,7 +211,8 @@ def test_report_assembler(tmp_path):
         (raw / f"save_load-{tag}.md").write_text("raw\n")
         runs.append({"size": size, "json": f"raw/save_load-{tag}.json", "md": f"raw/save_load-{tag}.md", "exit": 0,
                      "seconds": 60.0})
-    runs.append({"size": 8 << 30, "json": "raw/save_load-8G.json", "md": "raw/save_load-8G.md", "exit": 1})
+    runs.append({"size": 8 << 30, "json": "raw/save_load-8G.json", "md": "raw/save_load-8G.md", "exit": 1,
+                 "last_line": "not enough memory: about 30 GB needed"})
     tune = {"args": {"reps": 2}, "seconds": 100.0, "state_dict": {"bytes": 1 << 30}, "failed": {},
             "configs": [{"label": "uring 16M x 8 buffers, depth 8", "knobs": {}, "save_gbps": 2.0, "load_gbps": 2.2,
                          "combined_gbps": 2.1, "save_cpu_s_per_gb": 0.1, "load_cpu_s_per_gb": 0.1, "default": False},
@@ -230,7 +231,7 @@ def test_report_assembler(tmp_path):
     assert report.main(["--assemble-only", "--out", str(tmp_path)]) == 1  # the 8G run failed: said, exit 1
     md = (tmp_path / "REPORT.md").read_text()
     for s in ("## Machine", "## The disk's limits (fio)", "## Summary", "## 256 MiB", "## 1 GiB", "## 4 GiB",
-              "## 8 GiB", "Not measured: no results (exit 1)", "| **fastckpt.save / fastckpt.load** |",
+              "## 8 GiB", "Not measured: no results (exit 1: not enough memory: about 30 GB needed)", "| **fastckpt.save / fastckpt.load** |",
               "| DCP FileSystemWriter t=2 / DCP FileSystemReader |", "| fastckpt.async_save |",
               "caller blocked 0.20 s", "| (ref) fresh memory: empty+fill_ |", "not installed here",
               "export FASTCKPT_BUFFER_SIZE=16M", "within this run's noise", "![save_gbps](save_gbps.png)",
