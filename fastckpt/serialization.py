@@ -226,13 +226,16 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
     _write_archive(f, data_pkl, storages)
 
 
-def _write_archive(f: FileLike, data_pkl: bytes, storages: List[torch.UntypedStorage]) -> None:
+def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: int = _zip.ALIGNMENT) -> None:
     """Write the archive of a pickle made by :func:`_pickle` whose storage i is
     ``storages[i]`` (the storages may be copies of the pickled object's, as
-    async_save's snapshots are)."""
+    async_save's snapshots are). A storage may also be any object with
+    ``nbytes()`` and ``write_into(sink) -> crc`` that streams its bytes through
+    ``sink.write_crc`` (``fastckpt convert``). ``alignment`` is 4096 for fastckpt
+    files; 64 writes torch.save's own layout."""
     serialization_id = f"{uuid.uuid4().int:040d}"[:40].encode()
     head = [("data.pkl", data_pkl), (".format_version", b"1"),
-            (".storage_alignment", str(_zip.ALIGNMENT).encode()),
+            (".storage_alignment", str(alignment).encode()),
             ("byteorder", sys.byteorder.encode())]
     tail = [("version", FORMAT_VERSION), (".data/serialization_id", serialization_id)]
 
@@ -241,8 +244,8 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[torch.UntypedSto
     pos = 0
     for name, payload in head + [(f"data/{i}", s) for i, s in enumerate(storages)] + tail:
         full = f"{ARCHIVE_NAME}/{name}".encode()
-        size = payload.nbytes() if isinstance(payload, torch.UntypedStorage) else len(payload)
-        header = _zip.local_header(full, size, pos)
+        size = len(payload) if isinstance(payload, (bytes, bytearray)) else payload.nbytes()
+        header = _zip.local_header(full, size, pos, alignment)
         entry = _zip.Entry(full.decode(), size, 0, pos, pos + len(header))
         pos += len(header) + size + len(_zip.descriptor(0, size, pos))
         plan.append((payload, header, entry))
@@ -264,6 +267,8 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[torch.UntypedSto
                     crc = stager.write(sink, t, 0)
                 else:  # other accelerators: a plain host copy of this storage
                     crc = sink.write_crc(t.cpu(), 0)
+            elif not isinstance(payload, (bytes, bytearray)):  # streamed storage
+                crc = payload.write_into(sink) if entry.size else 0
             else:
                 crc = zlib.crc32(payload)
                 sink.write(payload)

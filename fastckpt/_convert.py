@@ -1,0 +1,415 @@
+"""``fastckpt convert``: between fastckpt/torch.save files, safetensors files and DCP directories.
+
+Every conversion streams: the source is opened as a :class:`fastckpt._sources.Source`
+(an object tree of meta tensors plus reads of byte ranges), and the target is
+written piece by piece through the engine (temporary name, fdatasync, rename,
+directory fsync), so memory stays bounded whatever the checkpoint's size:
+
+==================================  ============================================================
+direction                           memory held at once
+==================================  ============================================================
+file/safetensors -> file            two CHUNK (8 MiB) buffers
+file/safetensors -> safetensors     two CHUNK buffers (a non-contiguous view: its storage span)
+file/safetensors -> DCP             about two tensors (FastWriter copies one ahead)
+DCP -> anything                     one tensor (plus one more for DCP -> DCP)
+torch legacy / big-endian -> any    the whole checkpoint (loaded with fastckpt.load)
+==================================  ============================================================
+
+plus the engine's staging buffers (``buffer_size x buffer_count``).
+"""
+
+import collections
+import contextlib
+import io
+import json
+import logging
+import os
+import pickle
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import _C, _zip, knobs
+from ._sources import (
+    LAYOUT_KEY, SEPARATOR, ST_NAMES, LazyValue, Source, Storage, byte_span, dtype_name, encode_layout,
+    is_dense, itemsize, storage_of, walk,
+)
+from .engine import get_engine
+
+log = logging.getLogger("fastckpt")
+
+TARGETS = ("fastckpt", "torch", "safetensors", "dcp")
+
+Progress = Optional[Callable[[int], None]]
+
+
+class ConvertError(ValueError):
+    """The source cannot be written in the target format (what and why in the message)."""
+
+
+def key_str(path: Tuple) -> str:
+    return SEPARATOR.join(str(k) for k in path) if path else "<root>"
+
+
+@contextlib.contextmanager
+def engine_for_streaming():
+    """Knobs under which reads and a Writer can share the engine: a Writer keeps
+    up to queue_depth staging buffers until it commits, so at least one more must
+    exist for the reads that feed it (else a read waits for a buffer forever)."""
+    cfg = knobs.config()
+    over: Dict[str, int] = {}
+    count = max(cfg.buffer_count, 2)
+    if count != cfg.buffer_count:
+        over["buffer_count"] = count
+    if cfg.queue_depth > count - 1:
+        over["queue_depth"] = count - 1
+    if over:
+        log.debug("fastckpt convert: engine knobs %s (reads and writes share the staging buffers)", over)
+    with knobs.override(**over):
+        yield
+
+
+# ---------------------------------------------------------------- fastckpt / torch.save files
+
+class _PStorage:
+    """Pickled as the persistent id of a storage of the new archive."""
+
+    def __init__(self, storage_type, key: str, location: str, numel: int):
+        self.pid = ("storage", storage_type, key, location, numel)
+
+
+def _v3_dtypes():
+    new = getattr(torch.storage, "_new_dtypes", None)
+    return new() if new is not None else set()
+
+
+class _Streamed:
+    """A storage of the new archive, streamed from the source by _write_archive."""
+
+    def __init__(self, source: Source, storage: Storage, progress: Progress):
+        self.source = source
+        self.storage = storage
+        self.progress = progress
+
+    def nbytes(self) -> int:
+        return self.storage.nbytes
+
+    def write_into(self, sink) -> int:
+        crc = 0
+
+        def consume(piece: torch.Tensor) -> None:
+            nonlocal crc
+            crc = sink.write_crc(piece, crc)
+            if self.progress:
+                self.progress(piece.numel())
+        self.source.stream(self.storage, 0, self.storage.nbytes, consume)
+        return crc
+
+
+def pickle_tree(tree: Any, source: Source, progress: Progress = None) -> Tuple[bytes, List[_Streamed]]:
+    """data.pkl for `tree` exactly as torch.save writes it (protocol 2, storages as
+    persistent ids numbered in order of first use, views and shared storages kept),
+    and the storages to stream, in key order."""
+    keys: Dict[int, _PStorage] = {}
+    order: List[_Streamed] = []
+    v3 = _v3_dtypes()
+    names = torch.storage._dtype_to_storage_type_map()
+
+    def pstorage(t: torch.Tensor) -> Tuple[_PStorage, bool]:
+        s = storage_of(t)
+        untyped = s.untyped or s.dtype in v3 or s.dtype not in names
+        p = keys.get(id(s))
+        if p is None:
+            if untyped:
+                p = _PStorage(torch.UntypedStorage, str(len(order)), s.location or "cpu", s.nbytes)
+            else:
+                p = _PStorage(getattr(torch, names[s.dtype]), str(len(order)), s.location or "cpu",
+                              s.nbytes // itemsize(s.dtype))
+            keys[id(s)] = p
+            order.append(_Streamed(source, s, progress))
+        if not untyped and t.dtype != s.dtype:
+            raise ConvertError(f"a storage is viewed as both {dtype_name(s.dtype)} and {dtype_name(t.dtype)}, "
+                               "which torch.save cannot write")
+        return p, untyped
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return obj.pid if isinstance(obj, _PStorage) else None
+
+        def reducer_override(self, obj):
+            if not isinstance(obj, torch.Tensor):
+                return NotImplemented
+            if isinstance(obj, torch.nn.Parameter):
+                return (torch._utils._rebuild_parameter,
+                        (obj.detach(), obj.requires_grad, collections.OrderedDict()))
+            if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
+                raise ConvertError(f"a {obj.layout} tensor: only dense (strided) tensors can be converted")
+            p, untyped = pstorage(obj)
+            args: Tuple = (p, obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()), obj.requires_grad,
+                           collections.OrderedDict())
+            if untyped:
+                fn = torch._utils._rebuild_tensor_v3
+                args = args + (obj.dtype,)
+            else:
+                fn = torch._utils._rebuild_tensor_v2
+            meta = torch._utils.get_tensor_metadata(obj)
+            if meta:
+                args = args + (meta,)
+            return (fn, args)
+
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump(tree)
+    return buf.getvalue(), order
+
+
+def write_file(source: Source, dst: str, alignment: int, progress: Progress = None) -> Dict[str, Any]:
+    """A torch.save archive (fastckpt layout at alignment 4096, torch.save's at 64)."""
+    from .serialization import _write_archive
+    tree = source.tree(values=True)
+    data_pkl, storages = pickle_tree(tree, source, progress)
+    _write_archive(dst, data_pkl, storages, alignment=alignment)
+    return {"storages": len(storages), "bytes": sum(s.nbytes() for s in storages)}
+
+
+# ---------------------------------------------------------------- safetensors
+
+def _flat_tensors(tree: Any, drop_non_tensors: bool):
+    """[(name, tensor)] of every tensor, named by its path joined with SEPARATOR;
+    non-tensor values refused (or dropped)."""
+    tensors: List[Tuple[str, torch.Tensor]] = []
+    others: List[str] = []
+    for path, v, kind in walk(tree):
+        if kind == "tensor":
+            tensors.append((key_str(path), v))
+        elif kind == "value":
+            others.append(f"{key_str(path)} ({_type_name(v)})")
+    if others and not drop_non_tensors:
+        shown = ", ".join(others[:8]) + (f" and {len(others) - 8} more" if len(others) > 8 else "")
+        raise ConvertError(f"safetensors files hold only tensors; the checkpoint also holds {len(others)} other "
+                           f"value{'s' if len(others) != 1 else ''}: {shown}. Convert to fastckpt, torch or dcp "
+                           "to keep them, or pass --drop-non-tensors to leave them out")
+    if others:
+        log.warning("fastckpt convert: leaving out %d non-tensor values: %s", len(others), ", ".join(others))
+    return tensors, others
+
+
+def _type_name(v: Any) -> str:
+    return "object (not read)" if isinstance(v, LazyValue) else type(v).__name__
+
+
+def _strip(tree: Any) -> Any:
+    """`tree` with only tensors and the containers that hold them."""
+    if isinstance(tree, torch.Tensor):
+        return tree
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            s = _strip(v)
+            if s is not _NOTHING:
+                out[k] = s
+        return out if out or not tree else _NOTHING
+    if type(tree) in (list, tuple):
+        kept = [_strip(v) for v in tree]
+        if any(s is _NOTHING for s in kept):
+            if all(s is _NOTHING for s in kept):
+                return _NOTHING
+            raise ConvertError("a list mixes tensors and other values; --drop-non-tensors cannot keep its "
+                               "positions (convert to fastckpt, torch or dcp instead)")
+        return type(tree)(kept)
+    return _NOTHING
+
+
+_NOTHING = object()
+
+
+def write_safetensors(source: Source, dst: str, drop_non_tensors: bool = False,
+                      progress: Progress = None) -> Dict[str, Any]:
+    tree = source.tree(values=False)
+    tensors, dropped = _flat_tensors(tree, drop_non_tensors)
+    if dropped:
+        tree = _strip(tree)
+        if tree is _NOTHING:
+            tree = {}
+    entries: List[Tuple[str, torch.Tensor]] = []   # written, in file order
+    name_of: Dict[Tuple, str] = {}                 # alias key -> name written
+    tensor_name: Dict[int, str] = {}
+    seen: Dict[str, Tuple] = {}
+    for name, t in tensors:
+        if t.layout != torch.strided:
+            raise ConvertError(f"{name}: a {t.layout} tensor; safetensors holds dense tensors only")
+        if t.dtype not in ST_NAMES:
+            raise ConvertError(f"{name}: dtype {dtype_name(t.dtype)} has no safetensors equivalent")
+        s = storage_of(t)
+        alias = (id(s), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        if name in seen:
+            raise ConvertError(f"two tensors would both be named {name!r} once nested keys are joined with "
+                               f"{SEPARATOR!r}; rename one (or convert to another format)")
+        seen[name] = alias
+        if alias in name_of:  # the same tensor again (tied weights): stored once
+            tensor_name[id(t)] = name_of[alias]
+            continue
+        name_of[alias] = name
+        tensor_name[id(t)] = name
+        entries.append((name, t))
+    flat = (type(tree) in (dict, collections.OrderedDict) and len(entries) == len(tensors)
+            and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in tree.items()))
+    metadata: Dict[str, str] = {}
+    if getattr(source, "metadata", None):
+        metadata.update({k: v for k, v in source.metadata.items() if k != LAYOUT_KEY})
+    metadata.setdefault("format", "pt")
+    if not flat:
+        try:
+            metadata[LAYOUT_KEY] = json.dumps(encode_layout(tree, lambda t: tensor_name[id(t)]),
+                                              separators=(",", ":"))
+        except TypeError as e:
+            raise ConvertError(f"the checkpoint's nesting cannot be recorded in safetensors metadata: {e}") \
+                from None
+    # Data: largest elements first, so that every tensor starts at a multiple of its element
+    # size. Header: in the checkpoint's order (which readers that keep JSON order then keep).
+    header: Dict[str, Any] = {"__metadata__": metadata}
+    for name, t in entries:
+        header[name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": None}
+    entries.sort(key=lambda e: -e[1].element_size())
+    pos = 0
+    for name, t in entries:
+        n = t.numel() * t.element_size()
+        header[name]["data_offsets"] = [pos, pos + n]
+        pos += n
+    hjson = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    hjson += b" " * ((-len(hjson)) % 8)  # the data starts 8-byte aligned
+    total = 8 + len(hjson) + pos
+    w = _C.Writer(get_engine(), dst, total)
+    try:
+        w.write(len(hjson).to_bytes(8, "little") + hjson)
+        for name, t in entries:
+            _write_tensor_bytes(source, t, w.write, progress)
+        if w.position != total:
+            raise RuntimeError(f"wrote {w.position} bytes, planned {total}")
+        w.commit()
+    except BaseException:
+        w.abort()
+        raise
+    return {"tensors": len(entries), "bytes": pos, "dropped": dropped}
+
+
+def _write_tensor_bytes(source: Source, t: torch.Tensor, write: Callable, progress: Progress) -> None:
+    """The tensor's elements in C order, streamed when they are contiguous in its storage."""
+    if t.numel() == 0:
+        return
+    if t.device.type == "meta" and is_dense(t):
+        lo, n = byte_span(t)
+
+        def consume(piece: torch.Tensor) -> None:
+            write(piece)
+            if progress:
+                progress(piece.numel())
+        source.stream(storage_of(t), lo, n, consume)
+        return
+    data = source.materialize(t).contiguous()
+    write(data.reshape(-1).view(torch.uint8))
+    if progress:
+        progress(data.numel() * data.element_size())
+
+
+# ---------------------------------------------------------------- DCP
+
+def _check_for_dcp(tree: Any) -> None:
+    if not isinstance(tree, dict):
+        raise ConvertError(f"a DCP checkpoint holds a dict at the top; this checkpoint holds a {type(tree).__name__}")
+    int_keys, empty = [], []
+    for path, v, kind in walk(tree):
+        if kind == "dict":
+            if not v and path:
+                empty.append(key_str(path))
+            int_keys += [key_str(path + (k,)) for k in v if not isinstance(k, str)]
+    if int_keys:
+        log.warning("fastckpt convert: DCP stores every dict key as a string; %d non-string keys (%s%s) will come "
+                    "back as strings (e.g. an optimizer's state keyed by parameter index)", len(int_keys),
+                    ", ".join(int_keys[:5]), ", ..." if len(int_keys) > 5 else "")
+    if empty:
+        log.warning("fastckpt convert: DCP does not store empty dicts; %s will be missing from the result",
+                    ", ".join(empty[:5]) + (", ..." if len(empty) > 5 else ""))
+
+
+def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, Any]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from .dcp import FastWriter
+
+    tree = source.tree(values=True)
+    _check_for_dcp(tree)
+    stats = {"tensors": 0, "bytes": 0}
+
+    class Planner(DefaultSavePlanner):
+        def lookup_object(self, index):
+            obj = super().lookup_object(index)
+            if isinstance(obj, torch.Tensor) and obj.device.type == "meta":
+                obj = source.materialize(obj).contiguous()
+                n = obj.numel() * obj.element_size()
+                stats["tensors"] += 1
+                stats["bytes"] += n
+                if progress:
+                    progress(n)
+            return obj
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "no process group: saving as a single process"
+        warnings.simplefilter("ignore", FutureWarning)
+        try:
+            dcp.save(tree, storage_writer=FastWriter(dst), planner=Planner())
+        except CheckpointException as ce:
+            errors = [f[0] if isinstance(f, tuple) else f for f in ce.failures.values()]
+            if len(errors) == 1 and isinstance(errors[0], BaseException):
+                raise errors[0] from None
+            raise
+    return stats
+
+
+# ---------------------------------------------------------------- entry point
+
+def infer_target(dst: str) -> Optional[str]:
+    ext = os.path.splitext(dst)[1].lower()
+    if ext == ".safetensors":
+        return "safetensors"
+    if ext in (".pt", ".pth", ".ckpt", ".bin", ".tar"):
+        return "fastckpt"
+    if os.path.isdir(dst) or ext == ".dcp" or dst.endswith(os.sep):
+        return "dcp"
+    return None
+
+
+def convert(source: Source, dst: str, to: str, drop_non_tensors: bool = False,
+            progress: Progress = None) -> Dict[str, Any]:
+    """Write `source` to `dst` in format `to` (one of TARGETS)."""
+    if not source.streamed:
+        log.warning("fastckpt convert: %s (%s) is read whole into memory, not streamed", source.path,
+                    getattr(source, "why", source.kind))
+    with engine_for_streaming():
+        if to == "fastckpt":
+            return write_file(source, dst, _zip.ALIGNMENT, progress)
+        if to == "torch":
+            return write_file(source, dst, 64, progress)
+        if to == "safetensors":
+            return write_safetensors(source, dst, drop_non_tensors, progress)
+        if to == "dcp":
+            return write_dcp(source, dst, progress)
+    raise ValueError(f"unknown target format {to!r}; one of {', '.join(TARGETS)}")
+
+
+def total_bytes(source: Source, to: str) -> int:
+    """What convert will read, for a progress bar."""
+    tree = source.tree(values=False)
+    seen, total = set(), 0
+    for _, t, kind in walk(tree):
+        if kind != "tensor":
+            continue
+        s = storage_of(t)
+        if to in ("fastckpt", "torch"):
+            if id(s) not in seen:
+                seen.add(id(s))
+                total += s.nbytes
+        else:
+            total += t.numel() * t.element_size()
+    return total

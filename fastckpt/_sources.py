@@ -1,0 +1,861 @@
+"""Checkpoints opened without loading them: what ``fastckpt inspect``, ``verify`` and ``convert`` read.
+
+A :class:`Source` gives a checkpoint's object tree with *meta* tensors as
+leaves (dtype, shape, stride and storage offset, no data; each knows its
+:class:`Storage` through :func:`storage_of`), and reads any byte range of a
+storage on demand, so that a caller holds at most the piece it is working on:
+
+- :class:`ZipSource`: fastckpt and stock ``torch.save`` archives. The zip
+  directory is parsed by :mod:`fastckpt._zip`; ``data.pkl`` is unpickled by
+  torch's own weights-only unpickler with ``map_location="meta"`` (no code from
+  the file runs and no storage is read); storages are read through the engine.
+- :class:`SafetensorsSource`: the JSON header is parsed and checked; tensor
+  bytes are read through the engine.
+- :class:`DcpSource`: a ``torch.distributed.checkpoint`` directory. ``.metadata``
+  is unpickled by a restricted unpickler that knows only DCP's metadata
+  classes; tensors are read one at a time with :class:`fastckpt.dcp.FastReader`
+  (which checks CRC-32s), non-tensor values with ``torch.load(weights_only=True)``.
+- :class:`LoadedSource`: anything else ``fastckpt.load`` reads (torch's legacy
+  format, big-endian archives): loaded whole, with ``weights_only=True``.
+
+Nothing here prints; errors are :class:`fastckpt.FormatError` (a damaged or
+foreign file), ``OSError``, or ``pickle.UnpicklingError`` (the weights-only
+unpickler refused a class).
+"""
+
+import io
+import json
+import logging
+import os
+import pickle
+import struct
+import sys
+import types
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.serialization as ts
+
+from . import _C, _zip
+from .engine import get_engine
+from .errors import FormatError
+
+log = logging.getLogger("fastckpt")
+
+STORAGE_ATTR = "_fastckpt_storage"
+CHUNK = 8 << 20          # bytes per streamed piece
+ALIGN = 4096
+SAFETENSORS_MAX_HEADER = 100 << 20
+LAYOUT_KEY = "fastckpt.layout"  # safetensors __metadata__ entry: the nesting of the flattened names
+SEPARATOR = "."                 # joins nested keys into safetensors names
+
+# safetensors dtype names (https://github.com/huggingface/safetensors, "Format")
+_ST_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U64": "uint64",
+             "U32": "uint32", "U16": "uint16", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
+             "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+             "F8_E8M0": "float8_e8m0fnu"}
+ST_DTYPES: Dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in _ST_NAMES.items() if hasattr(torch, v)}
+ST_NAMES: Dict[torch.dtype, str] = {v: k for k, v in ST_DTYPES.items()}
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def contiguous_stride(shape) -> Tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(out))
+
+
+@dataclass(eq=False)
+class Storage:
+    """One storage of a checkpoint: the bytes that one or more tensors view."""
+    key: str                      # zip record ("data/3"), safetensors name, DCP fqn, or "mem:<n>"
+    nbytes: int
+    dtype: torch.dtype            # element type it is stored as (uint8 for an untyped storage)
+    untyped: bool = False
+    location: Optional[str] = None  # torch's location tag ("cpu", "cuda:0"); None: not recorded
+    crc: Optional[int] = None     # CRC-32 recorded for it (zip records only; 0: saved without)
+    data: Optional[torch.Tensor] = None  # its bytes, for sources loaded whole
+
+
+def storage_of(t: torch.Tensor) -> Storage:
+    """The :class:`Storage` behind a tensor of a source's tree (real tensors of a
+    loaded source get one on first use)."""
+    us = t.untyped_storage()
+    s = getattr(us, STORAGE_ATTR, None)
+    if s is None:
+        if t.device.type == "meta":
+            raise ValueError("a meta tensor that belongs to no checkpoint source")
+        data = torch.empty(0, dtype=torch.uint8, device=us.device).set_(us)
+        s = Storage(f"mem:{us._cdata:x}", us.nbytes(), t.dtype, location=ts.location_tag(us), data=data.cpu())
+        setattr(us, STORAGE_ATTR, s)
+    return s
+
+
+def meta_tensor(storage: Storage, dtype: torch.dtype, shape, stride=None, offset: int = 0) -> torch.Tensor:
+    """A meta tensor viewing `storage` (nothing allocated)."""
+    us = torch.UntypedStorage(storage.nbytes, device="meta")
+    setattr(us, STORAGE_ATTR, storage)
+    shape = tuple(int(s) for s in shape)
+    return torch.empty(0, dtype=dtype, device="meta").set_(us, offset, shape,
+                                                            contiguous_stride(shape) if stride is None else stride)
+
+
+def byte_span(t: torch.Tensor) -> Tuple[int, int]:
+    """(first byte, length) of the part of its storage that tensor `t` covers."""
+    isz = t.element_size()
+    if t.numel() == 0:
+        return t.storage_offset() * isz, 0
+    last = t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.storage_offset() * isz, (last + 1 - t.storage_offset()) * isz
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Its elements are exactly the contiguous bytes of byte_span (C order)."""
+    return all(s == c for n, s, c in zip(t.shape, t.stride(), contiguous_stride(t.shape)) if n > 1)
+
+
+def aligned_buffer(n: int) -> torch.Tensor:
+    """n bytes starting on an ALIGN boundary, so that aligned reads go straight in (O_DIRECT)."""
+    raw = torch.empty(n + ALIGN, dtype=torch.uint8)
+    off = (-raw.data_ptr()) % ALIGN
+    return raw[off:off + n]
+
+
+class LazyValue:
+    """A non-tensor value of a DCP checkpoint that has not been read (inspect reads .metadata only)."""
+
+    def __init__(self, fqn: str, nbytes: Optional[int]):
+        self.fqn = fqn
+        self.nbytes = nbytes
+
+    def __repr__(self) -> str:
+        return f"<value {self.fqn!r}, {self.nbytes} bytes, not read>"
+
+
+class Source:
+    """A checkpoint opened for reading piece by piece."""
+
+    kind = "?"            # fastckpt | torch | torch-legacy | safetensors | dcp
+    streamed = True       # False: the whole checkpoint was loaded into memory
+    path = ""
+
+    def __init__(self) -> None:
+        self._pool: Optional[ThreadPoolExecutor] = None
+        self._bufs: List[torch.Tensor] = []
+
+    # -- what subclasses provide
+    def description(self) -> str:
+        return self.kind
+
+    def tree(self, values: bool = True) -> Any:
+        """The object, with meta tensors for tensors. `values`: also read the
+        non-tensor values that are stored apart (DCP byte items)."""
+        raise NotImplementedError
+
+    def read(self, storage: Storage, offset: int, out: torch.Tensor) -> None:
+        """Fill the uint8 tensor `out` with bytes [offset, offset + len(out)) of `storage`."""
+        if storage.data is None:
+            raise ValueError(f"no data for storage {storage.key}")
+        out.copy_(storage.data[offset:offset + out.numel()])
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        self._bufs = []
+
+    def __enter__(self) -> "Source":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- built on read()
+    def stream(self, storage: Storage, start: int, length: int, consume: Callable[[torch.Tensor], None]) -> None:
+        """Call consume(piece) on bytes [start, start + length) of `storage`, in
+        pieces of at most CHUNK bytes, reading the next piece while the last is consumed.
+        Holds two CHUNK buffers, reused across calls."""
+        end = start + length
+        if length <= 0:
+            return
+        if length <= CHUNK // 8:  # small: no thread
+            buf = aligned_buffer(length)
+            self.read(storage, start, buf)
+            consume(buf)
+            return
+        if not self._bufs:
+            self._bufs = [aligned_buffer(CHUNK), aligned_buffer(CHUNK)]
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-cli-read")
+        bufs = self._bufs
+
+        def rd(i: int, pos: int) -> int:
+            n = min(CHUNK, end - pos)
+            self.read(storage, pos, bufs[i][:n])
+            return n
+
+        pos, i = start, 0
+        fut = self._pool.submit(rd, 0, pos)
+        while True:
+            n = fut.result()
+            nxt = pos + n
+            if nxt < end:
+                fut = self._pool.submit(rd, 1 - i, nxt)
+            try:
+                consume(bufs[i][:n])
+            except BaseException:
+                if nxt < end:
+                    fut.exception()  # let the read in flight finish before the buffer goes
+                raise
+            if nxt >= end:
+                return
+            pos, i = nxt, 1 - i
+
+    def materialize(self, t: torch.Tensor) -> torch.Tensor:
+        """A CPU tensor with the values of meta tensor `t` (reads only the bytes it covers)."""
+        if t.device.type != "meta":
+            return t.detach().cpu()
+        s = storage_of(t)
+        lo, n = byte_span(t)
+        if t.numel() == 0:
+            return torch.empty(t.shape, dtype=t.dtype)
+        buf = aligned_buffer(n)
+        self.read(s, lo, buf)
+        v = buf.view(t.dtype)
+        out = v.as_strided(t.shape, t.stride(), v.storage_offset())  # storage_offset: buf starts inside its storage
+        return out if is_dense(t) else out.contiguous()
+
+
+# ---------------------------------------------------------------- zip archives
+
+class _MetaUnpickler(ts._weights_only_unpickler.Unpickler):
+    """torch's weights-only unpickler; every storage it makes is tagged with its
+    persistent id (torch._load assigns persistent_load after construction)."""
+
+    on_storage: Callable = None  # type: ignore[assignment]
+
+    @property
+    def persistent_load(self):  # type: ignore[override]
+        return self._pl
+
+    @persistent_load.setter
+    def persistent_load(self, f):
+        def wrapped(pid):
+            typed = f(pid)
+            type(self).on_storage(pid, typed._untyped_storage)
+            return typed
+        self._pl = wrapped
+
+
+class ZipSource(Source):
+    """A fastckpt or torch.save zip archive."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+        self.f = open(path, "rb")
+        try:
+            self._open()
+        except BaseException:
+            self.f.close()
+            raise
+
+    def _open(self) -> None:
+        path, fd = self.path, self.f.fileno()
+        self.archive = _zip.Archive.parse(self.f, path, lambda r: _C.read_ranges(get_engine(), path, r, fd))
+        recs = self.archive.records
+        if "constants.pkl" in recs:
+            raise FormatError(f"{path}: this is a TorchScript archive (torch.jit.save), not a checkpoint")
+        for n, e in recs.items():
+            if e.method != 0:
+                raise FormatError(f"{path}: record {n!r} is compressed (method {e.method}); "
+                                  "checkpoints store records uncompressed")
+        if "data.pkl" not in recs:
+            raise FormatError(f"{path}: no data.pkl record (a zip file, but not a torch.save checkpoint)")
+        small_names = [n for n in recs if not n.startswith("data/")]
+        small = {n: bytearray(recs[n].size) for n in small_names}
+        ranges = [(small[n], recs[n].data_offset) for n in small_names if recs[n].size]
+        if ranges:
+            _C.read_ranges(get_engine(), path, ranges, fd)
+        self.small = {n: bytes(b) for n, b in small.items()}
+        # metadata records are small: always checked; callers decide what a mismatch means
+        self.bad_small = [n for n in small_names if recs[n].crc and zlib.crc32(self.small[n]) != recs[n].crc]
+        order = self.small.get("byteorder", b"little")
+        if order not in (b"little", b"big"):
+            raise FormatError(f"{path}: unknown byte order {order!r} in record 'byteorder'")
+        self.byteorder = order.decode()
+        try:
+            self.alignment = int(self.small.get(".storage_alignment", b"64"))
+        except ValueError:
+            raise FormatError(f"{path}: record '.storage_alignment' holds {self.small['.storage_alignment']!r}") \
+                from None
+        self.storages: Dict[str, Storage] = {
+            n: Storage(n, e.size, torch.uint8, crc=e.crc) for n, e in recs.items() if n.startswith("data/")}
+        data = [recs[n] for n in self.storages]
+        self.kind = "fastckpt" if self.alignment == _zip.ALIGNMENT and all(
+            e.data_offset % _zip.ALIGNMENT == 0 for e in data) else "torch"
+        self._tree = None
+        self._used: Dict[str, Storage] = {}
+
+    def description(self) -> str:
+        n = len(self.storages)
+        what = ("fastckpt checkpoint (torch.save zip archive, records aligned to 4096 bytes)"
+                if self.kind == "fastckpt" else
+                f"torch.save checkpoint (zip archive, records aligned to {self.alignment} bytes)")
+        return f"{what}, {n} storage record{'s' if n != 1 else ''}"
+
+    def close(self) -> None:
+        super().close()
+        self.f.close()
+
+    def check_small(self) -> None:
+        if self.bad_small:
+            raise FormatError(f"{self.path}: checksum mismatch in record {self.bad_small[0]!r} (corrupt data)")
+
+    def tree(self, values: bool = True) -> Any:
+        if self._tree is not None:
+            return self._tree
+        self.check_small()
+        if self.byteorder != sys.byteorder:
+            raise FormatError(f"{self.path}: {self.byteorder}-endian data; this command reads native "
+                              f"({sys.byteorder}-endian) archives piece by piece")
+        path, recs = self.path, self.archive.records
+        from .serialization import _Reader
+        reader = _Reader(self.archive, self.small, {})
+
+        def on_storage(pid, untyped) -> None:
+            _, stype, key, location, numel = pid
+            if not isinstance(key, str) or not isinstance(numel, int) or not isinstance(location, str):
+                raise FormatError(f"{path}: data.pkl is damaged: storage id {pid!r}")
+            name = f"data/{key}"
+            rec = recs.get(name)
+            if rec is None:
+                raise FormatError(f"{path}: data.pkl refers to record {name!r}, which is missing")
+            untyped_type = stype is torch.UntypedStorage
+            dtype = torch.uint8 if untyped_type else stype.dtype
+            nbytes = numel * itemsize(dtype)
+            if nbytes != rec.size:
+                raise FormatError(f"{path}: record {name!r} holds {rec.size} bytes, data.pkl expects {nbytes}")
+            s = self.storages[name]
+            if name not in self._used:
+                s.dtype, s.untyped, s.location = dtype, untyped_type, location
+                self._used[name] = s
+            setattr(untyped, STORAGE_ATTR, s)
+
+        unpickler = type("_Unpickler", (_MetaUnpickler,), {"on_storage": staticmethod(on_storage)})
+        module = types.SimpleNamespace(Unpickler=unpickler)
+        try:
+            self._tree = ts._load(reader, "meta", module, encoding="utf-8")
+        except pickle.UnpicklingError as e:
+            raise pickle.UnpicklingError(
+                f"{path}: the weights-only unpickler refused data.pkl ({e}). Nothing from the file was run; "
+                "this command only reads checkpoints that load with weights_only=True") from None
+        except (FormatError, OSError):
+            raise
+        except Exception as e:
+            raise FormatError(f"{path}: data.pkl is damaged and cannot be unpickled ({type(e).__name__}: {e})") \
+                from None
+        return self._tree
+
+    def read(self, storage: Storage, offset: int, out: torch.Tensor) -> None:
+        n = out.numel()
+        if n == 0:
+            return
+        if offset < 0 or offset + n > storage.nbytes:
+            raise ValueError(f"read of bytes {offset}..{offset + n} of {storage.key} ({storage.nbytes} bytes)")
+        rec = self.archive.records[storage.key]
+        _C.read_ranges(get_engine(), self.path, [(out, rec.data_offset + offset)], self.f.fileno())
+
+
+# ---------------------------------------------------------------- safetensors
+
+@dataclass
+class StEntry:
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _no_duplicates(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise FormatError(f"duplicate key {k!r} in the JSON header")
+        d[k] = v
+    return d
+
+
+class SafetensorsSource(Source):
+    """A safetensors file: 8-byte little-endian header length, JSON header, tensor bytes."""
+
+    kind = "safetensors"
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+        self.f = open(path, "rb")
+        try:
+            self._parse()
+        except BaseException:
+            self.f.close()
+            raise
+
+    def _parse(self) -> None:
+        path = self.path
+        size = os.fstat(self.f.fileno()).st_size
+        self.file_size = size
+        head = os.pread(self.f.fileno(), 8, 0)
+        if len(head) < 8:
+            raise FormatError(f"{path}: {size} bytes is too short for a safetensors file")
+        (n,) = struct.unpack("<Q", head)
+        if n > SAFETENSORS_MAX_HEADER or 8 + n > size:
+            raise FormatError(f"{path}: truncated or not a safetensors file: header of {n} bytes in a "
+                              f"{size}-byte file")
+        raw = os.pread(self.f.fileno(), n, 8)
+        if len(raw) != n:
+            raise FormatError(f"{path}: truncated while reading the {n}-byte header")
+        try:
+            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except FormatError as e:
+            raise FormatError(f"{path}: {e}") from None
+        except (UnicodeDecodeError, ValueError) as e:
+            raise FormatError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+        if not isinstance(header, dict):
+            raise FormatError(f"{path}: the safetensors header is not a JSON object")
+        self.header_size = n
+        self.data_start = 8 + n
+        buf_len = size - self.data_start
+        meta = header.pop("__metadata__", None)
+        if meta is not None and (not isinstance(meta, dict)
+                                 or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+            raise FormatError(f"{path}: __metadata__ must map strings to strings")
+        self.metadata: Dict[str, str] = dict(meta or {})
+        self.entries: List[StEntry] = []
+        for name, info in header.items():
+            where = f"{path}: tensor {name!r}"
+            if not isinstance(info, dict):
+                raise FormatError(f"{where}: header entry is not an object")
+            dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+            if dt not in ST_DTYPES:
+                raise FormatError(f"{where}: unknown dtype {dt!r}")
+            if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+                raise FormatError(f"{where}: invalid shape {shape!r}")
+            if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
+                    or not 0 <= offs[0] <= offs[1]):
+                raise FormatError(f"{where}: invalid data_offsets {offs!r}")
+            numel = 1
+            for s in shape:
+                numel *= s
+            want = numel * itemsize(ST_DTYPES[dt])
+            if offs[1] - offs[0] != want:
+                raise FormatError(f"{where}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, "
+                                  f"a {dt} tensor of shape {shape} needs {want}")
+            if offs[1] > buf_len:
+                raise FormatError(f"{where}: bytes {offs[0]}..{offs[1]} of the data lie past the end of the file "
+                                  f"(the data has {buf_len} bytes: truncated?)")
+            self.entries.append(StEntry(name, ST_DTYPES[dt], tuple(shape), offs[0], offs[1]))
+        # What the reference implementation also insists on: the tensors tile the data exactly.
+        self.problems: List[str] = []
+        pos = 0
+        for e in sorted(self.entries, key=lambda e: (e.begin, e.end)):
+            if e.begin > pos:
+                self.problems.append(f"{path}: {e.begin - pos} unused bytes before tensor {e.name!r} "
+                                     f"(data offset {pos})")
+            elif e.begin < pos and e.end > e.begin:
+                self.problems.append(f"{path}: tensor {e.name!r} overlaps the tensor before it (data offset {e.begin})")
+            pos = max(pos, e.end)
+        if pos != buf_len:
+            self.problems.append(f"{path}: the file has {buf_len - pos} bytes after the last tensor's data")
+        self.storages = {e.name: Storage(e.name, e.end - e.begin, e.dtype, location=None) for e in self.entries}
+
+    def description(self) -> str:
+        return f"safetensors file ({len(self.entries)} tensors, {self.header_size}-byte header)"
+
+    def close(self) -> None:
+        super().close()
+        self.f.close()
+
+    def tree(self, values: bool = True) -> Any:
+        tensors = {e.name: meta_tensor(self.storages[e.name], e.dtype, e.shape) for e in self.entries}
+        layout = self.metadata.get(LAYOUT_KEY)
+        if layout is not None:
+            try:
+                return decode_layout(json.loads(layout), tensors)
+            except (ValueError, KeyError, TypeError) as e:
+                log.warning("%s: ignoring the %s metadata (%s); the tensors are returned under their flat names",
+                            self.path, LAYOUT_KEY, e)
+        return tensors
+
+    def read(self, storage: Storage, offset: int, out: torch.Tensor) -> None:
+        n = out.numel()
+        if n == 0:
+            return
+        if offset < 0 or offset + n > storage.nbytes:
+            raise ValueError(f"read of bytes {offset}..{offset + n} of {storage.key} ({storage.nbytes} bytes)")
+        e = self._by_name()[storage.key]
+        _C.read_ranges(get_engine(), self.path, [(out, self.data_start + e.begin + offset)], self.f.fileno())
+
+    def _by_name(self) -> Dict[str, StEntry]:
+        m = getattr(self, "_index", None)
+        if m is None:
+            m = self._index = {e.name: e for e in self.entries}
+        return m
+
+
+def encode_layout(obj: Any, name_of: Callable[[torch.Tensor], str]) -> Any:
+    """The nesting of `obj` as JSON: {"d": [[key, child], ...]} for dicts, {"l": [...]}
+    for lists, {"t": [...]} for tuples, {"T": name} for a tensor. Keys must be str or int."""
+    if isinstance(obj, torch.Tensor):
+        return {"T": name_of(obj)}
+    if isinstance(obj, dict):
+        for k in obj:
+            if type(k) not in (str, int):
+                raise TypeError(f"key {k!r} of type {type(k).__name__}")
+        return {"d": [[k, encode_layout(v, name_of)] for k, v in obj.items()]}
+    if type(obj) is list:
+        return {"l": [encode_layout(v, name_of) for v in obj]}
+    if type(obj) is tuple:
+        return {"t": [encode_layout(v, name_of) for v in obj]}
+    raise TypeError(f"a {type(obj).__name__} value")
+
+
+def decode_layout(j: Any, tensors: Dict[str, torch.Tensor]) -> Any:
+    if not isinstance(j, dict) or len(j) != 1:
+        raise ValueError(f"bad layout node {str(j)[:60]}")
+    (tag, v), = j.items()
+    if tag == "T":
+        return tensors[v]
+    if tag == "d":
+        out = {}
+        for k, c in v:
+            if type(k) not in (str, int):
+                raise ValueError(f"bad key {k!r}")
+            out[k] = decode_layout(c, tensors)
+        return out
+    if tag == "l":
+        return [decode_layout(c, tensors) for c in v]
+    if tag == "t":
+        return tuple(decode_layout(c, tensors) for c in v)
+    raise ValueError(f"unknown layout tag {tag!r}")
+
+
+# ---------------------------------------------------------------- DCP directories
+
+_DCP_META_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
+        "_MEM_FORMAT_ENCODING", "MetadataIndex", "StorageMeta"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "collections": {"OrderedDict"},
+    "pathlib": {"PosixPath", "PurePosixPath", "Path"},
+    "builtins": {"set", "frozenset", "slice"},
+}
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata`` with only DCP's metadata classes (and dtypes,
+    torch.Size, paths) allowed: nothing from the file can run code."""
+
+    def find_class(self, module, name):
+        if name in _DCP_META_CLASSES.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not a DCP metadata class")
+
+    def persistent_load(self, pid):
+        raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
+
+
+def read_dcp_metadata(directory: str):
+    """The Metadata of a DCP checkpoint, unpickled without running code from it."""
+    from torch.distributed.checkpoint.metadata import Metadata
+    p = os.path.join(directory, ".metadata")
+    try:
+        with open(p, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise FileNotFoundError(2, f"{p} does not exist: {directory} is not a complete DCP checkpoint "
+                                "(no save has finished there, or one was interrupted)", p) from None
+    try:
+        md = _DcpMetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise FormatError(f"{p}: refused: {e} (corrupt, or not written by torch.distributed.checkpoint)") from None
+    except Exception as e:
+        raise FormatError(f"{p}: corrupt checkpoint metadata ({type(e).__name__}: {e})") from None
+    if not isinstance(md, Metadata):
+        raise FormatError(f"{p}: not DCP checkpoint metadata (it holds a {type(md).__name__})")
+    if not isinstance(getattr(md, "storage_data", None), dict) or not isinstance(md.state_dict_metadata, dict):
+        raise FormatError(f"{p}: corrupt checkpoint metadata (no storage table)")
+    return md
+
+
+class _Into:
+    """The LoadPlanner methods FastReader.read_data calls: tensors land in `target`."""
+
+    def __init__(self, target: Optional[torch.Tensor] = None):
+        self.target = target
+        self.value: Optional[bytes] = None
+
+    def resolve_tensor(self, req):
+        t = self.target
+        for d, (o, n) in enumerate(zip(req.dest_offsets, req.lengths)):
+            t = t.narrow(d, o, n)
+        return t
+
+    def commit_tensor(self, req, tensor) -> None:
+        pass
+
+    def load_bytes(self, req, value) -> None:
+        self.value = value.read()
+
+
+class DcpSource(Source):
+    """A torch.distributed.checkpoint directory."""
+
+    kind = "dcp"
+
+    def __init__(self, path: str, verify: bool = True):
+        super().__init__()
+        from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+        self.path = path
+        self.md = read_dcp_metadata(path)
+        self.items: Dict[str, Any] = {}
+        for fqn, m in self.md.state_dict_metadata.items():
+            if not isinstance(fqn, str) or not isinstance(m, (TensorStorageMetadata, BytesStorageMetadata)):
+                raise FormatError(f"{path}/.metadata: corrupt entry {fqn!r}")
+            self.items[fqn] = m
+        self.by_fqn: Dict[str, List[Tuple[Any, Any]]] = {}
+        for index, info in self.md.storage_data.items():
+            self.by_fqn.setdefault(getattr(index, "fqn", None), []).append((index, info))
+        self.verify = verify
+        self._cache: Tuple[Optional[str], Optional[torch.Tensor]] = (None, None)
+        self._reader = None
+
+    def description(self) -> str:
+        files = {getattr(i, "relative_path", None) for i in self.md.storage_data.values()}
+        return (f"DCP checkpoint (torch.distributed.checkpoint directory, {len(self.items)} items "
+                f"in {len(files)} data file{'s' if len(files) != 1 else ''})")
+
+    def data_files(self) -> Dict[str, List[str]]:
+        """relative path -> the fqns stored in it."""
+        out: Dict[str, List[str]] = {}
+        for index, info in self.md.storage_data.items():
+            out.setdefault(getattr(info, "relative_path", None), []).append(getattr(index, "fqn", "?"))
+        return out
+
+    def is_tensor(self, fqn: str) -> bool:
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        return isinstance(self.items[fqn], TensorStorageMetadata)
+
+    def tree(self, values: bool = True) -> Any:
+        from torch.distributed.checkpoint._traverse import set_element
+        flat: Dict[str, Any] = {}
+        for fqn, m in self.items.items():
+            if self.is_tensor(fqn):
+                dtype = m.properties.dtype
+                shape = tuple(m.size)
+                numel = 1
+                for s in shape:
+                    numel *= s
+                flat[fqn] = meta_tensor(Storage(fqn, numel * itemsize(dtype), dtype), dtype, shape)
+            else:
+                infos = self.by_fqn.get(fqn) or [(None, None)]
+                flat[fqn] = self.load_value(fqn) if values else LazyValue(fqn, getattr(infos[0][1], "length", None))
+        mapping = self.md.planner_data
+        if not (isinstance(mapping, dict) and all(isinstance(mapping.get(k), tuple) and mapping[k] for k in flat)):
+            return flat
+        root: Dict[str, Any] = {}
+        try:
+            for fqn, v in flat.items():
+                set_element(root, mapping[fqn], v)
+        except Exception as e:
+            log.warning("%s: the nesting recorded in .metadata does not apply (%s); using flat names", self.path, e)
+            return flat
+        return root
+
+    def _fast_reader(self):
+        if self._reader is None:
+            from .dcp import FastReader
+            r = FastReader(self.path, verify=self.verify, thread_count=1)
+            r.set_up_storage_reader(self.md, True)
+            self._reader = r
+        return self._reader
+
+    def _read_items(self, fqn: str, planner: _Into, items) -> None:
+        from torch.distributed.checkpoint.planner import LoadPlan
+        self._fast_reader().read_data(LoadPlan(items), planner).wait()
+
+    def load_tensor(self, fqn: str) -> torch.Tensor:
+        """The whole tensor `fqn`, assembled from its chunks (CRC-checked where whole records are read)."""
+        from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+        from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+        m = self.items[fqn]
+        target = torch.empty(tuple(m.size), dtype=m.properties.dtype)
+        if target.numel() == 0:
+            return target
+        covered = 0
+        for c in m.chunks:
+            n = 1
+            for s in c.sizes:
+                n *= s
+            covered += n
+        if covered < target.numel():
+            raise FormatError(f"{self.path}: {fqn}: the chunks in .metadata cover {covered} of its "
+                              f"{target.numel()} elements")
+        full = ChunkStorageMetadata(offsets=torch.Size([0] * target.dim()), sizes=torch.Size(target.shape))
+        items = create_read_items_for_chunk_list(fqn, m, [full])
+        for it in items:
+            if it.storage_index not in self.md.storage_data:
+                raise FormatError(f"{self.path}: .metadata has no storage entry for {fqn} "
+                                  f"(chunk at {tuple(it.storage_index.offset or ())})")
+        self._read_items(fqn, _Into(target), items)
+        return target
+
+    def load_value_bytes(self, fqn: str) -> bytes:
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.planner_helpers import _create_read_item_for_byteio
+        index = MetadataIndex(fqn)
+        if index not in self.md.storage_data:
+            raise FormatError(f"{self.path}: .metadata has no storage entry for value {fqn}")
+        planner = _Into()
+        self._read_items(fqn, planner, [_create_read_item_for_byteio(index, 0, index, 0, 0)])
+        return planner.value or b""
+
+    def load_value(self, fqn: str) -> Any:
+        data = self.load_value_bytes(fqn)
+        try:
+            return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise pickle.UnpicklingError(
+                f"{self.path}: value {fqn}: the weights-only unpickler refused it ({e}). Nothing from the "
+                "checkpoint was run; this command only reads values that load with weights_only=True") from None
+        except Exception as e:
+            raise FormatError(f"{self.path}: value {fqn} cannot be loaded ({type(e).__name__}: {e})") from None
+
+    def _whole(self, fqn: str) -> torch.Tensor:
+        """Tensor `fqn`, flattened; the last one read is kept (reads come in storage order)."""
+        key, t = self._cache
+        if key != fqn:
+            self._cache = (None, None)  # drop the previous tensor before reading the next
+            t = self.load_tensor(fqn).reshape(-1)
+            self._cache = (fqn, t)
+        return t
+
+    def read(self, storage: Storage, offset: int, out: torch.Tensor) -> None:
+        t = self._whole(storage.key)
+        out.copy_(t.view(torch.uint8)[offset:offset + out.numel()] if t.numel() else t.view(torch.uint8))
+
+    def materialize(self, t: torch.Tensor) -> torch.Tensor:
+        whole = self._whole(storage_of(t).key)
+        if t.numel() == whole.numel() and t.storage_offset() == 0 and is_dense(t):
+            return whole.view(t.shape)
+        return whole.as_strided(t.shape, t.stride(), t.storage_offset()).contiguous()
+
+    def close(self) -> None:
+        super().close()
+        self._cache = (None, None)
+
+
+# ---------------------------------------------------------------- anything else torch can load
+
+class LoadedSource(Source):
+    """A checkpoint loaded whole with ``fastckpt.load(weights_only=True)`` (not streamed)."""
+
+    streamed = False
+
+    def __init__(self, path: str, kind: str, why: str):
+        super().__init__()
+        from .serialization import load
+        self.path = path
+        self.kind = kind
+        self.why = why
+        self.obj = load(path, map_location="cpu", weights_only=True)
+
+    def description(self) -> str:
+        return {"torch-legacy": "torch checkpoint in the legacy (pre-1.6, non-zip) format"}.get(self.kind, self.kind)
+
+    def tree(self, values: bool = True) -> Any:
+        return self.obj
+
+
+# ---------------------------------------------------------------- opening
+
+def sniff(path: str) -> str:
+    """The format of file `path`: fastckpt-or-torch ("zip"), "torch-legacy", "safetensors" or "unknown"."""
+    with open(path, "rb") as f:
+        head = f.read(32)
+        size = os.fstat(f.fileno()).st_size
+    if head[:4] == b"PK\x03\x04":
+        return "zip"
+    from .serialization import _is_legacy
+    if _is_legacy(head):
+        return "torch-legacy"
+    if len(head) >= 9:
+        (n,) = struct.unpack("<Q", head[:8])
+        if 2 <= n <= SAFETENSORS_MAX_HEADER and 8 + n <= size and head[8:9] == b"{":
+            return "safetensors"
+    return "unknown"
+
+
+def is_dcp_dir(path: str) -> bool:
+    return os.path.isdir(path) and (os.path.exists(os.path.join(path, ".metadata"))
+                                    or any(n.endswith(".distcp") for n in os.listdir(path)))
+
+
+def open_source(path: str, verify_dcp: bool = True) -> Source:
+    """Open a checkpoint file or DCP directory. Raises FileNotFoundError,
+    FormatError (damaged or not a checkpoint), OSError."""
+    if os.path.isdir(path):
+        return DcpSource(path, verify=verify_dcp)
+    kind = sniff(path)
+    if kind == "zip":
+        src = ZipSource(path)
+        if src.byteorder != sys.byteorder:
+            src.close()
+            return LoadedSource(path, "torch", f"{src.byteorder}-endian data")
+        return src
+    if kind == "safetensors":
+        return SafetensorsSource(path)
+    if kind == "torch-legacy":
+        return LoadedSource(path, kind, "legacy format")
+    raise FormatError(f"{path}: not a checkpoint fastckpt knows (not a torch.save zip archive, torch's legacy "
+                      "format, safetensors, or a DCP directory)")
+
+
+def walk(obj: Any, path: Tuple = ()) -> Iterator[Tuple[Tuple, Any, str]]:
+    """(path, value, kind) for every node: kind is "tensor", "dict", "list",
+    "tuple" (containers, then their children) or "value"."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj, "tensor"
+    elif isinstance(obj, dict):
+        yield path, obj, "dict"
+        for k, v in obj.items():
+            yield from walk(v, path + (k,))
+    elif type(obj) in (list, tuple) and _holds_structure(obj):
+        yield path, obj, type(obj).__name__
+        for i, v in enumerate(obj):
+            yield from walk(v, path + (i,))
+    else:
+        yield path, obj, "value"
+
+
+def _holds_structure(seq) -> bool:
+    return any(isinstance(v, (torch.Tensor, dict)) or (type(v) in (list, tuple) and _holds_structure(v))
+               for v in seq)

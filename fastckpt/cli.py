@@ -1,0 +1,369 @@
+"""The ``fastckpt`` command (also ``python -m fastckpt``): inspect, verify, convert, doctor, bench.
+
+Results go to stdout; logging, progress bars and errors to stderr. Exit status:
+0 success, 1 the operation failed (a damaged checkpoint, a refused
+conversion, an I/O error), 2 a usage error (bad arguments, a path that does
+not exist), 130 interrupted. See docs/CLI.md.
+"""
+
+import argparse
+import contextlib
+import json
+import logging
+import os
+import pickle
+import sys
+import traceback
+from typing import Any, Callable, Optional, Sequence
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+log = logging.getLogger("fastckpt")
+
+
+class UsageError(Exception):
+    """Bad arguments or paths (exit 2)."""
+
+
+class Failed(Exception):
+    """The operation failed; the message says why (exit 1)."""
+
+
+# ---------------------------------------------------------------- progress
+
+class _Bar:
+    """A tqdm progress bar in bytes, or nothing when stderr is not a terminal."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __call__(self, total: int, desc: str) -> Optional[Callable[[Optional[int]], None]]:
+        if not self.enabled or total <= 0:
+            return None
+        from tqdm import tqdm
+        bar = tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                   dynamic_ncols=True, leave=False)
+
+        def update(n: Optional[int]) -> None:
+            if n is None:
+                bar.close()
+            else:
+                bar.update(n)
+        return update
+
+
+def _progress_enabled(args) -> bool:
+    if args.progress == "always":
+        return True
+    if args.progress == "never" or args.quiet:
+        return False
+    return sys.stderr.isatty()
+
+
+# ---------------------------------------------------------------- commands
+
+def _return_freed_memory() -> None:
+    """Make glibc give large freed blocks back to the system at once. Its default
+    threshold rises after the first large free, after which freed tensors stay in
+    the heap: a conversion that allocates one tensor after another would then
+    hold more memory than it uses."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: allocations >= 1 MiB are mmap'd, unmapped when freed
+    except (OSError, AttributeError):
+        pass
+
+
+def _existing(path: str) -> str:
+    if not os.path.exists(path):
+        raise UsageError(f"{path}: no such file or directory")
+    return path
+
+
+def cmd_inspect(args) -> int:
+    from ._inspect import inspect_data, inspect_text
+    from ._sources import open_source
+    _existing(args.path)
+    if os.path.isdir(args.path) and not os.path.exists(os.path.join(args.path, ".metadata")):
+        from ._inspect import _is_manager_dir
+        if _is_manager_dir(args.path):
+            return _inspect_manager(args)
+    with open_source(args.path) as src:
+        if isinstance(getattr(src, "bad_small", None), list) and src.bad_small:
+            src.check_small()
+        report = inspect_data(src)
+    if args.json:
+        print(json.dumps(report, indent=1, default=str))
+    else:
+        print(inspect_text(report))
+    return EXIT_OK
+
+
+def _inspect_manager(args) -> int:
+    import re
+    names = sorted(os.listdir(args.path))
+    latest = None
+    try:
+        with open(os.path.join(args.path, "latest")) as f:
+            latest = f.read().strip()
+    except OSError:
+        pass
+    steps = [n for n in names if re.fullmatch(r"step_\d+(\.pt)?", n)]
+    if args.json:
+        print(json.dumps({"path": args.path, "format": "manager", "latest": latest, "checkpoints": steps}, indent=1))
+    else:
+        print(f"{args.path}: CheckpointManager directory, {len(steps)} checkpoint(s); latest -> {latest or '(none)'}")
+        for n in steps:
+            print(f"  {n}{'  <- latest' if n == latest else ''}")
+        print(f"(inspect one with: fastckpt inspect {os.path.join(args.path, latest or (steps[-1] if steps else ''))})")
+    return EXIT_OK
+
+
+def cmd_verify(args) -> int:
+    from ._inspect import count_problems, has_unverified, verify, verify_text
+    _existing(args.path)
+    _return_freed_memory()
+    rep = verify(args.path, _Bar(_progress_enabled(args)))
+    failed = count_problems(rep) > 0 or (args.strict and has_unverified(rep))
+    if args.json:
+        out = rep.as_dict()
+        out["ok"] = not failed
+        print(json.dumps(out, indent=1, default=str))
+    else:
+        print(verify_text(rep, strict=args.strict))
+    return EXIT_FAILED if failed else EXIT_OK
+
+
+def cmd_convert(args) -> int:
+    from . import _convert
+    from ._inspect import human
+    from ._sources import open_source
+    src_path, dst = args.src, args.dst
+    _existing(src_path)
+    to = args.to or _convert.infer_target(dst)
+    if to is None:
+        raise UsageError(f"cannot tell the target format from {dst!r}: pass --to {{{','.join(_convert.TARGETS)}}}")
+    if os.path.abspath(src_path) == os.path.abspath(dst):
+        raise UsageError("the source and the destination are the same path")
+    if os.path.lexists(dst):
+        if not args.force:
+            raise UsageError(f"{dst} exists; pass --force to replace it")
+        if to == "dcp" and not os.path.isdir(dst):
+            raise UsageError(f"{dst} exists and is not a directory; a DCP checkpoint is a directory")
+        if to != "dcp" and os.path.isdir(dst):
+            raise UsageError(f"{dst} is a directory; a {to} checkpoint is a single file")
+    parent = os.path.dirname(os.path.abspath(dst))
+    if not os.path.isdir(parent):
+        raise UsageError(f"{parent}: no such directory")
+    bar_factory = _Bar(_progress_enabled(args))
+    _return_freed_memory()
+    with _convert.engine_for_streaming(), open_source(src_path) as src:
+        total = _convert.total_bytes(src, to)
+        bar = bar_factory(total, f"{src.kind} -> {to}")
+        try:
+            stats = _convert.convert(src, dst, to, drop_non_tensors=args.drop_non_tensors, progress=bar)
+        finally:
+            if bar:
+                bar(None)
+        kind = src.kind
+    print(f"{src_path} ({kind}) -> {dst} ({to}): {human(stats.get('bytes'))} of tensor data")
+    return EXIT_OK
+
+
+def cmd_doctor(args) -> int:
+    from ._doctor import diagnose, doctor_text
+    d = args.dir
+    if not os.path.isdir(d):
+        raise UsageError(f"{d}: no such directory" if not os.path.exists(d) else f"{d}: not a directory")
+    rep = diagnose(d)
+    print(json.dumps(rep, indent=1, default=str) if args.json else doctor_text(rep))
+    return EXIT_OK
+
+
+def _bench_module():
+    import importlib
+    try:
+        return importlib.import_module("fastckpt._bench")
+    except ModuleNotFoundError as e:
+        if e.name == "fastckpt._bench":
+            return None
+        raise
+
+
+def cmd_bench(args) -> int:
+    mod = getattr(args, "_bench_module", None)
+    if mod is None:
+        raise Failed("the bench command is not available: this installation has no fastckpt._bench module")
+    return int(mod.run(args) or 0)
+
+
+# ---------------------------------------------------------------- parser
+
+def _add_common(p: argparse.ArgumentParser, top: bool) -> None:
+    # Subcommands accept the options too (fastckpt inspect -v x); SUPPRESS keeps their
+    # defaults from overwriting what was given before the subcommand.
+    default = {} if top else {"default": argparse.SUPPRESS}
+    p.add_argument("-v", "--verbose", action="count", help="more logging (-v: info, -vv: debug); errors show "
+                   "their traceback", **({"default": 0} if top else default))
+    p.add_argument("-q", "--quiet", action="store_true", help="only errors on stderr; no progress bar",
+                   **({"default": False} if top else default))
+
+
+def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    _add_common(common, top=False)
+    parser = argparse.ArgumentParser(
+        prog="fastckpt",
+        description="Inspect, verify and convert PyTorch checkpoints (fastckpt, torch.save, safetensors, DCP), "
+                    "and check what this machine supports.",
+        epilog="Exit status: 0 success, 1 failure (damaged checkpoint, refused conversion, I/O error), "
+               "2 usage error. See docs/CLI.md.")
+    _add_common(parser, top=True)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("inspect", parents=[common], help="what a checkpoint holds (reads no tensor data)",
+                       description="Show the keys of a checkpoint file or DCP directory with dtype, shape, size "
+                                   "and device, and totals. Runs no code from the checkpoint and reads no "
+                                   "tensor data.")
+    p.add_argument("path", help="checkpoint file (fastckpt, torch.save, safetensors) or DCP directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("verify", parents=[common], help="check every checksum and the structure",
+                       description="Read the whole checkpoint and check every CRC-32 and the structure. Exit "
+                                   "status 0 only if it is complete and intact. A CheckpointManager directory: "
+                                   "its latest pointer and every checkpoint in it.")
+    p.add_argument("path", help="checkpoint file, DCP directory or CheckpointManager directory")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--strict", action="store_true",
+                   help="fail when data has no checksum to check it against (safetensors, legacy torch "
+                        "files, torch.save with CRCs disabled)")
+    p.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
+                   help="progress bar on stderr (auto: when stderr is a terminal)")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("convert", parents=[common], help="convert between fastckpt/torch, safetensors and DCP",
+                       description="Convert a checkpoint, streaming: memory stays bounded by a few buffers (or "
+                                   "the largest tensor for DCP), not by the checkpoint's size. Every file is "
+                                   "written through the engine: temporary name, fdatasync, rename.")
+    p.add_argument("src", help="source checkpoint file or DCP directory")
+    p.add_argument("dst", help="destination file or DCP directory")
+    p.add_argument("--to", choices=["fastckpt", "torch", "safetensors", "dcp"],
+                   help="target format (default: from DST's extension: .safetensors, .pt/.pth/.bin/.ckpt, "
+                        "or an existing directory for dcp)")
+    p.add_argument("--force", action="store_true", help="replace DST if it exists")
+    p.add_argument("--drop-non-tensors", action="store_true",
+                   help="--to safetensors: leave out non-tensor values instead of refusing")
+    p.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
+                   help="progress bar on stderr (auto: when stderr is a terminal)")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("doctor", parents=[common], help="what this machine and directory support",
+                       description="Probe io_uring, O_DIRECT, the filesystem, free space, CUDA and pinned memory, "
+                                   "and show the effective knobs and what fastckpt will use in DIR.")
+    p.add_argument("dir", nargs="?", default=".", help="directory checkpoints will go to (default: .)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("bench", parents=[common], help="measure save/load throughput in a directory",
+                       description="Benchmark fastckpt in a directory (fastckpt._bench).")
+    if bench_module is not None:
+        bench_module.add_arguments(p)
+    else:
+        p.add_argument("bench_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_bench, _bench_module=bench_module)
+    return parser
+
+
+def _wants_bench(argv: Sequence[str]) -> bool:
+    for a in argv:
+        if not a.startswith("-"):
+            return a == "bench"
+    return False
+
+
+# ---------------------------------------------------------------- main
+
+@contextlib.contextmanager
+def _logging(level: int):
+    logger = logging.getLogger("fastckpt")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("fastckpt: %(levelname)s: %(message)s"))
+    old_level, old_propagate = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+        logger.propagate = old_propagate
+
+
+def _error(msg: str) -> None:
+    print(f"fastckpt: error: {msg}", file=sys.stderr)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line `argv` (default: sys.argv[1:]); returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    bench_module = None
+    bench_error = None
+    if _wants_bench(argv):
+        try:
+            bench_module = _bench_module()
+        except Exception as e:  # noqa: BLE001 - reported as an error of the bench command
+            bench_error = e
+    parser = build_parser(bench_module)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse printed the usage error
+        return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
+    if not hasattr(args, "progress"):
+        args.progress = "auto"
+    level = logging.ERROR if args.quiet else (logging.WARNING, logging.INFO, logging.DEBUG)[min(args.verbose, 2)]
+    with _logging(level):
+        try:
+            if bench_error is not None:
+                raise Failed(f"the bench command cannot be loaded: {type(bench_error).__name__}: {bench_error}")
+            return args.func(args)
+        except KeyboardInterrupt:
+            _error("interrupted")
+            return EXIT_INTERRUPTED
+        except BrokenPipeError:
+            return EXIT_FAILED
+        except UsageError as e:
+            _error(str(e))
+            return EXIT_USAGE
+        except BaseException as e:  # noqa: BLE001 - every error becomes a message and an exit status
+            if isinstance(e, SystemExit):
+                raise
+            if args.verbose:
+                traceback.print_exc(file=sys.stderr)
+            _error(_describe(e, args.verbose))
+            return EXIT_FAILED
+
+
+def _describe(e: BaseException, verbose: int) -> str:
+    from .errors import FormatError
+    from ._convert import ConvertError
+    if isinstance(e, (Failed, ConvertError)):
+        return str(e)
+    if isinstance(e, FormatError):
+        return f"damaged or not a checkpoint: {e}"
+    if isinstance(e, pickle.UnpicklingError):
+        return str(e)
+    if isinstance(e, OSError):
+        msg = str(e)
+        if e.filename is not None and str(e.filename) not in msg:
+            msg = f"{e.filename}: {msg}"
+        return msg
+    tail = "" if verbose else " (run with -v for the traceback)"
+    return f"{type(e).__name__}: {e}{tail}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
