@@ -25,6 +25,8 @@ import json
 import logging
 import os
 import pickle
+import shutil
+import uuid
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -354,16 +356,33 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
                     progress(n)
             return obj
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "no process group: saving as a single process"
-        warnings.simplefilter("ignore", FutureWarning)
-        try:
-            dcp.save(tree, storage_writer=FastWriter(dst), planner=Planner())
-        except CheckpointException as ce:
-            errors = [f[0] if isinstance(f, tuple) else f for f in ce.failures.values()]
-            if len(errors) == 1 and isinstance(errors[0], BaseException):
-                raise errors[0] from None
-            raise
+    # Written under a temporary name beside dst and renamed into place once complete, so that
+    # a failed conversion leaves dst as it was (FastWriter alone would first invalidate it).
+    final = os.path.abspath(dst).rstrip(os.sep)
+    parent, name = os.path.split(final)
+    tmp = os.path.join(parent, f".{name}.fastckpt-tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "no process group: saving as a single process"
+            warnings.simplefilter("ignore", FutureWarning)
+            try:
+                dcp.save(tree, storage_writer=FastWriter(tmp), planner=Planner())
+            except CheckpointException as ce:
+                errors = [f[0] if isinstance(f, tuple) else f for f in ce.failures.values()]
+                if len(errors) == 1 and isinstance(errors[0], BaseException):
+                    raise errors[0] from None
+                raise
+        if os.path.lexists(final):
+            aside = os.path.join(parent, f".{name}.fastckpt-tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}.old")
+            os.rename(final, aside)
+            os.rename(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+        _C.fsync_dir(parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return stats
 
 

@@ -264,8 +264,11 @@ class Report:
 
 
 def _err(e: BaseException) -> str:
-    if isinstance(e, OSError) and e.filename and str(e.filename) not in str(e):
-        return f"{e.filename}: {e.strerror or e}"
+    if isinstance(e, OSError) and e.strerror:
+        msg = e.strerror
+        if e.filename is not None and str(e.filename) not in msg:
+            msg = f"{e.filename}: {msg}"
+        return msg
     return str(e) if isinstance(e, (FormatError, OSError, pickle.UnpicklingError)) else f"{type(e).__name__}: {e}"
 
 
@@ -345,6 +348,7 @@ def _verify_zip(src: ZipSource, rep: Report, progress_factory) -> None:
     total = sum(s.nbytes for s in with_crc)
     bar = _progress(progress_factory, total, "verify")
     bad = 0
+    problems_before = len(rep.problems)
     try:
         for s in storages:
             if s.nbytes == 0:
@@ -352,27 +356,22 @@ def _verify_zip(src: ZipSource, rep: Report, progress_factory) -> None:
             if not s.crc:
                 rep.unverified.append(f"record {s.key!r}: no checksum recorded")
                 continue
-            crc = 0
-
-            def consume(piece):
-                nonlocal crc
-                crc = _C.crc32(piece, crc)
-                if bar:
-                    bar(piece.numel())
             try:
-                src.stream(s, 0, s.nbytes, consume)
-            except (FormatError, OSError) as e:
-                rep.problems.append(f"record {s.key!r}: {_err(e)}")
-                continue
-            if crc != s.crc:
+                src.stream(s, 0, s.nbytes, lambda piece: bar(piece.numel()) if bar else None)
+            except FormatError as e:
+                if "checksum mismatch" not in str(e):
+                    rep.problems.append(f"record {s.key!r}: {_err(e)}")
+                    continue
                 bad += 1
                 who = users.get(s.key)
                 what = f" (tensor{'s' if who and len(who) > 1 else ''} {', '.join(who[:5])})" if who else ""
                 rep.problems.append(f"{src.path}: checksum mismatch in record {s.key!r}{what}: the data is corrupt")
+            except OSError as e:
+                rep.problems.append(f"record {s.key!r}: {_err(e)}")
     finally:
         if bar:
             bar(None)
-    if not bad:
+    if not bad and len(rep.problems) == problems_before:
         empty = sum(1 for s in storages if s.nbytes == 0)
         rep.checked.append(f"{len(with_crc)} storage records ({human(total)}) match their CRC-32"
                            + (f" ({empty} empty record{'s hold' if empty != 1 else ' holds'} nothing to check)"

@@ -184,9 +184,11 @@ class Source:
         self.close()
 
     # -- built on read()
-    def stream(self, storage: Storage, start: int, length: int, consume: Callable[[torch.Tensor], None]) -> None:
+    def stream(self, storage: Storage, start: int, length: int, consume: Callable[[torch.Tensor], None],
+               on_read: Optional[Callable[[torch.Tensor], None]] = None) -> None:
         """Call consume(piece) on bytes [start, start + length) of `storage`, in
         pieces of at most CHUNK bytes, reading the next piece while the last is consumed.
+        ``on_read(piece)`` runs in the reading thread right after each read, in order.
         Holds two CHUNK buffers, reused across calls."""
         end = start + length
         if length <= 0:
@@ -194,6 +196,8 @@ class Source:
         if length <= CHUNK // 8:  # small: no thread
             buf = aligned_buffer(length)
             self.read(storage, start, buf)
+            if on_read:
+                on_read(buf)
             consume(buf)
             return
         if not self._bufs:
@@ -204,6 +208,8 @@ class Source:
         def rd(i: int, pos: int) -> int:
             n = min(CHUNK, end - pos)
             self.read(storage, pos, bufs[i][:n])
+            if on_read:
+                on_read(bufs[i][:n])
             return n
 
         pos, i = start, 0
@@ -223,6 +229,12 @@ class Source:
                 return
             pos, i = nxt, 1 - i
 
+    def read_span(self, storage: Storage, start: int, length: int) -> torch.Tensor:
+        """Bytes [start, start + length) of `storage` in a new aligned buffer."""
+        buf = aligned_buffer(length)
+        self.read(storage, start, buf)
+        return buf
+
     def materialize(self, t: torch.Tensor) -> torch.Tensor:
         """A CPU tensor with the values of meta tensor `t` (reads only the bytes it covers)."""
         if t.device.type != "meta":
@@ -231,8 +243,7 @@ class Source:
         lo, n = byte_span(t)
         if t.numel() == 0:
             return torch.empty(t.shape, dtype=t.dtype)
-        buf = aligned_buffer(n)
-        self.read(s, lo, buf)
+        buf = self.read_span(s, lo, n)
         v = buf.view(t.dtype)
         out = v.as_strided(t.shape, t.stride(), v.storage_offset())  # storage_offset: buf starts inside its storage
         return out if is_dense(t) else out.contiguous()
@@ -260,11 +271,13 @@ class _MetaUnpickler(ts._weights_only_unpickler.Unpickler):
 
 
 class ZipSource(Source):
-    """A fastckpt or torch.save zip archive."""
+    """A fastckpt or torch.save zip archive. With `verify` (default), every storage
+    read whole is checked against its CRC-32 as it is read."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, verify: bool = True):
         super().__init__()
         self.path = path
+        self.verify = verify
         self.f = open(path, "rb")
         try:
             self._open()
@@ -368,6 +381,30 @@ class ZipSource(Source):
             raise FormatError(f"{path}: data.pkl is damaged and cannot be unpickled ({type(e).__name__}: {e})") \
                 from None
         return self._tree
+
+    def crc_error(self, storage: Storage) -> FormatError:
+        return FormatError(f"{self.path}: checksum mismatch in record {storage.key!r} (corrupt data)")
+
+    def stream(self, storage, start, length, consume, on_read=None) -> None:
+        if not (self.verify and storage.crc and start == 0 and length == storage.nbytes):
+            return super().stream(storage, start, length, consume, on_read)
+        crc = 0
+
+        def check(piece: torch.Tensor) -> None:
+            nonlocal crc
+            crc = _C.crc32(piece, crc)
+            if on_read:
+                on_read(piece)
+        super().stream(storage, start, length, consume, check)
+        if crc != storage.crc:
+            raise self.crc_error(storage)
+
+    def read_span(self, storage: Storage, start: int, length: int) -> torch.Tensor:
+        buf = super().read_span(storage, start, length)
+        if self.verify and storage.crc and start == 0 and length == storage.nbytes:
+            if _C.crc32(buf, 0) != storage.crc:
+                raise self.crc_error(storage)
+        return buf
 
     def read(self, storage: Storage, offset: int, out: torch.Tensor) -> None:
         n = out.numel()
@@ -601,8 +638,19 @@ def read_dcp_metadata(directory: str):
         raise FormatError(f"{p}: corrupt checkpoint metadata ({type(e).__name__}: {e})") from None
     if not isinstance(md, Metadata):
         raise FormatError(f"{p}: not DCP checkpoint metadata (it holds a {type(md).__name__})")
-    if not isinstance(getattr(md, "storage_data", None), dict) or not isinstance(md.state_dict_metadata, dict):
+    if not isinstance(getattr(md, "storage_data", None), dict):
         raise FormatError(f"{p}: corrupt checkpoint metadata (no storage table)")
+    if not isinstance(getattr(md, "state_dict_metadata", None), dict):
+        raise FormatError(f"{p}: corrupt checkpoint metadata (no table of items)")
+    for index, info in md.storage_data.items():
+        fqn = getattr(index, "fqn", None)
+        rel, off, ln = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        if not isinstance(fqn, str):
+            raise FormatError(f"{p}: corrupt checkpoint metadata (storage entry {index!r})")
+        if not (isinstance(rel, str) and type(off) is int and type(ln) is int and off >= 0 and ln >= 0):
+            raise FormatError(f"{p}: corrupt storage entry for {fqn}: file {rel!r}, offset {off!r}, length {ln!r}")
+    if not isinstance(getattr(md, "planner_data", None), (dict, type(None))):
+        md.planner_data = None
     return md
 
 
@@ -819,14 +867,15 @@ def is_dcp_dir(path: str) -> bool:
                                     or any(n.endswith(".distcp") for n in os.listdir(path)))
 
 
-def open_source(path: str, verify_dcp: bool = True) -> Source:
-    """Open a checkpoint file or DCP directory. Raises FileNotFoundError,
-    FormatError (damaged or not a checkpoint), OSError."""
+def open_source(path: str, verify: bool = True) -> Source:
+    """Open a checkpoint file or DCP directory. `verify`: check CRC-32s of what is
+    read whole (zip records, DCP records). Raises FileNotFoundError, FormatError
+    (damaged or not a checkpoint), OSError."""
     if os.path.isdir(path):
-        return DcpSource(path, verify=verify_dcp)
+        return DcpSource(path, verify=verify)
     kind = sniff(path)
     if kind == "zip":
-        src = ZipSource(path)
+        src = ZipSource(path, verify=verify)
         if src.byteorder != sys.byteorder:
             src.close()
             return LoadedSource(path, "torch", f"{src.byteorder}-endian data")

@@ -138,7 +138,7 @@ def cmd_verify(args) -> int:
 def cmd_convert(args) -> int:
     from . import _convert
     from ._inspect import human
-    from ._sources import open_source
+    from ._sources import is_dcp_dir, open_source
     src_path, dst = args.src, args.dst
     _existing(src_path)
     to = args.to or _convert.infer_target(dst)
@@ -151,6 +151,9 @@ def cmd_convert(args) -> int:
             raise UsageError(f"{dst} exists; pass --force to replace it")
         if to == "dcp" and not os.path.isdir(dst):
             raise UsageError(f"{dst} exists and is not a directory; a DCP checkpoint is a directory")
+        if to == "dcp" and os.listdir(dst) and not is_dcp_dir(dst):
+            raise UsageError(f"{dst} is a directory that holds something else than a DCP checkpoint; "
+                             "--force replaces only a DCP checkpoint or an empty directory")
         if to != "dcp" and os.path.isdir(dst):
             raise UsageError(f"{dst} is a directory; a {to} checkpoint is a single file")
     parent = os.path.dirname(os.path.abspath(dst))
@@ -158,7 +161,7 @@ def cmd_convert(args) -> int:
         raise UsageError(f"{parent}: no such directory")
     bar_factory = _Bar(_progress_enabled(args))
     _return_freed_memory()
-    with _convert.engine_for_streaming(), open_source(src_path) as src:
+    with _convert.engine_for_streaming(), open_source(src_path, verify=args.verify) as src:
         total = _convert.total_bytes(src, to)
         bar = bar_factory(total, f"{src.kind} -> {to}")
         try:
@@ -256,6 +259,9 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     p.add_argument("--force", action="store_true", help="replace DST if it exists")
     p.add_argument("--drop-non-tensors", action="store_true",
                    help="--to safetensors: leave out non-tensor values instead of refusing")
+    p.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="do not check the source's CRC-32s while reading it (by default a corrupt source "
+                        "stops the conversion instead of being copied into a valid-looking file)")
     p.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
     p.set_defaults(func=cmd_convert)
@@ -357,10 +363,8 @@ def _describe(e: BaseException, verbose: int) -> str:
     if isinstance(e, pickle.UnpicklingError):
         return str(e)
     if isinstance(e, OSError):
-        msg = str(e)
-        if e.filename is not None and str(e.filename) not in msg:
-            msg = f"{e.filename}: {msg}"
-        return msg
+        from ._inspect import _err
+        return _err(e)
     tail = "" if verbose else " (run with -v for the traceback)"
     return f"{type(e).__name__}: {e}{tail}"
 

@@ -429,6 +429,44 @@ def test_verify_manager_directory(tmp_path, capsys):
     assert rc == 1 and "step_00000010.pt" in out and "PROBLEM" in out
 
 
+@pytest.mark.parametrize("kind", ["fastckpt", "torch", "safetensors", "dcp"])
+def test_damaged_input_is_an_error_never_a_crash(tmp_path, capsys, kind):
+    """Random byte damage to every file of a checkpoint: inspect, verify and convert end with
+    status 0 or 1 and a message, never an internal error (the parsers of bytes from disk)."""
+    import random
+    rng = random.Random(1234)
+    good = tmp_path / ("good" + (EXT[kind] if kind != "dcp" else ""))
+    write_source(kind, good, {"w": torch.randn(40, 3), "b": torch.arange(5), "n": 3} if kind == "dcp" else None)
+    files = sorted(p.name for p in good.iterdir()) if kind == "dcp" else [None]
+    for i in range(45):
+        bad = tmp_path / f"bad{i}"
+        if kind == "dcp":
+            shutil.copytree(good, bad)
+            target = bad / rng.choice(files)
+        else:
+            shutil.copy(good, bad)
+            target = bad
+        data = bytearray(target.read_bytes())
+        how = rng.choice(["flip", "flip", "truncate", "zero"])
+        if how == "flip":
+            for _ in range(rng.randint(1, 4)):
+                data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        elif how == "truncate":
+            del data[rng.randrange(len(data)):]
+        else:
+            at = rng.randrange(len(data))
+            data[at:at + 64] = bytes(len(data[at:at + 64]))
+        target.write_bytes(bytes(data))
+        cmds = [["inspect", bad], ["verify", bad], ["convert", bad, tmp_path / f"out{i}.pt", "--to", "fastckpt"]]
+        for argv in cmds:
+            rc, out, err = run(capsys, *argv)
+            assert rc in (0, 1), (argv, how, rc, err)
+            assert "run with -v" not in err and "Traceback" not in err, (argv, how, err)
+            if rc == 1 and argv[0] != "verify":
+                assert err.startswith("fastckpt: error: "), err
+    assert temp_files(tmp_path) == []
+
+
 # ---------------------------------------------------------------- convert
 
 def expected_after(src_kind, dst_kind, state):
@@ -445,7 +483,7 @@ def read_back(path, kind, tmp_path):
     if kind in ("fastckpt", "torch"):
         return torch.load(path, weights_only=True)
     back = tmp_path / f"back-{os.path.basename(path)}.pt"
-    assert main(["convert", str(path), str(back), "--to", "fastckpt", "-q"]) == 0
+    assert main(["convert", str(path), str(back), "--to", "fastckpt", "-q", "--force"]) == 0
     return torch.load(back, weights_only=True)
 
 
@@ -565,6 +603,10 @@ def test_convert_refusals_and_usage_errors(tmp_path, capsys):
     assert rc == 2 and "no such directory" in err
     rc, out, err = run(capsys, "convert", src, tmp_path / "x", "--to", "bogus")
     assert rc == 2 and "invalid choice" in err
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine")
+    rc, out, err = run(capsys, "convert", src, tmp_path / "notes", "--to", "dcp", "--force")
+    assert rc == 2 and "holds something else" in err and (tmp_path / "notes" / "todo.txt").exists()
     # a DCP checkpoint holds a dict; complex128 has no safetensors dtype
     fastckpt.save([torch.ones(1)], tmp_path / "list.pt")
     rc, out, err = run(capsys, "convert", tmp_path / "list.pt", tmp_path / "l", "--to", "dcp")
@@ -572,6 +614,35 @@ def test_convert_refusals_and_usage_errors(tmp_path, capsys):
     fastckpt.save({"c": torch.ones(2, dtype=torch.complex128)}, tmp_path / "c.pt")
     rc, out, err = run(capsys, "convert", tmp_path / "c.pt", tmp_path / "c.safetensors")
     assert rc == 1 and "complex128 has no safetensors equivalent" in err
+    assert temp_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("to", ["fastckpt", "safetensors", "dcp"])
+def test_convert_refuses_a_corrupt_source(tmp_path, capsys, to):
+    """Copying corrupt data into a new file would give it fresh, valid checksums: the source's
+    CRCs are checked as it is read, and a mismatch stops the conversion."""
+    src = tmp_path / "a.pt"
+    fastckpt.save({"w": torch.randn(1000), "big": torch.randn(3 << 20)}, src)
+    arch = _zip.Archive.open(str(src))
+    data = bytearray(src.read_bytes())
+    for rec in ("data/0", "data/1"):
+        bad = tmp_path / f"bad-{rec[-1]}.pt"
+        d = bytearray(data)
+        d[arch.records[rec].data_offset + arch.records[rec].size // 2] ^= 0x20
+        bad.write_bytes(d)
+        dst = tmp_path / f"out-{rec[-1]}{EXT[to]}"
+        rc, out, err = run(capsys, "convert", bad, dst, "--to", to)
+        assert rc == 1 and f"checksum mismatch in record {rec!r}" in err, err
+        assert not dst.exists() and temp_files(tmp_path) == []
+        rc, out, err = run(capsys, "convert", "--no-verify", bad, dst, "--to", to)
+        assert rc == 0, err
+    # a failed conversion over an existing checkpoint (--force) leaves that checkpoint as it was
+    dst = tmp_path / f"keep{EXT[to]}"
+    assert run(capsys, "convert", src, dst, "--to", to)[0] == 0
+    before = read_back(dst, to, tmp_path)
+    rc, out, err = run(capsys, "convert", "--force", tmp_path / "bad-1.pt", dst, "--to", to)
+    assert rc == 1 and "checksum mismatch" in err
+    assert_same(before, read_back(dst, to, tmp_path))
     assert temp_files(tmp_path) == []
 
 
