@@ -244,6 +244,8 @@ def write_safetensors(source: Source, dst: str, drop_non_tensors: bool = False,
             raise ConvertError(f"{name}: dtype {dtype_name(t.dtype)} has no safetensors equivalent")
         s = storage_of(t)
         alias = (id(s), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        if name == "__metadata__":
+            raise ConvertError("a tensor named '__metadata__': safetensors reserves that name for its metadata")
         if name in seen:
             raise ConvertError(f"two tensors would both be named {name!r} once nested keys are joined with "
                                f"{SEPARATOR!r}; rename one (or convert to another format)")

@@ -192,7 +192,7 @@ def inspect_text(report: Dict[str, Any]) -> str:
     lines.append(f"{report['path']}: {report['description']}, {human(size)}")
     rows = report["entries"]
     keyw = min(max([2 * r["depth"] + len(r["name"]) for r in rows] + [3]), 60)
-    dtw = max([len(r.get("dtype", "")) for r in rows] + [5])
+    dtw = max([len(r.get("dtype", "" if "length" in r else r["type"])) for r in rows] + [5])
     shw = max([len(str(r.get("shape", ""))) for r in rows] + [5])
     lines.append(f"{'KEY':<{keyw}}  {'DTYPE':<{dtw}}  {'SHAPE':<{shw}}  {'SIZE':>10}  DEVICE")
     for r in rows:

@@ -336,6 +336,21 @@ def test_verify_good(tmp_path, capsys, kind):
         assert run(capsys, "verify", "--strict", p)[0] == 0
 
 
+def test_verify_file_without_checksums(tmp_path, capsys):
+    from torch.utils.serialization import config
+    p = tmp_path / "nocrc.pt"
+    old = config.save.compute_crc32
+    config.save.compute_crc32 = False
+    try:
+        torch.save({"w": torch.randn(100)}, p)
+    finally:
+        config.save.compute_crc32 = old
+    rc, out, err = run(capsys, "verify", p)
+    assert rc == 0 and "not checked" in out and "records no checksums" in out
+    rc, out, err = run(capsys, "verify", "--strict", p)
+    assert rc == 1 and "FAILED (--strict)" in out
+
+
 def test_verify_truncated_file(tmp_path, capsys):
     p = tmp_path / "ck.pt"
     fastckpt.save(full_state(), p)
