@@ -243,7 +243,7 @@ def write_safetensors(source: Source, dst: str, drop_non_tensors: bool = False,
         if t.dtype not in ST_NAMES:
             raise ConvertError(f"{name}: dtype {dtype_name(t.dtype)} has no safetensors equivalent")
         s = storage_of(t)
-        alias = (id(s), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+        alias = (id(s), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.is_conj(), t.is_neg())
         if name == "__metadata__":
             raise ConvertError("a tensor named '__metadata__': safetensors reserves that name for its metadata")
         if name in seen:
@@ -301,7 +301,7 @@ def _write_tensor_bytes(source: Source, t: torch.Tensor, write: Callable, progre
     """The tensor's elements in C order, streamed when they are contiguous in its storage."""
     if t.numel() == 0:
         return
-    if t.device.type == "meta" and is_dense(t):
+    if t.device.type == "meta" and is_dense(t) and not (t.is_conj() or t.is_neg()):
         lo, n = byte_span(t)
 
         def consume(piece: torch.Tensor) -> None:

@@ -236,9 +236,10 @@ class Source:
         return buf
 
     def materialize(self, t: torch.Tensor) -> torch.Tensor:
-        """A CPU tensor with the values of meta tensor `t` (reads only the bytes it covers)."""
+        """A CPU tensor with the values of meta tensor `t` (reads only the bytes it covers;
+        conjugate and negative views resolved)."""
         if t.device.type != "meta":
-            return t.detach().cpu()
+            return t.detach().cpu().resolve_conj().resolve_neg()
         s = storage_of(t)
         lo, n = byte_span(t)
         if t.numel() == 0:
@@ -246,6 +247,10 @@ class Source:
         buf = self.read_span(s, lo, n)
         v = buf.view(t.dtype)
         out = v.as_strided(t.shape, t.stride(), v.storage_offset())  # storage_offset: buf starts inside its storage
+        if t.is_conj() or t.is_neg():  # the bytes are stored unconjugated / unnegated
+            out = (out.conj() if t.is_conj() else out)
+            out = (out._neg_view() if t.is_neg() else out)
+            return out.resolve_conj().resolve_neg().contiguous()
         return out if is_dense(t) else out.contiguous()
 
 

@@ -90,8 +90,6 @@ def cmd_inspect(args) -> int:
         if _is_manager_dir(args.path):
             return _inspect_manager(args)
     with open_source(args.path) as src:
-        if isinstance(getattr(src, "bad_small", None), list) and src.bad_small:
-            src.check_small()
         report = inspect_data(src)
     if args.json:
         print(json.dumps(report, indent=1, default=str))
