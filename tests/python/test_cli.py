@@ -432,6 +432,8 @@ def test_verify_manager_directory(tmp_path, capsys):
     rc, out, err = run(capsys, "verify", tmp_path / "run")
     assert rc == 0, out
     assert "latest names step_00000020.pt" in out and out.count("  OK") == 2
+    rc, out, err = run(capsys, "inspect", tmp_path / "run")
+    assert rc == 0 and "2 checkpoint(s); latest -> step_00000020.pt" in out
     # latest names a checkpoint that is gone
     os.unlink(tmp_path / "run" / "step_00000020.pt")
     rc, out, err = run(capsys, "verify", tmp_path / "run")
