@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <string>
 
 #include "error.h"
 
@@ -22,6 +23,7 @@ BufferPool::BufferPool(size_t buffer_size, size_t count)
   // Touch every page now so that no save pays the first-touch cost.
   for (size_t off = 0; off < mapped_; off += 4096) base_[off] = 0;
   iov_.resize(count);
+  owner_.resize(count);
   free_.reserve(count);
   for (size_t i = 0; i < count; ++i) {
     iov_[i].iov_base = data(static_cast<int>(i));
@@ -35,10 +37,21 @@ BufferPool::~BufferPool() {
 }
 
 int BufferPool::acquire() {
+  const std::thread::id me = std::this_thread::get_id();
   std::unique_lock<std::mutex> lk(mu_);
-  cv_.wait(lk, [&] { return !free_.empty(); });
+  while (free_.empty()) {
+    size_t mine = 0;
+    for (const std::thread::id& o : owner_) mine += o == me;
+    if (mine == count_)
+      throw UsageError("staging buffers: all " + std::to_string(count_) +
+                       " are held by open writers or reads of this same thread, so waiting for one would never "
+                       "end; commit or abort the open Writer first, or make FASTCKPT_BUFFER_COUNT larger than "
+                       "FASTCKPT_QUEUE_DEPTH");
+    cv_.wait(lk);
+  }
   int i = free_.back();
   free_.pop_back();
+  owner_[static_cast<size_t>(i)] = me;
   return i;
 }
 
@@ -47,12 +60,14 @@ int BufferPool::try_acquire() {
   if (free_.empty()) return -1;
   int i = free_.back();
   free_.pop_back();
+  owner_[static_cast<size_t>(i)] = std::this_thread::get_id();
   return i;
 }
 
 void BufferPool::release(int index) {
   {
     std::lock_guard<std::mutex> lk(mu_);
+    owner_[static_cast<size_t>(index)] = std::thread::id();
     free_.push_back(index);
   }
   cv_.notify_one();

@@ -8,6 +8,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 namespace fastckpt {
@@ -25,7 +26,11 @@ class BufferPool {
   // One iovec per buffer, for io_uring buffer registration.
   const std::vector<iovec>& iovecs() const { return iov_; }
 
-  int acquire();      // blocks until a buffer is free
+  // Blocks until a buffer is free. Throws UsageError instead of waiting
+  // forever when every buffer is held by the calling thread (e.g. an open
+  // Writer of this thread holds them all and this thread now reads): only
+  // this thread could give one back.
+  int acquire();
   int try_acquire();  // -1 when none is free
   void release(int index);
   size_t available() const;
@@ -39,6 +44,7 @@ class BufferPool {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<int> free_;
+  std::vector<std::thread::id> owner_;  // the thread that took each buffer; id() when free
 };
 
 }  // namespace fastckpt

@@ -1,6 +1,8 @@
 // Backend selection (io_uring refused -> thread pool), misuse of the API,
 // configuration parsing, the fault-injection module itself and the sys helpers.
+#include <chrono>
 #include <cstdlib>
+#include <thread>
 
 #include "util.h"
 
@@ -161,6 +163,41 @@ TEST(abort_removes_temp_file_and_later_use_is_usage_error, ONCE) {
   UsageError e = CHECK_THROWS(UsageError, w.commit());
   CHECK_CONTAINS(std::string(e.what()), "aborted");
   CHECK(list_dir(dir.path()).empty());
+  CHECK_POOL_FULL(eng);
+}
+
+TEST(same_thread_holding_every_buffer_is_an_error_not_a_hang, ONCE) {
+  Engine eng(small(BackendKind::Threads));  // 2 buffers, queue depth 2
+  TempDir dir;
+  const std::string other = random_bytes(100000, 7);
+  save(eng, dir.file("other.bin"), other);
+  Writer w(eng, dir.file("w.bin"), -1);
+  const std::string d = random_bytes(300000, 8);
+  w.append(d.data(), d.size());  // the writer now holds both staging buffers
+  std::string dst(other.size() + 1, '\0');  // misaligned: reads go through staging buffers
+  UsageError e = CHECK_THROWS(UsageError, fastckpt::read_ranges(eng, dir.file("other.bin"),
+                                                                {{&dst[1], other.size(), 0}}));
+  CHECK_CONTAINS(std::string(e.what()), "this same thread");
+  // A second writer of this thread (its O_DIRECT probe or its first append needs a buffer).
+  CHECK_THROWS(UsageError, [&] {
+    Writer w2(eng, dir.file("w2.bin"), -1);
+    w2.append(d.data(), d.size());
+  }());
+  CHECK_EQ(list_dir(dir.path()).size(), size_t(2));  // other.bin and w's temporary file
+  // The first writer is unharmed.
+  w.commit();
+  CHECK_BYTES(read_file(dir.file("w.bin")), d);
+  CHECK_POOL_FULL(eng);
+
+  // Another thread waits for the buffers instead, and gets them once the writer commits.
+  Writer w3(eng, dir.file("w3.bin"), -1);
+  w3.append(d.data(), d.size());
+  std::string got(other.size() + 1, '\0');
+  std::thread reader([&] { fastckpt::read_ranges(eng, dir.file("other.bin"), {{&got[1], other.size(), 0}}); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  w3.commit();
+  reader.join();
+  CHECK_BYTES(got.substr(1), other);
   CHECK_POOL_FULL(eng);
 }
 

@@ -345,3 +345,17 @@ def test_kill_during_save_leaves_previous_file(tmp_path):
     p.wait()
     assert p.returncode == -signal.SIGKILL
     assert target.read_bytes() == b"old checkpoint"
+
+
+def test_reading_while_this_thread_holds_every_buffer_raises_instead_of_hanging(small_engine, tmp_path):
+    src = tmp_path / "src.bin"
+    data = os.urandom(100000)
+    src.write_bytes(data)
+    w = _C.Writer(small_engine, str(tmp_path / "w.bin"), -1)
+    w.write(torch.frombuffer(bytearray(os.urandom(1 << 20)), dtype=torch.uint8))  # holds all 4 buffers
+    dst = torch.empty(len(data) + 1, dtype=torch.uint8)[1:]  # misaligned: needs staging buffers
+    with pytest.raises(ValueError, match="this same thread"):
+        _C.read_ranges(small_engine, str(src), [(dst, 0)])
+    w.commit()
+    _C.read_ranges(small_engine, str(src), [(dst, 0)])
+    assert bytes(dst.numpy()) == data
