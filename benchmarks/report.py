@@ -120,10 +120,8 @@ def run_script(cmd: List[str], md_path: str) -> Tuple[int, float, str]:
 def deepspeed_status(mode: str) -> Tuple[bool, str]:
     """(run it?, what the report says about DeepSpeed)."""
     if mode == "no":
-        return False, (f"not run in `make bench`: installing it from scratch takes seconds ({DS_INSTALL}: pip, "
-                       f"libaio-dev), but JIT-compiling its AsyncIO op takes minutes (8 on the 2-core development "
-                       f"VM), a third of the report's time budget. `make bench-full` installs and runs it "
-                       f"(BENCH_DEEPSPEED=yes adds it to `make bench` once installed).")
+        return False, ("not run: left out by BENCH_DEEPSPEED=no (`make bench` installs and runs it by default; "
+                       f"{DS_INSTALL} installs it)")
     try:
         import importlib.util
         if importlib.util.find_spec("deepspeed") is None:
