@@ -37,6 +37,7 @@ import threading
 import time
 import uuid
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, List, NamedTuple, Optional, Set, Tuple, Union
 
@@ -100,6 +101,18 @@ def _failures() -> Tuple[type, ...]:
         except ImportError:  # pragma: no cover - torch without distributed
             _failures_cache = (Exception,)
     return _failures_cache
+
+
+def _group_timeout(group: Any) -> Optional[timedelta]:
+    """The timeout ``group`` was created with (torch has no public getter), or None
+    (torch's default) where it cannot be told."""
+    import torch
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no such backend, or a torch without these internals
+            continue
+    return None
 
 
 def _done_future(result=None) -> concurrent.futures.Future:
@@ -178,8 +191,12 @@ class CheckpointManager:
             import torch.distributed as dist
             # dcp.async_save runs collectives from a background thread: never on the
             # group the training loop uses (two threads' collectives would interleave).
-            self._dcp_pg = dist.new_group(ranks=dist.get_process_group_ranks(self._pg or dist.group.WORLD),
-                                          backend="gloo")
+            # Its timeout is the user's group's, not torch's default of 30 minutes for a new
+            # group: a rank whose peer stops responding in the middle of an asynchronous save
+            # fails within that timeout instead of waiting it out (crash driver's stall check).
+            group = self._pg or dist.group.WORLD
+            self._dcp_pg = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                                          timeout=_group_timeout(group))
 
     # ------------------------------------------------------------ names
     def name_for(self, step: int) -> str:
