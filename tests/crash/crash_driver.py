@@ -2,7 +2,17 @@
 """Crash-consistency driver: SIGKILL checkpoint saves at random moments and
 check that nothing is lost (issue #6, README "Guarantees").
 
-    python tests/crash/crash_driver.py --kills 200 --kinds save,async_save,dcp2,manager --seed 1
+    python tests/crash/crash_driver.py --kills 300 --seed 7    # every kind
+
+Kinds: ``save`` (fastckpt.save), ``async_save`` (fastckpt.async_save),
+``manager`` (CheckpointManager, replicated single-file mode), ``dcp2``
+(dcp.save with FastWriter, world size 2), ``sharded2`` (CheckpointManager in
+sharded mode, world size 2: a DCP directory per step, written under a
+temporary name and renamed, then `latest`; odd steps with async_save),
+``dcp_async2`` (torch.distributed.checkpoint.async_save with FastWriter,
+world size 2). Where a save is asynchronous at world size 2, the source
+tensors are overwritten as soon as the call returns: that must not reach the
+checkpoint.
 
 Each round: a good previous checkpoint exists and its bytes are remembered; a
 child process saves a fresh, different checkpoint over it (or, for DCP, into
@@ -10,8 +20,12 @@ the next step directory beside it) and is killed with SIGKILL at a random
 moment. The child is slowed down by the engine's fault hook (a plan taken from
 the environment variable FASTCKPT_CRASH_FAULTS, "op:nth:delay_ms[:path],...")
 so that kills land during writes, in fdatasync (between the data and the
-rename), just before the rename, in the directory fsync after it, and during
-the manager's `latest` update. Then the parent checks:
+rename), just before the rename, in the directory fsync after it, during
+the manager's `latest` update, and (sharded2) in its retention, between
+renaming an old step directory aside and removing it. The kill moment is uniform over [0, 1.15 x]
+the save's expected duration, per kind and plan (learnt from the saves that
+finish first, and raised while kills keep landing near it, so that kills reach
+the end of the save too). Then the parent checks:
 
 * the previous checkpoint is bitwise what it was, or (the save completed) the
   final name holds the new checkpoint, which loads with verify=True and equals
@@ -20,13 +34,22 @@ the manager's `latest` update. Then the parent checks:
 * DCP (world size 2, gloo on 127.0.0.1, each step in its own directory): the
   previous step's directory is untouched; the new one either has no
   `.metadata` (and dcp.load refuses it) or loads exactly with FastReader;
+* world size 2 kinds: a round kills both ranks, or only rank 0, or only rank
+  1; the survivor must then fail (or finish) on its own within a few seconds,
+  and what it leaves is checked the same way;
+* sharded2: `latest` names a complete step directory that loads exactly with
+  FastReader; every `step_*` directory is complete and exact; the previous
+  step is bitwise untouched; a manager start removes the leftovers
+  (temporary step directories, `.del` directories of an interrupted
+  retention, `latest`'s temporary) and its load_latest gives an exact step;
 * a manager start removes every `.fastckpt-tmp.` leftover, and the next save
   succeeds.
 
 Children are forked from a multiprocessing forkserver that has torch and
 fastckpt imported already (a kill round then costs milliseconds, not an
 interpreter start). `--child KIND` runs one save in the foreground, for
-reproducing a round by hand with FASTCKPT_CRASH_FAULTS set.
+reproducing a round by hand with FASTCKPT_CRASH_FAULTS set (world size 2
+kinds: start it twice, with --rank 0 and --rank 1 and the same --port).
 
 Prints counts per kind, per fault plan and per outcome; exits 1 on any violation.
 """
@@ -46,14 +69,20 @@ import time
 import traceback
 
 TMP_MARK = ".fastckpt-tmp."
-KINDS = ("save", "async_save", "dcp2", "manager")
+KINDS = ("save", "async_save", "dcp2", "manager", "sharded2", "dcp_async2")
+TWO_RANK = ("dcp2", "sharded2", "dcp_async2")
+MANAGED = ("manager", "sharded2")     # kinds whose saves end with the `latest` update
+CHECKS = {"save": "file", "async_save": "file", "dcp_async2": "dcp2"}  # kind -> its check_ method
+SURVIVOR_WAIT = 20.0  # s: a rank whose peer was killed must exit on its own by then
+STALL_TIMEOUT = 3.0   # s: the process group timeout of a stall check (see Driver.stall_check)
 # name -> fault plan (FASTCKPT_CRASH_FAULTS syntax); {d} is a random delay in ms.
 PLANS = {
     "none": "",
     "writes": "write:1:{d}",                       # kills land between/inside pwrites
     "fsync": "fsync:1:{D}",                        # in fdatasync, and in the directory fsync after the rename
     "rename": "rename:1:{D}",                      # data durable, not yet renamed
-    "latest": "write:1:{D}:latest,fsync:1:{D}:latest,rename:1:{D}:latest",  # manager: the `latest` update
+    "latest": "write:1:{D}:latest,fsync:1:{D}:latest,rename:1:{D}:latest",  # manager, sharded2: `latest`
+    "retention": "retention:{D}",                  # sharded2: between renaming an old step aside and removing it
 }
 ENV = "FASTCKPT_CRASH_FAULTS"
 
@@ -84,34 +113,119 @@ def same(a, b) -> bool:
 
 
 def arm_faults(plan: str) -> None:
-    """Arm the engine's fault hook from "op:nth:delay_ms[:path],..." (delays only)."""
+    """Arm the engine's fault hook from "op:nth:delay_ms[:path],..." (delays only);
+    "retention:delay_ms" slows the manager's retention down instead (_slow_retention)."""
     from fastckpt import _C
     for rule in filter(None, plan.split(",")):
+        if rule.startswith("retention:"):
+            _slow_retention(int(rule.split(":")[1]))
+            continue
         op, nth, delay, *rest = rule.split(":")
         _C.fault_inject(op, nth=int(nth), delay_ms=int(delay), times=0,
                         path_contains=rest[0] if rest else "")
 
 
+def _slow_retention(delay_ms: int) -> None:
+    """Test-only, in a child process: sharded CheckpointManager retention renames an
+    old step directory to `.<name>.fastckpt-tmp.<pid>.<x>.del`, then removes it with
+    shutil.rmtree (Python, out of the engine's fault hook's reach): sleep before that
+    removal, so that kills land between the two."""
+    import shutil
+    real = shutil.rmtree
+
+    def rmtree(path, *args, **kwargs):
+        if os.fspath(path).endswith(".del"):
+            time.sleep(delay_ms / 1000)
+        return real(path, *args, **kwargs)
+
+    shutil.rmtree = rmtree
+
+
+def _dcp_state(gen: int, rank: int) -> dict:
+    """What rank ``rank`` saves in the world size 2 kinds: its own entries and a replicated one."""
+    return {f"r{rank}": make_state(gen, rank), "shared": make_state(gen, 99)["w"]}
+
+
+def _scribble(sd: dict) -> None:
+    """Change a state dict in place (after an asynchronous save returned: must not reach the checkpoint)."""
+    import torch
+    for v in sd.values():
+        if isinstance(v, dict):
+            _scribble(v)
+        elif isinstance(v, torch.Tensor):
+            v.view(torch.uint8).bitwise_not_()
+
+
 def _child(kind: str, directory: str, gen: int, plan: str, conn, rank: int = 0, port: int = 0) -> None:
     """One save (runs in a forked child, or in the foreground with --child)."""
+    try:
+        _child_save(kind, directory, gen, plan, conn, rank, port)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
+        if isinstance(conn, _Stdout):
+            raise
+        try:
+            conn.send(f"error {type(e).__name__}: {str(e)[:500]}")
+        except OSError:
+            pass
+        sys.stderr.flush()
+        os._exit(3)
+    conn.send("done")
+
+
+def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
+    import faulthandler
     import fastckpt
-    import torch
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks a hung rank where it is
+    stall = plan == "stall"  # Driver.stall_check: an asynchronous save, slow writes, a short timeout
+    if stall:
+        plan = "write:1:30"
     if plan:
         os.environ[ENV] = plan
     arm_faults(os.environ.get(ENV, ""))
     with fastckpt.knobs.override(buffer_size=64 << 10, buffer_count=4, queue_depth=4):
-        state = make_state(gen, rank)
-        if kind == "dcp2":
+        if kind in TWO_RANK:
+            import datetime
+            import gc
             import torch.distributed as dist
             import torch.distributed.checkpoint as dcp
             from fastckpt.dcp import FastWriter
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-            sd = {f"r{rank}": state, "shared": make_state(gen, 99)["w"]}
-            conn.send("started")
-            dcp.save(sd, storage_writer=FastWriter(os.path.join(directory, f"step_{gen:04d}")))
+            # a short timeout (the manager's own group takes it too): a rank whose peer was killed or
+            # stopped fails within it, not after 30 minutes
+            timeout = STALL_TIMEOUT if stall else SURVIVOR_WAIT / 2
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                    timeout=datetime.timedelta(seconds=timeout))
+            sd = _dcp_state(gen, rank)
+            if kind == "sharded2":
+                mgr = fastckpt.CheckpointManager(directory, keep_last=2, sharded=True)
+                conn.send("started")
+                if gen % 2 or stall:
+                    mgr.async_save(gen, sd)
+                    conn.send("staged")
+                    _scribble(sd)
+                    mgr.wait()
+                else:
+                    mgr.save(gen, sd)
+                mgr.close()
+                del mgr
+                conn.send("saved")
+            else:
+                writer = FastWriter(os.path.join(directory, f"step_{gen:04d}"))
+                conn.send("started")
+                if kind == "dcp2":
+                    dcp.save(sd, storage_writer=writer)
+                else:  # dcp_async2: staged into FastWriter's buffers on return, written by DCP's thread
+                    fut = dcp.async_save(sd, storage_writer=writer)
+                    conn.send("staged")
+                    _scribble(sd)
+                    getattr(fut, "upload_completion", fut).result()
+                writer.close()
+                conn.send("saved")
             dist.barrier()
+            gc.collect()  # the manager's group goes while Python is alive
             dist.destroy_process_group()
-        elif kind == "manager":
+            return
+        state = make_state(gen, rank)
+        if kind == "manager":
             mgr = fastckpt.CheckpointManager(directory, keep_last=2)
             conn.send("started")
             if gen % 2:
@@ -126,7 +240,7 @@ def _child(kind: str, directory: str, gen: int, plan: str, conn, rank: int = 0, 
                 fastckpt.async_save(state, path).result()
             else:
                 fastckpt.save(state, path)
-    conn.send("done")
+        conn.send("saved")
 
 
 class _Stdout:
@@ -152,15 +266,22 @@ def _free_port() -> int:
 
 
 def _load_dcp(directory):
-    import torch
+    """Load a step directory of the world size 2 kinds with FastReader (CRCs checked) into
+    a target whose every entry, non-tensors included, starts out different."""
     import torch.distributed.checkpoint as dcp
     from fastckpt.dcp import FastReader
     gen = int(os.path.basename(directory).split("_")[1])
-    target = {f"r{r}": {k: (torch.empty_like(v) if isinstance(v, torch.Tensor) else v)
-                        for k, v in make_state(gen, r).items()} for r in (0, 1)}
-    target["shared"] = torch.empty_like(make_state(gen, 99)["w"])
+    target = _blank_dcp()
     dcp.load(target, storage_reader=FastReader(directory, verify=True))
     return gen, target
+
+
+def _blank_dcp() -> dict:
+    """A load target shaped like _expected_dcp(gen): zero tensors, non-tensors of generation 0."""
+    import torch
+    return {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor)
+                else {kk: (torch.zeros_like(vv) if isinstance(vv, torch.Tensor) else vv) for kk, vv in v.items()})
+            for k, v in _expected_dcp(0).items()}
 
 
 def _expected_dcp(gen):
@@ -176,7 +297,11 @@ class Driver:
         self.ctx.set_forkserver_preload(["torch", "fastckpt", "torch.distributed.checkpoint", "fastckpt.dcp"])
         self.counts = collections.Counter()
         self.violations = []
-        self.est = collections.defaultdict(lambda: 0.4)  # seconds a save of (kind, plan) takes
+        self.est = {}    # (kind, plan) -> seconds a save takes (see round())
+        self.base = {}   # kind -> seconds its uninterrupted establishing save took
+        self.last_timing = {}  # the last _run_children: seconds until every rank started, after the kill
+        self.exact = set()   # (step directory, its file hashes) found to load exactly
+        self.seconds = collections.Counter()  # kind -> wall time of its rounds (children and checks)
         self.gen = {}
         self.prev = {}   # kind -> what must still be there
         for k in KINDS:
@@ -185,6 +310,10 @@ class Driver:
     def fail(self, kind, plan, msg):
         self.violations.append(f"[{kind}/{plan}] {msg}")
         print(f"VIOLATION [{kind}/{plan}]: {msg}", flush=True)
+
+    @staticmethod
+    def _step_dir(kind, d, g):
+        return os.path.join(d, f"step_{g:08d}" if kind == "sharded2" else f"step_{g:04d}")
 
     # -- establishing a good previous checkpoint (in the parent, uninterrupted)
     def establish(self, kind):
@@ -199,21 +328,28 @@ class Driver:
         elif kind == "manager":
             fastckpt.CheckpointManager(d, keep_last=2).save(g, make_state(g))
             self.prev[kind] = (g, _sha(os.path.join(d, f"step_{g:08d}.pt")))
-        else:  # dcp2: a complete step directory, written here by a (non-killed) 2-rank run
-            self._run_children(kind, g, "", kill_at=None)
-            sd = os.path.join(d, f"step_{g:04d}")
+        else:  # a complete step directory, written here by a (non-killed) 2-rank run
+            _, self.base[kind] = self._run_children(kind, g, "", kill_at=None)
+            sd = self._step_dir(kind, d, g)
             self.prev[kind] = (g, _tree_hash(sd))
-            for n in os.listdir(d):  # older steps are not needed any more
-                if n != f"step_{g:04d}":
-                    shutil.rmtree(os.path.join(d, n))
+            if kind != "sharded2":
+                for n in os.listdir(d):  # older steps are not needed any more
+                    if n != os.path.basename(sd):
+                        shutil.rmtree(os.path.join(d, n))
 
-    def _run_children(self, kind, gen, plan, kill_at):
-        """Start the child(ren), kill them ``kill_at`` seconds after they started
-        saving (None: let them finish). Returns (killed, seconds)."""
+    def _run_children(self, kind, gen, plan, kill_at, victims=(0, 1)):
+        """Start the child(ren); SIGKILL the ranks in ``victims`` that have not
+        finished saving ``kill_at`` seconds after they all started (None: let
+        them finish). A round in which every rank reported its save done
+        before ``kill_at`` kills nobody (what is left is tearing down the
+        process group). A rank that was spared while its peer was killed must
+        end by itself within SURVIVOR_WAIT seconds (how it ended is counted).
+        Returns (killed, seconds the save took, or ran until the kill)."""
         d = os.path.join(self.root, kind)
-        ranks = (0, 1) if kind == "dcp2" else (0,)
-        port = _free_port() if kind == "dcp2" else 0
+        ranks = (0, 1) if kind in TWO_RANK else (0,)
+        port = _free_port() if kind in TWO_RANK else 0
         procs, conns = [], []
+        t_start = time.monotonic()
         for r in ranks:
             a, b = self.ctx.Pipe(duplex=False)
             p = self.ctx.Process(target=_child, args=(kind, d, gen, plan, b, r, port), daemon=True)
@@ -221,29 +357,75 @@ class Driver:
             b.close()
             procs.append(p)
             conns.append(a)
+        msgs = {r: [] for r in ranks}     # messages of each rank
+        saved_at = {}                     # rank -> when it reported its save done
+
+        def drain():
+            for r, c in zip(ranks, conns):
+                try:
+                    while c.poll(0):
+                        m = c.recv()
+                        msgs[r].append(m)
+                        if m == "saved":
+                            saved_at[r] = time.monotonic()
+                except (EOFError, OSError):
+                    pass
+
         try:
-            for c in conns:
+            for r, c in zip(ranks, conns):
                 if not c.poll(120):
-                    raise RuntimeError(f"{kind}: child never started")
-                assert c.recv() == "started"
+                    raise RuntimeError(f"{kind}: rank {r} never started")
+                try:
+                    m = c.recv()
+                except EOFError:
+                    m = "nothing (it died)"
+                if m != "started":
+                    raise RuntimeError(f"{kind}: rank {r} failed before saving: {m}")
             t0 = time.monotonic()
+            self.last_timing = {"start": t0 - t_start}
             deadline = t0 + (kill_at if kill_at is not None else 120)
-            while time.monotonic() < deadline and any(p.is_alive() for p in procs):
+            while time.monotonic() < deadline and len(saved_at) < len(ranks) and any(p.is_alive() for p in procs):
                 for p in procs:
-                    p.join(timeout=0.002)
-            alive = [p for p in procs if p.is_alive()]
-            took = time.monotonic() - t0
-            if kill_at is None and alive:
-                raise RuntimeError(f"{kind}: uninterrupted save did not finish")
-            for p in alive:
+                    p.join(timeout=0.001)
+                drain()
+            drain()
+            took = (max(saved_at.values()) if len(saved_at) == len(ranks) else time.monotonic()) - t0
+            doomed = []
+            if len(saved_at) < len(ranks):
+                if kill_at is None:
+                    raise RuntimeError(f"{kind}: uninterrupted save did not finish: {msgs}")
+                doomed = [p for r, p in zip(ranks, procs) if p.is_alive() and r in victims]
+            for p in doomed:
                 os.kill(p.pid, signal.SIGKILL)
-            for p in procs:
+            spared = [(r, p) for r, p in zip(ranks, procs) if p not in doomed]
+            # a spared rank ends by itself: it finishes, or fails because its peer died
+            limit = time.monotonic() + (SURVIVOR_WAIT if doomed else 120)
+            for _, p in spared:
+                p.join(timeout=max(0.0, limit - time.monotonic()))
+            for p in doomed:
                 p.join()
-            if not alive:
-                for p, c in zip(procs, conns):
-                    if p.exitcode != 0 or not c.poll(0) or c.recv() != "done":
-                        raise RuntimeError(f"{kind}: child exited {p.exitcode} without finishing")
-            return bool(alive), took
+            drain()
+            self.last_timing["end"] = time.monotonic() - t0 - took
+            if not doomed:
+                for r, p in spared:
+                    if p.exitcode != 0 or msgs[r][-1:] != ["done"]:
+                        raise RuntimeError(f"{kind}: rank {r} exited {p.exitcode} without finishing: {msgs[r]}")
+                return False, took
+            for r, p in spared:
+                if p.is_alive():
+                    print(f"rank {r} (pid {p.pid}) hangs; its threads:", file=sys.stderr, flush=True)
+                    os.kill(p.pid, signal.SIGUSR1)
+                    time.sleep(1.0)
+                    os.kill(p.pid, signal.SIGKILL)
+                    p.join()
+                    self.fail(kind, plan or "none", f"rank {r} hung for {SURVIVOR_WAIT:.0f} s after its peer was killed")
+                    self.counts[(kind, "survivor_hung")] += 1
+                else:
+                    fine = msgs[r][-1:] == ["done"]
+                    self.counts[(kind, "survivor_finished" if fine else "survivor_failed")] += 1
+                    if self.verbose:
+                        print(f"    rank {r} survived the kill of its peer: exit {p.exitcode}, {msgs[r][-1:]}", flush=True)
+            return True, took
         finally:
             for p in procs:
                 if p.is_alive():
@@ -253,26 +435,43 @@ class Driver:
                 c.close()
 
     def round(self, kind):
-        plans = ["none", "writes", "fsync", "rename"] + (["latest"] if kind == "manager" else [])
+        t0 = time.monotonic()
+        try:
+            return self._round(kind)
+        finally:
+            self.seconds[kind] += time.monotonic() - t0
+
+    def _round(self, kind):
+        plans = (["none", "writes", "fsync", "rename"] + (["latest"] if kind in MANAGED else [])
+                 + (["retention"] if kind == "sharded2" else []))
         plan_name = self.rng.choice(plans)
         plan = PLANS[plan_name].format(d=self.rng.randint(5, 40), D=self.rng.randint(100, 400))
+        # world size 2: kill both ranks (half the rounds), or only one of them
+        victims = (0, 1)
+        if kind in TWO_RANK:
+            victims = self.rng.choice([(0, 1), (0, 1), (0,), (1,)])
         if kind not in self.prev:
             self.establish(kind)
         old_gen = self.prev[kind][0]
         new_gen = old_gen + 1
-        est = self.est[(kind, plan_name)]
+        est = self.est.get((kind, plan_name), max(0.4, self.base.get(kind, 0.0)))
         kill_at = self.rng.uniform(0, est * 1.15)
         try:
-            killed, took = self._run_children(kind, new_gen, plan, kill_at)
+            killed, took = self._run_children(kind, new_gen, plan, kill_at, victims)
         except Exception as e:  # noqa: BLE001
             self.fail(kind, plan_name, f"child failed: {e}")
             return False
+        # The estimate follows the saves that finished; a kill close to the estimate says the
+        # save takes longer than that (else kills would never reach its end: the rename, `latest`).
         if not killed:
             self.est[(kind, plan_name)] = 0.6 * est + 0.4 * took
+        elif kill_at > 0.9 * est:
+            self.est[(kind, plan_name)] = 1.5 * est
         self.counts[(kind, "killed" if killed else "finished")] += 1
+        if killed and kind in TWO_RANK:
+            self.counts[(kind, "killed_" + ("both" if len(victims) == 2 else f"rank{victims[0]}"))] += 1
         try:
-            outcome = getattr(self, "check_" + ("file" if kind in ("save", "async_save") else kind))(
-                kind, old_gen, new_gen, killed)
+            outcome = getattr(self, "check_" + CHECKS.get(kind, kind))(kind, old_gen, new_gen, killed)
         except Exception as e:  # noqa: BLE001
             self.fail(kind, plan_name, f"check raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
             outcome = "error"
@@ -280,11 +479,25 @@ class Driver:
         self.counts[(kind, outcome)] += 1
         if killed and outcome == "new_complete":
             self.counts[(kind, "killed_after_rename")] += 1
-        return killed
         if self.verbose:
-            print(f"{kind:10s} {plan_name:7s} kill_at={kill_at:.3f}s killed={killed} -> {outcome}", flush=True)
+            tm = " ".join(f"{k}={v:.2f}s" for k, v in self.last_timing.items())
+            print(f"{kind:10s} {plan_name:7s} {tm} est={est:.3f}s took={took:.3f}s kill_at={kill_at:.3f}s victims={victims} killed={killed} -> {outcome}",
+                  flush=True)
+        return killed
 
     # -- checks
+    def _exact_dcp(self, directory) -> bool:
+        """Whether the step directory loads (FastReader, CRCs checked) to exactly what
+        generation <its name> saved. Bytes found exact before are not loaded again."""
+        key = (directory, tuple(_tree_hash(directory).items()))
+        if key in self.exact:
+            return True
+        gen, got = _load_dcp(directory)
+        if not same(got, _expected_dcp(gen)):
+            return False
+        self.exact.add(key)
+        return True
+
     def _cleanup_with_manager(self, d):
         import fastckpt
         import warnings
@@ -369,12 +582,10 @@ class Driver:
         old_dir, new_dir = os.path.join(d, f"step_{old_gen:04d}"), os.path.join(d, f"step_{new_gen:04d}")
         if _tree_hash(old_dir) != self.prev[kind][1]:
             raise AssertionError("the previous step directory changed")
-        g, got = _load_dcp(old_dir)
-        if not same(got, _expected_dcp(g)):
+        if not self._exact_dcp(old_dir):
             raise AssertionError("previous step loads but differs")
         if os.path.exists(os.path.join(new_dir, ".metadata")):
-            g, got = _load_dcp(new_dir)
-            if not same(got, _expected_dcp(new_gen)):
+            if not self._exact_dcp(new_dir):
                 raise AssertionError("new step has .metadata but differs from what was saved")
             if [n for n in os.listdir(new_dir) if TMP_MARK in n]:
                 raise AssertionError("complete DCP checkpoint with temporaries in it")
@@ -397,6 +608,126 @@ class Driver:
             shutil.rmtree(new_dir)  # FORMAT.md 2.4: MAY be deleted
         return "old_intact"
 
+    def check_sharded2(self, kind, old_gen, new_gen, killed):
+        import warnings
+        import fastckpt
+        d = os.path.join(self.root, kind)
+        old_name, new_name = f"step_{old_gen:08d}", f"step_{new_gen:08d}"
+        names = os.listdir(d)
+        tmps = [n for n in names if TMP_MARK in n]
+        if not killed and tmps:
+            raise AssertionError(f"a completed save left {tmps}")
+        if _tree_hash(os.path.join(d, old_name)) != self.prev[kind][1]:
+            raise AssertionError(f"{old_name} changed")
+        latest = open(os.path.join(d, "latest")).read().strip()
+        if latest not in (old_name, new_name):
+            raise AssertionError(f"latest names {latest!r}")
+        others = [n for n in names if TMP_MARK not in n and n != "latest" and not n.startswith("step_")]
+        if others:
+            raise AssertionError(f"unexpected names {others}")
+        for n in names:  # whatever sits under a step name is a complete checkpoint, and exact
+            if TMP_MARK in n or not n.startswith("step_"):
+                continue
+            if not os.path.isfile(os.path.join(d, n, ".metadata")):
+                raise AssertionError(f"{n} sits under its final name without .metadata")
+            if [m for m in os.listdir(os.path.join(d, n)) if TMP_MARK in m]:
+                raise AssertionError(f"{n} holds temporaries")
+            if not self._exact_dcp(os.path.join(d, n)):
+                raise AssertionError(f"{n} loads but is not what was saved")
+        if tmps:
+            self.counts[(kind, "leftover_tmp")] += 1
+            if any(n.endswith(".del") for n in tmps):
+                self.counts[(kind, "leftover_retention")] += 1
+        new_dir = os.path.join(d, new_name)
+        if os.path.exists(new_dir) and latest == old_name:
+            self.counts[(kind, "new_file_latest_old")] += 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mgr = fastckpt.CheckpointManager(d, keep_last=2, sharded=True)  # cleans leftovers
+            left = [n for n in os.listdir(d) if TMP_MARK in n]
+            if left:
+                raise AssertionError(f"manager start left temporaries: {left}")
+            r = mgr.load_latest(state=_blank_dcp())
+        if r is None or r.step not in (old_gen, new_gen) or not same(r.state, _expected_dcp(r.step)):
+            raise AssertionError(f"load_latest gave {r and r.step}")
+        if latest == new_name:
+            if r.step != new_gen:
+                raise AssertionError("load_latest skipped the checkpoint latest names")
+            self.prev[kind] = (new_gen, _tree_hash(new_dir))
+            self.gen[kind] = new_gen
+            return "new_complete"
+        if os.path.exists(new_dir):
+            # complete but `latest` not moved yet: drop it, so the next round starts from a known state
+            shutil.rmtree(new_dir)
+        return "old_intact"
+
+    def stall_check(self):
+        """sharded2, once: rank 1 stops responding (SIGSTOP) right after an asynchronous
+        save staged, while rank 0 writes in the background. Rank 0 must fail by itself
+        within a few times its process group's timeout (STALL_TIMEOUT), not wait on; then
+        rank 1 is killed and what is left is checked like a kill's."""
+        kind = "sharded2"
+        if kind not in self.prev:
+            self.establish(kind)
+        old_gen = self.prev[kind][0]
+        d = os.path.join(self.root, kind)
+        port = _free_port()
+        procs, conns = [], []
+        for r in (0, 1):
+            a, b = self.ctx.Pipe(duplex=False)
+            p = self.ctx.Process(target=_child, args=(kind, d, old_gen + 1, "stall", b, r, port), daemon=True)
+            p.start()
+            b.close()
+            procs.append(p)
+            conns.append(a)
+        limit = 4 * STALL_TIMEOUT + 5
+        try:
+            msgs = [[], []]
+            deadline = time.monotonic() + 120
+            while "staged" not in msgs[1]:
+                if time.monotonic() > deadline or not procs[1].is_alive():
+                    raise RuntimeError(f"rank 1 did not stage a save: {msgs}")
+                if conns[1].poll(0.01):
+                    msgs[1].append(conns[1].recv())
+            os.kill(procs[1].pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            procs[0].join(timeout=limit)
+            took = time.monotonic() - t0
+            if procs[0].is_alive():
+                print("rank 0 hangs beside a stopped rank 1; its threads:", file=sys.stderr, flush=True)
+                os.kill(procs[0].pid, signal.SIGUSR1)
+                time.sleep(1.0)
+                self.fail(kind, "stall", f"rank 0 still waits {limit:.0f} s after rank 1 stopped responding "
+                          f"(process group timeout {STALL_TIMEOUT:.0f} s)")
+                self.counts[(kind, "stall_hung")] += 1
+            else:
+                try:
+                    while conns[0].poll(0):
+                        msgs[0].append(conns[0].recv())
+                except EOFError:
+                    pass
+                if not (msgs[0] and msgs[0][-1].startswith("error")):
+                    self.fail(kind, "stall", f"rank 0 ended without an error beside a stopped rank 1: {msgs[0]}")
+                self.counts[(kind, "stall_failed_in")] = max(self.counts[(kind, "stall_failed_in")], took)
+                if self.verbose:
+                    print(f"    stall: rank 0 ended {took:.1f} s after rank 1 stopped: {msgs[0][-1:]}", flush=True)
+        except (RuntimeError, EOFError, OSError) as e:
+            self.fail(kind, "stall", f"stall check could not run: {e!r}\n{traceback.format_exc()}")
+            return
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)  # a stopped process dies too
+                    p.join()
+            for c in conns:
+                c.close()
+        try:
+            outcome = self.check_sharded2(kind, old_gen, old_gen + 1, killed=True)
+            self.counts[(kind, "stall_checks")] += 1
+            self.counts[(kind, "stall", outcome)] += 1
+        except Exception as e:  # noqa: BLE001
+            self.fail(kind, "stall", f"check raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
+
     def final_saves(self, kinds):
         """After all the kills: one uninterrupted save per kind succeeds."""
         for kind in kinds:
@@ -404,11 +735,13 @@ class Driver:
                 old_gen = self.prev[kind][0] if kind in self.prev else None
                 if old_gen is None:
                     continue
+                t0 = time.monotonic()
                 self._run_children(kind, old_gen + 1, "", kill_at=None)
-                fn = getattr(self, "check_" + ("file" if kind in ("save", "async_save") else kind))
+                fn = getattr(self, "check_" + CHECKS.get(kind, kind))
                 if fn(kind, old_gen, old_gen + 1, False) != "new_complete":
                     raise AssertionError("final uninterrupted save did not complete")
                 self.counts[(kind, "final_save_ok")] += 1
+                self.seconds[kind] += time.monotonic() - t0
             except Exception as e:  # noqa: BLE001
                 self.fail(kind, "final", f"{type(e).__name__}: {e}")
 
@@ -422,11 +755,23 @@ class Driver:
             per_plan = ", ".join(
                 f"{p}: " + "/".join(str(self.counts[(kind, p, o)]) for o in ("old_intact", "new_complete"))
                 for p in plans)
-            print(f"  {kind:10s} kills={k:4d} finished={f:3d}  old_intact={self.counts[(kind, 'old_intact')]:4d} "
+            extra = ""
+            if kind in MANAGED:
+                extra += f" new_file_latest_old={self.counts[(kind, 'new_file_latest_old')]}"
+            if kind == "sharded2":
+                extra += f" leftover_retention={self.counts[(kind, 'leftover_retention')]}"
+                if self.counts[(kind, "stall_checks")] or self.counts[(kind, "stall_hung")]:
+                    extra += (f" stalled_peer: rank 0 failed after {self.counts[(kind, 'stall_failed_in')]:.1f} s"
+                              if not self.counts[(kind, "stall_hung")] else " stalled_peer: rank 0 HUNG")
+            if kind in TWO_RANK:
+                extra += ("  [killed both/rank0/rank1: " + "/".join(
+                    str(self.counts[(kind, "killed_" + v)]) for v in ("both", "rank0", "rank1"))
+                    + f"; survivor finished/failed/hung: {self.counts[(kind, 'survivor_finished')]}/"
+                    f"{self.counts[(kind, 'survivor_failed')]}/{self.counts[(kind, 'survivor_hung')]}]")
+            print(f"  {kind:10s} {self.seconds[kind]:6.1f} s kills={k:4d} finished={f:3d}  old_intact={self.counts[(kind, 'old_intact')]:4d} "
                   f"new_complete={self.counts[(kind, 'new_complete')]:4d} leftover_tmp={self.counts[(kind, 'leftover_tmp')]:3d}"
                   + f" killed_after_rename={self.counts[(kind, 'killed_after_rename')]:3d}"
-                  + (f" new_file_latest_old={self.counts[(kind, 'new_file_latest_old')]}" if kind == "manager" else "")
-                  + f"  [plan: old/new {per_plan}]")
+                  + extra + f"  [plan: old/new {per_plan}]")
         print(f"  total kills={total} violations={len(self.violations)}")
         return total
 
@@ -439,10 +784,14 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="work directory (default: a fresh temporary one, removed on success)")
     ap.add_argument("--verbose", "-v", action="store_true")
     ap.add_argument("--child", choices=KINDS, help="run one save in the foreground (fault plan from $" + ENV + ")")
+    ap.add_argument("--no-stall", action="store_true", help="skip the stalled-peer check of sharded2 (Driver.stall_check)")
     ap.add_argument("--gen", type=int, default=1)
+    ap.add_argument("--rank", type=int, default=0, help="with --child, world size 2 kinds: this process's rank "
+                    "(start rank 0 and rank 1 with the same --port)")
+    ap.add_argument("--port", type=int, default=29531, help="with --child: rank 0's TCP port on 127.0.0.1")
     args = ap.parse_args(argv)
     if args.child:
-        _child(args.child, args.dir or ".", args.gen, "", _Stdout())
+        _child(args.child, args.dir or ".", args.gen, "", _Stdout(), args.rank, args.port)
         return 0
     kinds = [k for k in args.kinds.split(",") if k]
     bad = [k for k in kinds if k not in KINDS]
@@ -454,6 +803,8 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", message="torch.distributed is disabled")
     root = args.dir or tempfile.mkdtemp(prefix="fastckpt-crash-")
     drv = Driver(root, args.seed, args.verbose)
+    from multiprocessing import forkserver
+    forkserver.ensure_running()  # it imports torch while this process imports it too (in parallel)
     t0 = time.monotonic()
     kills, i = collections.Counter(), 0
     per_kind = {k: args.kills // len(kinds) + (1 if j < args.kills % len(kinds) else 0) for j, k in enumerate(kinds)}
@@ -462,6 +813,10 @@ def main(argv=None) -> int:
         i += 1
         if kills[kind] < per_kind[kind] and drv.round(kind):
             kills[kind] += 1
+    if "sharded2" in kinds and not args.no_stall:
+        t = time.monotonic()
+        drv.stall_check()
+        drv.seconds["sharded2"] += time.monotonic() - t
     drv.final_saves(kinds)
     drv.report(kinds, time.monotonic() - t0)
     if drv.violations:
