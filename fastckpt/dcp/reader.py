@@ -25,6 +25,7 @@ import io
 import logging
 import os
 import pickle
+import pickletools
 import stat
 import sys
 import threading
@@ -150,6 +151,7 @@ class FastReader(StorageReader):
             raise FileNotFoundError(errno.ENOENT, f"{p} does not exist: {self.path} is not a complete DCP "
                                     "checkpoint (no save has finished there, or one was interrupted)", p) from None
         try:
+            _check_pickle(data)
             md = pickle.loads(data)
         except Exception as e:
             raise FormatError(f"{p}: corrupt checkpoint metadata ({type(e).__name__}: {e})") from None
@@ -275,6 +277,17 @@ class FastReader(StorageReader):
     def _transforms(self):
         from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
         return _StorageReaderTransforms(self._extension_registry)
+
+
+def _check_pickle(data: bytes) -> None:
+    """Walk the opcodes of a pickle without running them, and refuse what would
+    make CPython's C unpickler allocate memory that the data cannot account for:
+    it sizes its memo table from a PUT's index (a damaged LONG_BINPUT asks for up
+    to 64 GiB, zero-filled) and allocates counted bytes before it checks that
+    they are there (genops refuses those itself)."""
+    for op, arg, _ in pickletools.genops(data):
+        if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and not 0 <= arg < len(data):
+            raise ValueError(f"memo index {arg} in a {len(data)}-byte pickle")
 
 
 def _torch_load_record(data: bytes, req: ReadItem, descriptors, reader: FastReader, where: str):

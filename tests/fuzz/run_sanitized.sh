@@ -100,8 +100,11 @@ esac
 export LD_PRELOAD="$PRELOAD"
 # CPython and torch keep memory until exit by design: no leak check. A huge
 # allocation (a size taken from a damaged file) is an error, not a slow run.
-export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_may_return_null=0:max_allocation_size_mb=4096:detect_stack_use_after_return=0:${ASAN_EXTRA_OPTIONS:-}"
-export UBSAN_OPTIONS="halt_on_error=1:abort_on_error=1:print_stacktrace=1"
+# Reports go to files ($SANLOG.<pid>), not to stderr: pytest captures fd 2 while a test
+# runs, and a report written there is lost when the sanitizer aborts the process.
+SANLOG=$OUT/sanitizer-report
+export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:halt_on_error=1:allocator_may_return_null=0:max_allocation_size_mb=2048:log_path=$SANLOG:${ASAN_EXTRA_OPTIONS:-}"
+export UBSAN_OPTIONS="halt_on_error=1:abort_on_error=1:print_stacktrace=1:log_path=$SANLOG"
 export PYTHONMALLOC=malloc  # every Python buffer gets ASan redzones (pymalloc arenas have none)
 export PYTHONPATH="$OUT/lib:$REPO/tests/fuzz"
 export FASTCKPT_SANITIZED_DIR="$OUT/lib"
@@ -110,17 +113,23 @@ export FASTCKPT_FUZZ_REPORT="$REPORT"
 export PYTHONDONTWRITEBYTECODE=1
 cd "$OUT"  # `python -m pytest` puts the working directory first on sys.path: not the repo root
 
+sanitizer_reports() { ls "$SANLOG".* 2>/dev/null || true; }
+
 # ---- 3. canary
+rm -f "$SANLOG".*
 set +e
 # (in an inner shell, which reports the abort into the log rather than here)
 bash -c '"$@"; exit $?' canary "$PY" "$REPO/tests/fuzz/asan_canary.py" > "$OUT/canary.log" 2>&1
 RC=$?
 set -e
-if [ "$RC" -eq 0 ] || ! grep -q "AddressSanitizer: heap-buffer-overflow" "$OUT/canary.log"; then
-    cat "$OUT/canary.log" >&2
+CANARY_REPORT=$(sanitizer_reports)
+if [ "$RC" -eq 0 ] || [ -z "$CANARY_REPORT" ] || ! grep -q "AddressSanitizer: heap-buffer-overflow" $CANARY_REPORT; then
+    cat "$OUT/canary.log" $CANARY_REPORT >&2
     die "the deliberate heap overflow was not caught by AddressSanitizer (exit $RC): this setup would not catch a real one"
 fi
-say "canary: ASan stopped a deliberate overflow through fastckpt._C (exit $RC): $(grep -m1 -o 'AddressSanitizer: heap-buffer-overflow.*' "$OUT/canary.log" | cut -c1-80)"
+say "canary: ASan stopped a deliberate overflow through fastckpt._C (exit $RC): $(grep -h -m1 -o 'AddressSanitizer: heap-buffer-overflow.*' $CANARY_REPORT | cut -c1-80)"
+grep -q "read_ranges" $CANARY_REPORT || die "the canary's report does not go through fastckpt's read_ranges: $CANARY_REPORT"
+rm -f $CANARY_REPORT
 
 # ---- 4. smoke test and fuzzers
 rm -f "$REPORT"
@@ -137,6 +146,11 @@ T1=$(date +%s)
 tail -25 "$LOG"
 
 # ---- 5. verdict
+REPORTS=$(sanitizer_reports)
+if [ -n "$REPORTS" ]; then
+    head -60 $REPORTS >&2
+    die "a sanitizer reported an error: $REPORTS (log: $LOG)"
+fi
 if grep -nE "ERROR: (Address|Undefined|Leak)Sanitizer|runtime error:|SUMMARY: (Address|Undefined)Sanitizer" "$LOG" >&2; then
     die "a sanitizer reported an error (log: $LOG)"
 fi

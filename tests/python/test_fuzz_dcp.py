@@ -13,7 +13,8 @@ loads it the way ``dcp.load`` does without a process group, stage by stage.
 Every damaged checkpoint must give a clean outcome from FastReader: it loads,
 or raises fastckpt.FormatError, an OSError, or pickle.UnpicklingError. Never
 another exception, a crash, a hang or a huge allocation (sizes come from the
-file and are checked against it first). With verify=True, a checkpoint with a
+file and are checked against it first; a jump of the peak RSS fails the test,
+and under tests/fuzz/run_sanitized.sh ASan aborts on any allocation > 2 GiB). With verify=True, a checkpoint with a
 single damaged spot that loads must give back the original values.
 
 The planner (torch's DefaultLoadPlanner) is not under test: when damaged
@@ -25,6 +26,7 @@ refused by torch and is checked no further.
 import dataclasses
 import os
 import pickle
+import resource
 import shutil
 import struct
 
@@ -166,15 +168,26 @@ def _load(ck, verify: bool):
     return tgt
 
 
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+MAX_GROWTH = 256 << 20  # the reference is < 100 KiB: a load that needs more trusted a size from the file
+
+
 def _check(ck, files: dict, verify: bool, intact: bool = False) -> None:
-    """Load the checkpoint made of `files`; only a clean outcome is allowed.
+    """Load the checkpoint made of `files`; only a clean outcome is allowed, and
+    no huge allocation (the process's peak RSS must not jump).
     `intact`: the damage cannot have gone unnoticed (one damaged spot, verify=True),
     so a successful load must give back the original values."""
     _populate(ck, files)
+    before = _peak_rss()
     try:
         got = _load(ck, verify)
     except ALLOWED:
-        return
+        got = None
+    grown = _peak_rss() - before
+    assert grown < MAX_GROWTH, f"the load raised the peak RSS by {grown >> 20} MiB (a size taken from the file?)"
     if intact and got is not None:
         assert _same(_state(), got), "a damaged checkpoint loaded with verify=True, with wrong values"
 
