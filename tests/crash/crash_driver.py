@@ -35,8 +35,12 @@ the end of the save too). Then the parent checks:
   previous step's directory is untouched; the new one either has no
   `.metadata` (and dcp.load refuses it) or loads exactly with FastReader;
 * world size 2 kinds: a round kills both ranks, or only rank 0, or only rank
-  1; the survivor must then fail (or finish) on its own within a few seconds,
-  and what it leaves is checked the same way;
+  1; the survivor must then fail (or finish) on its own (gloo notices a dead
+  peer at once; SURVIVOR_WAIT is the limit), and what it leaves is checked
+  the same way;
+* stalled peer (sharded2, once per run; --no-stall skips it): rank 1 is
+  stopped with SIGSTOP right after an asynchronous save staged; rank 0 must
+  fail within a few times the process group's timeout, not wait on;
 * sharded2: `latest` names a complete step directory that loads exactly with
   FastReader; every `step_*` directory is complete and exact; the previous
   step is bitwise untouched; a manager start removes the leftovers
@@ -73,7 +77,10 @@ KINDS = ("save", "async_save", "dcp2", "manager", "sharded2", "dcp_async2")
 TWO_RANK = ("dcp2", "sharded2", "dcp_async2")
 MANAGED = ("manager", "sharded2")     # kinds whose saves end with the `latest` update
 CHECKS = {"save": "file", "async_save": "file", "dcp_async2": "dcp2"}  # kind -> its check_ method
-SURVIVOR_WAIT = 20.0  # s: a rank whose peer was killed must exit on its own by then
+PG_TIMEOUT = 10.0     # s: the children's process group timeout (the manager's own group takes it too)
+# s: a rank whose peer was killed must exit on its own by then; gloo notices a dead peer at
+# once, but should it not, a sharded async save can wait out two timeouts in a row
+SURVIVOR_WAIT = 3 * PG_TIMEOUT + 5
 STALL_TIMEOUT = 3.0   # s: the process group timeout of a stall check (see Driver.stall_check)
 # name -> fault plan (FASTCKPT_CRASH_FAULTS syntax); {d} is a random delay in ms.
 PLANS = {
@@ -191,7 +198,7 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
             from fastckpt.dcp import FastWriter
             # a short timeout (the manager's own group takes it too): a rank whose peer was killed or
             # stopped fails within it, not after 30 minutes
-            timeout = STALL_TIMEOUT if stall else SURVIVOR_WAIT / 2
+            timeout = STALL_TIMEOUT if stall else PG_TIMEOUT
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                     timeout=datetime.timedelta(seconds=timeout))
             sd = _dcp_state(gen, rank)
