@@ -21,8 +21,11 @@
 #  4. tests/python/test_engine.py as a smoke test, then the fuzzers, with the
 #     ASan runtime preloaded; fuzz_plugin refuses to run unless fastckpt._C is
 #     the sanitized one and libasan is in the process;
-#  5. any sanitizer report in the log fails the run, as does a count below
-#     the minimum.
+#  5. any sanitizer report fails the run, as does a count below the minimum.
+#
+# PYTEST_ARGS (word-split) go to pytest; node ids there are relative to the
+# repository root, e.g.
+#   PYTEST_ARGS=--deselect=tests/python/test_fuzz_load.py::test_corpus_regressions
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -113,10 +116,10 @@ export FASTCKPT_FUZZ_REPORT="$REPORT"
 export PYTHONDONTWRITEBYTECODE=1
 cd "$OUT"  # `python -m pytest` puts the working directory first on sys.path: not the repo root
 
-sanitizer_reports() { ls "$SANLOG".* 2>/dev/null || true; }
+sanitizer_reports() { find "$OUT" -maxdepth 1 -type f -name "$(basename "$SANLOG").*" | sort; }
 
 # ---- 3. canary
-rm -f "$SANLOG".*
+rm -f "$SANLOG".[0-9]*
 set +e
 # (in an inner shell, which reports the abort into the log rather than here)
 bash -c '"$@"; exit $?' canary "$PY" "$REPO/tests/fuzz/asan_canary.py" > "$OUT/canary.log" 2>&1
