@@ -45,7 +45,8 @@ def main(ckpt_dir: str, steps: int = 10) -> None:
     dist.barrier()  # nobody reads or exits before the checkpoint is complete
 
     w = model.module.weight.detach().double().sum().item()
-    print(f"rank {rank}: trained steps {start}..{step}, weight sum {w:.6f}", flush=True)
+    sys.stdout.write(f"rank {rank}: trained steps {start}..{step}, weight sum {w:.6f}\n")  # one write per line
+    sys.stdout.flush()
     dist.destroy_process_group()
 
 

@@ -9,6 +9,7 @@ allocation: sizes read from the file are checked against the file first.
 """
 import os
 import pickle
+import re
 import struct
 
 import pytest
@@ -38,6 +39,15 @@ def reference(tmp_path_factory):
     return _reference(tmp_path_factory)
 
 
+# A storage's location tag damaged into another device's name ("cpu" -> "hpu")
+# is a file saved on a device this machine lacks: fastckpt.load raises what
+# torch.load raises for such a file (a RuntimeError naming the device), not a
+# FormatError, to stay torch-compatible. Only these messages are allowed.
+DEVICE_UNAVAILABLE = re.compile(r"device module is not registered|don't know how to restore data location|"
+                                r"torch\.\w+\.is_available\(\) is False|Invalid device|device type",
+                                re.IGNORECASE)
+
+
 def _check(data: bytes, path, verify: bool):
     with open(path, "wb") as f:
         f.write(data)
@@ -45,6 +55,32 @@ def _check(data: bytes, path, verify: bool):
         fastckpt.load(path, verify=verify)
     except ALLOWED:
         pass
+    except RuntimeError as e:
+        if not DEVICE_UNAVAILABLE.search(str(e)):
+            raise
+
+
+def test_a_location_damaged_into_an_unavailable_device_is_torchs_error(reference, tmp_path):
+    import io
+    import zipfile
+    pkl = zipfile.ZipFile(io.BytesIO(reference)).read("archive/data.pkl")
+    assert b"cpu" in pkl
+    damaged = _with_pickle(reference, pkl.replace(b"cpu", b"hpu", 1))
+    (tmp_path / "ref.pt").write_bytes(damaged)
+    with pytest.raises(RuntimeError) as ours:
+        fastckpt.load(tmp_path / "ref.pt")
+    with pytest.raises(RuntimeError) as theirs:
+        torch.load(tmp_path / "ref.pt", weights_only=True)
+    assert DEVICE_UNAVAILABLE.search(str(ours.value)) and str(ours.value) == str(theirs.value)
+    _check(damaged, tmp_path / "c.pt", verify=True)  # the fuzzers' check allows it
+
+
+def test_check_refuses_other_runtime_errors(reference, tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise RuntimeError("index out of range in a loader")
+    monkeypatch.setattr(fastckpt, "load", boom)
+    with pytest.raises(RuntimeError, match="index out of range"):
+        _check(reference, tmp_path / "c.pt", verify=False)
 
 
 mutation = st.one_of(
