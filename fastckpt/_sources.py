@@ -40,6 +40,7 @@ import torch
 import torch.serialization as ts
 
 from . import _C, _zip
+from . import serialization as _serialization
 from .engine import get_engine
 from .errors import FormatError
 
@@ -292,16 +293,8 @@ class ZipSource(Source):
 
     def _open(self) -> None:
         path, fd = self.path, self.f.fileno()
-        self.archive = _zip.Archive.parse(self.f, path, lambda r: _C.read_ranges(get_engine(), path, r, fd))
+        self.archive = _serialization._parse_checkpoint(path, self.f)
         recs = self.archive.records
-        if "constants.pkl" in recs:
-            raise FormatError(f"{path}: this is a TorchScript archive (torch.jit.save), not a checkpoint")
-        for n, e in recs.items():
-            if e.method != 0:
-                raise FormatError(f"{path}: record {n!r} is compressed (method {e.method}); "
-                                  "checkpoints store records uncompressed")
-        if "data.pkl" not in recs:
-            raise FormatError(f"{path}: no data.pkl record (a zip file, but not a torch.save checkpoint)")
         small_names = [n for n in recs if not n.startswith("data/")]
         small = {n: bytearray(recs[n].size) for n in small_names}
         ranges = [(small[n], recs[n].data_offset) for n in small_names if recs[n].size]
@@ -350,8 +343,7 @@ class ZipSource(Source):
             raise FormatError(f"{self.path}: {self.byteorder}-endian data; this command reads native "
                               f"({sys.byteorder}-endian) archives piece by piece")
         path, recs = self.path, self.archive.records
-        from .serialization import _Reader
-        reader = _Reader(self.archive, self.small, {})
+        reader = _serialization._Reader(self.archive, self.small, {})
 
         def on_storage(pid, untyped) -> None:
             _, stype, key, location, numel = pid

@@ -328,9 +328,10 @@ class _Reader:
         return self.small.get(".data/serialization_id", b"").decode("ascii", "replace")
 
 
-def _read_archive(path: str, fh, verify: bool):
-    """Parse and read the archive open as `fh`: every read goes to that one
-    file, even if `path` is atomically replaced meanwhile."""
+def _parse_checkpoint(path: str, fh) -> "_zip.Archive":
+    """The zip directory of the checkpoint open as `fh`, checked to be a
+    torch.save archive fastckpt can read (uncompressed, with data.pkl, not
+    TorchScript). Reads go to that one file even if `path` is replaced."""
     fd = fh.fileno()
     archive = _zip.Archive.parse(fh, path, lambda ranges: _C.read_ranges(get_engine(), path, ranges, fd))
     recs = archive.records
@@ -342,6 +343,15 @@ def _read_archive(path: str, fh, verify: bool):
                               "checkpoints store records uncompressed")
     if "data.pkl" not in recs:
         raise FormatError(f"{path}: no data.pkl record (not a torch.save checkpoint)")
+    return archive
+
+
+def _read_archive(path: str, fh, verify: bool):
+    """Parse and read the archive open as `fh`: every read goes to that one
+    file, even if `path` is atomically replaced meanwhile."""
+    fd = fh.fileno()
+    archive = _parse_checkpoint(path, fh)
+    recs = archive.records
     small_names = [n for n in recs if not n.startswith("data/")]
     small = {n: bytearray(recs[n].size) for n in small_names}
     # Plain allocations: fresh memory is faulted in by the copy out of the
