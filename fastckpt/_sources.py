@@ -276,22 +276,37 @@ class _MetaUnpickler(ts._weights_only_unpickler.Unpickler):
         self._pl = wrapped
 
 
-class ZipSource(Source):
-    """A fastckpt or torch.save zip archive. With `verify` (default), every storage
-    read whole is checked against its CRC-32 as it is read."""
+class _FileSource(Source):
+    """A Source over one file kept open: `_parse()` reads its directory, and
+    the file is closed again if that fails."""
 
-    def __init__(self, path: str, verify: bool = True):
+    def __init__(self, path: str):
         super().__init__()
         self.path = path
-        self.verify = verify
         self.f = open(path, "rb")
         try:
-            self._open()
+            self._parse()
         except BaseException:
             self.f.close()
             raise
 
-    def _open(self) -> None:
+    def _parse(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        super().close()
+        self.f.close()
+
+
+class ZipSource(_FileSource):
+    """A fastckpt or torch.save zip archive. With `verify` (default), every storage
+    read whole is checked against its CRC-32 as it is read."""
+
+    def __init__(self, path: str, verify: bool = True):
+        self.verify = verify
+        super().__init__(path)
+
+    def _parse(self) -> None:
         path, fd = self.path, self.f.fileno()
         self.archive = _serialization._parse_checkpoint(path, self.f)
         recs = self.archive.records
@@ -326,10 +341,6 @@ class ZipSource(Source):
                 if self.kind == "fastckpt" else
                 f"torch.save checkpoint (zip archive, records aligned to {self.alignment} bytes)")
         return f"{what}, {n} storage record{'s' if n != 1 else ''}"
-
-    def close(self) -> None:
-        super().close()
-        self.f.close()
 
     def check_small(self) -> None:
         if self.bad_small:
@@ -433,20 +444,10 @@ def _no_duplicates(pairs):
     return d
 
 
-class SafetensorsSource(Source):
+class SafetensorsSource(_FileSource):
     """A safetensors file: 8-byte little-endian header length, JSON header, tensor bytes."""
 
     kind = "safetensors"
-
-    def __init__(self, path: str):
-        super().__init__()
-        self.path = path
-        self.f = open(path, "rb")
-        try:
-            self._parse()
-        except BaseException:
-            self.f.close()
-            raise
 
     def _parse(self) -> None:
         path = self.path
@@ -518,10 +519,6 @@ class SafetensorsSource(Source):
 
     def description(self) -> str:
         return f"safetensors file ({len(self.entries)} tensors, {self.header_size}-byte header)"
-
-    def close(self) -> None:
-        super().close()
-        self.f.close()
 
     def tree(self, values: bool = True) -> Any:
         tensors = {e.name: meta_tensor(self.storages[e.name], e.dtype, e.shape) for e in self.entries}

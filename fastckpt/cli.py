@@ -214,6 +214,9 @@ def _add_common(p: argparse.ArgumentParser, top: bool) -> None:
 def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _add_common(common, top=False)
+    progress = argparse.ArgumentParser(add_help=False)  # the commands that read whole checkpoints
+    progress.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
+                          help="progress bar on stderr (auto: when stderr is a terminal)")
     parser = argparse.ArgumentParser(
         prog="fastckpt",
         description="Inspect, verify and convert PyTorch checkpoints (fastckpt, torch.save, safetensors, DCP), "
@@ -232,7 +235,7 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_inspect)
 
-    p = sub.add_parser("verify", parents=[common], help="check every checksum and the structure",
+    p = sub.add_parser("verify", parents=[common, progress], help="check every checksum and the structure",
                        description="Read the whole checkpoint and check every CRC-32 and the structure. Exit "
                                    "status 0 only if it is complete and intact. A CheckpointManager directory: "
                                    "its latest pointer and every checkpoint in it.")
@@ -241,11 +244,9 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="fail when data has no checksum to check it against (safetensors, legacy torch "
                         "files, torch.save with CRCs disabled)")
-    p.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
-                   help="progress bar on stderr (auto: when stderr is a terminal)")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("convert", parents=[common], help="convert between fastckpt/torch, safetensors and DCP",
+    p = sub.add_parser("convert", parents=[common, progress], help="convert between fastckpt/torch, safetensors and DCP",
                        description="Convert a checkpoint, streaming: memory stays bounded by a few buffers (or "
                                    "the largest tensor for DCP), not by the checkpoint's size. Every file is "
                                    "written through the engine: temporary name, fdatasync, rename.")
@@ -260,8 +261,6 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="do not check the source's CRC-32s while reading it (by default a corrupt source "
                         "stops the conversion instead of being copied into a valid-looking file)")
-    p.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
-                   help="progress bar on stderr (auto: when stderr is a terminal)")
     p.set_defaults(func=cmd_convert)
 
     p = sub.add_parser("doctor", parents=[common], help="what this machine and directory support",
