@@ -13,6 +13,15 @@ failed before writing). ``stage()`` never overwrites a busy slot: if the
 previous save still runs, it stages into a second slot (and says so in a log
 line), so an overlapping save costs memory, never correctness.
 
+Ownership is generation-checked. Every ``stage()`` makes the slot it takes
+belong to a new *generation*; a release names the generation it releases, and
+releasing any other generation is a no-op. So the finalizer of an old staged
+dict that is garbage-collected late (after its slot was released by its save
+and taken again by a newer ``stage()``) cannot free the slot under the newer
+save. The save that writes a staged dict finds its slot and generation from
+the tensors it writes (:meth:`Stager.owner_of`), not from state kept on the
+writer, so overlapping or out-of-order saves release exactly what they used.
+
 Buffers for CUDA tensors are pinned (the device-to-host copies are issued
 non-blocking and synchronized once at the end); others are plain memory
 aligned to 4 KiB.
@@ -58,46 +67,89 @@ def _aligned_empty(size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
 class _Slot:
     def __init__(self):
         self.buffers: Dict[Tuple, torch.Tensor] = {}
+        self.generation = 0   # the stage() that owns the slot while busy
         self.busy = False
+
+
+class Claim:
+    """One staged generation of one slot: what a save releases when it is done."""
+
+    __slots__ = ("slot", "generation")
+
+    def __init__(self, slot: _Slot, generation: int):
+        self.slot = slot
+        self.generation = generation
+
+    def __eq__(self, other):
+        return isinstance(other, Claim) and other.slot is self.slot and other.generation == self.generation
+
+    def __hash__(self):
+        return hash((id(self.slot), self.generation))
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    try:
+        return t.untyped_storage().data_ptr()
+    except Exception:  # a tensor without storage (meta, wrapper subclasses)
+        return 0
 
 
 class Stager:
     def __init__(self):
         self._lock = threading.Lock()
         self._slots: List[_Slot] = []
-        self.pending: Optional[_Slot] = None  # staged, not yet claimed by a save
+        self._generation = 0
+        self._owners: Dict[int, Claim] = {}   # storage pointer of a busy slot's buffer -> its claim
         self.allocations = 0                  # buffers allocated so far (tests check reuse)
 
     # -- slots
 
-    def _take_slot(self) -> _Slot:
+    def _take_slot(self) -> Claim:
         with self._lock:
+            self._generation += 1
             for s in self._slots:
                 if not s.busy:
-                    s.busy = True
-                    return s
-            if self._slots:
-                log.info("fastckpt.dcp: the previous async save still uses its staging buffers; "
-                         "staging into a second set (%d in all)", len(self._slots) + 1)
-            s = _Slot()
+                    break
+            else:
+                if self._slots:
+                    log.info("fastckpt.dcp: the previous async save still uses its staging buffers; "
+                             "staging into a second set (%d in all)", len(self._slots) + 1)
+                s = _Slot()
+                self._slots.append(s)
             s.busy = True
-            self._slots.append(s)
-            return s
+            s.generation = self._generation
+            return Claim(s, s.generation)
 
-    def release(self, slot: Optional[_Slot]) -> None:
-        if slot is not None:
-            with self._lock:
-                slot.busy = False
+    def release(self, claim: Optional[Claim]) -> bool:
+        """Free `claim`'s slot for reuse if that generation still owns it (else a
+        no-op: the slot was released already and may belong to a newer stage()).
+        Returns whether the slot was freed."""
+        if claim is None:
+            return False
+        with self._lock:
+            s = claim.slot
+            if not s.busy or s.generation != claim.generation:
+                return False
+            s.busy = False
+            for k in [k for k, c in self._owners.items() if c == claim]:
+                del self._owners[k]
+            return True
+
+    def owner_of(self, t: torch.Tensor) -> Optional[Claim]:
+        """The staged generation whose buffer `t` is (or views), if a busy slot's."""
+        with self._lock:
+            ptr = _storage_ptr(t) if self._owners else 0
+            return self._owners.get(ptr) if ptr else None
 
     def close(self) -> None:
         with self._lock:
             self._slots = [s for s in self._slots if s.busy]
-            self.pending = None
 
     # -- staging
 
     def stage(self, state_dict: Dict[str, Any]) -> StagedStateDict:
-        slot = self._take_slot()
+        claim = self._take_slot()
+        slot = claim.slot
         try:
             used: Dict[Tuple, torch.Tensor] = {}
             cuda = [False]
@@ -107,11 +159,16 @@ class Stager:
             if cuda[0]:
                 torch.cuda.synchronize()
             slot.buffers = used  # buffers of keys no longer in the state dict are dropped
+            with self._lock:
+                for buf in used.values():
+                    ptr = _storage_ptr(buf)
+                    if ptr:
+                        self._owners[ptr] = claim
         except BaseException:
-            self.release(slot)
+            self.release(claim)
             raise
-        weakref.finalize(out, self.release, slot)
-        self.pending = slot
+        # A late collection of `out` releases this generation only, never a newer owner's.
+        weakref.finalize(out, self.release, claim)
         return out
 
     def _buffer(self, path: Tuple, t: torch.Tensor, slot: _Slot, used: Dict[Tuple, torch.Tensor]) -> torch.Tensor:

@@ -15,9 +15,23 @@ it. What differs is how it gets there (docs/FORMAT.md, section 2):
   invisible (its ``.metadata`` removed, durably) before any data file is
   replaced, and the new ``.metadata`` is written last, after every rank's data
   is durable, through the same temporary-name/fdatasync/rename/fsync path.
+
+Stream transforms (``_extensions``, e.g. torch's ``ZStandard``) are applied as
+the stock writer applies them: each record (a tensor's torch.save archive or a
+BYTE_IO item) is written through the extensions' ``transform_to`` streams, its
+``.metadata`` entry carries the descriptors torch records
+(``_StorageInfo.transform_descriptors``), and the transformed bytes go through
+the same engine Writer (temporary name, fdatasync, rename). Such records hold
+no raw tensor bytes, so they are neither 4 KiB-aligned nor read in place.
+
+One FastWriter may serve overlapping saves (two ``dcp.async_save`` calls, or a
+``dcp.save`` while an async save runs): the state of a save (its directory,
+save id, rank, coordinator role) is kept per save, i.e. per thread that runs
+it, since DCP calls every StorageWriter method of one save from one thread.
 """
 
 import dataclasses
+import io
 import logging
 import os
 import pickle
@@ -98,6 +112,80 @@ class _Cancelled(Exception):
     pass
 
 
+@dataclasses.dataclass
+class _Save:
+    """The state of one save. DCP calls every StorageWriter method of a save from
+    the thread that runs it (the caller's for ``dcp.save``, a worker's for
+    ``dcp.async_save``), so a FastWriter keeps one of these per thread: saves
+    that overlap never see each other's directory."""
+    path: Path
+    save_id: str
+    is_coordinator: bool = True
+    rank: Optional[int] = None
+    use_collectives: bool = True
+    set_up: bool = False      # set_up_storage_writer ran (a later reset() starts another save)
+
+    def metadata_name(self) -> str:
+        if not self.use_collectives and self.rank is not None:
+            return f"__{self.rank}{METADATA}"
+        return METADATA
+
+
+class _EngineSink(io.RawIOBase):
+    """The raw stream under the stream transforms: bytes go to the engine Writer."""
+
+    def __init__(self, w):
+        super().__init__()
+        self._w = w
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        n = len(memoryview(b).cast("B"))
+        if n:
+            self._w.write(b)
+        return n
+
+    def flush(self) -> None:  # the engine Writer flushes at commit
+        pass
+
+    def close(self) -> None:  # the file is committed or aborted by its Writer, not by a transform
+        pass
+
+
+TRANSFORM_CHUNK = 4 << 20  # tensor bytes are fed to the stream transforms in pieces this big
+
+
+def _feed_tensor(out, t: torch.Tensor) -> int:
+    """Write the bytes of contiguous CPU tensor `t` to `out`; returns their CRC-32."""
+    flat = t.reshape(-1).view(torch.uint8)
+    crc = 0
+    for i in range(0, flat.numel(), TRANSFORM_CHUNK):
+        piece = flat[i:i + TRANSFORM_CHUNK]
+        crc = _C.crc32(piece, crc)
+        out.write(memoryview(piece.numpy()))
+    return crc
+
+
+def _writer_transforms(extensions: Optional[Sequence[Any]]):
+    """torch's own transform stack for `extensions` (None when there are none)."""
+    if not extensions:
+        return None
+    try:
+        from torch.distributed.checkpoint._extension import StreamTransformExtension
+        from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
+    except ImportError:  # pragma: no cover (torch < 2.7)
+        raise NotImplementedError("fastckpt.dcp.FastWriter: this torch has no DCP stream transforms "
+                                  "(_extensions)") from None
+    for ex in extensions:
+        if not isinstance(ex, StreamTransformExtension):
+            raise NotImplementedError(f"fastckpt.dcp.FastWriter applies stream transforms "
+                                      f"(torch.distributed.checkpoint._extension.StreamTransformExtension) "
+                                      f"only; got {type(ex).__name__}")
+    return _StorageWriterTransforms(list(extensions))
+
+
 def _host_tensor(t: torch.Tensor) -> torch.Tensor:
     """The bytes to write: a contiguous CPU tensor (copies only when needed)."""
     t = t.detach()
@@ -108,16 +196,19 @@ def _host_tensor(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _host_tensors(entries: List[_Entry], planner: SavePlanner):
+def _host_tensors(entries: List[_Entry], planner: SavePlanner, on_resolve=None):
     """(entry, host tensor or None) in order. A device tensor's copy to pinned host
     memory is started one entry ahead, so that it overlaps the write of the
-    previous one (the stock writer's _OverlappingCpuLoader idea)."""
+    previous one (the stock writer's _OverlappingCpuLoader idea). `on_resolve`
+    sees every tensor the planner resolved, before any copy."""
     pending = None  # (entry, tensor, event)
     for e in entries:
         if e.payload is not None:
             cur = (e, None, None)
         else:
             t = planner.resolve_data(e.item).detach()
+            if on_resolve is not None:
+                on_resolve(t)
             if t.device.type == "cuda":
                 host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
                 host.copy_(t, non_blocking=True)
@@ -156,12 +247,22 @@ class FastWriter(StorageWriter, AsyncStager):
             ``.metadata`` is removed before any data file is written, so an
             interrupted overwrite leaves no loadable checkpoint, never a mixed
             one). False raises if ``path`` holds a checkpoint.
-        _extensions, serialization_format: only the defaults (no stream
-            transforms, torch.save records); others raise NotImplementedError.
+        _extensions: stream transforms applied to every record, as the
+            stock writer applies them (e.g. ``[ZStandard()]`` from
+            ``torch.distributed.checkpoint._extension``; user-defined
+            ``StreamTransformExtension`` subclasses too). Both ``FastReader``
+            and the stock ``FileSystemReader`` read the result (give them an
+            ``_extension_registry`` that knows user-defined extensions).
+            Transformed records are not 4 KiB-aligned and are read whole.
+        serialization_format: torch.save records only (the default); others
+            raise NotImplementedError.
 
     As an ``AsyncStager`` (``dcp.async_save(sd, storage_writer=FastWriter(p))``),
     :meth:`stage` copies the state dict into host buffers that are kept and
-    reused by the next ``stage()``. Use one FastWriter for one save at a time.
+    reused by the next ``stage()``; buffers that a save still uses are never
+    reused. One FastWriter may serve overlapping saves (each keeps its own
+    directory and save id); each save writes exactly the state dict it was
+    given.
 
     Example:
         >>> import torch.distributed.checkpoint as dcp
@@ -181,8 +282,7 @@ class FastWriter(StorageWriter, AsyncStager):
             raise ValueError(f"thread_count must be >= 1 (got {thread_count})")
         if not sync_files:
             log.warning("fastckpt.dcp.FastWriter: sync_files=False is ignored; files are always fdatasync'd")
-        if _extensions:
-            raise NotImplementedError("fastckpt.dcp.FastWriter does not apply stream transforms (_extensions)")
+        self._transforms = _writer_transforms(_extensions)
         if serialization_format is not None and getattr(serialization_format, "value", "torch_save") != "torch_save":
             raise NotImplementedError(f"fastckpt.dcp.FastWriter writes torch.save records only, not "
                                       f"{serialization_format}")
@@ -198,99 +298,142 @@ class FastWriter(StorageWriter, AsyncStager):
         self.use_collectives = True
         self.last_write_stats: List[Dict[str, Any]] = []  # engine statistics of this rank's last write_data
         self._stager = Stager()
-        self._slot = None
+        self._local = threading.local()  # .save: the _Save of the save this thread runs
+
+    # ---------------------------------------------------------------- per-save state
+
+    def _save(self) -> _Save:
+        """The state of the save that the calling thread runs; outside a save, the
+        writer's own attributes (the last values any save set)."""
+        s = getattr(self._local, "save", None)
+        if s is not None:
+            return s
+        return _Save(self.path, self.save_id, self.is_coordinator, self.rank, self.use_collectives)
+
+    def _end_save(self) -> None:
+        self._local.save = None
 
     # ---------------------------------------------------------------- StorageWriter
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
+        # DCP calls this first (when given a checkpoint_id): it starts a save in this thread.
         if checkpoint_id:
             self.path = Path(checkpoint_id)
         self.save_id = str(uuid.uuid4())
+        self._local.save = _Save(Path(checkpoint_id) if checkpoint_id else self.path, self.save_id)
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-        self.rank = kwargs.get("rank")
-        self.use_collectives = kwargs.get("use_collectives", True)
-        # The buffers of the last stage() now belong to this save.
-        self._stager.release(self._slot)
-        self._slot, self._stager.pending = self._stager.pending, None
+        s = getattr(self._local, "save", None)
+        if s is None or s.set_up:  # no reset() for this save: it writes to the writer's path
+            s = _Save(self.path, self.save_id)
+        s.set_up = True
+        s.is_coordinator = is_coordinator
+        s.rank = kwargs.get("rank")
+        s.use_collectives = kwargs.get("use_collectives", True)
+        self._local.save = s
+        self.is_coordinator, self.rank, self.use_collectives = s.is_coordinator, s.rank, s.use_collectives
 
     def _metadata_name(self) -> str:
-        if not self.use_collectives and self.rank is not None:
-            return f"__{self.rank}{METADATA}"
-        return METADATA
+        return self._save().metadata_name()
 
-    def _invalidate(self, names: Sequence[str]) -> None:
-        """Remove the metadata files of an earlier checkpoint in self.path, durably."""
+    @staticmethod
+    def _invalidate(path: Path, names: Sequence[str]) -> None:
+        """Remove the metadata files of an earlier checkpoint in `path`, durably."""
         removed = False
         for n in names:
             try:
-                os.unlink(os.path.join(self.path, n))
+                os.unlink(os.path.join(path, n))
                 removed = True
             except FileNotFoundError:
                 pass
         if removed:
-            log.warning("fastckpt.dcp: replacing the checkpoint in %s", self.path)
-            _fsync_dir(os.fspath(self.path))
+            log.warning("fastckpt.dcp: replacing the checkpoint in %s", path)
+            _fsync_dir(os.fspath(path))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        check_directory_owner(self.path, "DCP checkpoint directory")
-        os.makedirs(self.path, exist_ok=True)
-        if not self.overwrite:
-            existing = METADATA if self.use_collectives else "__0" + METADATA
-            if os.path.exists(os.path.join(self.path, existing)):
-                raise RuntimeError(f"{self.path} already holds a checkpoint and overwrite=False")
-        if self.rank is not None and not self.use_collectives:
-            # Without collectives every rank is its own coordinator.
-            self._invalidate([METADATA, self._metadata_name()])
-            plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{self.rank}_"))
+        s = self._save()
+        try:
+            check_directory_owner(s.path, "DCP checkpoint directory")
+            os.makedirs(s.path, exist_ok=True)
+            if not self.overwrite:
+                existing = METADATA if s.use_collectives else "__0" + METADATA
+                if os.path.exists(os.path.join(s.path, existing)):
+                    raise RuntimeError(f"{s.path} already holds a checkpoint and overwrite=False")
+            if s.rank is not None and not s.use_collectives:
+                # Without collectives every rank is its own coordinator.
+                self._invalidate(s.path, [METADATA, s.metadata_name()])
+                plan = dataclasses.replace(plan, storage_data=_StoragePrefix(f"__{s.rank}_"))
+        except BaseException:
+            self._end_save()
+            raise
         return plan
 
     def prepare_global_plan(self, plans: List[SavePlan]) -> List[SavePlan]:
         # Runs on the coordinator after every rank planned and before any rank
         # writes: an old checkpoint here stops being one before its files change.
-        if self.use_collectives:
+        s = self._save()
+        if s.use_collectives:
             # also rank-local metadata of a use_collectives=False save: dcp.load falls back to it
-            rank_local = [n for n in os.listdir(self.path) if re.fullmatch(r"__\d+\.metadata", n)]
-            self._invalidate([METADATA] + rank_local)
+            rank_local = [n for n in os.listdir(s.path) if re.fullmatch(r"__\d+\.metadata", n)]
+            self._invalidate(s.path, [METADATA] + rank_local)
         return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) if p.storage_data is None else p
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
+        s = self._save()
+        claims: set = set()  # the staged generations whose buffers this save writes
+
+        def on_resolve(t: torch.Tensor) -> None:
+            c = self._stager.owner_of(t)
+            if c is not None:
+                claims.add(c)
+
+        ok = False
         try:
-            results = self._write_files(plan, planner)
+            results = self._write_files(s, plan, planner, on_resolve)
+            ok = True
         finally:
-            self._stager.release(self._slot)  # staged buffers may be reused from here on
-            self._slot = None
+            for c in claims:  # their buffers may be reused from here on (by a newer stage())
+                self._stager.release(c)
+            if not ok or (s.use_collectives and not s.is_coordinator):
+                self._end_save()  # nothing else of this save runs here (finish: coordinator only)
         fut: Future = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        s = self._save()
+        try:
+            self._finish(s, metadata, results)
+        finally:
+            self._end_save()
+
+    def _finish(self, s: _Save, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         if CURRENT_DCP_VERSION is not None:
             metadata.version = CURRENT_DCP_VERSION
         storage_md = {}
         for wr_list in results:
             storage_md.update({wr.index: wr.storage_data for wr in wr_list})
         metadata.storage_data = storage_md
-        metadata.storage_meta = self.storage_meta()
+        metadata.storage_meta = StorageMeta(checkpoint_id=s.path, save_id=s.save_id)
         data = pickle.dumps(metadata)
-        w = _C.Writer(get_engine(), os.path.join(self.path, self._metadata_name()), len(data))
+        w = _C.Writer(get_engine(), os.path.join(s.path, s.metadata_name()), len(data))
         try:
             w.write(data)
             w.commit()  # temporary name, fdatasync, rename, directory fsync
         except BaseException:
             w.abort()
             raise
-        parent = os.path.dirname(os.path.abspath(self.path))
+        parent = os.path.dirname(os.path.abspath(s.path))
         _fsync_dir(parent)  # the checkpoint directory's own entry, if it was created by this save
 
     def storage_meta(self) -> Optional[StorageMeta]:
-        return StorageMeta(checkpoint_id=self.checkpoint_id, save_id=self.save_id)
+        s = self._save()
+        return StorageMeta(checkpoint_id=s.path, save_id=s.save_id)
 
     @property
     def checkpoint_id(self) -> Union[str, os.PathLike]:
-        return self.path
+        return self._save().path
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: Union[str, os.PathLike]) -> bool:
@@ -344,12 +487,14 @@ class FastWriter(StorageWriter, AsyncStager):
             pos += blob.length
         return entries, pos
 
-    def _write_file(self, name: str, items: List[WriteItem], planner: SavePlanner,
-                    stop: threading.Event) -> Tuple[List[WriteResult], Dict[str, Any]]:
+    def _write_file(self, directory: Path, name: str, items: List[WriteItem], planner: SavePlanner,
+                    stop: threading.Event, on_resolve=None) -> Tuple[List[WriteResult], Dict[str, Any]]:
+        if self._transforms is not None:
+            return self._write_transformed(directory, name, items, planner, stop, on_resolve)
         entries, total = self._layout(items, planner)
-        w = _C.Writer(get_engine(), os.path.join(self.path, name), total)
+        w = _C.Writer(get_engine(), os.path.join(directory, name), total)
         try:
-            for e, t in _host_tensors(entries, planner):
+            for e, t in _host_tensors(entries, planner, on_resolve):
                 if stop.is_set():
                     raise _Cancelled()
                 if w.position < e.offset:
@@ -377,26 +522,73 @@ class FastWriter(StorageWriter, AsyncStager):
                    for e in entries]
         return results, stats
 
-    def _write_files(self, plan: SavePlan, planner: SavePlanner) -> List[WriteResult]:
-        prefix = plan.storage_data.prefix if plan.storage_data is not None else f"__{self.rank or 0}_"
+    def _write_transformed(self, directory: Path, name: str, items: List[WriteItem], planner: SavePlanner,
+                           stop: threading.Event, on_resolve=None) -> Tuple[List[WriteResult], Dict[str, Any]]:
+        """One data file whose records go through the stream transforms, one after
+        the other (their transformed lengths are known only once written)."""
+        entries: List[_Entry] = []
+        for it in items:  # bytes first, then tensors in plan order (as _layout)
+            if it.type == WriteItemType.BYTE_IO:
+                data = planner.resolve_data(it)
+                payload = bytes(data.getbuffer()) if hasattr(data, "getbuffer") else bytes(data)
+                entries.append(_Entry(it, 0, 0, payload=payload))
+        entries += [_Entry(it, 0, 0) for it in items if it.type != WriteItemType.BYTE_IO]
+        w = _C.Writer(get_engine(), os.path.join(directory, name), -1)
+        sink = _EngineSink(w)
+        results: List[WriteResult] = []
+        try:
+            for e, t in _host_tensors(entries, planner, on_resolve):
+                if stop.is_set():
+                    raise _Cancelled()
+                offset = w.position
+                out, descriptors = self._transforms.transform_save_stream(e.item, sink)
+                if e.payload is not None:
+                    out.write(e.payload)
+                else:
+                    td = e.item.tensor_data
+                    if t.dtype != td.properties.dtype or tuple(t.shape) != tuple(td.chunk.sizes):
+                        raise ValueError(f"fastckpt.dcp: {e.item.index.fqn}: the planner resolved a {t.dtype} "
+                                         f"tensor of shape {tuple(t.shape)}, the plan says {td.properties.dtype} "
+                                         f"{tuple(td.chunk.sizes)}")
+                    # the same torch.save archive as an untransformed record (record-relative layout)
+                    blob = _blob.plan_tensor_blob(td.properties.dtype, tuple(td.chunk.sizes), 0)
+                    out.write(blob.head)
+                    crc = _feed_tensor(out, t) if blob.nbytes else 0
+                    out.write(blob.tail(crc))
+                out.close()  # ends the transformed stream (e.g. the zstd frame); the file stays open
+                length = w.position - offset
+                # as torch records it: no descriptors field when no transform applied
+                info = _StorageInfo(relative_path=name, offset=offset, length=length,
+                                    transform_descriptors=descriptors if descriptors else None)
+                results.append(WriteResult(index=e.item.index, size_in_bytes=length, storage_data=info))
+            stats = w.commit()
+        except BaseException:
+            w.abort()
+            raise
+        stats["file"] = name
+        return results, stats
+
+    def _write_files(self, s: _Save, plan: SavePlan, planner: SavePlanner, on_resolve=None) -> List[WriteResult]:
+        prefix = plan.storage_data.prefix if plan.storage_data is not None else f"__{s.rank or 0}_"
         if self.single_file_per_rank:
             buckets = [b for b in _split(self.thread_count, plan.items) if b]
         else:
             buckets = [[it] for it in plan.items]
         files = [(f"{prefix}{i}{SUFFIX}", b) for i, b in enumerate(buckets)]
-        self.last_write_stats = []
+        stats: List[Dict[str, Any]] = []
         stop = threading.Event()
         results: List[WriteResult] = []
         if self.thread_count == 1 or len(files) <= 1:
             for name, b in files:
-                r, st = self._write_file(name, b, planner, stop)
+                r, st = self._write_file(s.path, name, b, planner, stop, on_resolve)
                 results += r
-                self.last_write_stats.append(st)
+                stats.append(st)
+            self.last_write_stats = stats
             return results
         # Every concurrent Writer needs a staging buffer of its own to progress.
         workers = min(self.thread_count, len(files), get_engine().config.buffer_count)
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fastckpt-dcp") as ex:
-            futs = [ex.submit(self._write_file, name, b, planner, stop) for name, b in files]
+            futs = [ex.submit(self._write_file, s.path, name, b, planner, stop, on_resolve) for name, b in files]
             for f in futs:  # the first failure stops the others at their next item
                 f.add_done_callback(lambda f: stop.set() if f.exception() is not None else None)
             first_error: Optional[BaseException] = None
@@ -404,7 +596,7 @@ class FastWriter(StorageWriter, AsyncStager):
                 try:
                     r, st = f.result()
                     results += r
-                    self.last_write_stats.append(st)
+                    stats.append(st)
                 except _Cancelled:
                     pass
                 except BaseException as e:  # the others discard their files
@@ -412,4 +604,5 @@ class FastWriter(StorageWriter, AsyncStager):
                         first_error = e
         if first_error is not None:
             raise first_error
+        self.last_write_stats = stats
         return results
