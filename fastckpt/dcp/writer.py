@@ -142,7 +142,7 @@ class _EngineSink(io.RawIOBase):
         return True
 
     def write(self, b) -> int:
-        n = len(memoryview(b).cast("B"))
+        n = memoryview(b).nbytes
         if n:
             self._w.write(b)
         return n
@@ -332,9 +332,6 @@ class FastWriter(StorageWriter, AsyncStager):
         s.use_collectives = kwargs.get("use_collectives", True)
         self._local.save = s
         self.is_coordinator, self.rank, self.use_collectives = s.is_coordinator, s.rank, s.use_collectives
-
-    def _metadata_name(self) -> str:
-        return self._save().metadata_name()
 
     @staticmethod
     def _invalidate(path: Path, names: Sequence[str]) -> None:
