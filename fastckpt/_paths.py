@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 from .errors import UnsupportedURLError
 
-__all__ = ["check_save_target", "check_dcp_target", "check_not_url", "named_after_target"]
+__all__ = ["check_save_target", "check_dcp_target", "check_not_url", "open_for_reading", "named_after_target"]
 
 # scheme://... (RFC 3986 scheme). "s3:/x" or "c:x" are ordinary relative paths.
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -132,6 +132,16 @@ def check_dcp_target(d: Union[str, os.PathLike]) -> str:
         if parent == probe:
             return path
         probe = parent
+
+
+def open_for_reading(path: str):
+    """``open(path, "rb")``; a missing path that is a URL says URLs are not
+    supported (:class:`UnsupportedURLError`) rather than "no such file"."""
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        check_not_url(os.fsdecode(path), "load")
+        raise
 
 
 def named_after_target(e: OSError, path: str) -> OSError:

@@ -634,7 +634,7 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         return torch.load(f, map_location=map_location, weights_only=weights_only, mmap=mmap,
                           **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
     path = os.fspath(f)
-    with open(path, "rb") as fh:  # FileNotFoundError etc. with the usual errno and path
+    with _paths.open_for_reading(path) as fh:  # FileNotFoundError etc. with the usual errno and path
         head = fh.read(32)
         if _is_legacy(head):  # torch's pre-1.6 format: torch.load knows it
             log.debug("fastckpt.load: %s is in torch's legacy format; using torch.load", path)

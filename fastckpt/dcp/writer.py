@@ -38,6 +38,7 @@ from torch.futures import Future
 
 from .. import _C
 from .._owner import check_directory_owner
+from .._paths import check_dcp_target
 from ..engine import get_engine
 from . import _blob
 from ._staging import Stager
@@ -188,7 +189,7 @@ class FastWriter(StorageWriter, AsyncStager):
                                       f"{serialization_format}")
         # per_thread_copy_ahead: device-to-host copies run one tensor ahead of the writes;
         # cache_staged_state_dict: stage() always reuses its buffers. Both accepted for compatibility.
-        self.path = Path(path)
+        self.path = Path(check_dcp_target(path))  # URL, file, unwritable: refused before any data
         self.single_file_per_rank = single_file_per_rank
         self.thread_count = thread_count
         self.overwrite = overwrite
@@ -204,7 +205,7 @@ class FastWriter(StorageWriter, AsyncStager):
 
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = Path(check_dcp_target(checkpoint_id))
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
