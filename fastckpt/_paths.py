@@ -12,7 +12,7 @@ The errors are ``OSError`` subclasses built from an errno (so
 a URL raises :class:`fastckpt.errors.UnsupportedURLError`. The checks cannot
 rule out every failure (the disk may fill up, another process may remove the
 directory meanwhile): errors raised later by the engine are renamed to the
-user's path by :func:`named_after_target`.
+user's path by :func:`raise_named_after_target`.
 """
 
 import errno
@@ -23,7 +23,7 @@ from typing import Optional, Union
 
 from .errors import UnsupportedURLError
 
-__all__ = ["check_save_target", "check_dcp_target", "check_not_url", "open_for_reading", "named_after_target"]
+__all__ = ["check_save_target", "check_dcp_target", "check_not_url", "open_for_reading", "raise_named_after_target"]
 
 # scheme://... (RFC 3986 scheme). "s3:/x" or "c:x" are ordinary relative paths.
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -144,16 +144,16 @@ def open_for_reading(path: str):
         raise
 
 
-def named_after_target(e: OSError, path: str) -> OSError:
-    """``e`` (raised by the engine while writing ``path`` under a temporary
-    name) as an error of the same errno that names ``path``; ``e`` itself if
-    it already does. The temporary name stays in the message and in
-    ``filename2``."""
+def raise_named_after_target(e: OSError, path: str) -> None:
+    """Raise ``e`` (raised by the engine while writing ``path`` under a
+    temporary name) as an error of the same errno and type whose message and
+    ``filename`` name ``path`` (the engine's name stays in the message and in
+    ``filename2``); return if ``e`` already names ``path`` (the caller then
+    re-raises it). No local holds the new error, so the failed writer in the
+    traceback's frames is freed as soon as the error is (no reference cycle)."""
     if e.filename == path or e.errno is None:
-        return e
+        return
     why = e.strerror or str(e)
     if path not in why:
         why = f"cannot save to {path!r}: {why}"
-    err = OSError(e.errno, why, path, None, e.filename)
-    err.__cause__ = e
-    return err
+    raise OSError(e.errno, why, path, None, e.filename) from e

@@ -128,6 +128,7 @@ class _EngineSink:
 
     def abort(self) -> None:
         self.w.abort()
+        self.w = None  # the engine Writer goes now (with its backend lease), not with the traceback
 
 
 class _FileSink:
@@ -302,9 +303,7 @@ def _save_legacy(obj: Any, f: FileLike, pickle_module: Any, pickle_protocol: int
         if sink is not None:
             sink.abort()
         if isinstance(e, OSError):
-            err = _paths.named_after_target(e, path)
-            if err is not e:
-                raise err from e
+            _paths.raise_named_after_target(e, path)
         raise
 
 
@@ -331,7 +330,7 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
     torch.save's own layout. ``byteorder=False`` leaves out the byteorder
     record; ``skip_data`` writes no storage bytes (zero-filled records, CRC
     0); ``compute_crc32`` defaults to torch's setting (False: every CRC is 0).
-    Engine errors name ``f`` (see :func:`fastckpt._paths.named_after_target`)."""
+    Engine errors name ``f`` (see :func:`fastckpt._paths.raise_named_after_target`)."""
     if alignment is None:
         alignment = _storage_alignment()
     crc_on = _compute_crc32() if compute_crc32 is None else compute_crc32
@@ -388,9 +387,7 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
         if sink is not None:
             sink.abort()
         if path is not None and isinstance(e, OSError):
-            err = _paths.named_after_target(e, path)
-            if err is not e:
-                raise err from e
+            _paths.raise_named_after_target(e, path)
         raise
     finally:
         stager.release()
