@@ -267,3 +267,31 @@ def test_fastwriter_read_only_directory(shared_dir):
 
     res = _as_nobody(make)
     assert res[:3] == ("PermissionError", errno.EACCES, os.path.join(ro, "step_1")), res
+
+
+def test_command_reports_permission_not_missing(shared_dir, capsys):
+    """`fastckpt inspect` through a directory the user cannot search says
+    "Permission denied", not "no such file or directory"."""
+    from fastckpt import cli
+    locked = os.path.join(shared_dir, "locked")
+    os.mkdir(locked, 0o700)
+    p = os.path.join(locked, "x.pt")
+    fastckpt.save({"w": torch.ones(3)}, p)
+    missing = os.path.join(shared_dir, "missing.pt")
+
+    def run():
+        import contextlib
+        import io
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            rc = cli.main(["inspect", p])
+            rc2 = cli.main(["inspect", missing])
+        raise RuntimeError(f"{rc} {rc2} {err.getvalue()}")
+
+    res = _as_nobody(run)
+    assert res[0] == "RuntimeError", res
+    rc, rc2, out = res[3].split(" ", 2)
+    lines = out.strip().splitlines()
+    assert rc == "1" and "Permission denied" in lines[0] and p in lines[0], out
+    assert "no such file" not in lines[0], out
+    assert rc2 == "2" and "no such file" in lines[-1] and missing in lines[-1], out
