@@ -127,8 +127,9 @@ class _EngineSink:
         self.w.commit()
 
     def abort(self) -> None:
-        self.w.abort()
-        self.w = None  # the engine Writer goes now (with its backend lease), not with the traceback
+        if self.w is not None:
+            self.w.abort()
+            self.w = None  # the engine Writer goes now (with its backend lease), not with the traceback
 
 
 class _FileSink:
@@ -620,6 +621,7 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         >>> sd = fastckpt.load("ckpt.pt", map_location=f"cuda:{local_rank}")
     """
     weights_only, pickle_module = _weights_only_policy(weights_only, pickle_module)
+    ts._check_dill_version(pickle_module)
     if mmap is None:  # torch.load's default
         from torch.utils.serialization import config as _torch_config
         mmap = bool(_torch_config.load.mmap)
