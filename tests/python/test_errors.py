@@ -133,8 +133,8 @@ def test_load_errors_name_the_path(tmp_path):
 @pytest.mark.parametrize("op,code", [("write", errno.ENOSPC), ("fsync", errno.EIO), ("open", errno.EMFILE)])
 def test_engine_errors_name_the_target(tmp_path, op, code):
     """An error the engine raises for its temporary file names the user's path
-    (message and filename; the temporary name is in filename2), keeps its
-    errno and type, and leaves the old file and no temporary file."""
+    (message and filename), keeps its errno and type, and leaves the old file
+    and no temporary file."""
     p = tmp_path / "x.pt"
     fastckpt.save({"gen": 1}, p)
     _C.fault_inject(op, nth=1, errno=code, path_contains="x.pt")
@@ -142,7 +142,7 @@ def test_engine_errors_name_the_target(tmp_path, op, code):
         fastckpt.save({"gen": 2, "w": torch.ones(100000)}, p)
     e = ei.value
     assert e.errno == code and type(e) is type(OSError(code, "x")), (type(e), code)
-    assert e.filename == str(p) and ".fastckpt-tmp" in str(e.filename2) and str(p) in str(e)
+    assert e.filename == str(p) and str(p) in str(e)  # the engine's own name, if it is another, is in filename2
     _C.fault_clear()
     assert fastckpt.load(p) == {"gen": 1} and temp_files(tmp_path) == []
 
