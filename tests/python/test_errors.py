@@ -295,3 +295,27 @@ def test_command_reports_permission_not_missing(shared_dir, capsys):
     assert rc == "1" and "Permission denied" in lines[0] and p in lines[0], out
     assert "no such file" not in lines[0], out
     assert rc2 == "2" and "no such file" in lines[-1] and missing in lines[-1], out
+
+
+@pytest.fixture
+def read_only_fs(tmp_path):
+    """A read-only tmpfs mounted for the test (root bypasses permission bits,
+    not a read-only filesystem)."""
+    import subprocess
+    d = tmp_path / "ro-mount"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {r.stderr.strip()}")
+    yield d
+    subprocess.run(["umount", str(d)], check=True)
+
+
+def test_read_only_filesystem(read_only_fs, state):
+    p = read_only_fs / "x.pt"
+    for how in SAVERS:
+        with pytest.raises(OSError) as ei:
+            _save(how, state, p)
+        assert ei.value.errno == errno.EROFS
+        _check(ei.value, p, "read-only filesystem", str(read_only_fs))
+    assert pickled["n"] == 0
