@@ -580,6 +580,15 @@ def _is_legacy(head: bytes) -> bool:
     return rest.startswith(_LEGACY_MAGIC[2:])
 
 
+def _reads_no_data(map_location: MapLocation) -> bool:
+    """torch.load reads no storage bytes here (a meta map_location, an active
+    fake mode, torch.serialization.skip_data()), so neither does fastckpt.load:
+    it leaves such loads to torch.load."""
+    is_meta = getattr(ts, "_is_meta_location", None)
+    return bool(ts._serialization_tls.skip_data or torch._guards.detect_fake_mode(None) is not None
+                or (is_meta(map_location) if is_meta else isinstance(map_location, str) and map_location == "meta"))
+
+
 def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = None, *,
          weights_only: Optional[bool] = None, mmap: Optional[bool] = None, verify: bool = False,
          **pickle_load_args) -> Any:
@@ -603,6 +612,9 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         mmap: map the storages from the file instead of reading them
             (delegated to torch.load's mmap mode). ``None``: torch's
             ``torch.utils.serialization.config.load.mmap`` (False by default).
+            Loads that read no storage bytes in torch.load (``map_location="meta"``,
+            under a FakeTensorMode or ``torch.serialization.skip_data()``)
+            are delegated to it too.
         verify: check every storage against the CRC-32 recorded in the file.
 
     Returns:
@@ -627,7 +639,7 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         mmap = bool(_torch_config.load.mmap)
     # torch.load receives the decided weights_only (an explicit value: it
     # decides the same again, without a second warning).
-    if not _is_path(f) or mmap:
+    if not _is_path(f) or mmap or (not verify and _reads_no_data(map_location)):
         if verify:
             raise ValueError("verify=True needs a path and mmap=False")
         return torch.load(f, map_location=map_location, weights_only=weights_only, mmap=mmap,

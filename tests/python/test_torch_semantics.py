@@ -314,3 +314,28 @@ def test_save_refuses_what_torch_refuses(tmp_path):
         torch.save({"a": 1}, 42)
     with pytest.raises(AttributeError):
         fastckpt.save({"a": 1}, 42)
+
+
+@pytest.mark.parametrize("how", ["meta", "skip_data", "fake"])
+def test_loads_without_data_read_no_data(tmp_path, how):
+    """As torch.load: map_location="meta", skip_data() and a FakeTensorMode
+    read no storage bytes (an engine read would hit the injected EIO)."""
+    sd = {"w": torch.arange(50000.0), "b": torch.ones(3, dtype=torch.int8)}
+    fastckpt.save(sd, tmp_path / "x.pt")
+    _C.fault_inject("read", nth=1, errno=errno.EIO, times=0, path_contains="x.pt")
+    if how == "meta":
+        got = fastckpt.load(tmp_path / "x.pt", map_location="meta")
+        assert got["w"].device.type == "meta"
+    elif how == "skip_data":
+        with ts.skip_data():
+            got = fastckpt.load(tmp_path / "x.pt")
+    else:
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        with FakeTensorMode():
+            got = fastckpt.load(tmp_path / "x.pt")
+    assert got["w"].shape == (50000,) and got["b"].dtype == torch.int8
+    assert _C.fault_fired() == 0
+    _C.fault_clear()
+    with pytest.raises(OSError):  # the hook is live: a load that reads data hits it
+        _C.fault_inject("read", nth=1, errno=errno.EIO, times=0, path_contains="x.pt")
+        fastckpt.load(tmp_path / "x.pt")
