@@ -12,7 +12,6 @@ own loader (and its ``weights_only`` unpickler).
 
 import io
 import logging
-import math
 import os
 import pickle
 import sys
@@ -25,7 +24,7 @@ from typing import Any, Callable, Dict, IO, List, Optional, Tuple, Union
 import torch
 import torch.serialization as ts
 
-from . import _C, _paths, _zip, knobs
+from . import _C, _paths, _torch_rules, _zip, knobs
 from .engine import get_engine
 from .errors import FormatError
 
@@ -308,18 +307,6 @@ def _save_legacy(obj: Any, f: FileLike, pickle_module: Any, pickle_protocol: int
         raise
 
 
-def _storage_alignment() -> int:
-    """Record alignment of a new file: 4096, or a multiple of torch's
-    ``config.save.storage_alignment`` where that is not a divisor of 4096."""
-    get = getattr(ts, "_get_storage_alignment", None)
-    return math.lcm(_zip.ALIGNMENT, max(1, int(get())) if get else 1)
-
-
-def _compute_crc32() -> bool:
-    get = getattr(ts, "get_crc32_options", None)
-    return bool(get()) if get else True
-
-
 def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: Optional[int] = None,
                    byteorder: bool = True, skip_data: bool = False, compute_crc32: Optional[bool] = None) -> None:
     """Write the archive of a pickle made by :func:`_pickle` whose storage i is
@@ -333,8 +320,8 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
     0); ``compute_crc32`` defaults to torch's setting (False: every CRC is 0).
     Engine errors name ``f`` (see :func:`fastckpt._paths.raise_named_after_target`)."""
     if alignment is None:
-        alignment = _storage_alignment()
-    crc_on = _compute_crc32() if compute_crc32 is None else compute_crc32
+        alignment = _torch_rules.storage_alignment()
+    crc_on = _torch_rules.compute_crc32() if compute_crc32 is None else compute_crc32
     serialization_id = f"{uuid.uuid4().int:040d}"[:40].encode()
     head = [("data.pkl", data_pkl), (".format_version", b"1"),
             (".storage_alignment", str(alignment).encode())]
@@ -529,46 +516,6 @@ def _weights_only_message(path: str, why: str) -> str:
             "(or the torch.serialization.safe_globals context manager).")
 
 
-_TRUE_VALUES = ("1", "y", "yes", "true")  # torch.load's, for its TORCH_FORCE_* variables
-
-
-def _weights_only_policy(weights_only: Optional[bool], pickle_module: Any) -> Tuple[bool, Any]:
-    """``(weights_only, pickle_module)`` as torch.load decides them (torch
-    inlines this in torch.load, so it is followed step by step here, with
-    torch's own default rule ``_default_to_weights_only``, and checked
-    against torch.load by tests/python/test_torch_semantics.py):
-
-    - ``None`` means weights-only unless a ``pickle_module`` is given;
-    - ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` forces weights-only, even over
-      ``weights_only=False``; ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns an
-      unset ``weights_only`` into False, with torch's warning; both set is an error;
-    - weights-only with an explicit ``pickle_module`` is an error; otherwise a
-      missing ``pickle_module`` is :mod:`pickle`.
-    """
-    not_set = weights_only is None
-    if not_set:
-        default = getattr(ts, "_default_to_weights_only", None)
-        weights_only = default(pickle_module) if default else pickle_module is None
-    force = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE_VALUES
-    force_no = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE_VALUES
-    if force and force_no:
-        raise RuntimeError("Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` "
-                           "should be set, but both were set.")
-    if force:
-        weights_only = True
-    elif force_no and not_set:
-        warnings.warn("Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected, since the"
-                      "`weights_only` argument was not explicitly passed to `torch.load`, forcing weights_only=False.",
-                      UserWarning, stacklevel=3)
-        weights_only = False
-    if weights_only:
-        if pickle_module is not None:
-            raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
-    elif pickle_module is None:
-        pickle_module = pickle
-    return bool(weights_only), pickle_module
-
-
 def _is_legacy(head: bytes) -> bool:
     """torch's pre-1.6 format: a pickle (protocol 2..5, maybe framed) that
     starts with torch's magic number."""
@@ -578,15 +525,6 @@ def _is_legacy(head: bytes) -> bool:
     if rest[:1] == b"\x95":  # FRAME + 8-byte length (protocol 4+)
         rest = rest[9:]
     return rest.startswith(_LEGACY_MAGIC[2:])
-
-
-def _reads_no_data(map_location: MapLocation) -> bool:
-    """torch.load reads no storage bytes here (a meta map_location, an active
-    fake mode, torch.serialization.skip_data()), so neither does fastckpt.load:
-    it leaves such loads to torch.load."""
-    is_meta = getattr(ts, "_is_meta_location", None)
-    return bool(ts._serialization_tls.skip_data or torch._guards.detect_fake_mode(None) is not None
-                or (is_meta(map_location) if is_meta else isinstance(map_location, str) and map_location == "meta"))
 
 
 def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = None, *,
@@ -632,14 +570,14 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     Example:
         >>> sd = fastckpt.load("ckpt.pt", map_location=f"cuda:{local_rank}")
     """
-    weights_only, pickle_module = _weights_only_policy(weights_only, pickle_module)
+    weights_only, pickle_module = _torch_rules.weights_only_policy(weights_only, pickle_module)
     ts._check_dill_version(pickle_module)
     if mmap is None:  # torch.load's default
         from torch.utils.serialization import config as _torch_config
         mmap = bool(_torch_config.load.mmap)
     # torch.load receives the decided weights_only (an explicit value: it
     # decides the same again, without a second warning).
-    if not _is_path(f) or mmap or (not verify and _reads_no_data(map_location)):
+    if not _is_path(f) or mmap or (not verify and _torch_rules.reads_no_data(map_location)):
         if verify:
             raise ValueError("verify=True needs a path and mmap=False")
         return torch.load(f, map_location=map_location, weights_only=weights_only, mmap=mmap,

@@ -6,7 +6,6 @@ torch.utils.serialization.config.save."""
 import errno
 import inspect
 import io
-import os
 import pickle
 import warnings
 import zipfile
