@@ -401,6 +401,7 @@ def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 
         >>> opt.step()            # safe: the snapshot is taken
         >>> fut.result()          # or fastckpt.wait_for_saves() before exiting
     """
+    if isinstance(f, (str, os.PathLike)): _ser._paths.check_save_target(f)  # noqa: E701  (before anything is staged)
     return default_saver().save(obj, f, pickle_module, pickle_protocol)
 
 

@@ -76,8 +76,10 @@ def _return_freed_memory() -> None:
 
 
 def _existing(path: str) -> str:
-    if not os.path.exists(path):
-        raise UsageError(f"{path}: no such file or directory")
+    try:
+        os.stat(path)
+    except FileNotFoundError:  # a permission problem is not "no such file": it propagates as itself
+        raise UsageError(f"{path}: no such file or directory") from None
     return path
 
 

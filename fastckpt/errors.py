@@ -11,3 +11,12 @@ __all__ = ["FormatError"]
 
 class FormatError(ValueError):
     """The file is truncated, corrupt or not in the expected format."""
+
+
+class UnsupportedURLError(NotImplementedError, ValueError):
+    """A save target is a URL (``s3://...``): fastckpt writes local paths only
+    (for now). Both a ``NotImplementedError`` and a ``ValueError``; strings
+    that merely look alike (``s3:/x``, a relative local path) are paths."""
+
+
+__all__ += ["UnsupportedURLError"]

@@ -17,13 +17,14 @@ import pickle
 import sys
 import threading
 import uuid
+import warnings
 import zlib
 from typing import Any, Callable, Dict, IO, List, Optional, Tuple, Union
 
 import torch
 import torch.serialization as ts
 
-from . import _C, _zip, knobs
+from . import _C, _paths, _torch_rules, _zip, knobs
 from .engine import get_engine
 from .errors import FormatError
 
@@ -47,9 +48,11 @@ def _is_path(f) -> bool:
 
 # ---------------------------------------------------------------- saving
 
-def _pickle(obj, pickle_module, pickle_protocol) -> Tuple[bytes, List[torch.UntypedStorage]]:
+def _pickle(obj, pickle_module, pickle_protocol, skip_data: bool = False) -> Tuple[bytes, List[torch.UntypedStorage]]:
     """Pickle `obj` the way torch.save does: storages become persistent ids
-    ("storage", storage type, key, location, numel) and are returned in key order."""
+    ("storage", storage type, key, location, numel) and are returned in key order.
+    With ``skip_data`` (torch.serialization.skip_data) storages without data
+    (meta, fake tensors) are allowed: their bytes will not be written."""
     storages: List[torch.UntypedStorage] = []
     keys: Dict[int, str] = {}
     storage_dtypes: Dict[int, torch.dtype] = {}
@@ -85,7 +88,7 @@ def _pickle(obj, pickle_module, pickle_protocol) -> Tuple[bytes, List[torch.Unty
     buf = io.BytesIO()
     Pickler(buf, protocol=pickle_protocol).dump(obj)
     for s in storages:
-        if s.device.type == "meta":
+        if s.device.type == "meta" and not skip_data:
             raise ValueError("fastckpt.save: cannot save meta tensors (they have no data)")
     return buf.getvalue(), storages
 
@@ -95,29 +98,45 @@ def _as_bytes_tensor(storage: torch.UntypedStorage) -> torch.Tensor:
 
 
 class _EngineSink:
-    """Writes through the engine into a temporary file, committed atomically."""
+    """Writes through the engine into a temporary file, committed atomically.
+    With ``crc=False`` (torch's compute_crc32 disabled) write_crc computes
+    nothing and returns 0."""
 
-    def __init__(self, path: str, expected: int):
+    def __init__(self, path: str, expected: int, crc: bool = True):
         self.w = _C.Writer(get_engine(), path, expected)
+        self.crc = crc
 
-    def write(self, b) -> None:
+    def write(self, b) -> int:
         self.w.write(b)
+        return memoryview(b).nbytes if not isinstance(b, torch.Tensor) else b.nbytes
 
     def write_crc(self, t: torch.Tensor, crc: int) -> int:
+        if not self.crc:
+            self.w.write(t)
+            return 0
         return self.w.write_crc(t, crc)
+
+    def write_zeros(self, n: int) -> None:
+        self.w.write_zeros(n)
+
+    def flush(self) -> None:  # torch's legacy writer flushes; the commit makes it durable
+        pass
 
     def commit(self) -> None:
         self.w.commit()
 
     def abort(self) -> None:
-        self.w.abort()
+        if self.w is not None:
+            self.w.abort()
+            self.w = None  # the engine Writer goes now (with its backend lease), not with the traceback
 
 
 class _FileSink:
     """Writes to a caller's file object (buffered; durability is the caller's)."""
 
-    def __init__(self, f):
+    def __init__(self, f, crc: bool = True):
         self.f = f
+        self.crc = crc
 
     def write(self, b) -> None:
         self.f.write(b)
@@ -125,7 +144,20 @@ class _FileSink:
     def write_crc(self, t: torch.Tensor, crc: int) -> int:
         mv = memoryview(t.numpy()) if t.numel() else memoryview(b"")
         self.f.write(mv)
+        if not self.crc:
+            return 0
         return _C.crc32(t, crc) if t.numel() else crc
+
+    def write_zeros(self, n: int) -> None:
+        seekable = getattr(self.f, "seekable", None)
+        if seekable is not None and seekable():  # a hole, as torch's writer leaves
+            self.f.seek(n, io.SEEK_CUR)
+            return
+        zeros = bytes(min(n, 1 << 20))
+        while n > 0:
+            k = min(n, len(zeros))
+            self.f.write(zeros[:k] if k < len(zeros) else zeros)
+            n -= k
 
     def commit(self) -> None:
         flush = getattr(self.f, "flush", None)
@@ -201,7 +233,8 @@ def _cuda_chunk() -> int:
     return 4 * knobs.config().buffer_size
 
 
-def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL) -> None:
+def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
+         _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False) -> None:
     """Save an object like :func:`torch.save`, durably and atomically.
 
     Args:
@@ -211,32 +244,89 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
             directory, O_DIRECT writes, fdatasync, rename, directory fsync), or a
             writable binary file object (written sequentially, not fsync'd).
         pickle_module, pickle_protocol: as for torch.save.
+        _use_new_zipfile_serialization: as for torch.save. ``False`` writes
+            torch's legacy (pre-1.6) format with torch's own writer, to a path
+            still through the engine's temporary file, fdatasync and rename.
+        _disable_byteorder_record: as for torch.save: no ``byteorder`` record.
+
+    torch's settings are honoured as torch.save honours them:
+    ``torch.serialization.skip_data()`` (storages' bytes are not written:
+    their records are zero-filled or, in a seekable file object, left as holes,
+    with CRC 0; ``materialize_fake_tensors`` lets fake tensors be saved), and
+    ``torch.utils.serialization.config.save``: ``compute_crc32=False`` records
+    CRC 0 (and ``fastckpt.load(verify=True)`` then refuses the file),
+    ``storage_alignment`` aligns records to a multiple of it as well as to
+    4096. ``use_pinned_memory_for_d2h`` does not change the file (fastckpt
+    always copies CUDA storages through pinned buffers).
 
     Raises:
-        OSError: the file could not be written (errno, path, offset in the
-            message); the previous file under that name is untouched and no
-            temporary file is left.
+        FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError,
+        OSError: the path cannot be written: checked before anything is written
+            where it can be (missing or read-only parent directory, a target
+            that is a directory); the message and ``filename`` name ``f``, even
+            for errors of the engine's temporary file (ENOSPC, EIO), whose name
+            is in ``filename2``. The previous file under that name is
+            untouched and no temporary file is left.
+        fastckpt.errors.UnsupportedURLError: ``f`` is a URL (``s3://...``);
+            a ``NotImplementedError`` and a ``ValueError``.
         pickle.PicklingError, TypeError, RuntimeError: ``obj`` cannot be saved;
             raised before anything is written.
 
     Example:
         >>> fastckpt.save({"model": model.module.state_dict(), "optim": opt.state_dict()}, "ckpt.pt")
     """
-    data_pkl, storages = _pickle(obj, pickle_module, pickle_protocol)
-    _write_archive(f, data_pkl, storages)
+    ts._check_dill_version(pickle_module)
+    ts._check_save_filelike(f)
+    if _is_path(f):
+        f = _paths.check_save_target(f)
+    if not _use_new_zipfile_serialization:
+        _save_legacy(obj, f, pickle_module, pickle_protocol)
+        return
+    skip_data = bool(ts._serialization_tls.skip_data)
+    data_pkl, storages = _pickle(obj, pickle_module, pickle_protocol, skip_data=skip_data)
+    _write_archive(f, data_pkl, storages, byteorder=not _disable_byteorder_record, skip_data=skip_data)
 
 
-def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: int = _zip.ALIGNMENT) -> None:
+def _save_legacy(obj: Any, f: FileLike, pickle_module: Any, pickle_protocol: int) -> None:
+    """torch's legacy format, written by torch's own writer; to a path through
+    the engine's atomic, durable commit."""
+    if not _is_path(f):
+        torch.save(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization=False)
+        return
+    path = os.fspath(f)
+    sink = None
+    try:
+        sink = _EngineSink(path, -1)
+        torch.save(obj, sink, pickle_module, pickle_protocol, _use_new_zipfile_serialization=False)
+        sink.commit()
+    except BaseException as e:
+        if sink is not None:
+            sink.abort()
+        if isinstance(e, OSError):
+            _paths.raise_named_after_target(e, path)
+        raise
+
+
+def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: Optional[int] = None,
+                   byteorder: bool = True, skip_data: bool = False, compute_crc32: Optional[bool] = None) -> None:
     """Write the archive of a pickle made by :func:`_pickle` whose storage i is
     ``storages[i]`` (the storages may be copies of the pickled object's, as
     async_save's snapshots are). A storage may also be any object with
     ``nbytes()`` and ``write_into(sink) -> crc`` that streams its bytes through
-    ``sink.write_crc`` (``fastckpt convert``). ``alignment`` is 4096 for fastckpt
-    files; 64 writes torch.save's own layout."""
+    ``sink.write_crc`` (``fastckpt convert``). ``alignment`` is 4096 (or a
+    multiple of torch's configured storage alignment) by default; 64 writes
+    torch.save's own layout. ``byteorder=False`` leaves out the byteorder
+    record; ``skip_data`` writes no storage bytes (zero-filled records, CRC
+    0); ``compute_crc32`` defaults to torch's setting (False: every CRC is 0).
+    Engine errors name ``f`` (see :func:`fastckpt._paths.raise_named_after_target`)."""
+    if alignment is None:
+        alignment = _torch_rules.storage_alignment()
+    crc_on = _torch_rules.compute_crc32() if compute_crc32 is None else compute_crc32
     serialization_id = f"{uuid.uuid4().int:040d}"[:40].encode()
     head = [("data.pkl", data_pkl), (".format_version", b"1"),
-            (".storage_alignment", str(alignment).encode()),
-            ("byteorder", sys.byteorder.encode())]
+            (".storage_alignment", str(alignment).encode())]
+    if byteorder:
+        head.append(("byteorder", sys.byteorder.encode()))
     tail = [("version", FORMAT_VERSION), (".data/serialization_id", serialization_id)]
 
     # Layout pass: every offset is known before the first byte is written.
@@ -252,12 +342,17 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
     cd_len = len(_zip.central_directory([p[2] for p in plan], pos))
     expected = pos + cd_len
 
-    sink = _EngineSink(os.fspath(f), expected) if _is_path(f) else _FileSink(f)
+    path = os.fspath(f) if _is_path(f) else None
     stager = _PinnedStager(_cuda_chunk())  # pinned buffers only if a CUDA storage comes
+    sink = None
     try:
+        sink = _EngineSink(path, expected, crc_on) if path is not None else _FileSink(f, crc_on)
         for payload, header, entry in plan:
             sink.write(header)
-            if isinstance(payload, torch.UntypedStorage):
+            if not isinstance(payload, (bytes, bytearray)) and skip_data:
+                sink.write_zeros(entry.size)  # torch writes the record's metadata only
+                crc = 0
+            elif isinstance(payload, torch.UntypedStorage):
                 t = _as_bytes_tensor(payload)
                 if entry.size == 0:
                     crc = 0
@@ -270,14 +365,17 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
             elif not isinstance(payload, (bytes, bytearray)):  # streamed storage
                 crc = payload.write_into(sink) if entry.size else 0
             else:
-                crc = zlib.crc32(payload)
+                crc = zlib.crc32(payload) if crc_on else 0
                 sink.write(payload)
             entry.crc = crc
             sink.write(_zip.descriptor(crc, entry.size, entry.header_offset))
         sink.write(_zip.central_directory([p[2] for p in plan], pos))
         sink.commit()
-    except BaseException:
-        sink.abort()
+    except BaseException as e:
+        if sink is not None:
+            sink.abort()
+        if path is not None and isinstance(e, OSError):
+            _paths.raise_named_after_target(e, path)
         raise
     finally:
         stager.release()
@@ -409,8 +507,11 @@ class _MapLocationError(Exception):
 
 
 def _weights_only_message(path: str, why: str) -> str:
-    return (f"fastckpt.load({path!r}): the weights-only unpickler refused the file: {why}\n"
-            "Nothing from the file was run. If you trust its source, load it with weights_only=False, "
+    """The refusal message: it starts as torch.load's does ("Weights only load
+    failed"), which callers match on, then says what fastckpt adds."""
+    return (f"Weights only load failed. fastckpt.load({path!r}): the weights-only unpickler refused the file; "
+            f"nothing from the file was run.\n{ts.UNSAFE_MESSAGE}\nWeightsUnpickler error: {why}\n"
+            "If you trust its source, load it with weights_only=False, "
             "or allow the classes it needs with torch.serialization.add_safe_globals([...]) "
             "(or the torch.serialization.safe_globals context manager).")
 
@@ -427,7 +528,8 @@ def _is_legacy(head: bytes) -> bool:
 
 
 def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = None, *,
-         weights_only: bool = True, mmap: bool = False, verify: bool = False, **pickle_load_args) -> Any:
+         weights_only: Optional[bool] = None, mmap: Optional[bool] = None, verify: bool = False,
+         **pickle_load_args) -> Any:
     """Load an object saved by :func:`save` or by :func:`torch.save`.
 
     Args:
@@ -435,12 +537,22 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
             O_DIRECT), or a readable binary file object (read by torch.load).
         map_location: as for torch.load: a device string, torch.device, dict
             of location tags, or callable.
-        pickle_module: as for torch.load; only with ``weights_only=False``.
-        weights_only: unpickle with torch's restricted unpickler (default), so
-            no code from the file runs; classes allowed with
-            ``torch.serialization.add_safe_globals`` load too.
+        pickle_module: as for torch.load; only without weights-only.
+        weights_only: as for torch.load (the same rules, on every path:
+            files, file objects, mmap, legacy files): ``None`` (default) and
+            True unpickle with torch's restricted unpickler, so no code from
+            the file runs (classes allowed with
+            ``torch.serialization.add_safe_globals`` load too); ``None`` with
+            an explicit ``pickle_module`` means False.
+            ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` forces weights-only even over
+            ``weights_only=False``; ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1``
+            turns ``None`` into False (with torch's warning).
         mmap: map the storages from the file instead of reading them
-            (delegated to torch.load's mmap mode).
+            (delegated to torch.load's mmap mode). ``None``: torch's
+            ``torch.utils.serialization.config.load.mmap`` (False by default).
+            Loads that read no storage bytes in torch.load (``map_location="meta"``,
+            under a FakeTensorMode or ``torch.serialization.skip_data()``)
+            are delegated to it too.
         verify: check every storage against the CRC-32 recorded in the file.
 
     Returns:
@@ -450,30 +562,40 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         FileNotFoundError, PermissionError, OSError: the file cannot be read.
         fastckpt.FormatError: the file is truncated, corrupt, not a checkpoint,
             or (with ``verify``) a storage does not match its checksum.
-        pickle.UnpicklingError: ``weights_only`` refused something in the file.
+        pickle.UnpicklingError: ``weights_only`` refused something in the file;
+            the message starts with "Weights only load failed", as torch's.
+        RuntimeError: weights-only with an explicit ``pickle_module``, or
+            both TORCH_FORCE_* variables set (as torch.load).
 
     Example:
         >>> sd = fastckpt.load("ckpt.pt", map_location=f"cuda:{local_rank}")
     """
-    if weights_only and pickle_module is not None:
-        raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
-    if pickle_module is None:
-        pickle_module = ts._weights_only_unpickler if weights_only else pickle
-    if not _is_path(f) or mmap:
+    weights_only, pickle_module = _torch_rules.weights_only_policy(weights_only, pickle_module)
+    ts._check_dill_version(pickle_module)
+    if mmap is None:  # torch.load's default
+        from torch.utils.serialization import config as _torch_config
+        mmap = bool(_torch_config.load.mmap)
+    # torch.load receives the decided weights_only (an explicit value: it
+    # decides the same again, without a second warning).
+    if not _is_path(f) or mmap or (not verify and _torch_rules.reads_no_data(map_location)):
         if verify:
             raise ValueError("verify=True needs a path and mmap=False")
         return torch.load(f, map_location=map_location, weights_only=weights_only, mmap=mmap,
                           **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
     path = os.fspath(f)
-    with open(path, "rb") as fh:  # FileNotFoundError etc. with the usual errno and path
+    with _paths.open_for_reading(path) as fh:  # FileNotFoundError etc. with the usual errno and path
         head = fh.read(32)
         if _is_legacy(head):  # torch's pre-1.6 format: torch.load knows it
             log.debug("fastckpt.load: %s is in torch's legacy format; using torch.load", path)
             fh.seek(0)
             return torch.load(fh, map_location=map_location, weights_only=weights_only,
                               **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
+        if pickle_load_args and weights_only:
+            warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
         pickle_load_args.setdefault("encoding", "utf-8")  # torch.load's default
         archive, small, storages, bad = _read_archive(path, fh, verify)
+    if weights_only:
+        pickle_module = ts._weights_only_unpickler
     reader = _Reader(archive, small, storages)
     if bad:
         names = _tensor_names_for_records(reader, bad, pickle_module, pickle_load_args)

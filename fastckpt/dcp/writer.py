@@ -52,6 +52,7 @@ from torch.futures import Future
 
 from .. import _C
 from .._owner import check_directory_owner
+from .._paths import check_dcp_target
 from ..engine import get_engine
 from . import _blob
 from ._staging import Stager
@@ -288,7 +289,7 @@ class FastWriter(StorageWriter, AsyncStager):
                                       f"{serialization_format}")
         # per_thread_copy_ahead: device-to-host copies run one tensor ahead of the writes;
         # cache_staged_state_dict: stage() always reuses its buffers. Both accepted for compatibility.
-        self.path = Path(path)
+        self.path = Path(check_dcp_target(path))  # URL, file, unwritable: refused before any data
         self.single_file_per_rank = single_file_per_rank
         self.thread_count = thread_count
         self.overwrite = overwrite
@@ -318,7 +319,7 @@ class FastWriter(StorageWriter, AsyncStager):
     def reset(self, checkpoint_id: Union[str, os.PathLike, None] = None) -> None:
         # DCP calls this first (when given a checkpoint_id): it starts a save in this thread.
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = Path(check_dcp_target(checkpoint_id))
         self.save_id = str(uuid.uuid4())
         self._local.save = _Save(Path(checkpoint_id) if checkpoint_id else self.path, self.save_id)
 

@@ -989,8 +989,10 @@ def test_weights_only_false_runs_handcrafted_pickle(tmp_path):
 def test_weights_only_with_pickle_module_is_refused(tmp_path):
     fastckpt.save({"a": 1}, tmp_path / "a.pt")
     with pytest.raises(RuntimeError):
-        fastckpt.load(tmp_path / "a.pt", pickle_module=pickle)
+        fastckpt.load(tmp_path / "a.pt", pickle_module=pickle, weights_only=True)
     assert fastckpt.load(tmp_path / "a.pt", pickle_module=pickle, weights_only=False) == {"a": 1}
+    # as torch.load: an explicit pickle_module with weights_only unset means weights_only=False
+    assert fastckpt.load(tmp_path / "a.pt", pickle_module=pickle) == {"a": 1}
 
 
 def test_safe_globals_allow_a_custom_class(tmp_path):

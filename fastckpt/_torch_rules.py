@@ -1,0 +1,83 @@
+"""What torch.save and torch.load decide from their arguments, torch's
+settings and the environment, for fastckpt.save / fastckpt.load to decide
+the same: the weights-only rules, the loads that read no data, the record
+alignment and the checksums. torch inlines most of these in torch.load and
+torch._save; where it has a helper (``_default_to_weights_only``,
+``_get_storage_alignment``, ``get_crc32_options``, ``_is_meta_location``) it is
+called, and tests/python/test_torch_semantics.py checks the result against
+torch's own functions.
+"""
+
+import math
+import os
+import pickle
+import warnings
+from typing import Any, Optional, Tuple
+
+import torch
+import torch.serialization as ts
+
+from . import _zip
+
+__all__ = ["weights_only_policy", "reads_no_data", "storage_alignment", "compute_crc32"]
+
+
+_TRUE_VALUES = ("1", "y", "yes", "true")  # torch.load's, for its TORCH_FORCE_* variables
+
+
+def weights_only_policy(weights_only: Optional[bool], pickle_module: Any) -> Tuple[bool, Any]:
+    """``(weights_only, pickle_module)`` as torch.load decides them (torch
+    inlines this in torch.load, so it is followed step by step here, with
+    torch's own default rule ``_default_to_weights_only``, and checked
+    against torch.load by tests/python/test_torch_semantics.py):
+
+    - ``None`` means weights-only unless a ``pickle_module`` is given;
+    - ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` forces weights-only, even over
+      ``weights_only=False``; ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD=1`` turns an
+      unset ``weights_only`` into False, with torch's warning; both set is an error;
+    - weights-only with an explicit ``pickle_module`` is an error; otherwise a
+      missing ``pickle_module`` is :mod:`pickle`.
+    """
+    not_set = weights_only is None
+    if not_set:
+        default = getattr(ts, "_default_to_weights_only", None)
+        weights_only = default(pickle_module) if default else pickle_module is None
+    force = os.getenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE_VALUES
+    force_no = os.getenv("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE_VALUES
+    if force and force_no:
+        raise RuntimeError("Only one of `TORCH_FORCE_WEIGHTS_ONLY_LOAD` or `TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD` "
+                           "should be set, but both were set.")
+    if force:
+        weights_only = True
+    elif force_no and not_set:
+        warnings.warn("Environment variable TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD detected, since the"
+                      "`weights_only` argument was not explicitly passed to `torch.load`, forcing weights_only=False.",
+                      UserWarning, stacklevel=3)
+        weights_only = False
+    if weights_only:
+        if pickle_module is not None:
+            raise RuntimeError("Can not safely load weights when explicit pickle_module is specified")
+    elif pickle_module is None:
+        pickle_module = pickle
+    return bool(weights_only), pickle_module
+
+
+def reads_no_data(map_location: Any) -> bool:
+    """torch.load reads no storage bytes here (a meta map_location, an active
+    fake mode, torch.serialization.skip_data()), so neither does fastckpt.load:
+    it leaves such loads to torch.load."""
+    is_meta = getattr(ts, "_is_meta_location", None)
+    return bool(ts._serialization_tls.skip_data or torch._guards.detect_fake_mode(None) is not None
+                or (is_meta(map_location) if is_meta else isinstance(map_location, str) and map_location == "meta"))
+
+
+def storage_alignment() -> int:
+    """Record alignment of a new file: 4096, or a multiple of torch's
+    ``config.save.storage_alignment`` where that is not a divisor of 4096."""
+    get = getattr(ts, "_get_storage_alignment", None)
+    return math.lcm(_zip.ALIGNMENT, max(1, int(get())) if get else 1)
+
+
+def compute_crc32() -> bool:
+    get = getattr(ts, "get_crc32_options", None)
+    return bool(get()) if get else True
