@@ -1,5 +1,7 @@
 // The pwrite/pread thread-pool backend: each worker performs one system call
 // per request and posts the result; IoQueue handles what the result means.
+#include <unistd.h>
+
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -13,12 +15,19 @@ namespace {
 
 class ThreadBackend final : public Backend {
  public:
-  ThreadBackend(unsigned threads, unsigned depth) : depth_(depth) {
+  ThreadBackend(unsigned threads, unsigned depth) : depth_(depth), pid_(::getpid()) {
     workers_.reserve(threads);
     for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
   }
 
   ~ThreadBackend() override {
+    if (::getpid() != pid_) {
+      // Destroyed in a forked child: the workers exist only in the parent, and
+      // mu_ may have been held there at fork(). Joining would hang; leave the
+      // (copied) thread handles alone.
+      new std::vector<std::thread>(std::move(workers_));
+      return;
+    }
     {
       std::lock_guard<std::mutex> lk(mu_);
       stop_ = true;
@@ -78,6 +87,7 @@ class ThreadBackend final : public Backend {
   std::deque<IoCompletion> done_;
   std::vector<std::thread> workers_;
   bool stop_ = false;
+  pid_t pid_;  // the process whose threads these are
 };
 
 }  // namespace
