@@ -46,6 +46,15 @@ _lock = threading.Lock()
 _overrides: Dict[str, object] = {}
 
 
+def _after_fork_in_child() -> None:
+    global _lock  # a thread of the parent may have held it at fork()
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def config() -> "_C.EngineConfig":
     """The effective configuration: defaults, then environment, then overrides."""
     with _lock:

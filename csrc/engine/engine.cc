@@ -33,7 +33,15 @@ void BackendLease::give_back() {
 }
 
 Engine::Engine(const EngineConfig& cfg)
-    : cfg_(cfg), pool_((cfg.validate(), cfg.buffer_size), cfg.buffer_count), pid_(static_cast<int>(::getpid())) {}
+    : cfg_(cfg),
+      pool_(new BufferPool((cfg.validate(), cfg.buffer_size), cfg.buffer_count)),
+      pid_(static_cast<int>(::getpid())) {}
+
+Engine::~Engine() {
+  if (static_cast<int>(::getpid()) == pid_) return;
+  for (auto& be : idle_) (void)be.release();
+  (void)pool_.release();
+}
 
 void Engine::check_process() const {
   const int now = static_cast<int>(::getpid());
@@ -52,7 +60,7 @@ std::unique_ptr<Backend> Engine::create_backend() {
   }
   if (try_uring) {
     try {
-      return make_uring_backend(cfg_.queue_depth, pool_.iovecs());
+      return make_uring_backend(cfg_.queue_depth, pool_->iovecs());
     } catch (const IoError& e) {
       if (cfg_.backend == BackendKind::Uring) throw;
       std::lock_guard<std::mutex> lk(mu_);

@@ -39,8 +39,13 @@ class BackendLease {
 class Engine {
  public:
   explicit Engine(const EngineConfig& cfg);
+  // In a forked child, leaves the parent's backends and buffer pool alone
+  // (leaked): their threads, locks and condition variables belong to the parent.
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
   const EngineConfig& config() const { return cfg_; }
-  BufferPool& pool() { return pool_; }
+  BufferPool& pool() { return *pool_; }
   BackendLease lease();
   // The backend in use ("io_uring" or "threads"), resolving it if needed.
   std::string backend_name();
@@ -57,7 +62,7 @@ class Engine {
   void give_back(std::unique_ptr<Backend> be);
 
   EngineConfig cfg_;
-  BufferPool pool_;
+  std::unique_ptr<BufferPool> pool_;
   std::mutex mu_;
   std::vector<std::unique_ptr<Backend>> idle_;
   bool uring_refused_ = false;

@@ -52,6 +52,10 @@ void run_write_fault(const WriteFault& f) {
   CHECK_CONTAINS(what, std::string(": ") + std::strerror(f.err));
   CHECK_CONTAINS(e.path(), dir.path() + "/");
   CHECK_CONTAINS(e.path(), "ckpt.bin");
+  // The error names the user's file, whatever file the call failed on.
+  CHECK_EQ(e.target(), path);
+  CHECK_CONTAINS(what, path);
+  if (f.temp_path && e.op() != "rename") CHECK_CONTAINS(what, " (saving " + path + ")");
   if (f.temp_path) CHECK_CONTAINS(e.path(), ".fastckpt-tmp.");
   if (f.has_offset) {
     CHECK_CONTAINS(what, " off=" + std::to_string(e.offset()));
