@@ -25,8 +25,9 @@ namespace {
 constexpr const char* kMark = ".fastckpt-tmp.";
 constexpr size_t kMaxHost = 40;
 
+// At most 19 digits: always below 2^64, so std::stoull never throws.
 bool all_digits(const std::string& s) {
-  if (s.empty() || s.size() > 20) return false;
+  if (s.empty() || s.size() > 19) return false;
   for (char c : s)
     if (c < '0' || c > '9') return false;
   return true;
@@ -154,14 +155,25 @@ bool temp_writer_gone(const TempNameInfo& info) {
   return now != 0 && now != info.start;
 }
 
+static void remove_leftovers_into(const std::string& path, std::vector<std::string>& removed);
+
 std::vector<std::string> remove_leftovers(const std::string& path) {
   std::vector<std::string> removed;
+  try {
+    remove_leftovers_into(path, removed);
+  } catch (...) {
+    // Best effort (e.g. out of memory while listing): the save itself goes on.
+  }
+  return removed;
+}
+
+static void remove_leftovers_into(const std::string& path, std::vector<std::string>& removed) {
   const std::string dir = sys::dirname(path);
   const std::string name = sys::basename(path);
-  if (name.empty()) return removed;
+  if (name.empty()) return;
   const std::string prefix = "." + name + kMark;
   DIR* d = ::opendir(dir.c_str());
-  if (!d) return removed;
+  if (!d) return;
   const int dfd = ::dirfd(d);
   const uid_t me = ::geteuid();
   std::vector<std::string> candidates;
@@ -194,7 +206,6 @@ std::vector<std::string> remove_leftovers(const std::string& path) {
     ::close(fd);
   }
   ::closedir(d);
-  return removed;
 }
 
 }  // namespace fastckpt

@@ -49,8 +49,8 @@ uint64_t process_start_time(int pid);
 bool temp_writer_gone(const TempNameInfo& info);
 
 // Removes the leftovers of crashed saves of `path` (see above); returns their
-// names. Best effort: a directory that cannot be listed, or a file that cannot
-// be checked, is left alone.
+// names. Best effort and never throws: a directory that cannot be listed, or a
+// file that cannot be checked, is left alone.
 std::vector<std::string> remove_leftovers(const std::string& path);
 
 }  // namespace fastckpt

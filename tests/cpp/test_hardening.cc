@@ -84,6 +84,10 @@ TEST(temp_names_carry_pid_host_and_start_time, ONCE) {
   CHECK(!fastckpt::parse_temp_name(base(t), "step", &info));
   CHECK(!fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.12.3.4", "step.pt", &info));  // old format: no host
   CHECK(!fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.12.h.3.4.zz", "step.pt", &info));
+  // Numbers too large for 64 bits are not names of ours (and never throw).
+  CHECK(!fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.99999999999999999999.h.3.4.a", "step.pt", &info));
+  CHECK(!fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.12.h.99999999999999999999.4.a", "step.pt", &info));
+  CHECK(!fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.12.h.3.99999999999999999999.a", "step.pt", &info));
 }
 
 TEST(next_save_removes_leftovers_of_dead_processes_of_this_host_only, ONCE) {
