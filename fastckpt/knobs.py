@@ -19,7 +19,7 @@ direct               FASTCKPT_DIRECT               0 disables O_DIRECT
 flush_interval       FASTCKPT_FLUSH_INTERVAL       async fdatasync every N bytes (0 = at the end)
 preallocate          FASTCKPT_PREALLOCATE          fallocate when the final size is known
 async_max_in_flight  FASTCKPT_ASYNC_MAX_IN_FLIGHT  async saves in flight, each holding a host snapshot (1)
-allow_foreign_owner  FASTCKPT_ALLOW_FOREIGN_OWNER  1: use checkpoint directories owned by another user (0)
+allow_foreign_owner  FASTCKPT_ALLOW_FOREIGN_OWNER  1: use checkpoint directories another user owns or can write (0)
 ===================  ============================  =======================================================
 
 The first eight configure the C++ engine (:func:`config`); the others are read
