@@ -4,9 +4,16 @@ An engine owns the staging-buffer pool (allocated and touched once) and the
 I/O backends (io_uring rings with registered buffers, or worker threads), so
 every save and load after the first reuses warm memory. Engines are cached
 per configuration (see :mod:`fastckpt.knobs`).
+
+After ``os.fork()`` (including multiprocessing's "fork" start method) the
+child starts with no cached engine: the parent's I/O threads do not exist in
+the child and its io_uring rings must not be shared, so the child's first save
+or load makes an engine of its own. An engine object carried over from the
+parent refuses to work in the child (ValueError) instead of hanging.
 """
 
 import logging
+import os
 import threading
 from typing import Dict, Tuple
 
@@ -40,3 +47,16 @@ def reset_engine() -> None:
     """Drop cached engines (their buffers are freed once no writer uses them)."""
     with _lock:
         _engines.clear()
+
+
+def _after_fork_in_child() -> None:
+    # Another thread of the parent may have held _lock at fork(): a new lock,
+    # and no engine of the parent's (the C++ engine refuses to run in another
+    # process and never joins the parent's threads when it is destroyed).
+    global _lock, _engines
+    _lock = threading.Lock()
+    _engines = {}
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

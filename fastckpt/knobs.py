@@ -19,7 +19,7 @@ direct               FASTCKPT_DIRECT               0 disables O_DIRECT
 flush_interval       FASTCKPT_FLUSH_INTERVAL       async fdatasync every N bytes (0 = at the end)
 preallocate          FASTCKPT_PREALLOCATE          fallocate when the final size is known
 async_max_in_flight  FASTCKPT_ASYNC_MAX_IN_FLIGHT  async saves in flight, each holding a host snapshot (1)
-allow_foreign_owner  FASTCKPT_ALLOW_FOREIGN_OWNER  1: use checkpoint directories owned by another user (0)
+allow_foreign_owner  FASTCKPT_ALLOW_FOREIGN_OWNER  1: use checkpoint directories another user owns or can write (0)
 ===================  ============================  =======================================================
 
 The first eight configure the C++ engine (:func:`config`); the others are read
@@ -44,6 +44,15 @@ PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
 
 _lock = threading.Lock()
 _overrides: Dict[str, object] = {}
+
+
+def _after_fork_in_child() -> None:
+    global _lock  # a thread of the parent may have held it at fork()
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def config() -> "_C.EngineConfig":

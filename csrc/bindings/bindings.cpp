@@ -5,6 +5,8 @@
 #include <fcntl.h>
 #include <torch/extension.h>
 
+#include <pybind11/stl.h>
+
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 #include "../engine/error.h"
 #include "../engine/fault.h"
 #include "../engine/sys.h"
+#include "../engine/temp_file.h"
 
 namespace py = pybind11;
 using namespace fastckpt;
@@ -68,6 +71,7 @@ py::dict write_stats_dict(const WriteStats& s) {
   d["backend"] = s.backend;
   d["alignment"] = s.alignment;
   d["fallback"] = s.fallback;
+  d["leftovers_removed"] = s.leftovers_removed;
   return d;
 }
 
@@ -102,7 +106,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     try {
       if (p) std::rethrow_exception(p);
     } catch (const IoError& e) {
-      py::object err = py::module_::import("builtins").attr("OSError")(e.err(), std::string(e.what()), e.path());
+      // filename: the user's file (a Writer's target), not its temporary name;
+      // the message names both.
+      const std::string& filename = e.target().empty() ? e.path() : e.target();
+      py::object err = py::module_::import("builtins").attr("OSError")(e.err(), std::string(e.what()), filename);
       PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(err.ptr())), err.ptr());
     } catch (const TruncatedError& e) {
       py::object fe = py::module_::import("fastckpt.errors").attr("FormatError");
@@ -147,7 +154,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return e.backend_name();
       })
       .def_property_readonly("uring_refusal", &Engine::uring_refusal)
-      .def_property_readonly("buffers_available", [](Engine& e) { return e.pool().available(); });
+      .def_property_readonly("buffers_available", [](Engine& e) { return e.pool().available(); })
+      .def_property_readonly("buffers_quarantined", [](Engine& e) { return e.pool().quarantined(); },
+                             "Staging buffers taken out of use because the kernel may still access them.");
 
   py::class_<PyWriter>(m, "Writer")
       .def(py::init([](std::shared_ptr<Engine> eng, const std::string& path, int64_t expected_size) {
@@ -178,8 +187,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                if (py::isinstance<py::tuple>(it)) {
                  py::tuple t = py::reinterpret_borrow<py::tuple>(it);
                  if (t.size() != 2) throw py::value_error("write_many: items are data or (data, offset)");
+                 int64_t off = t[1].cast<int64_t>();
+                 if (off < 0)
+                   throw py::value_error("write_many: negative offset " + std::to_string(off) + " in item " +
+                                         std::to_string(spans.size()) + " (an item without offset is appended)");
                  spans.emplace_back(t[0], false);
-                 offs.push_back(t[1].cast<int64_t>());
+                 offs.push_back(off);
                } else {
                  spans.emplace_back(it, false);
                  offs.push_back(-1);
@@ -288,6 +301,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         },
         py::arg("path"),
         "fsync a directory (makes renames and removals in it durable) through the engine's checker and fault hook.");
+
+  m.def("remove_leftovers", [](const std::string& path) {
+          py::gil_scoped_release nogil;
+          return remove_leftovers(path);
+        },
+        py::arg("path"),
+        "Remove the temporary files that crashed saves of `path` left next to it (only this host's, only of dead "
+        "processes, only unlocked ones; see docs/ENGINE.md); returns their names. Every Writer does this first.");
+  m.def("temp_host", &temp_host_token, "This host's name as it appears in temporary file names.");
+  m.def("parse_temp_name", [](const std::string& entry, const std::string& target_name) -> py::object {
+          TempNameInfo i;
+          if (!parse_temp_name(entry, target_name, &i)) return py::none();
+          py::dict d;
+          d["pid"] = i.pid;
+          d["host"] = i.host;
+          d["start"] = i.start;
+          return d;
+        },
+        py::arg("entry"), py::arg("target_name"),
+        "The fields of a temporary file name of `target_name` ({pid, host, start}), or None.");
 
   m.def("uring_compiled", &uring_compiled, "Whether this build has the io_uring backend.");
 

@@ -1,5 +1,7 @@
 // The pwrite/pread thread-pool backend: each worker performs one system call
 // per request and posts the result; IoQueue handles what the result means.
+#include <unistd.h>
+
 #include <condition_variable>
 #include <deque>
 #include <mutex>
@@ -11,20 +13,39 @@
 namespace fastckpt {
 namespace {
 
+// What the workers share, on the heap: a forked child leaks it (see below).
+struct Shared {
+  std::mutex mu;
+  std::condition_variable req_cv, done_cv;
+  std::deque<IoRequest> requests;
+  std::deque<IoCompletion> done;
+  std::vector<std::thread> workers;
+  bool stop = false;
+};
+
 class ThreadBackend final : public Backend {
  public:
-  ThreadBackend(unsigned threads, unsigned depth) : depth_(depth) {
-    workers_.reserve(threads);
-    for (unsigned i = 0; i < threads; ++i) workers_.emplace_back([this] { run(); });
+  ThreadBackend(unsigned threads, unsigned depth) : depth_(depth), pid_(::getpid()), s_(new Shared) {
+    s_->workers.reserve(threads);
+    Shared* s = s_;
+    for (unsigned i = 0; i < threads; ++i) s_->workers.emplace_back([s] { run(s); });
   }
 
   ~ThreadBackend() override {
-    {
-      std::lock_guard<std::mutex> lk(mu_);
-      stop_ = true;
+    if (::getpid() != pid_) {
+      // Destroyed in a forked child: the workers exist only in the parent.
+      // Joining them, taking a mutex a parent's thread may have held at
+      // fork(), or destroying a condition variable the parent's threads were
+      // waiting on (glibc waits for them) would hang: leave it all alone.
+      return;
     }
-    req_cv_.notify_all();
-    for (auto& t : workers_) t.join();
+    {
+      std::lock_guard<std::mutex> lk(s_->mu);
+      s_->stop = true;
+    }
+    s_->req_cv.notify_all();
+    for (auto& t : s_->workers) t.join();
+    delete s_;
   }
 
   const char* name() const override { return "threads"; }
@@ -32,30 +53,30 @@ class ThreadBackend final : public Backend {
 
   void submit(const IoRequest& req) override {
     {
-      std::lock_guard<std::mutex> lk(mu_);
-      requests_.push_back(req);
+      std::lock_guard<std::mutex> lk(s_->mu);
+      s_->requests.push_back(req);
     }
-    req_cv_.notify_one();
+    s_->req_cv.notify_one();
   }
 
   IoCompletion wait() override {
-    std::unique_lock<std::mutex> lk(mu_);
-    done_cv_.wait(lk, [&] { return !done_.empty(); });
-    IoCompletion c = done_.front();
-    done_.pop_front();
+    std::unique_lock<std::mutex> lk(s_->mu);
+    s_->done_cv.wait(lk, [&] { return !s_->done.empty(); });
+    IoCompletion c = s_->done.front();
+    s_->done.pop_front();
     return c;
   }
 
  private:
-  void run() {
+  static void run(Shared* s) {
     for (;;) {
       IoRequest r;
       {
-        std::unique_lock<std::mutex> lk(mu_);
-        req_cv_.wait(lk, [&] { return stop_ || !requests_.empty(); });
-        if (requests_.empty()) return;  // stop_ and nothing left
-        r = requests_.front();
-        requests_.pop_front();
+        std::unique_lock<std::mutex> lk(s->mu);
+        s->req_cv.wait(lk, [&] { return s->stop || !s->requests.empty(); });
+        if (s->requests.empty()) return;  // stop and nothing left
+        r = s->requests.front();
+        s->requests.pop_front();
       }
       int64_t res = 0;
       switch (r.kind) {
@@ -64,20 +85,16 @@ class ThreadBackend final : public Backend {
         case IoRequest::Fsync: res = sys::fdatasync_raw(r.fd); break;
       }
       {
-        std::lock_guard<std::mutex> lk(mu_);
-        done_.push_back(IoCompletion{r.tag, res});
+        std::lock_guard<std::mutex> lk(s->mu);
+        s->done.push_back(IoCompletion{r.tag, res});
       }
-      done_cv_.notify_one();
+      s->done_cv.notify_one();
     }
   }
 
   unsigned depth_;
-  std::mutex mu_;
-  std::condition_variable req_cv_, done_cv_;
-  std::deque<IoRequest> requests_;
-  std::deque<IoCompletion> done_;
-  std::vector<std::thread> workers_;
-  bool stop_ = false;
+  pid_t pid_;  // the process whose threads these are
+  Shared* s_;
 };
 
 }  // namespace

@@ -41,10 +41,10 @@ class UringBackend final : public Backend {
 
   void submit(const IoRequest& req) override {
     io_uring_sqe* sqe = io_uring_get_sqe(&ring_);
-    while (!sqe) {
-      int r = io_uring_submit(&ring_);
-      if (r < 0 && r != -EINTR && r != -EAGAIN && r != -EBUSY) throw_io(-r, "io_uring_submit", "<io_uring>");
+    if (!sqe) {
+      flush(req);  // cannot happen with at most depth_ in flight; kept for safety
       sqe = io_uring_get_sqe(&ring_);
+      if (!sqe) throw_io(EBUSY, "io_uring_get_sqe", "<io_uring>", req.off, req.len);
     }
     const bool fixed = registered_ && req.buf_index >= 0 && static_cast<size_t>(req.buf_index) < fixed_.size() &&
                        req.buf >= static_cast<char*>(fixed_[req.buf_index].iov_base) &&
@@ -67,15 +67,13 @@ class UringBackend final : public Backend {
         break;
     }
     io_uring_sqe_set_data64(sqe, req.tag);
-    for (;;) {
-      int r = io_uring_submit(&ring_);
-      if (r >= 0) break;
-      if (r == -EINTR || r == -EAGAIN || r == -EBUSY) continue;
-      throw_io(-r, "io_uring_submit", "<io_uring>", req.off, req.len);
-    }
+    ++unsubmitted_;
+    flush(req);
   }
 
   IoCompletion wait() override {
+    fault::Action a = fault::on(fault::Op::UringWait, "");
+    if (a.err) throw_io(a.err, "io_uring_wait_cqe", "<io_uring>");
     io_uring_cqe* cqe = nullptr;
     for (;;) {
       int r = io_uring_wait_cqe(&ring_, &cqe);
@@ -89,10 +87,31 @@ class UringBackend final : public Backend {
   }
 
  private:
+  // Hands every prepared SQE to the kernel. On failure the SQEs stay in the
+  // submission queue and the ring's state is unknown: the caller (IoQueue)
+  // marks the backend broken and it is never used again.
+  void flush(const IoRequest& req) {
+    unsigned tries = 0;
+    while (unsubmitted_ > 0) {
+      fault::Action a = fault::on(fault::Op::UringSubmit, "");
+      int r = a.err ? -a.err : io_uring_submit(&ring_);
+      if (r > 0) {
+        unsubmitted_ -= static_cast<unsigned>(r) < unsubmitted_ ? static_cast<unsigned>(r) : unsubmitted_;
+        continue;
+      }
+      // 0 (nothing taken) or a transient refusal: retry a bounded number of times.
+      if ((r == 0 || r == -EINTR || r == -EAGAIN || r == -EBUSY) && ++tries < kMaxSubmitRetries) continue;
+      throw_io(r == 0 ? EAGAIN : -r, "io_uring_submit", "<io_uring>", req.off, req.len);
+    }
+  }
+
+  static constexpr unsigned kMaxSubmitRetries = 100000;
+ private:
   unsigned depth_;
   io_uring ring_{};
   std::vector<iovec> fixed_;
   bool registered_ = false;
+  unsigned unsubmitted_ = 0;  // SQEs prepared and not yet taken by the kernel
 };
 
 }  // namespace

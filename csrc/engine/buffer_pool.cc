@@ -42,11 +42,15 @@ int BufferPool::acquire() {
   while (free_.empty()) {
     size_t mine = 0;
     for (const std::thread::id& o : owner_) mine += o == me;
-    if (mine == count_)
-      throw UsageError("staging buffers: all " + std::to_string(count_) +
+    if (mine + lost_ == count_) {
+      if (mine == 0)
+        throw IoError("acquire", "<staging buffers: every one was lost to an I/O request that was never reaped>", -1,
+                      0, EIO);
+      throw UsageError("staging buffers: all " + std::to_string(count_ - lost_) +
                        " are held by open writers or reads of this same thread, so waiting for one would never "
                        "end; commit or abort the open Writer first, or make FASTCKPT_BUFFER_COUNT larger than "
                        "FASTCKPT_QUEUE_DEPTH");
+    }
     cv_.wait(lk);
   }
   int i = free_.back();
@@ -71,6 +75,20 @@ void BufferPool::release(int index) {
     free_.push_back(index);
   }
   cv_.notify_one();
+}
+
+void BufferPool::quarantine(int index) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    owner_[static_cast<size_t>(index)] = std::thread::id();
+    ++lost_;
+  }
+  cv_.notify_all();  // a waiter may now find that no buffer will ever come back
+}
+
+size_t BufferPool::quarantined() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return lost_;
 }
 
 size_t BufferPool::available() const {

@@ -33,6 +33,10 @@ class BufferPool {
   int acquire();
   int try_acquire();  // -1 when none is free
   void release(int index);
+  // Takes a held buffer out of use for good: the kernel may still access it
+  // (an I/O request on it was never reaped). It is never handed out again.
+  void quarantine(int index);
+  size_t quarantined() const;
   size_t available() const;
 
  private:
@@ -44,6 +48,7 @@ class BufferPool {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<int> free_;
+  size_t lost_ = 0;  // quarantined buffers
   std::vector<std::thread::id> owner_;  // the thread that took each buffer; id() when free
 };
 

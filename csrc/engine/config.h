@@ -13,6 +13,10 @@ enum class BackendKind { Auto, Uring, Threads };
 const char* backend_kind_name(BackendKind k);
 BackendKind backend_kind_from_name(const std::string& name);  // "auto" | "uring" | "threads"
 
+// Limits that validate() enforces.
+constexpr uint64_t kMaxBufferSize = 1ull << 30;  // one staging buffer
+constexpr uint64_t kMaxPoolBytes = 64ull << 30;  // buffer_size x buffer_count
+
 struct EngineConfig {
   // Staging buffers: allocated once per Engine, reused by every save and load.
   // 8 x 8 MiB keeps the disk busy (see benchmarks/bench_engine.py) for 64 MiB of RAM.
@@ -28,14 +32,16 @@ struct EngineConfig {
   bool preallocate = true;         // FASTCKPT_PREALLOCATE: fallocate when the size is known
 
   // `base` overridden by whatever FASTCKPT_* variables are set. Throws
-  // UsageError on a malformed value.
+  // UsageError on a malformed, negative or too large value, naming the
+  // variable.
   static EngineConfig from_env(EngineConfig base);
   static EngineConfig from_env() { return from_env(EngineConfig{}); }
   // Throws UsageError when the values cannot work together.
   void validate() const;
 };
 
-// "8M" -> 8388608; throws UsageError.
+// "8M" -> 8388608; throws UsageError (naming `what`) for anything but digits
+// with an optional K/M/G suffix, and for a value that does not fit 64 bits.
 uint64_t parse_size(const std::string& text, const char* what);
 
 }  // namespace fastckpt

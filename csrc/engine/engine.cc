@@ -8,9 +8,11 @@
 #include <cerrno>
 #include <algorithm>
 #include <chrono>
+#include <climits>
 #include <cstring>
 
 #include "error.h"
+#include "temp_file.h"
 
 namespace fastckpt {
 
@@ -30,7 +32,25 @@ void BackendLease::give_back() {
   if (be_ && eng_) eng_->give_back(std::move(be_));
 }
 
-Engine::Engine(const EngineConfig& cfg) : cfg_(cfg), pool_((cfg.validate(), cfg.buffer_size), cfg.buffer_count) {}
+Engine::Engine(const EngineConfig& cfg)
+    : cfg_(cfg),
+      pool_(new BufferPool((cfg.validate(), cfg.buffer_size), cfg.buffer_count)),
+      pid_(static_cast<int>(::getpid())) {}
+
+Engine::~Engine() {
+  if (static_cast<int>(::getpid()) == pid_) return;
+  for (auto& be : idle_) (void)be.release();
+  (void)pool_.release();
+}
+
+void Engine::check_process() const {
+  const int now = static_cast<int>(::getpid());
+  if (now != pid_)
+    throw UsageError("fastckpt engine: made in process " + std::to_string(pid_) + ", used in process " +
+                     std::to_string(now) +
+                     " after fork(): its I/O threads and io_uring rings belong to the parent. Make a new engine in "
+                     "the child (fastckpt.get_engine() does so after a fork)");
+}
 
 std::unique_ptr<Backend> Engine::create_backend() {
   bool try_uring;
@@ -40,7 +60,7 @@ std::unique_ptr<Backend> Engine::create_backend() {
   }
   if (try_uring) {
     try {
-      return make_uring_backend(cfg_.queue_depth, pool_.iovecs());
+      return make_uring_backend(cfg_.queue_depth, pool_->iovecs());
     } catch (const IoError& e) {
       if (cfg_.backend == BackendKind::Uring) throw;
       std::lock_guard<std::mutex> lk(mu_);
@@ -52,6 +72,7 @@ std::unique_ptr<Backend> Engine::create_backend() {
 }
 
 BackendLease Engine::lease() {
+  check_process();  // before taking mu_, which a parent's thread may have held at fork()
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (!idle_.empty()) {
@@ -89,42 +110,25 @@ std::string Engine::uring_refusal() {
 
 // ---------------------------------------------------------------- Writer
 
-static std::string temp_name_for(const std::string& path) {
-  static std::atomic<uint64_t> counter{0};
-  uint64_t n = counter.fetch_add(1);
-  uint64_t t = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
-  std::string dir = sys::dirname(path);
-  std::string name = sys::basename(path);
-  char suffix[64];
-  std::snprintf(suffix, sizeof suffix, ".fastckpt-tmp.%d.%llu.%llx", static_cast<int>(::getpid()),
-                static_cast<unsigned long long>(n), static_cast<unsigned long long>(t & 0xffffff));
-  return (dir == "." && path.find('/') == std::string::npos ? std::string() : dir + "/") + "." + name + suffix;
+// Leases a backend for a Writer of `path`; a refusal names the user's file.
+static BackendLease lease_for(Engine& engine, const std::string& path) {
+  try {
+    return engine.lease();
+  } catch (const IoError& e) {
+    throw e.saving(path);
+  }
 }
 
 Writer::Writer(Engine& engine, const std::string& path, int64_t expected_size)
-    : eng_(engine), cfg_(engine.config()), path_(path), dir_(sys::dirname(path)), lease_(engine.lease()) {
+    : eng_(engine), cfg_(engine.config()), path_(path), dir_(sys::dirname(path)), lease_(lease_for(engine, path)) {
   t0_ = now_seconds();
   if (path.empty() || path.back() == '/') throw UsageError("Writer: not a file path: '" + path + "'");
   backend_ = lease_.get().name();
   q_.reset(new IoQueue(lease_.get(), cfg_.queue_depth));
-  tmp_ = temp_name_for(path);
-  const int flags = O_WRONLY | O_CREAT | O_EXCL;
-  direct_ = cfg_.direct;
-  if (direct_) {
-    try {
-      fd_ = sys::open(tmp_, flags | O_DIRECT);
-    } catch (const IoError& e) {
-      if (e.err() != EINVAL) throw;
-      direct_ = false;
-      fallback_ = "open(O_DIRECT): EINVAL";
-    }
-  } else {
-    fallback_ = "disabled by configuration";
-  }
-  // After an O_DIRECT refusal the file may already exist (created before the
-  // refusal), so the second open does not insist on creating it.
-  if (fd_ < 0) fd_ = sys::open(tmp_, direct_ ? flags : (O_WRONLY | O_CREAT | O_TRUNC));
+  // What crashed saves of this same target left here (docs/ENGINE.md).
+  leftovers_ = remove_leftovers(path_);
   try {
+    open_temp();
     if (direct_) {
       sys::DioAlign al = sys::dio_alignment(fd_, tmp_);
       const uint64_t bs = eng_.pool().buffer_size();
@@ -154,10 +158,49 @@ Writer::Writer(Engine& engine, const std::string& path, int64_t expected_size)
       if (sys::fallocate(fd_, round_up(static_cast<uint64_t>(expected_size), align_), tmp_)) size_may_differ_ = true;
     }
     next_flush_ = cfg_.flush_interval;
+  } catch (const IoError& e) {
+    abort();
+    throw e.saving(path_);
   } catch (...) {
     abort();
     throw;
   }
+}
+
+// Creates the temporary file: always O_CREAT|O_EXCL|O_NOFOLLOW (never opens
+// a file or follows a link that someone else put under the name), O_DIRECT
+// when configured and accepted. Sets tmp_ only once the file is ours.
+void Writer::open_temp() {
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW;
+  direct_ = cfg_.direct;
+  if (!direct_) fallback_ = "disabled by configuration";
+  for (int attempt = 1;; ++attempt) {
+    const std::string name = temp_path_for(path_);
+    try {
+      if (direct_) {
+        try {
+          fd_ = sys::open(name, flags | O_DIRECT);
+        } catch (const IoError& e) {
+          if (e.err() != EINVAL) throw;
+          // Some filesystems create the file, then refuse O_DIRECT: the name
+          // was free a moment ago, so what is there now is that empty file.
+          sys::unlink_quiet(name);
+          direct_ = false;
+          fallback_ = "open(O_DIRECT): EINVAL";
+        }
+      }
+      if (fd_ < 0) fd_ = sys::open(name, flags);
+    } catch (const IoError& e) {
+      // The name is taken (planted, or left by an earlier process with this
+      // pid): take another one.
+      if (e.err() == EEXIST && attempt < 16) continue;
+      throw;
+    }
+    tmp_ = name;
+    break;
+  }
+  // Held until the rename: tells remove_leftovers() that a live process owns it.
+  sys::try_lock_exclusive(fd_);
 }
 
 Writer::~Writer() {
@@ -230,6 +273,9 @@ uint32_t crc32(uint32_t crc, const void* data, uint64_t n) {
 
 void Writer::put(const char* src, uint64_t n, uint32_t* crc) {
   ensure_open();
+  if (n > static_cast<uint64_t>(INT64_MAX) - pos_)
+    throw UsageError("Writer for " + path_ + ": " + std::to_string(n) + " bytes at offset " + std::to_string(pos_) +
+                     " would pass the largest file offset");
   const uint64_t bs = eng_.pool().buffer_size();
   // With a checksum, copy in pieces small enough to still be in the cache
   // when the CRC reads them back.
@@ -252,6 +298,9 @@ void Writer::put(const char* src, uint64_t n, uint32_t* crc) {
       n -= k;
       if (fill_ == bs) submit_current(bs);
     }
+  } catch (const IoError& e) {
+    abort();
+    throw e.saving(path_);
   } catch (...) {
     abort();
     throw;
@@ -267,6 +316,8 @@ void Writer::append_zeros(uint64_t n) { put(nullptr, n, nullptr); }
 
 void Writer::write_at(const void* src, uint64_t n, uint64_t off) {
   ensure_open();
+  if (off > static_cast<uint64_t>(INT64_MAX))
+    throw UsageError("Writer::write_at: offset " + std::to_string(off) + " is beyond the largest file offset");
   if (off < pos_)
     throw UsageError("Writer::write_at: offset " + std::to_string(off) + " is behind the current position " +
                      std::to_string(pos_) + " (regions must be written in increasing order)");
@@ -294,13 +345,18 @@ WriteStats Writer::commit() {
     if (size_may_differ_) sys::ftruncate(fd_, pos_, tmp_);
     const double tf = now_seconds();
     sys::fdatasync(fd_, tmp_);
+    // Renamed while still open (and locked): a concurrent save of the same
+    // target never takes the file for a crashed save's leftover.
+    sys::rename(tmp_, path_);
     sys::close_quiet(fd_);
     fd_ = -1;
-    sys::rename(tmp_, path_);
     state_ = State::Committed;
     release_buffers();
     sys::fsync_dir(dir_);
     st.flush_seconds = now_seconds() - tf;
+  } catch (const IoError& e) {
+    if (state_ == State::Open) abort();
+    throw e.saving(path_);
   } catch (...) {
     if (state_ == State::Open) abort();
     throw;
@@ -315,11 +371,17 @@ WriteStats Writer::commit() {
   st.backend = backend_;
   st.alignment = direct_ ? align_ : 0;
   st.fallback = fallback_;
+  st.leftovers_removed = leftovers_;
   return st;
 }
 
-void Writer::release_buffers() noexcept {
-  for (int b : held_) eng_.pool().release(b);
+void Writer::release_buffers(const std::vector<int>& unreaped) noexcept {
+  // A buffer the kernel may still be reading (its request was never reaped)
+  // never goes back to the pool.
+  for (int b : held_) {
+    if (std::find(unreaped.begin(), unreaped.end(), b) != unreaped.end()) eng_.pool().quarantine(b);
+    else eng_.pool().release(b);
+  }
   held_.clear();
   free_.clear();
   cur_ = -1;
@@ -328,16 +390,18 @@ void Writer::release_buffers() noexcept {
 void Writer::abort() noexcept {
   if (state_ != State::Open) return;
   state_ = State::Aborted;
+  std::vector<int> unreaped;
   if (q_) {
     q_->drain();
+    unreaped = q_->unreaped_buffers();
     if (q_->broken()) lease_.discard();
     q_.reset();
   }
   lease_.give_back();  // an aborted writer holds no ring or threads
-  release_buffers();
+  release_buffers(unreaped);
   sys::close_quiet(fd_);
   fd_ = -1;
-  sys::unlink_quiet(tmp_);
+  if (!tmp_.empty()) sys::unlink_quiet(tmp_);
 }
 
 // ---------------------------------------------------------------- Reader
@@ -389,11 +453,16 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
   std::vector<int> held, free_bufs;
   std::unique_ptr<IoQueue> q;
   auto cleanup = [&]() noexcept {
+    std::vector<int> unreaped;
     if (q) {
       q->drain();
+      unreaped = q->unreaped_buffers();
       if (q->broken()) lease.discard();
     }
-    for (int b : held) pool.release(b);
+    for (int b : held) {
+      if (std::find(unreaped.begin(), unreaped.end(), b) != unreaped.end()) pool.quarantine(b);
+      else pool.release(b);
+    }
     held.clear();
     sys::close_quiet(fd);
   };

@@ -39,13 +39,22 @@ class BackendLease {
 class Engine {
  public:
   explicit Engine(const EngineConfig& cfg);
+  // In a forked child, leaves the parent's backends and buffer pool alone
+  // (leaked): their threads, locks and condition variables belong to the parent.
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
   const EngineConfig& config() const { return cfg_; }
-  BufferPool& pool() { return pool_; }
+  BufferPool& pool() { return *pool_; }
   BackendLease lease();
   // The backend in use ("io_uring" or "threads"), resolving it if needed.
   std::string backend_name();
   // Why io_uring is not used (empty when it is, or was never tried).
   std::string uring_refusal();
+  // Throws UsageError in a process other than the one that made this engine
+  // (after fork(): the parent's I/O threads do not exist in the child, and an
+  // io_uring ring must not be shared with it).
+  void check_process() const;
 
  private:
   friend class BackendLease;
@@ -53,12 +62,13 @@ class Engine {
   void give_back(std::unique_ptr<Backend> be);
 
   EngineConfig cfg_;
-  BufferPool pool_;
+  std::unique_ptr<BufferPool> pool_;
   std::mutex mu_;
   std::vector<std::unique_ptr<Backend>> idle_;
   bool uring_refused_ = false;
   std::string refusal_;
   std::string resolved_;
+  int pid_;  // the process that made this engine
 };
 
 struct WriteStats {
@@ -71,12 +81,19 @@ struct WriteStats {
   std::string backend;
   uint32_t alignment = 0;      // file offset alignment used for O_DIRECT
   std::string fallback;        // why O_DIRECT was not used, if it was not
+  // Temporary files of crashed saves of the same target, removed before this
+  // save began (names; see temp_file.h for when a file counts as one).
+  std::vector<std::string> leftovers_removed;
 };
 
 // Writes one file durably and atomically. Data goes to a temporary file in the
-// target's directory ("." + name + ".fastckpt-tmp.*"); commit() makes it
-// durable and renames it over the final name; abort() (or destruction without
-// commit, or any error) removes it. Not thread-safe: one thread per Writer.
+// target's directory ("." + name + ".fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>",
+// created with O_EXCL|O_NOFOLLOW and flock()ed; see temp_file.h); commit()
+// makes it durable and renames it over the final name; abort() (or destruction
+// without commit, or any error) removes it. Before creating it, the Writer
+// removes what crashed saves of the same target on this host left behind.
+// An IoError from a Writer names the user's target as well as the file the
+// call failed on (IoError::target()). Not thread-safe: one thread per Writer.
 class Writer {
  public:
   // expected_size >= 0 preallocates the file (when the config allows).
@@ -101,13 +118,16 @@ class Writer {
   const std::string& path() const { return path_; }
   const std::string& tmp_path() const { return tmp_; }
   const std::string& backend_name() const { return backend_; }
+  // Leftovers of crashed saves of this target removed when this Writer began.
+  const std::vector<std::string>& leftovers_removed() const { return leftovers_; }
 
  private:
+  void open_temp();
   void put(const char* src, uint64_t n, uint32_t* crc);
   int take_buffer();
   void submit_current(uint64_t len);
   void reap_one();
-  void release_buffers() noexcept;
+  void release_buffers(const std::vector<int>& unreaped = {}) noexcept;
   void ensure_open() const;
 
   Engine& eng_;
@@ -120,6 +140,7 @@ class Writer {
   bool direct_ = false;
   uint32_t align_ = 1;
   std::string fallback_;
+  std::vector<std::string> leftovers_;
   std::vector<int> held_;       // buffers taken from the pool
   std::vector<int> free_;       // of those, the ones not in flight
   int cur_ = -1;                // buffer being filled

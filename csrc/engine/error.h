@@ -12,17 +12,25 @@ namespace fastckpt {
 // A failed system call (or an io_uring completion carrying -errno).
 class IoError : public std::runtime_error {
  public:
-  IoError(std::string op, std::string path, int64_t offset, uint64_t length, int err);
+  // `target`, if not empty, is the user's file that was being saved when the
+  // call on `path` (e.g. its temporary file) failed: the message then reads
+  // "pwrite /ckpt/.a.pt.fastckpt-tmp.... (saving /ckpt/a.pt) off=0 len=4096: ...".
+  IoError(std::string op, std::string path, int64_t offset, uint64_t length, int err, std::string target = "");
 
   const std::string& op() const { return op_; }
   const std::string& path() const { return path_; }
   int64_t offset() const { return offset_; }
   uint64_t length() const { return length_; }
   int err() const { return err_; }
+  // The user's file being saved, or "" (then path() is the user's file).
+  const std::string& target() const { return target_; }
+  // The same error, saying that it happened while saving `target`.
+  IoError saving(const std::string& target) const;
 
  private:
   std::string op_;
   std::string path_;
+  std::string target_;
   int64_t offset_;
   uint64_t length_;
   int err_;
@@ -57,6 +65,6 @@ int64_t check_sys(int64_t ret, const char* op, const std::string& path, int64_t 
                            uint64_t length = 0);
 
 std::string format_io_message(const std::string& op, const std::string& path, int64_t offset,
-                              uint64_t length, int err);
+                              uint64_t length, int err, const std::string& target = "");
 
 }  // namespace fastckpt

@@ -24,7 +24,8 @@ std::vector<Armed>& rules() {
   return r;
 }
 
-const char* const kNames[] = {"open", "write", "read", "fsync", "rename", "fallocate", "truncate", "uring_setup"};
+const char* const kNames[] = {"open", "write", "read", "fsync", "rename", "fallocate", "truncate", "uring_setup",
+                              "uring_submit", "uring_wait"};
 static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<int>(Op::kCount), "op names");
 
 }  // namespace

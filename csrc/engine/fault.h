@@ -23,6 +23,8 @@ enum class Op : int {
   Fallocate,
   Truncate,
   UringSetup, // io_uring_queue_init / buffer registration
+  UringSubmit, // io_uring_submit fails (the prepared SQE stays in the submission queue, as in the kernel)
+  UringWait,   // io_uring_wait_cqe fails (completions can no longer be reaped)
   kCount
 };
 

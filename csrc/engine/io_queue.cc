@@ -74,11 +74,15 @@ void IoQueue::issue(int s) {
   try {
     be_.submit(r);
   } catch (...) {
-    // The request never reached the kernel.
+    // The request never reached the kernel, and the backend's state is
+    // unknown (an io_uring SQE may still sit in the submission queue): never
+    // use it again. Reap what the kernel has before the caller frees buffers.
+    broken_ = true;
     release(s);
     drain();
     throw;
   }
+  sl.in_backend = true;
   ++in_backend_;
 }
 
@@ -96,6 +100,7 @@ IoCompletion IoQueue::next_completion() {
     throw;
   }
   --in_backend_;
+  if (c.tag < slots_.size()) slots_[c.tag].in_backend = false;
   return c;
 }
 
@@ -167,10 +172,18 @@ void IoQueue::drain() noexcept {
   injected_.clear();
   while (in_backend_ > 0) {
     try {
-      be_.wait();
+      IoCompletion c = be_.wait();
       --in_backend_;
+      if (c.tag < slots_.size()) slots_[c.tag].in_backend = false;
     } catch (...) {
+      // Completions can no longer be reaped: what the kernel still holds is lost.
       broken_ = true;
+      for (Slot& sl : slots_) {
+        if (!sl.in_backend) continue;
+        sl.in_backend = false;
+        if (sl.req.buf_index >= 0) unreaped_.push_back(sl.req.buf_index);
+      }
+      in_backend_ = 0;
       break;
     }
   }

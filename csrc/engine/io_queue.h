@@ -2,7 +2,10 @@
 // `max_inflight` requests in a Backend, requeues short transfers and
 // EINTR/EAGAIN, applies the fault-injection hook, converts -errno to errno
 // exactly once, and on any failure reaps every other in-flight request before
-// it throws, so the caller may then free buffers and close descriptors.
+// it throws, so the caller may then free buffers and close descriptors. A
+// backend that fails (submit or wait) marks the queue broken(): the backend
+// is then discarded, never reused; buffers of requests that could not be
+// reaped are listed by unreaped_buffers() and must not be reused either.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +40,10 @@ class IoQueue {
   bool full() const { return inflight_ >= max_inflight_; }
   // Broken after a backend failure: the backend must not be reused.
   bool broken() const { return broken_; }
+  // Staging buffers (IoRequest::buf_index) of requests the kernel took and
+  // that were never reaped (the backend failed while waiting): the kernel
+  // may still use them, so they must never be reused.
+  const std::vector<int>& unreaped_buffers() const { return unreaped_; }
   uint64_t requeued() const { return requeued_; }
 
  private:
@@ -47,6 +54,7 @@ class IoQueue {
     uint64_t min_len = 0;
     unsigned retries = 0;
     bool busy = false;
+    bool in_backend = false;  // the backend (kernel) holds it now
   };
   void issue(int slot);
   IoCompletion next_completion();
@@ -62,6 +70,7 @@ class IoQueue {
   std::deque<IoCompletion> injected_;
   bool broken_ = false;
   uint64_t requeued_ = 0;
+  std::vector<int> unreaped_;
 };
 
 }  // namespace fastckpt

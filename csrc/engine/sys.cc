@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <linux/stat.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/sysmacros.h>
@@ -184,6 +185,14 @@ uint64_t file_size(int fd, const std::string& path) {
   struct stat st;
   check_sys(::fstat(fd, &st), "fstat", path);
   return static_cast<uint64_t>(st.st_size);
+}
+
+bool try_lock_exclusive(int fd) noexcept {
+  int r;
+  do {
+    r = ::flock(fd, LOCK_EX | LOCK_NB);
+  } while (r < 0 && errno == EINTR);
+  return r == 0;
 }
 
 void set_direct(int fd, bool on, const std::string& path) {

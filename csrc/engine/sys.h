@@ -38,6 +38,8 @@ void rename(const std::string& from, const std::string& to);
 bool fallocate(int fd, uint64_t len, const std::string& path);
 void ftruncate(int fd, uint64_t len, const std::string& path);
 uint64_t file_size(int fd, const std::string& path);
+// flock(LOCK_EX|LOCK_NB), errors ignored: whether the lock was taken.
+bool try_lock_exclusive(int fd) noexcept;
 // Clears or sets O_DIRECT on an open descriptor.
 void set_direct(int fd, bool on, const std::string& path);
 

@@ -52,6 +52,10 @@ void run_write_fault(const WriteFault& f) {
   CHECK_CONTAINS(what, std::string(": ") + std::strerror(f.err));
   CHECK_CONTAINS(e.path(), dir.path() + "/");
   CHECK_CONTAINS(e.path(), "ckpt.bin");
+  // The error names the user's file, whatever file the call failed on.
+  CHECK_EQ(e.target(), path);
+  CHECK_CONTAINS(what, path);
+  if (f.temp_path && e.op() != "rename") CHECK_CONTAINS(what, " (saving " + path + ")");
   if (f.temp_path) CHECK_CONTAINS(e.path(), ".fastckpt-tmp.");
   if (f.has_offset) {
     CHECK_CONTAINS(what, " off=" + std::to_string(e.offset()));
@@ -201,7 +205,8 @@ TEST(directory_fsync_failure_after_rename, ALL) {
   CHECK_EQ(e.err(), EIO);
   CHECK_EQ(e.op(), std::string("fsync"));
   CHECK_EQ(e.path(), dir.path());
-  CHECK_CONTAINS(std::string(e.what()), "fsync " + dir.path() + ": " + std::strerror(EIO));
+  CHECK_EQ(e.target(), path);  // the error names the user's file too
+  CHECK_CONTAINS(std::string(e.what()), "fsync " + dir.path() + " (saving " + path + "): " + std::strerror(EIO));
   std::string now = read_file(path);
   CHECK_MSG(now == old || now == data, "the final name holds neither the old nor the new file");
   CHECK_EQ(count_fds(), fds);

@@ -359,3 +359,228 @@ def test_reading_while_this_thread_holds_every_buffer_raises_instead_of_hanging(
     w.commit()
     _C.read_ranges(small_engine, str(src), [(dst, 0)])
     assert bytes(dst.numpy()) == data
+
+
+# ---------------------------------------------------------------- issue 11: leftovers, fork, inputs, errors
+
+def _wait_for(cond, what, limit=120.0):
+    """Poll until cond() is true; a hang guard, not a timing assertion."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.02)
+
+
+_SLOW_SAVE = textwrap.dedent("""
+    import sys, torch, fastckpt
+    from fastckpt import _C
+    _C.fault_inject("write", nth=1, delay_ms=200, times=0)  # every write is slow (~50 s): killed mid-save
+    with fastckpt.knobs.override(buffer_size=64 << 10, buffer_count=4, queue_depth=2):
+        fastckpt.save({"w": torch.ones(16 << 20, dtype=torch.uint8)}, sys.argv[1])
+""")
+
+
+def _start_slow_saves(target, n):
+    """n processes in the middle of fastckpt.save(..., target), all at once."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    procs = [subprocess.Popen([sys.executable, "-c", _SLOW_SAVE, str(target)], env=env) for _ in range(n)]
+    for p in procs:
+        _wait_for(lambda: _temps_of(target, p.pid) or p.poll() is not None, "the child's temporary file")
+    assert all(p.poll() is None for p in procs), "a slow save ended before it could be killed"
+    return procs
+
+
+def _temps_of(target, pid=None):
+    """Temporary files of target's saves (of process pid only, if given)."""
+    out = []
+    for n in os.listdir(target.parent):
+        info = _C.parse_temp_name(n, target.name)
+        if info and (pid is None or info["pid"] == pid):
+            out.append(n)
+    return sorted(out)
+
+
+def test_temporary_name_format(tmp_path):
+    w = _C.Writer(_C.Engine(make_config(buffer_size=64 << 10, buffer_count=2)), str(tmp_path / "step.pt"))
+    name = os.path.basename(w.tmp_path)
+    w.abort()
+    assert name.startswith(".step.pt.fastckpt-tmp.")
+    info = _C.parse_temp_name(name, "step.pt")
+    assert info["pid"] == os.getpid() and info["host"] == _C.temp_host() and info["start"] > 0
+    # CheckpointManager's pattern still finds the pid right after the mark.
+    from fastckpt.manager import _TMP_RE
+    assert int(_TMP_RE.match(name).group(1)) == os.getpid()
+
+
+def test_leftovers_of_sigkilled_saves_are_removed_by_the_next_save(tmp_path):
+    target = tmp_path / "ckpt.pt"
+    fastckpt.save({"w": torch.zeros(3)}, target)
+    *killed, live = _start_slow_saves(target, 4)  # all alive at once: none removes another's file
+    for p in killed:
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        assert p.returncode == -signal.SIGKILL
+    left = _temps_of(target)
+    assert len(left) == 4
+    # A file of another host (shared filesystem) with a pid that is dead here: never removed.
+    other_host = f".ckpt.pt.fastckpt-tmp.{killed[0].pid}.some-other-node.12345.0.1"
+    (tmp_path / other_host).write_bytes(b"in flight elsewhere")
+    fastckpt.save({"w": torch.ones(3)}, target)
+    assert torch.equal(fastckpt.load(target)["w"], torch.ones(3))
+    remaining = _temps_of(target)
+    assert other_host in remaining
+    assert [n for n in remaining if n != other_host] == _temps_of(target, live.pid) != []
+    os.kill(live.pid, signal.SIGKILL)
+    live.wait()
+    w = _C.Writer(fastckpt.get_engine(), str(target))
+    w.write(b"x")
+    st = w.commit()
+    assert len(st["leftovers_removed"]) == 1
+    assert _C.parse_temp_name(st["leftovers_removed"][0], "ckpt.pt")["pid"] == live.pid
+    assert _temps_of(target) == [other_host]
+    assert _C.remove_leftovers(str(target)) == []
+
+
+_FORK_SCRIPT = textwrap.dedent("""
+    import multiprocessing, os, sys, torch, fastckpt
+    from fastckpt import _C
+    backend, how, d = sys.argv[1], sys.argv[2], sys.argv[3]
+    # torch's own OpenMP pool does not survive fork() (a child's parallel op hangs in
+    # libgomp): not fastckpt's to fix, so this script keeps torch single-threaded.
+    torch.set_num_threads(1)
+    sd = {"w": torch.arange(300000, dtype=torch.float32), "b": torch.ones(7)}
+
+    def child_work():
+        try:
+            _C.Writer(parent_engine, os.path.join(d, "refused.pt"))
+            return 10  # the parent's engine must refuse in the child
+        except ValueError as e:
+            if "fork" not in str(e):
+                return 11
+        fastckpt.save(sd, os.path.join(d, "child.pt"))
+        got = fastckpt.load(os.path.join(d, "child.pt"))
+        if not all(torch.equal(got[k], sd[k]) for k in sd):
+            return 12
+        if fastckpt.get_engine() is parent_engine or fastckpt.get_engine().backend != parent_engine.backend:
+            return 13
+        return 0
+
+    def mp_target():
+        os._exit(child_work())
+
+    with fastckpt.knobs.override(backend=backend, buffer_size=64 << 10, buffer_count=4, queue_depth=4):
+        fastckpt.save(sd, os.path.join(d, "parent.pt"))  # the engine exists: threads running / ring open
+        parent_engine = fastckpt.get_engine()
+        if how == "os.fork":
+            pid = os.fork()
+            if pid == 0:
+                os._exit(child_work())
+            _, status = os.waitpid(pid, 0)
+            rc = os.waitstatus_to_exitcode(status)
+        else:
+            p = multiprocessing.get_context("fork").Process(target=mp_target)
+            p.start()
+            p.join()
+            rc = p.exitcode
+        assert rc == 0, f"child failed with {rc}"
+        fastckpt.save(sd, os.path.join(d, "parent2.pt"))  # the parent still works
+        got = fastckpt.load(os.path.join(d, "parent2.pt"))
+        assert all(torch.equal(got[k], sd[k]) for k in sd)
+        assert fastckpt.get_engine() is parent_engine
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("how", ["os.fork", "multiprocessing"])
+def test_save_and_load_in_a_forked_child(backend, tmp_path, how):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        r = subprocess.run([sys.executable, "-c", _FORK_SCRIPT, backend, how, str(tmp_path)], env=env,
+                           capture_output=True, text=True, timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"a save after fork ({how}, {backend}) hung")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    assert torch.equal(fastckpt.load(tmp_path / "child.pt")["b"], torch.ones(7))
+
+
+def test_writer_errors_name_the_users_file(small_engine, tmp_path):
+    target = tmp_path / "step.pt"
+    _C.fault_inject("write", nth=2, errno=errno.ENOSPC)
+    with pytest.raises(OSError) as ei:
+        save(small_engine, target, random_bytes(1 << 20))
+    e = ei.value
+    assert e.errno == errno.ENOSPC and e.filename == str(target)
+    assert f"(saving {target}) off=" in str(e) and ".step.pt.fastckpt-tmp." in str(e)
+    assert str(e).startswith(f"[Errno {errno.ENOSPC}] pwrite {tmp_path}/.step.pt.fastckpt-tmp.")
+    _C.fault_inject("open", nth=1, errno=errno.EACCES)
+    with pytest.raises(PermissionError) as ei:
+        _C.Writer(small_engine, str(target))
+    assert ei.value.filename == str(target) and f"(saving {target})" in str(ei.value)
+    with pytest.raises(FileNotFoundError) as ei:
+        _C.Writer(small_engine, str(tmp_path / "no-dir" / "x.pt"))
+    assert ei.value.filename == str(tmp_path / "no-dir" / "x.pt")
+
+
+def test_write_many_refuses_a_negative_offset(small_engine, tmp_path):
+    w = _C.Writer(small_engine, str(tmp_path / "f.bin"))
+    with pytest.raises(ValueError, match="negative offset -5 in item 1"):
+        w.write_many([b"abc", (b"def", -5)])
+    w.write_many([b"abc", (b"def", 5)])
+    w.commit()
+    assert (tmp_path / "f.bin").read_bytes() == b"abc\0\0def"
+
+
+@pytest.mark.parametrize("name,value,text", [
+    ("FASTCKPT_BUFFER_SIZE", "17179869184G", "too large"),     # 2^64 after the suffix: wrapped to 0 before
+    ("FASTCKPT_BUFFER_SIZE", "-4096", "not a size"),
+    ("FASTCKPT_QUEUE_DEPTH", "4294967297", "too large"),       # wrapped to 1 and accepted before
+    ("FASTCKPT_IO_THREADS", "4294967300", "too large"),        # wrapped to 4 and accepted before
+    ("FASTCKPT_FLUSH_INTERVAL", "20000000000G", "too large"),
+])
+def test_size_knobs_that_overflow_are_refused(monkeypatch, name, value, text):
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError) as ei:
+        _C.EngineConfig.from_env()
+    assert name in str(ei.value) and text in str(ei.value)
+
+
+def test_staging_pool_larger_than_memory_is_refused(monkeypatch):
+    monkeypatch.setenv("FASTCKPT_BUFFER_SIZE", "1G")
+    monkeypatch.setenv("FASTCKPT_BUFFER_COUNT", "4096")
+    with pytest.raises(ValueError, match="FASTCKPT_BUFFER_SIZE x FASTCKPT_BUFFER_COUNT"):
+        _C.EngineConfig.from_env()
+
+
+def test_failed_io_uring_submit_never_reuses_the_ring(tmp_path):
+    if uring_refusal():
+        pytest.skip(uring_refusal())
+    eng = _C.Engine(make_config(backend="uring", buffer_size=64 << 10, buffer_count=6, queue_depth=4))
+    save(eng, tmp_path / "warm.bin", random_bytes(1000))
+    _C.fault_inject("uring_submit", nth=3, errno=errno.EIO)
+    with pytest.raises(OSError) as ei:
+        save(eng, tmp_path / "a.bin", random_bytes(1 << 20, 1))
+    assert ei.value.errno == errno.EIO and "io_uring_submit" in str(ei.value)
+    assert ei.value.filename == str(tmp_path / "a.bin")
+    _C.fault_clear()
+    assert eng.buffers_available == 6 and temp_files(tmp_path) == []
+    for i in range(3):  # a reused ring would send the failed save's stale SQE into these
+        data = random_bytes((1 << 20) + 4099 * i, 10 + i)
+        save(eng, tmp_path / f"b{i}.bin", data)
+        assert (tmp_path / f"b{i}.bin").read_bytes() == data.numpy().tobytes()
+
+
+def test_buffers_of_unreaped_io_uring_requests_are_quarantined(tmp_path):
+    if uring_refusal():
+        pytest.skip(uring_refusal())
+    eng = _C.Engine(make_config(backend="uring", buffer_size=64 << 10, buffer_count=8, queue_depth=4))
+    save(eng, tmp_path / "warm.bin", random_bytes(1000))
+    _C.fault_inject("uring_wait", nth=1, errno=errno.EBADR, times=0)
+    with pytest.raises(OSError, match="io_uring_wait_cqe"):
+        save(eng, tmp_path / "a.bin", random_bytes(1 << 20, 1))
+    _C.fault_clear()
+    lost = eng.buffers_quarantined
+    assert 1 <= lost <= 4 and eng.buffers_available == 8 - lost
+    data = random_bytes(1 << 20, 2)
+    save(eng, tmp_path / "a.bin", data)  # a new ring, the remaining buffers
+    assert (tmp_path / "a.bin").read_bytes() == data.numpy().tobytes()

@@ -1,10 +1,15 @@
-"""Checkpoint directories owned by another user are refused (README "Guarantees").
+"""Checkpoint directories owned by another user, or writable by others, are
+refused (README "Guarantees").
 
-Making a directory that another user owns needs root (chown); elsewhere these
-tests skip.
+Making a directory that another user owns, or giving it another group, needs
+root (chown); elsewhere those tests skip.
 """
 import errno
+import grp
 import os
+import pwd
+import stat
+import tempfile
 
 import pytest
 import torch
@@ -109,3 +114,92 @@ def test_knob_values(monkeypatch):
     with pytest.raises(ValueError):
         with knobs.override(allow_foreign_owner=-1):
             pass
+
+
+# ---------------------------------------------------------------- writable by others
+
+def _refused_writable(excinfo, path, who):
+    e = excinfo.value
+    assert isinstance(e, PermissionError) and e.errno == errno.EPERM
+    assert e.filename == os.fspath(path)
+    msg = str(e)
+    assert f"{path} is writable by {who}" in msg
+    assert "step_99999999.pt" in msg and "FASTCKPT_ALLOW_FOREIGN_OWNER" in msg
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o1777, 0o773])
+def test_world_writable_directory_is_refused_sticky_or_not(tmp_path, mode):
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, mode)
+    with pytest.raises(PermissionError) as ei:
+        check_directory_owner(d)
+    _refused_writable(ei, d, "every user")
+    assert ("sticky bit" in str(ei.value)) == bool(mode & stat.S_ISVTX)
+    with knobs.override(allow_foreign_owner=1):
+        check_directory_owner(d)
+    os.chmod(d, 0o755)
+    check_directory_owner(d)
+
+
+def test_the_shared_temp_directory_itself_is_refused():
+    # Root-owned (trusted owner) and sticky, yet anyone can create step_99999999.pt in it.
+    tmp = tempfile.gettempdir()
+    st = os.stat(tmp)
+    if not st.st_mode & stat.S_IWOTH:
+        pytest.skip(f"{tmp} is not world-writable here")
+    with pytest.raises(PermissionError) as ei:
+        check_directory_owner(tmp)
+    _refused_writable(ei, tmp, "every user")
+
+
+def test_manager_and_dcp_writer_refuse_a_world_writable_directory_and_touch_nothing(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    os.chmod(d, 0o1777)
+    planted = d / "step_99999999.pt"
+    fastckpt.save({"w": torch.full((3,), 666.0)}, planted)
+    leftover = d / ".step_00000001.pt.fastckpt-tmp.1.1.1"
+    leftover.write_bytes(b"x")
+    with pytest.raises(PermissionError) as ei:
+        CheckpointManager(d)
+    _refused_writable(ei, d, "every user")
+    assert leftover.exists() and planted.exists()
+    with pytest.raises(PermissionError) as ei:
+        dcp_unwrapped(dcp.save, {"w": torch.ones(2)}, storage_writer=fastckpt.FastWriter(d), no_dist=True)
+    _refused_writable(ei, d, "every user")
+    with knobs.override(allow_foreign_owner=1):
+        mgr = CheckpointManager(d, clean=False)
+        mgr.save(1, {"w": torch.ones(3)})
+
+
+@needs_root
+def test_group_writable_directory_of_a_shared_group_is_refused(tmp_path):
+    d = tmp_path / "team"
+    d.mkdir()
+    os.chown(d, os.geteuid(), OTHER)
+    os.chmod(d, 0o775)
+    with pytest.raises(PermissionError) as ei:
+        check_directory_owner(d)
+    _refused_writable(ei, d, f"the members of gid {OTHER}")
+    os.chmod(d, 0o755)  # the group can no longer write: fine
+    check_directory_owner(d)
+
+
+def test_group_writable_directory_of_ones_own_private_group_passes(tmp_path):
+    me = pwd.getpwuid(os.geteuid()).pw_name
+    try:
+        g = grp.getgrnam(me)
+    except KeyError:
+        pytest.skip(f"no user-private group named {me} here")
+    if set(g.gr_mem) - {me}:
+        pytest.skip(f"group {me} lists other members: not a private group")
+    d = tmp_path / "mine"
+    d.mkdir()
+    if os.stat(d).st_gid != g.gr_gid:
+        if os.geteuid() != 0:
+            pytest.skip("cannot give the directory my private group")
+        os.chown(d, -1, g.gr_gid)
+    os.chmod(d, 0o775)
+    check_directory_owner(d)

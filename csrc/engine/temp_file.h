@@ -1,0 +1,56 @@
+// Temporary file names of the Writer, and the removal of those that crashed
+// saves left behind.
+//
+// A save of /dir/NAME writes /dir/.NAME.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>:
+//   pid    the writing process's id (first, where CheckpointManager looks for it)
+//   host   this machine's host name, escaped to [A-Za-z0-9-] with "_xx" hex
+//          escapes (a dot becomes "_2e"); longer than 40 characters: its first
+//          24, "~" and a 16-digit hash
+//   start  the process's start time (clock ticks since boot, /proc/PID/stat
+//          field 22; 0 when unknown): with pid, it names one process even after
+//          the pid is reused
+//   n, r   a per-process counter and a few clock bits (decimal, hex)
+// The live writer holds an exclusive flock() on its temporary file from
+// creation to rename.
+//
+// A leftover is removed by the next save of the same target only when all of
+// these hold: the name parses exactly as above, its host is this host, its
+// process is gone (no such pid, or a pid whose start time differs), it is a
+// regular file owned by this user, and its lock is free (no live process, of
+// any pid namespace on this machine, holds it). Another host's file is never
+// removed (a shared filesystem), nor a file of a live process, nor an
+// older-format name without a host.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fastckpt {
+
+struct TempNameInfo {
+  int pid = 0;
+  std::string host;     // escaped, as in the name
+  uint64_t start = 0;   // 0: unknown
+};
+
+// "/dir/.NAME.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>" for "/dir/NAME".
+std::string temp_path_for(const std::string& path);
+// Parses a directory entry as a temporary file of `target_name` (a base name).
+bool parse_temp_name(const std::string& entry, const std::string& target_name, TempNameInfo* out);
+// This machine's host name as it appears in temporary names.
+const std::string& temp_host_token();
+// Escapes a host name for temporary names (exposed for tests).
+std::string escape_host(const std::string& host);
+// Start time of process `pid` in clock ticks since boot, 0 when unknown.
+uint64_t process_start_time(int pid);
+// Whether the process that wrote a temporary file with these fields is
+// certainly gone (false when in doubt).
+bool temp_writer_gone(const TempNameInfo& info);
+
+// Removes the leftovers of crashed saves of `path` (see above); returns their
+// names. Best effort and never throws: a directory that cannot be listed, or a
+// file that cannot be checked, is left alone.
+std::vector<std::string> remove_leftovers(const std::string& path);
+
+}  // namespace fastckpt
