@@ -223,7 +223,45 @@ def parse_directory(tail: bytes, tail_start: int, length: int, at, bad):
         entries[rest] = Entry(name, usize, crc, hoff, 0, method, csize)
     if prefix is None:
         raise bad("empty archive")
+    check_layout(entries.values(), cd_off, bad)
     return entries, cd_off, prefix
+
+
+def record_end(e: Entry) -> int:
+    """Where record `e` ends at least: its local header's fixed part and name
+    (the extra field is known once the local header is read), then its data.
+    With ``data_offset`` set, where its data ends."""
+    if e.data_offset:
+        return e.data_offset + e.compressed_size
+    return e.header_offset + LOCAL_HEADER_SIZE + len(e.name.encode("utf-8")) + e.compressed_size
+
+
+def check_layout(entries, cd_off: int, bad) -> int:
+    """Check that the records `entries` (in central directory order) lie in the
+    file in that order, each local header + data before the next record's local
+    header and the last before the central directory at `cd_off` (docs/FORMAT.md
+    1.5). So no byte of the file belongs to two records, and the records' data
+    together is at most the file's size, whatever the directory claims: a reader
+    that allocates each record's size allocates at most the file. Returns the
+    sum of the records' sizes on disk."""
+    prev: Optional[Entry] = None
+    end = total = 0
+    for e in entries:
+        if prev is not None and e.header_offset < end:
+            if e.header_offset < prev.header_offset:
+                raise bad(f"records out of order: {e.name!r} (local header at {e.header_offset}) lies before "
+                          f"{prev.name!r} (at {prev.header_offset}) but follows it in the central directory")
+            raise bad(f"records overlap: {e.name!r} (local header at {e.header_offset}) starts inside "
+                      f"{prev.name!r} (bytes {prev.header_offset}..{end})")
+        end = record_end(e)
+        if end > cd_off:
+            raise bad(f"truncated or corrupt: record {e.name!r} (bytes {e.header_offset}..{end}) "
+                      f"overlaps the central directory at {cd_off}")
+        total += e.compressed_size
+        prev = e
+    if total > cd_off:  # follows from the above; a check that stays on guards the memory bound
+        raise bad(f"records hold {total} bytes before the central directory at {cd_off}")
+    return total
 
 
 
@@ -235,11 +273,14 @@ class Archive:
     checked against each local header.
     """
 
-    def __init__(self, path: str, prefix: str, records: Dict[str, Entry], file_size: int):
+    def __init__(self, path: str, prefix: str, records: Dict[str, Entry], file_size: int, data_bytes: int = -1):
         self.path = path
         self.prefix = prefix
         self.records = records
         self.file_size = file_size
+        # sum of the records' sizes on disk: at most file_size (check_layout)
+        self.data_bytes = sum(e.compressed_size for e in records.values()) if data_bytes < 0 else data_bytes
+        self.stat: Optional[os.stat_result] = None  # of the file parsed, to know it again
 
     @classmethod
     def open(cls, path: str, read_many=None) -> "Archive":
@@ -252,7 +293,8 @@ class Archive:
     @classmethod
     def parse(cls, f, path: str, read_many=None) -> "Archive":
         """Parse the archive open as binary file `f` (`path` names it in errors)."""
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(f.fileno())
+        size = st.st_size
 
         def bad(what: str) -> FormatError:
             return FormatError(f"{path}: {what}")
@@ -304,8 +346,9 @@ class Archive:
             if lh[LOCAL_HEADER_SIZE:] != raw_name or lname_len != len(raw_name):
                 raise bad(f"entry {e.name!r}: local header names another record")
             e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
-            if e.data_offset + e.compressed_size > cd_off:
-                raise bad(f"truncated or corrupt: record {e.name!r} ({e.compressed_size} bytes at offset "
-                          f"{e.data_offset}) overlaps the central directory at {cd_off}")
             records[rest] = e
-        return cls(path, prefix, records, size)
+        # Now with each record's real data offset: in order, disjoint, before the directory.
+        data_bytes = check_layout(records.values(), cd_off, bad)
+        archive = cls(path, prefix, records, size, data_bytes)
+        archive.stat = st
+        return archive

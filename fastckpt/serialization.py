@@ -14,6 +14,7 @@ import io
 import logging
 import os
 import pickle
+import re
 import sys
 import threading
 import uuid
@@ -285,9 +286,85 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
 
 # ---------------------------------------------------------------- loading
 
+# Records that torch.serialization._load reads besides data.pkl's storages; any
+# other record is read only if asked for.
+_SMALL_RECORDS = ("data.pkl", ".format_version", ".storage_alignment", "byteorder", "version",
+                  ".data/serialization_id")
+
+
+class _Records(dict):
+    """The records of one archive read so far (name -> bytes, or a uint8 tensor
+    for a storage), and the reading of more: every read goes to the file the
+    archive was parsed from, and all of them together allocate at most the
+    file's size (a check that stays on; docs/FORMAT.md 1.5)."""
+
+    def __init__(self, path: str, archive: "_zip.Archive", fd: int, verify: bool):
+        super().__init__()
+        self.path, self.archive, self.fd, self.verify = path, archive, fd, verify
+        self.allocated = 0
+
+    def claim(self, names: List[str]) -> None:
+        """Account for reading records `names`, before any memory is allocated."""
+        n = sum(self.archive.records[name].size for name in names)
+        if self.allocated + n > self.archive.file_size:
+            raise FormatError(f"{self.path}: reading records {names[:3]}... would allocate "
+                              f"{self.allocated + n} bytes for a {self.archive.file_size}-byte file")
+        self.allocated += n
+
+    def read(self, small: List[str], storages: List[str]) -> None:
+        """Read records `small` (as bytes, CRC-checked) and `storages` (as uint8
+        tensors) that were not read yet, in one parallel batch through the engine."""
+        small = [n for n in dict.fromkeys(small) if n not in self]
+        storages = [n for n in dict.fromkeys(storages) if n not in self]
+        self.claim(small + storages)
+        recs = self.archive.records
+        bufs = {n: bytearray(recs[n].size) for n in small}
+        # Plain allocations: fresh memory is faulted in by the copy out of the
+        # staging buffers, in parallel with the reads. (Reading O_DIRECT straight
+        # into fresh page-aligned memory measured slower here: 1.3-1.8 vs 1.9-2.2
+        # GB/s, the kernel faulting the pages in while it pins them.)
+        tensors = {n: torch.empty(recs[n].size, dtype=torch.uint8) for n in storages}
+        ranges = [(b, recs[n].data_offset) for n, b in bufs.items() if len(b)]
+        ranges += [(t, recs[n].data_offset) for n, t in tensors.items() if t.numel()]
+        if ranges:
+            _C.read_ranges(get_engine(), self.path, ranges, self.fd)
+        for n, b in bufs.items():  # metadata records are always checked: they are small
+            e = recs[n]
+            if e.crc and zlib.crc32(b) != e.crc:
+                raise FormatError(f"{self.path}: checksum mismatch in record {n!r} "
+                                  f"(offset {e.data_offset}, {e.size} bytes)")
+            self[n] = bytes(b)
+        self.update(tensors)
+
+    def read_late(self, name: str, storage: bool):
+        """A record that was not read up front (data.pkl names a storage in a way
+        _referenced_storages does not see, or torch asks for another record):
+        read from the same file, opened again and checked to be the same one."""
+        st = self.archive.stat
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise FormatError(f"{self.path}: the file went away while it was being loaded ({e})") from None
+        try:
+            now = os.fstat(fd)
+            if st is None or (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != \
+                    (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+                raise FormatError(f"{self.path}: the file was replaced or changed while it was being loaded")
+            self.fd = fd
+            self.read([] if storage else [name], [name] if storage else [])
+        finally:
+            self.fd = -1
+            os.close(fd)
+        t = self[name]
+        if storage and self.verify and _C.crc32(t, 0) != self.archive.records[name].crc:
+            raise FormatError(f"{self.path}: checksum mismatch (corrupt data) in record {name!r}")
+        return t
+
+
 class _Reader:
-    """What torch.serialization._load asks of a zip reader, over storages that
-    were already read in parallel."""
+    """What torch.serialization._load asks of a zip reader, over records that
+    were already read in parallel (`storages`: a _Records also reads the others
+    on demand)."""
 
     def __init__(self, archive: _zip.Archive, small: Dict[str, bytes], storages: Dict[str, torch.Tensor]):
         self.archive = archive
@@ -299,6 +376,8 @@ class _Reader:
 
     def get_record(self, name: str) -> bytes:
         if name not in self.small:
+            if name in self.archive.records and isinstance(self.storages, _Records):
+                return self.storages.read_late(name, storage=False)
             raise FormatError(f"{self.archive.path}: record {name!r} is missing")
         return self.small[name]
 
@@ -317,6 +396,12 @@ class _Reader:
 
     def get_storage_from_record(self, name: str, numel: int, dtype) -> torch.Tensor:
         t = self.storages.get(name)
+        rec = self.archive.records.get(name)
+        if t is None and rec is not None and isinstance(self.storages, _Records):
+            if rec.size != numel:  # checked before allocating
+                raise FormatError(f"{self.archive.path}: record {name!r} holds {rec.size} bytes, "
+                                  f"the pickle expects {numel}")
+            t = self.storages.read_late(name, storage=True)
         if t is None:
             raise FormatError(f"{self.archive.path}: the pickle refers to record {name!r}, which is missing")
         if t.numel() != numel:
@@ -331,7 +416,9 @@ class _Reader:
 def _parse_checkpoint(path: str, fh) -> "_zip.Archive":
     """The zip directory of the checkpoint open as `fh`, checked to be a
     torch.save archive fastckpt can read (uncompressed, with data.pkl, not
-    TorchScript). Reads go to that one file even if `path` is replaced."""
+    TorchScript; records in order and disjoint, so that reading them all
+    allocates at most the file's size). Reads go to that one file even if
+    `path` is replaced."""
     fd = fh.fileno()
     archive = _zip.Archive.parse(fh, path, lambda ranges: _C.read_ranges(get_engine(), path, ranges, fd))
     recs = archive.records
@@ -346,33 +433,71 @@ def _parse_checkpoint(path: str, fh) -> "_zip.Archive":
     return archive
 
 
+# A string in a pickle: BINUNICODE (X, 4-byte length), SHORT_BINUNICODE (0x8c,
+# 1-byte length), UNICODE (V, text up to a newline). Zero-width matches: every
+# position is tried, also inside another match.
+_PICKLED_STR = re.compile(rb"(?=(X[\x00-\xff]{4}|\x8c[\x00-\xff]))")
+_PICKLED_TEXT = re.compile(rb"(?=V([^\n]{1,256})\n)")
+
+
+def _referenced_storages(pkl: bytes, names) -> List[str]:
+    """The storage records among `names` ("data/<key>") whose key occurs as a
+    string in the pickle `pkl`: every storage data.pkl refers to, as torch.save
+    (and any pickler) writes a storage's key as a string literal at its first
+    use (later uses may be memo references), and at most a few others. Any
+    record the unpickler asks for that is not in this list is read on demand."""
+    keys = {n[5:].encode("utf-8"): n for n in names if n.startswith("data/")}
+    if not keys:
+        return []
+    longest = max(len(k) for k in keys)
+    found: Dict[str, None] = {}
+    for m in _PICKLED_STR.finditer(pkl):
+        p = m.start()
+        if pkl[p] == 0x58:  # X
+            n, p = int.from_bytes(pkl[p + 1:p + 5], "little"), p + 5
+        else:
+            n, p = pkl[p + 1], p + 2
+        if n <= longest:
+            name = keys.get(pkl[p:p + n])
+            if name is not None:
+                found[name] = None
+    for m in _PICKLED_TEXT.finditer(pkl):
+        try:
+            name = keys.get(m.group(1).decode("raw-unicode-escape").encode("utf-8"))
+        except UnicodeError:
+            continue
+        if name is not None:
+            found[name] = None
+    return list(found)
+
+
 def _read_archive(path: str, fh, verify: bool):
     """Parse and read the archive open as `fh`: every read goes to that one
-    file, even if `path` is atomically replaced meanwhile."""
-    fd = fh.fileno()
+    file, even if `path` is atomically replaced meanwhile. Reads data.pkl and
+    the few small records torch reads, then, in one parallel batch, the storages
+    data.pkl refers to; no other record. Returns (archive, small records,
+    storages (a _Records that reads any other storage on demand), names of
+    storages that fail their CRC check with `verify`)."""
     archive = _parse_checkpoint(path, fh)
     recs = archive.records
-    small_names = [n for n in recs if not n.startswith("data/")]
-    small = {n: bytearray(recs[n].size) for n in small_names}
-    # Plain allocations: fresh memory is faulted in by the copy out of the
-    # staging buffers, in parallel with the reads. (Reading O_DIRECT straight
-    # into fresh page-aligned memory measured slower here: 1.3-1.8 vs 1.9-2.2
-    # GB/s, the kernel faulting the pages in while it pins them.)
-    storages = {n: torch.empty(recs[n].size, dtype=torch.uint8) for n in recs if n.startswith("data/")}
-    ranges = [(small[n], recs[n].data_offset) for n in small_names if recs[n].size]
-    ranges += [(t, recs[n].data_offset) for n, t in storages.items() if t.numel()]
-    _C.read_ranges(get_engine(), path, ranges, fd)
-    for n in small_names:  # metadata records are always checked: they are small
-        e = recs[n]
-        if e.crc and zlib.crc32(small[n]) != e.crc:
-            raise FormatError(f"{path}: checksum mismatch in record {n!r} (offset {e.data_offset}, {e.size} bytes)")
+    records = _Records(path, archive, fh.fileno(), verify)
+    records.read(["data.pkl"], [])
+    wanted = _referenced_storages(records["data.pkl"], recs)
+    records.read([n for n in _SMALL_RECORDS if n in recs], wanted)
+    records.fd = -1  # `fh` is closed after this: later reads open the file again
+    if records.allocated > archive.file_size:  # the bound, checked again where it is promised
+        raise FormatError(f"{path}: {records.allocated} bytes read from a {archive.file_size}-byte file")
+    small = {n: b for n, b in records.items() if isinstance(b, bytes)}
+    storages = _Records(path, archive, -1, verify)
+    storages.allocated = records.allocated
+    storages.update((n, t) for n, t in records.items() if not isinstance(t, bytes))
     bad = []
     if verify:
         if storages and all(recs[n].crc == 0 for n in storages):
             raise FormatError(f"{path}: verify=True, but the file records no checksums "
                               "(saved with torch's compute_crc32 disabled)")
         bad = [n for n, t in storages.items() if _C.crc32(t, 0) != recs[n].crc]
-    return archive, {n: bytes(b) for n, b in small.items()}, storages, bad
+    return archive, small, storages, bad
 
 
 def _tensor_names_for_records(reader: _Reader, records: List[str], pickle_module, pickle_load_args) -> List[str]:
@@ -383,20 +508,20 @@ def _tensor_names_for_records(reader: _Reader, records: List[str], pickle_module
     except Exception:  # the pickle itself is unreadable: report the records alone
         return [f"record {n!r}" for n in records]
     found: List[str] = []
-
-    def walk(o, path):
+    todo = [(meta, "")]  # a loop, not recursion: the object may be nested deeper than Python's stack
+    seen = set()
+    while todo:
+        o, path = todo.pop()
         if isinstance(o, torch.Tensor):
             off = getattr(o.untyped_storage(), "_checkpoint_offset", None)
             if off in offsets:
                 found.append(f"tensor {path or '<root>'} (record {offsets[off]!r})")
-        elif isinstance(o, dict):
-            for k, v in o.items():
-                walk(v, f"{path}.{k}" if path else str(k))
-        elif isinstance(o, (list, tuple)):
-            for i, v in enumerate(o):
-                walk(v, f"{path}[{i}]")
-
-    walk(meta, "")
+        elif isinstance(o, (dict, list, tuple)) and id(o) not in seen:
+            seen.add(id(o))
+            items = o.items() if isinstance(o, dict) else ((f"[{i}]", v) for i, v in enumerate(o))
+            kids = [(v, (f"{path}.{k}" if path else str(k)) if isinstance(o, dict) else f"{path}{k}")
+                    for k, v in items]
+            todo.extend(reversed(kids))
     return found or [f"record {n!r}" for n in records]
 
 
