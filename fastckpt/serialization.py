@@ -293,15 +293,16 @@ _SMALL_RECORDS = ("data.pkl", ".format_version", ".storage_alignment", "byteorde
 
 
 class _Records(dict):
-    """The records of one archive read so far (name -> bytes, or a uint8 tensor
-    for a storage), and the reading of more: every read goes to the file the
-    archive was parsed from, and all of them together allocate at most the
-    file's size (a check that stays on; docs/FORMAT.md 1.5)."""
+    """The storages of one archive read so far (record name -> uint8 tensor),
+    and the reading of records: every read goes to the file the archive was
+    parsed from, and all of them together allocate at most the file's size (a
+    check that stays on; docs/FORMAT.md 1.5)."""
 
     def __init__(self, path: str, archive: "_zip.Archive", fd: int, verify: bool):
         super().__init__()
         self.path, self.archive, self.fd, self.verify = path, archive, fd, verify
-        self.allocated = 0
+        self.allocated = 0  # bytes of records read so far, small ones included
+        self.small_read: set = set()
 
     def claim(self, names: List[str]) -> None:
         """Account for reading records `names`, before any memory is allocated."""
@@ -311,12 +312,14 @@ class _Records(dict):
                               f"{self.allocated + n} bytes for a {self.archive.file_size}-byte file")
         self.allocated += n
 
-    def read(self, small: List[str], storages: List[str]) -> None:
-        """Read records `small` (as bytes, CRC-checked) and `storages` (as uint8
-        tensors) that were not read yet, in one parallel batch through the engine."""
-        small = [n for n in dict.fromkeys(small) if n not in self]
+    def read(self, small: List[str], storages: List[str]) -> Dict[str, bytes]:
+        """Read records `small` (returned as bytes, CRC-checked) and `storages`
+        (kept as uint8 tensors) that were not read yet, in one parallel batch
+        through the engine."""
+        small = [n for n in dict.fromkeys(small) if n not in self.small_read]
         storages = [n for n in dict.fromkeys(storages) if n not in self]
         self.claim(small + storages)
+        self.small_read.update(small)
         recs = self.archive.records
         bufs = {n: bytearray(recs[n].size) for n in small}
         # Plain allocations: fresh memory is faulted in by the copy out of the
@@ -333,8 +336,8 @@ class _Records(dict):
             if e.crc and zlib.crc32(b) != e.crc:
                 raise FormatError(f"{self.path}: checksum mismatch in record {n!r} "
                                   f"(offset {e.data_offset}, {e.size} bytes)")
-            self[n] = bytes(b)
         self.update(tensors)
+        return {n: bytes(b) for n, b in bufs.items()}
 
     def read_late(self, name: str, storage: bool):
         """A record that was not read up front (data.pkl names a storage in a way
@@ -351,12 +354,14 @@ class _Records(dict):
                     (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
                 raise FormatError(f"{self.path}: the file was replaced or changed while it was being loaded")
             self.fd = fd
-            self.read([] if storage else [name], [name] if storage else [])
+            small = self.read([] if storage else [name], [name] if storage else [])
         finally:
             self.fd = -1
             os.close(fd)
+        if not storage:
+            return small.get(name, b"")
         t = self[name]
-        if storage and self.verify and _C.crc32(t, 0) != self.archive.records[name].crc:
+        if self.verify and _C.crc32(t, 0) != self.archive.records[name].crc:
             raise FormatError(f"{self.path}: checksum mismatch (corrupt data) in record {name!r}")
         return t
 
@@ -376,9 +381,9 @@ class _Reader:
 
     def get_record(self, name: str) -> bytes:
         if name not in self.small:
-            if name in self.archive.records and isinstance(self.storages, _Records):
-                return self.storages.read_late(name, storage=False)
-            raise FormatError(f"{self.archive.path}: record {name!r} is missing")
+            if name not in self.archive.records or not isinstance(self.storages, _Records):
+                raise FormatError(f"{self.archive.path}: record {name!r} is missing")
+            self.small[name] = self.storages.read_late(name, storage=False)
         return self.small[name]
 
     def get_all_records(self) -> List[str]:
@@ -433,24 +438,21 @@ def _parse_checkpoint(path: str, fh) -> "_zip.Archive":
     return archive
 
 
-# A string in a pickle: BINUNICODE (X, 4-byte length), SHORT_BINUNICODE (0x8c,
-# 1-byte length), UNICODE (V, text up to a newline). Zero-width matches: every
-# position is tried, also inside another match.
+# A string in a pickle: BINUNICODE (X, 4-byte length) or SHORT_BINUNICODE
+# (0x8c, 1-byte length). Zero-width matches: every position is tried.
 _PICKLED_STR = re.compile(rb"(?=(X[\x00-\xff]{4}|\x8c[\x00-\xff]))")
-_PICKLED_TEXT = re.compile(rb"(?=V([^\n]{1,256})\n)")
 
 
-def _referenced_storages(pkl: bytes, names) -> List[str]:
-    """The storage records among `names` ("data/<key>") whose key occurs as a
-    string in the pickle `pkl`: every storage data.pkl refers to, as torch.save
-    (and any pickler) writes a storage's key as a string literal at its first
-    use (later uses may be memo references), and at most a few others. Any
-    record the unpickler asks for that is not in this list is read on demand."""
-    keys = {n[5:].encode("utf-8"): n for n in names if n.startswith("data/")}
-    if not keys:
-        return []
-    longest = max(len(k) for k in keys)
-    found: Dict[str, None] = {}
+def _pickled_strings(pkl: bytes, lengths: List[int]) -> set:
+    """The strings of the byte lengths `lengths` written as BINUNICODE or
+    SHORT_BINUNICODE in `pkl` (and any bytes that look like one)."""
+    found: set = set()
+    if len(lengths) <= 8:  # a few scans in C, no Python work per match (1 ms a MB)
+        for n in lengths:
+            for head in [b"X" + n.to_bytes(4, "little")] + ([b"\x8c" + bytes([n])] if n < 256 else []):
+                found.update(re.findall(re.escape(head) + b"([\\x00-\\xff]{%d})" % n, pkl))
+        return found
+    longest = max(lengths)
     for m in _PICKLED_STR.finditer(pkl):
         p = m.start()
         if pkl[p] == 0x58:  # X
@@ -458,17 +460,22 @@ def _referenced_storages(pkl: bytes, names) -> List[str]:
         else:
             n, p = pkl[p + 1], p + 2
         if n <= longest:
-            name = keys.get(pkl[p:p + n])
-            if name is not None:
-                found[name] = None
-    for m in _PICKLED_TEXT.finditer(pkl):
-        try:
-            name = keys.get(m.group(1).decode("raw-unicode-escape").encode("utf-8"))
-        except UnicodeError:
-            continue
-        if name is not None:
-            found[name] = None
-    return list(found)
+            found.add(pkl[p:p + n])
+    return found
+
+
+def _referenced_storages(pkl: bytes, names) -> List[str]:
+    """The storage records among `names` ("data/<key>") whose key occurs as a
+    string in the pickle `pkl`: every storage data.pkl refers to, as torch.save
+    writes a storage's key as a string at its first use (later uses may be memo
+    references; protocol 0 cannot be loaded by torch), and at most a few
+    others. A record the unpickler asks for that is not in this list (a key
+    that a scan missed or that the pickle computes) is read on demand."""
+    keys = {n[5:].encode("utf-8"): n for n in names if n.startswith("data/")}
+    if not keys:
+        return []
+    found = _pickled_strings(pkl, sorted({len(k) for k in keys}))
+    return [n for k, n in keys.items() if k in found]
 
 
 def _read_archive(path: str, fh, verify: bool):
@@ -480,17 +487,13 @@ def _read_archive(path: str, fh, verify: bool):
     storages that fail their CRC check with `verify`)."""
     archive = _parse_checkpoint(path, fh)
     recs = archive.records
-    records = _Records(path, archive, fh.fileno(), verify)
-    records.read(["data.pkl"], [])
-    wanted = _referenced_storages(records["data.pkl"], recs)
-    records.read([n for n in _SMALL_RECORDS if n in recs], wanted)
-    records.fd = -1  # `fh` is closed after this: later reads open the file again
-    if records.allocated > archive.file_size:  # the bound, checked again where it is promised
-        raise FormatError(f"{path}: {records.allocated} bytes read from a {archive.file_size}-byte file")
-    small = {n: b for n, b in records.items() if isinstance(b, bytes)}
-    storages = _Records(path, archive, -1, verify)
-    storages.allocated = records.allocated
-    storages.update((n, t) for n, t in records.items() if not isinstance(t, bytes))
+    storages = _Records(path, archive, fh.fileno(), verify)
+    small = storages.read(["data.pkl"], [])
+    wanted = _referenced_storages(small["data.pkl"], recs)
+    small.update(storages.read([n for n in _SMALL_RECORDS if n in recs], wanted))
+    storages.fd = -1  # `fh` is closed after this: later reads open the file again
+    if storages.allocated > archive.file_size:  # the bound, checked again where it is promised
+        raise FormatError(f"{path}: {storages.allocated} bytes read from a {archive.file_size}-byte file")
     bad = []
     if verify:
         if storages and all(recs[n].crc == 0 for n in storages):
