@@ -292,9 +292,25 @@ class Archive:
 
     @classmethod
     def parse(cls, f, path: str, read_many=None) -> "Archive":
-        """Parse the archive open as binary file `f` (`path` names it in errors)."""
-        st = os.fstat(f.fileno())
-        size = st.st_size
+        """Parse the archive open as binary file `f` (`path` names it in errors):
+        a file, or a seekable in-memory buffer (read from its offset 0)."""
+        try:
+            fd = f.fileno()
+        except (AttributeError, OSError):  # io.BytesIO: io.UnsupportedOperation
+            fd = -1
+        st: Optional[os.stat_result] = None
+        if fd >= 0:
+            st = os.fstat(fd)
+            size = st.st_size
+
+            def pread(n: int, off: int) -> bytes:
+                return os.pread(fd, n, off)
+        else:
+            size = f.seek(0, os.SEEK_END)
+
+            def pread(n: int, off: int) -> bytes:
+                f.seek(off)
+                return f.read(n)
 
         def bad(what: str) -> FormatError:
             return FormatError(f"{path}: {what}")
@@ -306,12 +322,12 @@ class Archive:
                 raise bad(f"truncated: needs bytes {off}..{off + n} of a {size}-byte file")
             first, last = off // _BLOCK, (off + n - 1) // _BLOCK if n else off // _BLOCK
             if n > _BLOCK or last - first > 1:
-                b = os.pread(f.fileno(), n, off)
+                b = pread(n, off)
             else:
                 parts = []
                 for k in range(first, last + 1):
                     if k not in blocks:
-                        blocks[k] = os.pread(f.fileno(), _BLOCK, k * _BLOCK)
+                        blocks[k] = pread(_BLOCK, k * _BLOCK)
                     parts.append(blocks[k])
                 joined = b"".join(parts)
                 b = joined[off - first * _BLOCK:off - first * _BLOCK + n]

@@ -478,6 +478,28 @@ def _referenced_storages(pkl: bytes, names) -> List[str]:
     return [n for k, n in keys.items() if k in found]
 
 
+def _check_layout(f: FileLike) -> None:
+    """For the loads left to torch.load (file objects, mmap=True): refuse a zip
+    archive whose records are out of order or overlap, or whose sizes run past
+    the file (docs/FORMAT.md 1.5), before torch allocates its records. Torch's
+    legacy format and streams that cannot seek are left to torch.load."""
+    if _is_path(f):
+        with open(f, "rb") as fh:  # FileNotFoundError etc. as torch.load would raise them
+            if fh.read(4) == b"PK\x03\x04":
+                _zip.Archive.parse(fh, os.fspath(f))
+        return
+    seekable = getattr(f, "seekable", None)
+    if not (callable(seekable) and seekable()) or not hasattr(f, "read"):
+        return
+    pos = f.tell()
+    try:
+        f.seek(0)
+        if f.read(4) == b"PK\x03\x04":
+            _zip.Archive.parse(f, str(getattr(f, "name", None) or f"<{type(f).__name__} object>"))
+    finally:
+        f.seek(pos)
+
+
 def _read_archive(path: str, fh, verify: bool):
     """Parse and read the archive open as `fh`: every read goes to that one
     file, even if `path` is atomically replaced meanwhile. Reads data.pkl and
@@ -590,6 +612,7 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     if not _is_path(f) or mmap:
         if verify:
             raise ValueError("verify=True needs a path and mmap=False")
+        _check_layout(f)
         return torch.load(f, map_location=map_location, weights_only=weights_only, mmap=mmap,
                           **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
     path = os.fspath(f)

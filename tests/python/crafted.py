@@ -40,11 +40,15 @@ DEVICE_UNAVAILABLE = re.compile(r"device module is not registered|don't know how
                                 re.IGNORECASE)
 
 
-def load_cleanly(path, verify: bool) -> None:
-    """fastckpt.load(path): returns, or raises an allowed error (swallowed here);
-    anything else propagates."""
+def load_cleanly(path, verify: bool, as_file: bool = False) -> None:
+    """fastckpt.load(path) (as_file: of the file opened, which torch.load reads):
+    returns, or raises an allowed error (swallowed here); anything else propagates."""
     try:
-        fastckpt.load(path, verify=verify)
+        if as_file:
+            with open(path, "rb") as f:
+                fastckpt.load(f)
+        else:
+            fastckpt.load(path, verify=verify)
     except ALLOWED:
         pass
     except RuntimeError as e:
@@ -309,7 +313,7 @@ def _worker() -> None:
         base = _status("VmRSS")
         error = None
         try:
-            load_cleanly(req["path"], req["verify"])
+            load_cleanly(req["path"], req["verify"], req.get("as_file", False))
         except BaseException:
             error = traceback.format_exc()
         growth = _status("VmHWM") - base
@@ -337,12 +341,13 @@ class MemoryProbe:
         self.proc = subprocess.Popen([sys.executable, "-c", "import crafted; crafted._worker()"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
 
-    def load(self, path, verify: bool) -> Tuple[int, Optional[str]]:
-        """(peak RSS growth in bytes, traceback of a disallowed exception or None)."""
+    def load(self, path, verify: bool, as_file: bool = False) -> Tuple[int, Optional[str]]:
+        """(peak RSS growth in bytes, traceback of a disallowed exception or None)
+        of fastckpt.load(path) (as_file: of the file opened)."""
         if self.proc is None or self.proc.poll() is not None:
             self._start()
         assert self.proc is not None and self.proc.stdin and self.proc.stdout
-        self.proc.stdin.write(json.dumps({"path": str(path), "verify": bool(verify)}) + "\n")
+        self.proc.stdin.write(json.dumps({"path": str(path), "verify": bool(verify), "as_file": as_file}) + "\n")
         self.proc.stdin.flush()
         ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
         line = self.proc.stdout.readline() if ready else ""

@@ -66,6 +66,31 @@ def test_overlapping_records_are_refused_in_bounded_memory(tmp_path, probe, loca
     assert 0 <= growth <= 2 * len(data), f"peak RSS grew by {growth >> 20} MiB loading a {len(data) >> 20} MiB file"
 
 
+@pytest.mark.parametrize("how", ["open_file", "bytesio", "mmap"])
+def test_overlapping_records_are_refused_for_loads_torch_does(tmp_path, probe, how):
+    """File objects and mmap=True are read by torch.load, whose reader allocates
+    every record: fastckpt.load checks the layout first."""
+    import io
+    data = crafted.overlapping_archive(N_OVERLAP, BLOB)
+    path = _write(tmp_path, "overlap.pt", data)
+    with pytest.raises(fastckpt.FormatError, match="overlap") as ei:
+        if how == "mmap":
+            fastckpt.load(path, mmap=True)
+        elif how == "bytesio":
+            fastckpt.load(io.BytesIO(data))
+        else:
+            with open(path, "rb") as f:
+                fastckpt.load(f)
+    assert (str(path) if how != "bytesio" else "<BytesIO object>") in str(ei.value)
+    if how == "open_file":
+        growth, error = probe.load(path, verify=False, as_file=True)
+        assert error is None, error
+        assert 0 <= growth <= 2 * len(data), f"peak RSS grew by {growth >> 20} MiB"
+    good = crafted.stock_archive([b"\x03" * 100])  # and the check lets good files through, position kept
+    buf = io.BytesIO(good)
+    assert torch.equal(fastckpt.load(buf)["t0"], torch.full((100,), 3, dtype=torch.uint8))
+
+
 def test_overlap_seen_only_in_local_headers_is_refused(tmp_path):
     """The central directory looks right; data/0's local header declares an
     extra field that moves its data onto data/1's."""
