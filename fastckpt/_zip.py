@@ -35,6 +35,7 @@ DOS_TIME, DOS_DATE = 0, (1 << 5) | 1  # 1980-01-01 00:00, fixed: reproducible fi
 ZIP64_TAG = 0x0001
 PAD_TAG = 0x4246  # "FB": PyTorch's padding field
 _BLOCK = 64 << 10  # parsing reads the file in blocks of this size
+_HEADER_BATCH = 4096  # local headers read in one batch
 
 _local = struct.Struct("<IHHHHHIIIHH")
 _central = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -344,25 +345,28 @@ class Archive:
         tail = read_at(size - tail_len, tail_len)
         entries, cd_off, prefix = parse_directory(tail, size - tail_len, size, read_at, bad)
         # The local headers give where each record's data starts. They lie all
-        # over the file (one before each record): read them in one parallel
-        # batch through the engine rather than one cold read each.
-        heads = {rest: bytearray(LOCAL_HEADER_SIZE + len(e.name.encode("utf-8"))) for rest, e in entries.items()}
-        if read_many is not None:
-            read_many([(heads[rest], e.header_offset) for rest, e in entries.items()])
-        else:
-            for rest, e in entries.items():
-                heads[rest][:] = read_at(e.header_offset, len(heads[rest]))
+        # over the file (one before each record): read them in parallel batches
+        # through the engine rather than one cold read each (batches of
+        # _HEADER_BATCH records, so that the buffers stay small whatever the count).
         records: Dict[str, Entry] = {}
-        for rest, e in entries.items():
-            raw_name = e.name.encode("utf-8")
-            lh = bytes(heads[rest])
-            lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = _local.unpack_from(lh, 0)
-            if lsig != LOCAL_SIG:
-                raise bad(f"entry {e.name!r}: no local header at offset {e.header_offset}")
-            if lh[LOCAL_HEADER_SIZE:] != raw_name or lname_len != len(raw_name):
-                raise bad(f"entry {e.name!r}: local header names another record")
-            e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
-            records[rest] = e
+        items = list(entries.items())
+        for first in range(0, len(items), _HEADER_BATCH):
+            batch = items[first:first + _HEADER_BATCH]
+            heads = [bytearray(LOCAL_HEADER_SIZE + len(e.name.encode("utf-8"))) for _, e in batch]
+            if read_many is not None:
+                read_many([(h, e.header_offset) for h, (_, e) in zip(heads, batch)])
+            else:
+                for h, (_, e) in zip(heads, batch):
+                    h[:] = read_at(e.header_offset, len(h))
+            for h, (rest, e) in zip(heads, batch):
+                raw_name = e.name.encode("utf-8")
+                lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = _local.unpack_from(h, 0)
+                if lsig != LOCAL_SIG:
+                    raise bad(f"entry {e.name!r}: no local header at offset {e.header_offset}")
+                if h[LOCAL_HEADER_SIZE:] != raw_name or lname_len != len(raw_name):
+                    raise bad(f"entry {e.name!r}: local header names another record")
+                e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
+                records[rest] = e
         # Now with each record's real data offset: in order, disjoint, before the directory.
         data_bytes = check_layout(records.values(), cd_off, bad)
         archive = cls(path, prefix, records, size, data_bytes)
