@@ -68,14 +68,15 @@ def _check(data: bytes, path, verify: bool):
     crafted.load_cleanly(path, verify)
 
 
-def _check_bounded(probe, data: bytes, path, verify: bool):
-    """Load `data` in the probe process: a clean outcome, and a peak RSS growth
-    of that load within crafted.memory_bound(len(data))."""
+def _check_bounded(probe, data: bytes, path, verify: bool, as_file: bool = False):
+    """Load `data` in the probe process (as_file: from a file object, which
+    torch.load reads): a clean outcome, and a peak RSS growth of that load
+    within crafted.memory_bound(len(data))."""
     with open(path, "wb") as f:
         f.write(data)
-    growth, error = probe.load(path, verify)
+    growth, error = probe.load(path, verify, as_file)
     if error is not None:
-        pytest.fail(f"{len(data)}-byte input {path} (verify={verify}): {error}")
+        pytest.fail(f"{len(data)}-byte input {path} (verify={verify}, as_file={as_file}): {error}")
     bound = crafted.memory_bound(len(data))
     assert 0 <= growth <= bound, (f"loading a {len(data)}-byte input grew the peak RSS by {growth} bytes "
                                   f"(bound {bound})")
@@ -283,10 +284,11 @@ def _build(recipe) -> bytes:
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
-@given(recipe=crafted_recipes(), muts=st.lists(mutation, max_size=2), verify=st.booleans())
-def test_crafted_archives_fail_cleanly_in_bounded_memory(probe, tmp_path_factory, recipe, muts, verify):
+@given(recipe=crafted_recipes(), muts=st.lists(mutation, max_size=2), verify=st.booleans(),
+       as_file=st.sampled_from([False, False, False, True]))
+def test_crafted_archives_fail_cleanly_in_bounded_memory(probe, tmp_path_factory, recipe, muts, verify, as_file):
     _check_bounded(probe, _apply(bytearray(_build(recipe)), muts), tmp_path_factory.getbasetemp() / "fuzz4.pt",
-                   verify)
+                   verify, as_file)
 
 
 def test_memory_oracle_can_fail(reference, tmp_path):

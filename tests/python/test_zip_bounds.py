@@ -137,6 +137,22 @@ def test_declared_sizes_and_counts_beyond_the_file_are_refused(tmp_path, probe, 
     assert 0 <= growth <= crafted.memory_bound(len(data)), growth
 
 
+def test_many_records_cost_a_small_multiple_of_the_file(tmp_path, probe):
+    """50,000 empty records, packed as tightly as the layout allows: the
+    directory's Python objects stay within the fuzzers' memory bound."""
+    b = crafted.Builder()
+    b.standard(crafted.tensor_pickle([]))
+    for i in range(50_000):
+        b.record(f"x{i}", b"", align=1)
+    b.tail()
+    data = b.finish()
+    path = _write(tmp_path, "many.pt", data)
+    assert fastckpt.load(path) == {}
+    growth, error = probe.load(path, verify=True)
+    assert error is None, error
+    assert 0 <= growth <= crafted.memory_bound(len(data)), (growth, len(data))
+
+
 def test_unreferenced_records_are_not_read(tmp_path, monkeypatch):
     """data/1 (4 MiB) is in the archive but no tensor uses it: load reads
     data.pkl, the small records and data/0, never data/1."""
