@@ -292,11 +292,13 @@ class Archive:
             return cls.parse(f, os.fspath(path), read_many)
 
     @classmethod
-    def parse(cls, f, path: str, read_many=None) -> "Archive":
+    def parse(cls, f, path: str, read_many=None, use_fd: bool = True) -> "Archive":
         """Parse the archive open as binary file `f` (`path` names it in errors):
-        a file, or a seekable in-memory buffer (read from its offset 0)."""
+        a file, or (or with use_fd=False: any) seekable binary stream, read from
+        its offset 0 with seek and read (a gzip.GzipFile's fileno() is that of
+        the compressed file, not of the bytes it reads)."""
         try:
-            fd = f.fileno()
+            fd = f.fileno() if use_fd else -1
         except (AttributeError, OSError):  # io.BytesIO: io.UnsupportedOperation
             fd = -1
         st: Optional[os.stat_result] = None

@@ -495,7 +495,7 @@ def _check_layout(f: FileLike) -> None:
     try:
         f.seek(0)
         if f.read(4) == b"PK\x03\x04":
-            _zip.Archive.parse(f, str(getattr(f, "name", None) or f"<{type(f).__name__} object>"))
+            _zip.Archive.parse(f, str(getattr(f, "name", None) or f"<{type(f).__name__} object>"), use_fd=False)
     finally:
         f.seek(pos)
 

@@ -86,9 +86,24 @@ def test_overlapping_records_are_refused_for_loads_torch_does(tmp_path, probe, h
         growth, error = probe.load(path, verify=False, as_file=True)
         assert error is None, error
         assert 0 <= growth <= 2 * len(data), f"peak RSS grew by {growth >> 20} MiB"
-    good = crafted.stock_archive([b"\x03" * 100])  # and the check lets good files through, position kept
+    good = crafted.stock_archive([b"\x03" * 100])  # and the check lets good files through
     buf = io.BytesIO(good)
     assert torch.equal(fastckpt.load(buf)["t0"], torch.full((100,), 3, dtype=torch.uint8))
+
+
+def test_file_object_check_reads_the_stream_not_its_descriptor(tmp_path):
+    """A gzip.GzipFile's fileno() is the compressed file's: the layout check
+    reads the stream itself, as torch.load does, and the load works."""
+    import gzip
+    sd = {"w": torch.arange(10.0)}
+    with gzip.open(tmp_path / "a.pt.gz", "wb") as g:
+        torch.save(sd, g)
+    with gzip.open(tmp_path / "a.pt.gz", "rb") as g:
+        assert torch.equal(fastckpt.load(g)["w"], sd["w"])
+    with gzip.open(tmp_path / "b.pt.gz", "wb") as g:
+        g.write(crafted.overlapping_archive(4, 4096))
+    with gzip.open(tmp_path / "b.pt.gz", "rb") as g, pytest.raises(fastckpt.FormatError, match="overlap"):
+        fastckpt.load(g)
 
 
 def test_overlap_seen_only_in_local_headers_is_refused(tmp_path):
