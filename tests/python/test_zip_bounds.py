@@ -149,7 +149,7 @@ def test_declared_sizes_and_counts_beyond_the_file_are_refused(tmp_path, probe, 
     assert str(path) in str(ei.value)
     growth, error = probe.load(path, verify=True)
     assert error is None, error
-    assert 0 <= growth <= crafted.memory_bound(len(data)), growth
+    assert 0 <= growth <= crafted.memory_bound(len(data), crafted.pickle_size(data)), growth
 
 
 def test_many_records_cost_a_small_multiple_of_the_file(tmp_path, probe):
@@ -165,7 +165,22 @@ def test_many_records_cost_a_small_multiple_of_the_file(tmp_path, probe):
     assert fastckpt.load(path) == {}
     growth, error = probe.load(path, verify=True)
     assert error is None, error
-    assert 0 <= growth <= crafted.memory_bound(len(data)), (growth, len(data))
+    assert 0 <= growth <= crafted.memory_bound(len(data), crafted.pickle_size(data)), (growth, len(data))
+
+
+def test_real_checkpoints_stay_within_the_memory_bound(tmp_path, probe):
+    """Control for the fuzzers' oracle: a checkpoint of 5,000 small tensors (a
+    large pickle) and one of a 16 MiB tensor load within crafted.memory_bound,
+    and the probe sees the data read (most of its 16 MiB)."""
+    fastckpt.save({f"layer{i}.w": torch.full((8,), float(i)) for i in range(5000)}, tmp_path / "many.pt")
+    fastckpt.save({"big": torch.ones(4 << 20)}, tmp_path / "big.pt")
+    for name in ("many.pt", "big.pt"):
+        data = (tmp_path / name).read_bytes()
+        growth, error = probe.load(tmp_path / name, verify=True)
+        assert error is None, error
+        assert growth <= crafted.memory_bound(len(data), crafted.pickle_size(data)), (name, growth)
+        if name == "big.pt":
+            assert growth >= 12 << 20, f"the probe saw {growth} bytes for a 16 MiB tensor: it measures nothing"
 
 
 def test_unreferenced_records_are_not_read(tmp_path, monkeypatch):
