@@ -26,11 +26,23 @@ BLOB = 2 << 20  # the issue's case: 150 records over one 2 MiB blob
 N_OVERLAP = 150
 
 
+class _NoProbe:
+    """Where a process cannot reset its peak RSS: the checks that need no
+    measurement have run when a test gets here, then it skips with the reason."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def load(self, *a, **k):
+        pytest.skip(self.why)
+
+
 @pytest.fixture(scope="module")
 def probe(tmp_path_factory):
     why = crafted.hwm_resettable()
     if why:
-        pytest.skip(why)
+        yield _NoProbe(why)
+        return
     warm = tmp_path_factory.mktemp("probe") / "warm.pt"
     fastckpt.save({"w": torch.ones(1000), "n": {"a": [1, 2]}}, warm)
     p = crafted.MemoryProbe(str(warm))
