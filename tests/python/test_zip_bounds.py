@@ -8,7 +8,6 @@ only the storages data.pkl refers to; and never allocates more than the file's
 size in all (a check that stays on, tested here with the layout check off).
 Peak memory is measured in a separate process per load (crafted.MemoryProbe).
 """
-import os
 import pickle
 import struct
 import zipfile
