@@ -181,10 +181,13 @@ def overlapping_archive(n: int, blob_size: int, local_extra: bool = True) -> byt
     reads n * blob_size bytes from a file of about blob_size bytes).
 
     local_extra: each record has its own local header, whose declared extra
-    field reaches over the headers after it up to the blob (the central
-    directory entries look disjoint: only the local headers reveal the
-    overlap). Else each record's data starts right after its header and runs
-    over the next headers into the blob (the central directory shows it)."""
+    field reaches over the headers after it up to the blob, so that every
+    record's data is exactly the blob (valid CRCs). Else each record's data
+    starts right after its header and runs over the next headers into the
+    blob (CRCs 0: not checked). Either way a record's declared size reaches
+    past the next record's local header: the central directory alone shows
+    the overlap (stock_archive + a moved extra field is the case that only
+    the local headers show: test_zip_bounds)."""
     blob = bytes(range(256)) * (blob_size // 256) + bytes(blob_size % 256)
     crc = zlib.crc32(blob)
     b = Builder()
