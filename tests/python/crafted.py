@@ -325,7 +325,9 @@ def _worker() -> None:
             load_cleanly(req["path"], req["verify"], req.get("as_file", False))
         except BaseException:
             error = traceback.format_exc()
-        growth = _status("VmHWM") - base
+        # (The kernel's RSS counters are per-CPU and read approximately: a load
+        # that allocates nothing can read a few hundred KiB below the baseline.)
+        growth = max(0, _status("VmHWM") - base)
         sys.stdout.write(json.dumps({"growth": growth, "error": error}) + "\n")
         sys.stdout.flush()
 
