@@ -35,6 +35,7 @@ DOS_TIME, DOS_DATE = 0, (1 << 5) | 1  # 1980-01-01 00:00, fixed: reproducible fi
 ZIP64_TAG = 0x0001
 PAD_TAG = 0x4246  # "FB": PyTorch's padding field
 _BLOCK = 64 << 10  # parsing reads the file in blocks of this size
+_HEADER_BATCH = 4096  # local headers read in one batch
 
 _local = struct.Struct("<IHHHHHIIIHH")
 _central = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -223,7 +224,45 @@ def parse_directory(tail: bytes, tail_start: int, length: int, at, bad):
         entries[rest] = Entry(name, usize, crc, hoff, 0, method, csize)
     if prefix is None:
         raise bad("empty archive")
+    check_layout(entries.values(), cd_off, bad)
     return entries, cd_off, prefix
+
+
+def record_end(e: Entry) -> int:
+    """Where record `e` ends at least: its local header's fixed part and name
+    (the extra field is known once the local header is read), then its data.
+    With ``data_offset`` set, where its data ends."""
+    if e.data_offset:
+        return e.data_offset + e.compressed_size
+    return e.header_offset + LOCAL_HEADER_SIZE + len(e.name.encode("utf-8")) + e.compressed_size
+
+
+def check_layout(entries, cd_off: int, bad) -> int:
+    """Check that the records `entries` (in central directory order) lie in the
+    file in that order, each local header + data before the next record's local
+    header and the last before the central directory at `cd_off` (docs/FORMAT.md
+    1.5). So no byte of the file belongs to two records, and the records' data
+    together is at most the file's size, whatever the directory claims: a reader
+    that allocates each record's size allocates at most the file. Returns the
+    sum of the records' sizes on disk."""
+    prev: Optional[Entry] = None
+    end = total = 0
+    for e in entries:
+        if prev is not None and e.header_offset < end:
+            if e.header_offset < prev.header_offset:
+                raise bad(f"records out of order: {e.name!r} (local header at {e.header_offset}) lies before "
+                          f"{prev.name!r} (at {prev.header_offset}) but follows it in the central directory")
+            raise bad(f"records overlap: {e.name!r} (local header at {e.header_offset}) starts inside "
+                      f"{prev.name!r} (bytes {prev.header_offset}..{end})")
+        end = record_end(e)
+        if end > cd_off:
+            raise bad(f"truncated or corrupt: record {e.name!r} (bytes {e.header_offset}..{end}) "
+                      f"overlaps the central directory at {cd_off}")
+        total += e.compressed_size
+        prev = e
+    if total > cd_off:  # follows from the above; a check that stays on guards the memory bound
+        raise bad(f"records hold {total} bytes before the central directory at {cd_off}")
+    return total
 
 
 
@@ -235,11 +274,14 @@ class Archive:
     checked against each local header.
     """
 
-    def __init__(self, path: str, prefix: str, records: Dict[str, Entry], file_size: int):
+    def __init__(self, path: str, prefix: str, records: Dict[str, Entry], file_size: int, data_bytes: int = -1):
         self.path = path
         self.prefix = prefix
         self.records = records
         self.file_size = file_size
+        # sum of the records' sizes on disk: at most file_size (check_layout)
+        self.data_bytes = sum(e.compressed_size for e in records.values()) if data_bytes < 0 else data_bytes
+        self.stat: Optional[os.stat_result] = None  # of the file parsed, to know it again
 
     @classmethod
     def open(cls, path: str, read_many=None) -> "Archive":
@@ -250,9 +292,28 @@ class Archive:
             return cls.parse(f, os.fspath(path), read_many)
 
     @classmethod
-    def parse(cls, f, path: str, read_many=None) -> "Archive":
-        """Parse the archive open as binary file `f` (`path` names it in errors)."""
-        size = os.fstat(f.fileno()).st_size
+    def parse(cls, f, path: str, read_many=None, use_fd: bool = True) -> "Archive":
+        """Parse the archive open as binary file `f` (`path` names it in errors):
+        a file, or (or with use_fd=False: any) seekable binary stream, read from
+        its offset 0 with seek and read (a gzip.GzipFile's fileno() is that of
+        the compressed file, not of the bytes it reads)."""
+        try:
+            fd = f.fileno() if use_fd else -1
+        except (AttributeError, OSError):  # io.BytesIO: io.UnsupportedOperation
+            fd = -1
+        st: Optional[os.stat_result] = None
+        if fd >= 0:
+            st = os.fstat(fd)
+            size = st.st_size
+
+            def pread(n: int, off: int) -> bytes:
+                return os.pread(fd, n, off)
+        else:
+            size = f.seek(0, os.SEEK_END)
+
+            def pread(n: int, off: int) -> bytes:
+                f.seek(off)
+                return f.read(n)
 
         def bad(what: str) -> FormatError:
             return FormatError(f"{path}: {what}")
@@ -264,12 +325,12 @@ class Archive:
                 raise bad(f"truncated: needs bytes {off}..{off + n} of a {size}-byte file")
             first, last = off // _BLOCK, (off + n - 1) // _BLOCK if n else off // _BLOCK
             if n > _BLOCK or last - first > 1:
-                b = os.pread(f.fileno(), n, off)
+                b = pread(n, off)
             else:
                 parts = []
                 for k in range(first, last + 1):
                     if k not in blocks:
-                        blocks[k] = os.pread(f.fileno(), _BLOCK, k * _BLOCK)
+                        blocks[k] = pread(_BLOCK, k * _BLOCK)
                     parts.append(blocks[k])
                 joined = b"".join(parts)
                 b = joined[off - first * _BLOCK:off - first * _BLOCK + n]
@@ -286,26 +347,30 @@ class Archive:
         tail = read_at(size - tail_len, tail_len)
         entries, cd_off, prefix = parse_directory(tail, size - tail_len, size, read_at, bad)
         # The local headers give where each record's data starts. They lie all
-        # over the file (one before each record): read them in one parallel
-        # batch through the engine rather than one cold read each.
-        heads = {rest: bytearray(LOCAL_HEADER_SIZE + len(e.name.encode("utf-8"))) for rest, e in entries.items()}
-        if read_many is not None:
-            read_many([(heads[rest], e.header_offset) for rest, e in entries.items()])
-        else:
-            for rest, e in entries.items():
-                heads[rest][:] = read_at(e.header_offset, len(heads[rest]))
+        # over the file (one before each record): read them in parallel batches
+        # through the engine rather than one cold read each (batches of
+        # _HEADER_BATCH records, so that the buffers stay small whatever the count).
         records: Dict[str, Entry] = {}
-        for rest, e in entries.items():
-            raw_name = e.name.encode("utf-8")
-            lh = bytes(heads[rest])
-            lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = _local.unpack_from(lh, 0)
-            if lsig != LOCAL_SIG:
-                raise bad(f"entry {e.name!r}: no local header at offset {e.header_offset}")
-            if lh[LOCAL_HEADER_SIZE:] != raw_name or lname_len != len(raw_name):
-                raise bad(f"entry {e.name!r}: local header names another record")
-            e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
-            if e.data_offset + e.compressed_size > cd_off:
-                raise bad(f"truncated or corrupt: record {e.name!r} ({e.compressed_size} bytes at offset "
-                          f"{e.data_offset}) overlaps the central directory at {cd_off}")
-            records[rest] = e
-        return cls(path, prefix, records, size)
+        items = list(entries.items())
+        for first in range(0, len(items), _HEADER_BATCH):
+            batch = items[first:first + _HEADER_BATCH]
+            heads = [bytearray(LOCAL_HEADER_SIZE + len(e.name.encode("utf-8"))) for _, e in batch]
+            if read_many is not None:
+                read_many([(h, e.header_offset) for h, (_, e) in zip(heads, batch)])
+            else:
+                for h, (_, e) in zip(heads, batch):
+                    h[:] = read_at(e.header_offset, len(h))
+            for h, (rest, e) in zip(heads, batch):
+                raw_name = e.name.encode("utf-8")
+                lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = _local.unpack_from(h, 0)
+                if lsig != LOCAL_SIG:
+                    raise bad(f"entry {e.name!r}: no local header at offset {e.header_offset}")
+                if h[LOCAL_HEADER_SIZE:] != raw_name or lname_len != len(raw_name):
+                    raise bad(f"entry {e.name!r}: local header names another record")
+                e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
+                records[rest] = e
+        # Now with each record's real data offset: in order, disjoint, before the directory.
+        data_bytes = check_layout(records.values(), cd_off, bad)
+        archive = cls(path, prefix, records, size, data_bytes)
+        archive.stat = st
+        return archive

@@ -14,6 +14,7 @@ import io
 import logging
 import os
 import pickle
+import re
 import sys
 import threading
 import uuid
@@ -383,9 +384,90 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
 
 # ---------------------------------------------------------------- loading
 
+# Records that torch.serialization._load reads besides data.pkl's storages; any
+# other record is read only if asked for.
+_SMALL_RECORDS = ("data.pkl", ".format_version", ".storage_alignment", "byteorder", "version",
+                  ".data/serialization_id")
+
+
+class _Records(dict):
+    """The storages of one archive read so far (record name -> uint8 tensor),
+    and the reading of records: every read goes to the file the archive was
+    parsed from, and all of them together allocate at most the file's size (a
+    check that stays on; docs/FORMAT.md 1.5)."""
+
+    def __init__(self, path: str, archive: "_zip.Archive", fd: int, verify: bool):
+        super().__init__()
+        self.path, self.archive, self.fd, self.verify = path, archive, fd, verify
+        self.allocated = 0  # bytes of records read so far, small ones included
+        self.small_read: set = set()
+
+    def claim(self, names: List[str]) -> None:
+        """Account for reading records `names`, before any memory is allocated."""
+        n = sum(self.archive.records[name].size for name in names)
+        if self.allocated + n > self.archive.file_size:
+            raise FormatError(f"{self.path}: reading records {names[:3]}... would allocate "
+                              f"{self.allocated + n} bytes for a {self.archive.file_size}-byte file")
+        self.allocated += n
+
+    def read(self, small: List[str], storages: List[str]) -> Dict[str, bytes]:
+        """Read records `small` (returned as bytes, CRC-checked) and `storages`
+        (kept as uint8 tensors) that were not read yet, in one parallel batch
+        through the engine."""
+        small = [n for n in dict.fromkeys(small) if n not in self.small_read]
+        storages = [n for n in dict.fromkeys(storages) if n not in self]
+        self.claim(small + storages)
+        self.small_read.update(small)
+        recs = self.archive.records
+        bufs = {n: bytearray(recs[n].size) for n in small}
+        # Plain allocations: fresh memory is faulted in by the copy out of the
+        # staging buffers, in parallel with the reads. (Reading O_DIRECT straight
+        # into fresh page-aligned memory measured slower here: 1.3-1.8 vs 1.9-2.2
+        # GB/s, the kernel faulting the pages in while it pins them.)
+        tensors = {n: torch.empty(recs[n].size, dtype=torch.uint8) for n in storages}
+        ranges = [(b, recs[n].data_offset) for n, b in bufs.items() if len(b)]
+        ranges += [(t, recs[n].data_offset) for n, t in tensors.items() if t.numel()]
+        if ranges:
+            _C.read_ranges(get_engine(), self.path, ranges, self.fd)
+        for n, b in bufs.items():  # metadata records are always checked: they are small
+            e = recs[n]
+            if e.crc and zlib.crc32(b) != e.crc:
+                raise FormatError(f"{self.path}: checksum mismatch in record {n!r} "
+                                  f"(offset {e.data_offset}, {e.size} bytes)")
+        self.update(tensors)
+        return {n: bytes(b) for n, b in bufs.items()}
+
+    def read_late(self, name: str, storage: bool):
+        """A record that was not read up front (data.pkl names a storage in a way
+        _referenced_storages does not see, or torch asks for another record):
+        read from the same file, opened again and checked to be the same one."""
+        st = self.archive.stat
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise FormatError(f"{self.path}: the file went away while it was being loaded ({e})") from None
+        try:
+            now = os.fstat(fd)
+            if st is None or (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != \
+                    (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+                raise FormatError(f"{self.path}: the file was replaced or changed while it was being loaded")
+            self.fd = fd
+            small = self.read([] if storage else [name], [name] if storage else [])
+        finally:
+            self.fd = -1
+            os.close(fd)
+        if not storage:
+            return small.get(name, b"")
+        t = self[name]
+        if self.verify and _C.crc32(t, 0) != self.archive.records[name].crc:
+            raise FormatError(f"{self.path}: checksum mismatch (corrupt data) in record {name!r}")
+        return t
+
+
 class _Reader:
-    """What torch.serialization._load asks of a zip reader, over storages that
-    were already read in parallel."""
+    """What torch.serialization._load asks of a zip reader, over records that
+    were already read in parallel (`storages`: a _Records also reads the others
+    on demand)."""
 
     def __init__(self, archive: _zip.Archive, small: Dict[str, bytes], storages: Dict[str, torch.Tensor]):
         self.archive = archive
@@ -397,7 +479,9 @@ class _Reader:
 
     def get_record(self, name: str) -> bytes:
         if name not in self.small:
-            raise FormatError(f"{self.archive.path}: record {name!r} is missing")
+            if name not in self.archive.records or not isinstance(self.storages, _Records):
+                raise FormatError(f"{self.archive.path}: record {name!r} is missing")
+            self.small[name] = self.storages.read_late(name, storage=False)
         return self.small[name]
 
     def get_all_records(self) -> List[str]:
@@ -415,6 +499,12 @@ class _Reader:
 
     def get_storage_from_record(self, name: str, numel: int, dtype) -> torch.Tensor:
         t = self.storages.get(name)
+        rec = self.archive.records.get(name)
+        if t is None and rec is not None and isinstance(self.storages, _Records):
+            if rec.size != numel:  # checked before allocating
+                raise FormatError(f"{self.archive.path}: record {name!r} holds {rec.size} bytes, "
+                                  f"the pickle expects {numel}")
+            t = self.storages.read_late(name, storage=True)
         if t is None:
             raise FormatError(f"{self.archive.path}: the pickle refers to record {name!r}, which is missing")
         if t.numel() != numel:
@@ -429,7 +519,9 @@ class _Reader:
 def _parse_checkpoint(path: str, fh) -> "_zip.Archive":
     """The zip directory of the checkpoint open as `fh`, checked to be a
     torch.save archive fastckpt can read (uncompressed, with data.pkl, not
-    TorchScript). Reads go to that one file even if `path` is replaced."""
+    TorchScript; records in order and disjoint, so that reading them all
+    allocates at most the file's size). Reads go to that one file even if
+    `path` is replaced."""
     fd = fh.fileno()
     archive = _zip.Archive.parse(fh, path, lambda ranges: _C.read_ranges(get_engine(), path, ranges, fd))
     recs = archive.records
@@ -444,33 +536,91 @@ def _parse_checkpoint(path: str, fh) -> "_zip.Archive":
     return archive
 
 
+# A string in a pickle: BINUNICODE (X, 4-byte length) or SHORT_BINUNICODE
+# (0x8c, 1-byte length). Zero-width matches: every position is tried.
+_PICKLED_STR = re.compile(rb"(?=(X[\x00-\xff]{4}|\x8c[\x00-\xff]))")
+
+
+def _pickled_strings(pkl: bytes, lengths: List[int]) -> set:
+    """The strings of the byte lengths `lengths` written as BINUNICODE or
+    SHORT_BINUNICODE in `pkl` (and any bytes that look like one)."""
+    found: set = set()
+    if len(lengths) <= 8:  # a few scans in C, no Python work per match (1 ms a MB)
+        for n in lengths:
+            for head in [b"X" + n.to_bytes(4, "little")] + ([b"\x8c" + bytes([n])] if n < 256 else []):
+                found.update(re.findall(re.escape(head) + b"([\\x00-\\xff]{%d})" % n, pkl))
+        return found
+    longest = max(lengths)
+    for m in _PICKLED_STR.finditer(pkl):
+        p = m.start()
+        if pkl[p] == 0x58:  # X
+            n, p = int.from_bytes(pkl[p + 1:p + 5], "little"), p + 5
+        else:
+            n, p = pkl[p + 1], p + 2
+        if n <= longest:
+            found.add(pkl[p:p + n])
+    return found
+
+
+def _referenced_storages(pkl: bytes, names) -> List[str]:
+    """The storage records among `names` ("data/<key>") whose key occurs as a
+    string in the pickle `pkl`: every storage data.pkl refers to, as torch.save
+    writes a storage's key as a string at its first use (later uses may be memo
+    references; protocol 0 cannot be loaded by torch), and at most a few
+    others. A record the unpickler asks for that is not in this list (a key
+    that a scan missed or that the pickle computes) is read on demand."""
+    keys = {n[5:].encode("utf-8"): n for n in names if n.startswith("data/")}
+    if not keys:
+        return []
+    found = _pickled_strings(pkl, sorted({len(k) for k in keys}))
+    return [n for k, n in keys.items() if k in found]
+
+
+def _check_layout(f: FileLike) -> None:
+    """For the loads left to torch.load (file objects, mmap=True): refuse a zip
+    archive whose records are out of order or overlap, or whose sizes run past
+    the file (docs/FORMAT.md 1.5), before torch allocates its records. Torch's
+    legacy format and streams that cannot seek are left to torch.load."""
+    if _is_path(f):
+        with open(f, "rb") as fh:  # FileNotFoundError etc. as torch.load would raise them
+            if fh.read(4) == b"PK\x03\x04":
+                _zip.Archive.parse(fh, os.fspath(f))
+        return
+    seekable = getattr(f, "seekable", None)
+    if not (callable(seekable) and seekable()) or not hasattr(f, "read"):
+        return
+    pos = f.tell()
+    try:
+        f.seek(0)
+        if f.read(4) == b"PK\x03\x04":
+            _zip.Archive.parse(f, str(getattr(f, "name", None) or f"<{type(f).__name__} object>"), use_fd=False)
+    finally:
+        f.seek(pos)
+
+
 def _read_archive(path: str, fh, verify: bool):
     """Parse and read the archive open as `fh`: every read goes to that one
-    file, even if `path` is atomically replaced meanwhile."""
-    fd = fh.fileno()
+    file, even if `path` is atomically replaced meanwhile. Reads data.pkl and
+    the few small records torch reads, then, in one parallel batch, the storages
+    data.pkl refers to; no other record. Returns (archive, small records,
+    storages (a _Records that reads any other storage on demand), names of
+    storages that fail their CRC check with `verify`)."""
     archive = _parse_checkpoint(path, fh)
     recs = archive.records
-    small_names = [n for n in recs if not n.startswith("data/")]
-    small = {n: bytearray(recs[n].size) for n in small_names}
-    # Plain allocations: fresh memory is faulted in by the copy out of the
-    # staging buffers, in parallel with the reads. (Reading O_DIRECT straight
-    # into fresh page-aligned memory measured slower here: 1.3-1.8 vs 1.9-2.2
-    # GB/s, the kernel faulting the pages in while it pins them.)
-    storages = {n: torch.empty(recs[n].size, dtype=torch.uint8) for n in recs if n.startswith("data/")}
-    ranges = [(small[n], recs[n].data_offset) for n in small_names if recs[n].size]
-    ranges += [(t, recs[n].data_offset) for n, t in storages.items() if t.numel()]
-    _C.read_ranges(get_engine(), path, ranges, fd)
-    for n in small_names:  # metadata records are always checked: they are small
-        e = recs[n]
-        if e.crc and zlib.crc32(small[n]) != e.crc:
-            raise FormatError(f"{path}: checksum mismatch in record {n!r} (offset {e.data_offset}, {e.size} bytes)")
+    storages = _Records(path, archive, fh.fileno(), verify)
+    small = storages.read(["data.pkl"], [])
+    wanted = _referenced_storages(small["data.pkl"], recs)
+    small.update(storages.read([n for n in _SMALL_RECORDS if n in recs], wanted))
+    storages.fd = -1  # `fh` is closed after this: later reads open the file again
+    if storages.allocated > archive.file_size:  # the bound, checked again where it is promised
+        raise FormatError(f"{path}: {storages.allocated} bytes read from a {archive.file_size}-byte file")
     bad = []
     if verify:
         if storages and all(recs[n].crc == 0 for n in storages):
             raise FormatError(f"{path}: verify=True, but the file records no checksums "
                               "(saved with torch's compute_crc32 disabled)")
         bad = [n for n, t in storages.items() if _C.crc32(t, 0) != recs[n].crc]
-    return archive, {n: bytes(b) for n, b in small.items()}, storages, bad
+    return archive, small, storages, bad
 
 
 def _tensor_names_for_records(reader: _Reader, records: List[str], pickle_module, pickle_load_args) -> List[str]:
@@ -481,20 +631,20 @@ def _tensor_names_for_records(reader: _Reader, records: List[str], pickle_module
     except Exception:  # the pickle itself is unreadable: report the records alone
         return [f"record {n!r}" for n in records]
     found: List[str] = []
-
-    def walk(o, path):
+    todo = [(meta, "")]  # a loop, not recursion: the object may be nested deeper than Python's stack
+    seen = set()
+    while todo:
+        o, path = todo.pop()
         if isinstance(o, torch.Tensor):
             off = getattr(o.untyped_storage(), "_checkpoint_offset", None)
             if off in offsets:
                 found.append(f"tensor {path or '<root>'} (record {offsets[off]!r})")
-        elif isinstance(o, dict):
-            for k, v in o.items():
-                walk(v, f"{path}.{k}" if path else str(k))
-        elif isinstance(o, (list, tuple)):
-            for i, v in enumerate(o):
-                walk(v, f"{path}[{i}]")
-
-    walk(meta, "")
+        elif isinstance(o, (dict, list, tuple)) and id(o) not in seen:
+            seen.add(id(o))
+            items = o.items() if isinstance(o, dict) else ((f"[{i}]", v) for i, v in enumerate(o))
+            kids = [(v, (f"{path}.{k}" if path else str(k)) if isinstance(o, dict) else f"{path}{k}")
+                    for k, v in items]
+            todo.extend(reversed(kids))
     return found or [f"record {n!r}" for n in records]
 
 
@@ -580,6 +730,7 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     if not _is_path(f) or mmap or (not verify and _torch_rules.reads_no_data(map_location)):
         if verify:
             raise ValueError("verify=True needs a path and mmap=False")
+        _check_layout(f)
         return torch.load(f, map_location=map_location, weights_only=weights_only, mmap=mmap,
                           **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
     path = os.fspath(f)

@@ -1,15 +1,24 @@
-"""Fuzzing fastckpt.load with damaged files (short run; FASTCKPT_FUZZ_EXAMPLES
-raises the count for the long run).
+"""Fuzzing fastckpt.load with damaged and hostile files (short run;
+FASTCKPT_FUZZ_EXAMPLES raises the count for the long run).
 
 Every damaged file must give a clean outcome: it loads (a flipped bit inside
 tensor data is only caught with verify=True), or raises fastckpt.FormatError,
 an OSError, or pickle.UnpicklingError (the weights-only unpickler refusing a
 damaged pickle). Never another exception, a crash, a hang or a huge
 allocation: sizes read from the file are checked against the file first.
+
+The memory oracle: each input is loaded in a probe process (crafted.MemoryProbe)
+that measures the peak RSS growth of that one load (its high-water mark reset
+just before it), which must stay within crafted.memory_bound: a small
+multiple of the file's size, plus one of its pickle's (the objects a pickle
+builds take more memory than its bytes), plus a constant. Inputs are mutations of a
+valid file and archives built structure by structure (crafted.py): records
+overlapping one blob, central directories out of file order, declared sizes
+and counts far beyond the file, pickles nested deeply or storing huge memo
+indices, a pickle's sizes disagreeing with its records; each maybe damaged
+further.
 """
 import os
-import pickle
-import re
 import struct
 
 import pytest
@@ -20,8 +29,10 @@ import fastckpt
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
 
+import crafted  # noqa: E402
+from crafted import ALLOWED, DEVICE_UNAVAILABLE  # noqa: E402,F401
+
 EXAMPLES = int(os.environ.get("FASTCKPT_FUZZ_EXAMPLES", "300"))
-ALLOWED = (fastckpt.FormatError, OSError, pickle.UnpicklingError)
 
 
 def _reference(tmp_path_factory):
@@ -39,25 +50,51 @@ def reference(tmp_path_factory):
     return _reference(tmp_path_factory)
 
 
-# A storage's location tag damaged into another device's name ("cpu" -> "hpu")
-# is a file saved on a device this machine lacks: fastckpt.load raises what
-# torch.load raises for such a file (a RuntimeError naming the device), not a
-# FormatError, to stay torch-compatible. Only these messages are allowed.
-DEVICE_UNAVAILABLE = re.compile(r"device module is not registered|don't know how to restore data location|"
-                                r"torch\.\w+\.is_available\(\) is False|Invalid device|device type",
-                                re.IGNORECASE)
+def _sanitized() -> bool:
+    """Under tests/fuzz/run_sanitized.sh (ASan preloaded): ASan's quarantine and
+    shadow memory make RSS meaningless, its max_allocation_size_mb bounds each
+    allocation instead, and its plugin counts the loads made in this process."""
+    with open("/proc/self/maps") as f:
+        return bool(os.environ.get("FASTCKPT_SANITIZED_DIR")) or "libasan" in f.read()
 
 
-def _check(data: bytes, path, verify: bool):
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory, reference):
+    """The memory probe, or None (inputs then load in this process, without the
+    memory oracle) under ASan or where a process cannot reset its peak RSS:
+    test_memory_oracle_can_fail then skips, saying why."""
+    if _sanitized() or crafted.hwm_resettable():
+        yield None
+        return
+    warm = tmp_path_factory.mktemp("probe") / "warm.pt"
+    warm.write_bytes(reference)
+    p = crafted.MemoryProbe(str(warm))
+    yield p
+    p.close()
+
+
+def _check(data: bytes, path, verify: bool, as_file: bool = False):
+    """Load `data` here: a clean outcome or the exception that is not one."""
     with open(path, "wb") as f:
         f.write(data)
-    try:
-        fastckpt.load(path, verify=verify)
-    except ALLOWED:
-        pass
-    except RuntimeError as e:
-        if not DEVICE_UNAVAILABLE.search(str(e)):
-            raise
+    crafted.load_cleanly(path, verify, as_file)
+
+
+def _check_bounded(probe, data: bytes, path, verify: bool, as_file: bool = False):
+    """Load `data` in the probe process (as_file: from a file object, which
+    torch.load reads): a clean outcome, and a peak RSS growth of that load
+    within crafted.memory_bound(len(data), size of its data.pkl)."""
+    if probe is None:  # under ASan: see _sanitized
+        return _check(data, path, verify, as_file)
+    with open(path, "wb") as f:
+        f.write(data)
+    growth, error = probe.load(path, verify, as_file)
+    if error is not None:
+        pytest.fail(f"{len(data)}-byte input {path} (verify={verify}, as_file={as_file}): {error}")
+    pkl = crafted.pickle_size(data)
+    bound = crafted.memory_bound(len(data), pkl)
+    assert 0 <= growth <= bound, (f"loading a {len(data)}-byte input ({pkl}-byte data.pkl) grew the peak RSS "
+                                  f"by {growth} bytes (bound {bound})")
 
 
 def test_a_location_damaged_into_an_unavailable_device_is_torchs_error(reference, tmp_path):
@@ -115,9 +152,9 @@ def _apply(data: bytearray, muts):
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(muts=st.lists(mutation, min_size=1, max_size=4), verify=st.booleans())
-def test_damaged_files_fail_cleanly(reference, tmp_path_factory, muts, verify):
+def test_damaged_files_fail_cleanly(reference, probe, tmp_path_factory, muts, verify):
     path = tmp_path_factory.getbasetemp() / "fuzz.pt"
-    _check(_apply(bytearray(reference), muts), path, verify)
+    _check_bounded(probe, _apply(bytearray(reference), muts), path, verify)
 
 
 def _header_positions(data: bytes):
@@ -133,7 +170,7 @@ def _header_positions(data: bytes):
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_damaged_zip_structures_fail_cleanly(reference, tmp_path_factory, data):
+def test_damaged_zip_structures_fail_cleanly(reference, probe, tmp_path_factory, data):
     heads = _header_positions(reference)
     base = data.draw(st.sampled_from(heads))
     off = data.draw(st.integers(0, 46))
@@ -142,19 +179,19 @@ def test_damaged_zip_structures_fail_cleanly(reference, tmp_path_factory, data):
     buf = bytearray(reference)
     if base + off + width <= len(buf):
         buf[base + off:base + off + width] = val.to_bytes(8, "little")[:width]
-    _check(bytes(buf), tmp_path_factory.getbasetemp() / "fuzz2.pt", data.draw(st.booleans()))
+    _check_bounded(probe, bytes(buf), tmp_path_factory.getbasetemp() / "fuzz2.pt", data.draw(st.booleans()))
 
 
 CORPUS = os.path.join(os.path.dirname(__file__), "fuzz_corpus")
 
 
 @pytest.mark.parametrize("name", sorted(os.listdir(CORPUS)) if os.path.isdir(CORPUS) else [])
-def test_corpus_regressions(name, tmp_path):
+def test_corpus_regressions(name, probe, tmp_path):
     """Inputs that once broke the loader stay fixed."""
     with open(os.path.join(CORPUS, name), "rb") as f:
         data = f.read()
-    _check(data, tmp_path / "c.pt", verify=True)
-    _check(data, tmp_path / "c.pt", verify=False)
+    _check_bounded(probe, data, tmp_path / "c.pt", verify=True)
+    _check_bounded(probe, data, tmp_path / "c.pt", verify=False)
 
 
 def _with_pickle(reference: bytes, pkl: bytes) -> bytes:
@@ -184,7 +221,7 @@ def _with_pickle(reference: bytes, pkl: bytes) -> bytes:
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
-def test_hostile_pickles_with_valid_checksums_fail_cleanly(reference, tmp_path_factory, data):
+def test_hostile_pickles_with_valid_checksums_fail_cleanly(reference, probe, tmp_path_factory, data):
     import io
     import zipfile
     pkl = zipfile.ZipFile(io.BytesIO(reference)).read("archive/data.pkl")
@@ -200,4 +237,86 @@ def test_hostile_pickles_with_valid_checksums_fail_cleanly(reference, tmp_path_f
             buf[pos] = data.draw(st.integers(0, 255))
         else:
             del buf[pos:]
-    _check(_with_pickle(reference, bytes(buf)), tmp_path_factory.getbasetemp() / "fuzz3.pt", data.draw(st.booleans()))
+    _check_bounded(probe, _with_pickle(reference, bytes(buf)), tmp_path_factory.getbasetemp() / "fuzz3.pt",
+                   data.draw(st.booleans()))
+
+
+# ---------------------------------------------------------------- crafted structures
+
+_SIZES = [1 << 31, (1 << 32) - 1, 1 << 32, 1 << 40, (1 << 63) - 1]
+
+
+@st.composite
+def crafted_recipes(draw):
+    """How to build an archive structure by structure (crafted.py), the kind
+    of file a mutation of a valid one rarely reaches: a short tuple, so that a
+    failing example reads as its recipe (build it with _build)."""
+    kind = draw(st.sampled_from(["overlap", "order", "size", "count", "deep", "memo", "numel", "unref"]))
+    if kind == "overlap":  # n records over one blob, all referenced by data.pkl
+        return (kind, draw(st.integers(2, 200)), draw(st.sampled_from([4096, 1 << 20, 2 << 20])), draw(st.booleans()))
+    if kind == "order":
+        return (kind, draw(st.lists(st.integers(0, 5000), min_size=1, max_size=4)), draw(st.integers(0, 1000)))
+    if kind == "size":
+        return (kind, draw(st.sampled_from(_SIZES + [4097, 1 << 20])), draw(st.integers(0, 6)))
+    if kind == "count":
+        return (kind, draw(st.sampled_from([0xFFFE, 1 << 20, 10 ** 9, (1 << 64) - 1])), draw(st.booleans()))
+    if kind == "numel":  # data.pkl asks for more (or less) than the record holds
+        return (kind, draw(st.sampled_from([0, 4095, 4097] + _SIZES)))
+    if kind == "unref":  # storages that data.pkl does not use, of any size
+        return (kind, draw(st.integers(0, 4096)), draw(st.sampled_from([0, 1, 1 << 20])))
+    if kind == "deep":  # a list nested this deep, maybe with a tensor at the bottom
+        return (kind, draw(st.integers(1, 150_000)), draw(st.booleans()))
+    # memo: LONG_BINPUT/LONG_BINGET at an index, or text PUT/GET (protocol 0 opcodes)
+    return (kind, draw(st.sampled_from([0, 255, 1 << 16, (1 << 31) - 1, (1 << 32) - 1])),
+            draw(st.sampled_from([None, 0, 10 ** 9, 10 ** 18])))
+
+
+def _build(recipe) -> bytes:
+    kind, *a = recipe
+    if kind == "overlap":
+        return crafted.overlapping_archive(a[0], a[1], local_extra=a[2])
+    if kind == "order":
+        return crafted.out_of_order_archive([bytes([i]) * n for i, n in enumerate(a[0])], seed=a[1])
+    if kind == "size":
+        return crafted.huge_size_archive(a[0], which=a[1])
+    if kind == "count":
+        return crafted.huge_count_archive(a[0], zip64=a[1])
+    if kind == "unref":
+        return crafted.unreferenced_archive(a[0], a[1])[0]
+    storages = []
+    if kind == "numel":
+        pkl, storages = crafted.tensor_pickle([("0", a[0])]), [bytes(4096)]
+    elif kind == "deep":
+        pkl = crafted.nested_pickle(a[0])
+        if a[1]:
+            pkl, storages = crafted.wrap_pickle(pkl, crafted.tensor_pickle([("0", 64)])), [bytes(64)]
+    else:
+        pkl = crafted.memo_pickle(a[0]) if a[1] is None else b"\x80\x02]p%d\ng%d\n." % (a[1], a[1])
+    b = crafted.Builder()
+    b.standard(pkl, storages)
+    b.tail()
+    return b.finish()
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(recipe=crafted_recipes(), muts=st.lists(mutation, max_size=2), verify=st.booleans(),
+       as_file=st.sampled_from([False, False, False, True]))
+def test_crafted_archives_fail_cleanly_in_bounded_memory(probe, tmp_path_factory, recipe, muts, verify, as_file):
+    _check_bounded(probe, _apply(bytearray(_build(recipe)), muts), tmp_path_factory.getbasetemp() / "fuzz4.pt",
+                   verify, as_file)
+
+
+def test_memory_oracle_can_fail(reference, tmp_path):
+    """With the reader's bounds switched off in the probe process, the
+    overlapping-records file breaks the memory bound and the oracle says so."""
+    if _sanitized() or crafted.hwm_resettable():
+        pytest.skip("under ASan" if _sanitized() else crafted.hwm_resettable())
+    data = crafted.overlapping_archive(150, 1 << 20)
+    warm = tmp_path / "warm.pt"
+    warm.write_bytes(reference)
+    broken = crafted.MemoryProbe(str(warm), env={"FASTCKPT_PROBE_BREAK": "bounds"})
+    try:
+        with pytest.raises(AssertionError, match="grew the peak RSS"):
+            _check_bounded(broken, data, tmp_path / "overlap.pt", verify=False)
+    finally:
+        broken.close()
