@@ -1,0 +1,161 @@
+"""Mounts crashfs, runs a scenario on it, then checks every crash state of the recorded op log.
+
+``record(name, params, workdir, env)`` returns the op log of one run of scenarios.py NAME on a
+fresh mount; ``check(name, params, log, workdir)`` replays it (crashfs.crash_states) and probes
+each distinct state once, returning a :class:`Report`. The mount is always taken down, even when
+the scenario fails or hangs: the daemon is a separate process with a deadline, and a hung FUSE
+connection is aborted by killing that daemon.
+"""
+
+import dataclasses
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+import crashfs  # noqa: E402
+import scenarios  # noqa: E402
+
+
+def unavailable() -> Optional[str]:
+    """Why crashfs cannot be mounted here, or None."""
+    if not os.path.exists("/dev/fuse"):
+        return "no /dev/fuse (FUSE is not available in this kernel or container)"
+    if not os.access("/dev/fuse", os.R_OK | os.W_OK):
+        return "/dev/fuse is not readable and writable by this user"
+    if shutil.which("fusermount3") is None:
+        return "fusermount3 is missing (apt-get install fuse3)"
+    try:
+        import mfusepy  # noqa: F401
+    except (ImportError, OSError, EnvironmentError) as e:
+        return f"mfusepy/libfuse3 cannot be loaded ({e}); pip install mfusepy, apt-get install libfuse3-3"
+    return None
+
+
+def _unmount(mnt: str) -> None:
+    for cmd in (["fusermount3", "-u", mnt], ["fusermount3", "-uz", mnt], ["umount", "-l", mnt]):
+        if not os.path.ismount(mnt):
+            return
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+
+
+def _stop(proc: subprocess.Popen, timeout: float) -> None:
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def record(name: str, params: dict, workdir: str, env: Optional[Dict[str, str]] = None,
+           timeout: float = 300) -> List[tuple]:
+    """Runs scenario ``name`` on a fresh crashfs mount under ``workdir``; returns its op log."""
+    mnt, logfile = os.path.join(workdir, "mnt"), os.path.join(workdir, "ops.pickle")
+    os.makedirs(mnt)
+    daemon = subprocess.Popen([sys.executable, os.path.join(HERE, "crashfs.py"), mnt, logfile],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    child = None
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.ismount(mnt):
+            if daemon.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"crashfs did not mount on {mnt}: {daemon.stdout.read().decode()[-2000:]}")
+            time.sleep(0.05)
+        cenv = dict(os.environ, PYTHONPATH=ROOT, FASTCKPT_ALLOW_FOREIGN_OWNER="1", **(env or {}))
+        child = subprocess.run([sys.executable, os.path.join(HERE, "scenarios.py"), name, mnt, json.dumps(params)],
+                               env=cenv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               timeout=timeout)
+        if child.returncode != 0:
+            raise RuntimeError(f"scenario {name} failed (exit {child.returncode}):\n{child.stdout.decode()[-4000:]}")
+    except subprocess.TimeoutExpired:
+        daemon.kill()  # aborts the FUSE connection: a child stuck in it gets ENOTCONN and exits
+        raise RuntimeError(f"scenario {name} did not finish within {timeout} s")
+    finally:
+        if daemon.poll() is None:
+            _unmount(mnt)
+        _stop(daemon, 30)
+        _unmount(mnt)  # a killed daemon leaves a dead mount behind
+    with open(logfile, "rb") as f:  # our own daemon's record of this run
+        return pickle.load(f)
+
+
+@dataclasses.dataclass
+class Report:
+    scenario: str
+    ops: int = 0
+    cuts: int = 0
+    states: int = 0  # crash states checked: cuts x variants x checks
+    distinct: int = 0  # distinct states probed (the rest were seen before)
+    seen: Dict[str, Dict[object, int]] = dataclasses.field(default_factory=dict)  # check -> observed -> count
+    violations: List[str] = dataclasses.field(default_factory=list)  # the first few, described
+    violation_count: int = 0
+
+    def line(self) -> str:
+        seen = "; ".join(f"{k}: " + ", ".join(f"{v}x{n}" for v, n in sorted(d.items(), key=str))
+                         for k, d in self.seen.items())
+        return (f"[powerloss] {self.scenario}: {self.ops} ops, {self.cuts} cut points, {self.states} crash states "
+                f"checked ({self.distinct} distinct), {self.violation_count} violations | seen {seen}")
+
+
+def _describe(op: tuple) -> str:
+    return "(" + ", ".join(f"<{len(x)} bytes>" if isinstance(x, bytes) else repr(x) for x in op) + ")"
+
+
+def check(name: str, params: dict, log: List[tuple], workdir: str, max_violations: int = 20) -> Report:
+    """Every crash state of ``log`` against the acceptable versions at its cut point."""
+    rep = Report(name, ops=len(log), cuts=len(log) + 1)
+    checks = scenarios.CHECKS[name]
+    committed: Dict[str, object] = {}  # mark key -> version of the last save that returned
+    inflight: Dict[str, set] = {}  # mark key -> versions being saved
+    cache: Dict[tuple, object] = {}
+    scratch = tempfile.mkdtemp(dir=workdir, prefix="state-")
+    for cut, variant, tree, model in crashfs.crash_states(log):
+        if variant == crashfs.VARIANTS[0][2] and cut and log[cut - 1][0] == "mark":
+            words = log[cut - 1][1].split()
+            kind, key, v = words[0], words[1], int(words[2])
+            if kind == "begin":
+                inflight.setdefault(key, set()).add(v)
+                if "may-vanish" in words:
+                    inflight[key].add("absent")
+            else:
+                inflight[key].discard(v)
+                if not any(isinstance(x, int) for x in inflight[key]):
+                    inflight[key].discard("absent")
+                committed[key] = v
+        for check_name, key, rel, probe in checks:
+            rows = tuple(r for r in tree if (r[0] == rel or r[0].startswith(rel + "/"))
+                         and "fastckpt-tmp" not in os.path.basename(r[0]))
+            if (check_name, rows) not in cache:
+                d = os.path.join(scratch, str(len(cache)))
+                os.makedirs(d)
+                crashfs.materialize(rows, model, d)
+                got = probe(os.path.join(d, rel), params)
+                cache[(check_name, rows)] = got.replace(d + "/", "") if isinstance(got, str) else got
+                shutil.rmtree(d)
+            got = cache[(check_name, rows)]
+            rep.states += 1
+            counts = rep.seen.setdefault(check_name, {})
+            counts[got] = counts.get(got, 0) + 1
+            ok = {committed.get(key, "absent")} | inflight.get(key, set())
+            if got not in ok:
+                rep.violation_count += 1
+            if got not in ok and len(rep.violations) < max_violations:
+                last = "; ".join(_describe(op) for op in log[max(0, cut - 3):cut])
+                rep.violations.append(f"cut {cut}/{len(log)} [{variant}] {check_name}: found {got!r}, "
+                                      f"acceptable {sorted(ok, key=str)}; last ops: {last}")
+    rep.distinct = len(cache)
+    shutil.rmtree(scratch, ignore_errors=True)
+    return rep
+
+
+def run(name: str, params: dict, workdir: str, env: Optional[Dict[str, str]] = None) -> Report:
+    log = record(name, params, workdir, env)
+    return check(name, params, log, workdir)
