@@ -60,14 +60,16 @@ def record(name: str, params: dict, workdir: str, env: Optional[Dict[str, str]] 
     """Runs scenario ``name`` on a fresh crashfs mount under ``workdir``; returns its op log."""
     mnt, logfile = os.path.join(workdir, "mnt"), os.path.join(workdir, "ops.pickle")
     os.makedirs(mnt)
-    daemon = subprocess.Popen([sys.executable, os.path.join(HERE, "crashfs.py"), mnt, logfile],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(os.path.join(workdir, "crashfs.out"), "wb") as out:  # a file: a full pipe would stall the daemon
+        daemon = subprocess.Popen([sys.executable, os.path.join(HERE, "crashfs.py"), mnt, logfile],
+                                  stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     child = None
     try:
         deadline = time.monotonic() + 30
         while not os.path.ismount(mnt):
             if daemon.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"crashfs did not mount on {mnt}: {daemon.stdout.read().decode()[-2000:]}")
+                with open(os.path.join(workdir, "crashfs.out"), errors="replace") as f:
+                    raise RuntimeError(f"crashfs did not mount on {mnt}: {f.read()[-2000:]}")
             time.sleep(0.05)
         cenv = dict(os.environ, PYTHONPATH=ROOT, FASTCKPT_ALLOW_FOREIGN_OWNER="1", **(env or {}))
         child = subprocess.run([sys.executable, os.path.join(HERE, "scenarios.py"), name, mnt, json.dumps(params)],
