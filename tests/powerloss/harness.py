@@ -134,7 +134,7 @@ def check(name: str, params: dict, log: List[tuple], workdir: str, max_violation
                 committed[key] = v
         for check_name, key, rel, probe in checks:
             rows = tuple(r for r in tree if (r[0] == rel or r[0].startswith(rel + "/"))
-                         and "fastckpt-tmp" not in os.path.basename(r[0]))
+                         and "fastckpt-tmp" not in r[0])  # temporaries: never read, only cleaned
             if (check_name, rows) not in cache:
                 d = os.path.join(scratch, str(len(cache)))
                 os.makedirs(d)

@@ -134,12 +134,26 @@ def probe_dcp(d: str, p: dict) -> object:
         return f"torn: {type(e).__name__}: {str(e)[:160]}"
 
 
+def probe_latest_dir(mdir: str, p: dict) -> object:
+    """Sharded manager: `latest` names a complete DCP checkpoint directory."""
+    latest = os.path.join(mdir, "latest")
+    if not os.path.lexists(latest):
+        return "absent"
+    with open(latest) as f:
+        name = f.read().strip()
+    if not name:
+        return "torn: latest is empty"
+    got = probe_dcp(os.path.join(mdir, name), p)
+    return f"torn: latest names {name}, which is missing or incomplete" if got == "absent" else got
+
+
 # CHECKS[scenario]: (check name, mark key, directory or file relative to the mount, probe)
 CHECKS = {
     "save": [("ck.pt", "ck.pt", "ck.pt", probe_file)],
     "async_save": [(k, k, k, probe_file) for k in ("a.pt", "b.pt", "c.pt")],
     "manager": [("latest", "latest", "m", probe_latest), ("load_latest", "latest", "m", probe_load_latest)],
     "dcp": [("dcp", "dcp", "d", probe_dcp)],
+    "manager_sharded": [("latest", "latest", "s", probe_latest_dir)],
 }
 
 
@@ -180,7 +194,7 @@ def run_manager(mnt, p):
             mark(mnt, "end", "latest", step)
 
 
-def run_dcp(mnt, p):
+def _spawn_ranks(mnt, p, role):
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -188,10 +202,18 @@ def run_dcp(mnt, p):
     procs = []
     for r in range(2):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, __file__, "dcp_rank", mnt, json.dumps(p)], env=env))
+        procs.append(subprocess.Popen([sys.executable, __file__, role, mnt, json.dumps(p)], env=env))
     rcs = [pr.wait() for pr in procs]
     if any(rcs):
-        raise SystemExit(f"dcp ranks exited with {rcs}")
+        raise SystemExit(f"{role} ranks exited with {rcs}")
+
+
+def run_dcp(mnt, p):
+    _spawn_ranks(mnt, p, "dcp_rank")
+
+
+def run_manager_sharded(mnt, p):
+    _spawn_ranks(mnt, p, "manager_sharded_rank")
 
 
 def run_dcp_rank(mnt, p):
@@ -216,8 +238,32 @@ def run_dcp_rank(mnt, p):
         dist.destroy_process_group()
 
 
+def run_manager_sharded_rank(mnt, p):
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    try:
+        n = p["saves"]
+        with fastckpt.CheckpointManager(os.path.join(mnt, "s"), keep_last=2, sharded=True) as mgr:
+            for step in range(1, 2 * n + 1):
+                dist.barrier()
+                if rank == 0:
+                    mark(mnt, "begin", "latest", step)
+                state = make_state(step, p["numel"], part=f"r{rank}")
+                if step <= n:
+                    mgr.save(step, state)
+                else:
+                    mgr.async_save(step, state).result()  # rank 0: durable, and `latest` names it
+                if rank == 0:
+                    mark(mnt, "end", "latest", step)
+            mgr.wait()
+    finally:
+        dist.destroy_process_group()
+
+
 RUN = {"save": run_save, "async_save": run_async_save, "manager": run_manager, "dcp": run_dcp,
-       "dcp_rank": run_dcp_rank}
+       "dcp_rank": run_dcp_rank, "manager_sharded": run_manager_sharded,
+       "manager_sharded_rank": run_manager_sharded_rank}
 
 if __name__ == "__main__":
     RUN[sys.argv[1]](sys.argv[2], json.loads(sys.argv[3]))

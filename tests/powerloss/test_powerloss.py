@@ -45,7 +45,7 @@ if LONG:
         "threads": {"FASTCKPT_BACKEND": "threads"},
         "flushes": {"FASTCKPT_FLUSH_INTERVAL": "1M", "FASTCKPT_BUFFER_SIZE": "256K"},
     })
-SCENARIOS = ["save", "async_save", "manager", "dcp"]
+SCENARIOS = ["save", "async_save", "manager", "dcp", "manager_sharded"]
 
 REPORTS = []  # printed at the end of the session by conftest.py
 
