@@ -156,13 +156,23 @@ class Model:
             raise ValueError(f"unknown op {op!r}")
 
     # ---- crash states
-    def tree(self, durable_names: bool, durable_data: bool) -> tuple:
-        """The state after a power cut now: sorted (path, kind, content) rows. File content is
-        (ino, version) as a stand-in for its bytes (see :meth:`content`)."""
+    def namespace(self) -> Dict[int, Dict[str, int]]:
+        """A copy of every directory's live entries."""
+        return {ino: dict(n.entries) for ino, n in self.nodes.items() if isinstance(n, Dir)}
+
+    def tree(self, names, durable_data: bool) -> tuple:
+        """The state after a power cut now: sorted (path, kind, content) rows. ``names``: "durable"
+        (as of each directory's last fsync), "live", or a :meth:`namespace` taken earlier. File
+        content is (ino, version) as a stand-in for its bytes (see :meth:`content`)."""
         rows = []
 
         def walk(ino: int, prefix: str, seen: frozenset) -> None:
-            entries = self.durable_entries.get(ino, {}) if durable_names else self.nodes[ino].entries
+            if names == "durable":
+                entries = self.durable_entries.get(ino, {})
+            elif names == "live":
+                entries = self.nodes[ino].entries
+            else:
+                entries = names.get(ino, {})
             for name in sorted(entries):
                 child, path = entries[name], prefix + name
                 node = self.nodes[child]
@@ -192,24 +202,38 @@ class Model:
         return bytes(f.data)
 
 
-VARIANTS = (  # (durable_names, durable_data, label)
-    (True, True, "synced only"),
-    (False, True, "names persisted, unsynced data lost"),
-    (True, False, "unsynced data persisted, names not"),
-    (False, False, "everything persisted (as SIGKILL)"),
+VARIANTS = (  # (names, durable_data, label)
+    ("durable", True, "synced only"),
+    ("live", True, "names persisted, unsynced data lost"),
+    ("durable", False, "unsynced data persisted, names not"),
+    ("live", False, "everything persisted (as SIGKILL)"),
 )
+PREFIX = "names persisted up to an earlier op, unsynced data lost"
+NAMESPACE_OPS = ("create", "mkdir", "symlink", "rename", "unlink", "rmdir")
 
 
 def crash_states(log: List[tuple]) -> Iterator[Tuple[int, str, tuple, Model]]:
     """Replays ``log``; yields (cut, variant, tree, model) for a power cut before op ``cut``
     (0 = before the first op, len(log) = after the last). Read a tree's file contents through
-    ``model.content`` before asking for the next state."""
+    ``model.content`` before asking for the next state.
+
+    Besides the four VARIANTS, a journaling filesystem may have committed the namespace
+    changes in order up to any op since the last directory fsync (which commits them all): one
+    more state per namespace change in that window, with unsynced data lost."""
     m = Model()
+    window = [m.namespace()]  # the namespace after each change since the last directory fsync
     for cut in range(len(log) + 1):
         if cut:
-            m.apply(log[cut - 1])
-        for durable_names, durable_data, label in VARIANTS:
-            yield cut, label, m.tree(durable_names, durable_data), m
+            op = log[cut - 1]
+            m.apply(op)
+            if op[0] == "fsyncdir":
+                window = [m.namespace()]
+            elif op[0] in NAMESPACE_OPS:
+                window.append(m.namespace())
+        for names, durable_data, label in VARIANTS:
+            yield cut, label, m.tree(names, durable_data), m
+        for names in window[:-1]:  # the last one is the live namespace, seen above
+            yield cut, PREFIX, m.tree(names, True), m
 
 
 def materialize(tree: tuple, model: Model, root: str) -> None:

@@ -3,10 +3,12 @@
 A SIGKILL keeps the page cache, so only a simulated power cut can tell whether fdatasync and the
 directory fsync happen. Each test runs one scenario (scenarios.py) in a child process on crashfs,
 an in-memory FUSE filesystem that records every operation (crashfs.py), then replays the record
-and checks, at every point between two operations, the four states a power cut may leave there
+and checks, at every point between two operations, the states a power cut may leave there
 (synced only; names persisted but unsynced data lost; unsynced data persisted but names not;
-everything persisted) under a strict model: a file's data is durable only once fsynced or
-fdatasynced, a new name, rename or unlink only once its directory is fsynced. The checkpoint
+everything persisted; and the namespace committed in order up to each earlier change since the
+last directory fsync, as a journal would) under a strict model: a file's data is durable only
+once fsynced or fdatasynced, a new name, rename or unlink only once its directory is fsynced
+(test_crashfs_model.py tests the model itself, without FUSE). The checkpoint
 under its final name, ``latest`` and what ``CheckpointManager.load_latest`` resumes from must be
 the last one whose save returned, or one whose save was under way: loaded and compared bitwise,
 never torn or missing.
