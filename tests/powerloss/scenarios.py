@@ -266,4 +266,7 @@ RUN = {"save": run_save, "async_save": run_async_save, "manager": run_manager, "
        "manager_sharded_rank": run_manager_sharded_rank}
 
 if __name__ == "__main__":
+    import ctypes
+    import signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the test
     RUN[sys.argv[1]](sys.argv[2], json.loads(sys.argv[3]))
