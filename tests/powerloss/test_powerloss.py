@@ -63,7 +63,7 @@ def test_power_cut_leaves_old_or_new(scenario, config, tmp_path):
         assert "absent" in seen and max(v for v in seen if isinstance(v, int)) >= PARAMS["saves"], (check, seen)
 
 
-@pytest.mark.parametrize("scenario", ["save", "manager"])
+@pytest.mark.parametrize("scenario", ["save", "manager"] + (["dcp", "manager_sharded"] if LONG else []))
 @pytest.mark.parametrize("skip", ["data", "dir"])
 def test_simulator_finds_a_missing_sync(skip, scenario, tmp_path):
     rep = harness.run(scenario, SHORT_PARAMS, str(tmp_path), env={"FASTCKPT_TEST_SKIP_SYNC": skip})
