@@ -7,7 +7,9 @@ the scenario fails or hangs: the daemon is a separate process with a deadline, a
 connection is aborted by killing that daemon.
 """
 
+import contextlib
 import dataclasses
+import functools
 import json
 import os
 import pickle
@@ -16,7 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -25,8 +27,7 @@ import crashfs  # noqa: E402
 import scenarios  # noqa: E402
 
 
-def unavailable() -> Optional[str]:
-    """Why crashfs cannot be mounted here, or None."""
+def _missing() -> Optional[str]:
     if not os.path.exists("/dev/fuse"):
         return "no /dev/fuse (FUSE is not available in this kernel or container)"
     if not os.access("/dev/fuse", os.R_OK | os.W_OK):
@@ -55,15 +56,15 @@ def _stop(proc: subprocess.Popen, timeout: float) -> None:
         proc.wait(timeout=30)
 
 
-def record(name: str, params: dict, workdir: str, env: Optional[Dict[str, str]] = None,
-           timeout: float = 300) -> List[tuple]:
-    """Runs scenario ``name`` on a fresh crashfs mount under ``workdir``; returns its op log."""
+@contextlib.contextmanager
+def mounted(workdir: str) -> Iterator[Tuple[str, subprocess.Popen]]:
+    """A fresh crashfs mount at WORKDIR/mnt, its op log written to WORKDIR/ops.pickle when it is
+    taken down (always, on the way out): yields (mountpoint, daemon process)."""
     mnt, logfile = os.path.join(workdir, "mnt"), os.path.join(workdir, "ops.pickle")
     os.makedirs(mnt)
     with open(os.path.join(workdir, "crashfs.out"), "wb") as out:  # a file: a full pipe would stall the daemon
         daemon = subprocess.Popen([sys.executable, os.path.join(HERE, "crashfs.py"), mnt, logfile],
                                   stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    child = None
     try:
         deadline = time.monotonic() + 30
         while not os.path.ismount(mnt):
@@ -71,21 +72,43 @@ def record(name: str, params: dict, workdir: str, env: Optional[Dict[str, str]] 
                 with open(os.path.join(workdir, "crashfs.out"), errors="replace") as f:
                     raise RuntimeError(f"crashfs did not mount on {mnt}: {f.read()[-2000:]}")
             time.sleep(0.05)
-        cenv = dict(os.environ, PYTHONPATH=ROOT, FASTCKPT_ALLOW_FOREIGN_OWNER="1", **(env or {}))
-        child = subprocess.run([sys.executable, os.path.join(HERE, "scenarios.py"), name, mnt, json.dumps(params)],
-                               env=cenv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               timeout=timeout)
-        if child.returncode != 0:
-            raise RuntimeError(f"scenario {name} failed (exit {child.returncode}):\n{child.stdout.decode()[-4000:]}")
-    except subprocess.TimeoutExpired:
-        daemon.kill()  # aborts the FUSE connection: a child stuck in it gets ENOTCONN and exits
-        raise RuntimeError(f"scenario {name} did not finish within {timeout} s")
+        yield mnt, daemon
     finally:
         if daemon.poll() is None:
             _unmount(mnt)
         _stop(daemon, 30)
         _unmount(mnt)  # a killed daemon leaves a dead mount behind
-    with open(logfile, "rb") as f:  # our own daemon's record of this run
+
+
+@functools.lru_cache(maxsize=None)
+def unavailable() -> Optional[str]:
+    """Why crashfs cannot be mounted here, or None (tried once: a mount and an unmount)."""
+    why = _missing()
+    if why is None:
+        with tempfile.TemporaryDirectory(prefix="crashfs-probe-") as d:
+            try:
+                with mounted(d) as (mnt, _):
+                    os.listdir(mnt)
+            except (RuntimeError, OSError) as e:
+                why = f"a trial mount failed: {e}"
+    return why
+
+
+def record(name: str, params: dict, workdir: str, env: Optional[Dict[str, str]] = None,
+           timeout: float = 300) -> List[tuple]:
+    """Runs scenario ``name`` on a fresh crashfs mount under ``workdir``; returns its op log."""
+    with mounted(workdir) as (mnt, daemon):
+        cenv = dict(os.environ, PYTHONPATH=ROOT, FASTCKPT_ALLOW_FOREIGN_OWNER="1", **(env or {}))
+        try:
+            child = subprocess.run([sys.executable, os.path.join(HERE, "scenarios.py"), name, mnt,
+                                    json.dumps(params)], env=cenv, cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            daemon.kill()  # aborts the FUSE connection: a child stuck in it gets ENOTCONN and exits
+            raise RuntimeError(f"scenario {name} did not finish within {timeout} s")
+        if child.returncode != 0:
+            raise RuntimeError(f"scenario {name} failed (exit {child.returncode}):\n{child.stdout.decode()[-4000:]}")
+    with open(os.path.join(workdir, "ops.pickle"), "rb") as f:  # our own daemon's record of this run
         return pickle.load(f)
 
 
