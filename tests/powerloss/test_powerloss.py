@@ -1,7 +1,10 @@
 """Power loss: every crash state of every save kind leaves the old checkpoint or the complete new one.
 
 A SIGKILL keeps the page cache, so only a simulated power cut can tell whether fdatasync and the
-directory fsync happen. Each test runs one scenario (scenarios.py) in a child process on crashfs,
+directory fsync happen. Save kinds (scenarios.py): ``fastckpt.save``; ``fastckpt.async_save`` (two
+in flight at once too); ``CheckpointManager`` save and async_save with its ``latest`` update and
+retention, replicated and sharded (world size 2); DCP ``FastWriter`` at world size 2 (gloo, two
+processes; ``dcp.save`` and ``dcp.async_save``). Each test runs one scenario in a child process on crashfs,
 an in-memory FUSE filesystem that records every operation (crashfs.py), then replays the record
 and checks, at every point between two operations, the states a power cut may leave there
 (synced only; names persisted but unsynced data lost; unsynced data persisted but names not;
