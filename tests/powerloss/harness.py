@@ -98,7 +98,7 @@ def record(name: str, params: dict, workdir: str, env: Optional[Dict[str, str]] 
            timeout: float = 300) -> List[tuple]:
     """Runs scenario ``name`` on a fresh crashfs mount under ``workdir``; returns its op log."""
     with mounted(workdir) as (mnt, daemon):
-        cenv = dict(os.environ, PYTHONPATH=ROOT, FASTCKPT_ALLOW_FOREIGN_OWNER="1", **(env or {}))
+        cenv = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
         try:
             child = subprocess.run([sys.executable, os.path.join(HERE, "scenarios.py"), name, mnt,
                                     json.dumps(params)], env=cenv, cwd=ROOT, stdout=subprocess.PIPE,
