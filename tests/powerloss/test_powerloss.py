@@ -52,7 +52,22 @@ if LONG:
     })
 SCENARIOS = ["save", "async_save", "manager", "dcp", "manager_sharded"]
 
-REPORTS = []  # printed at the end of the session by conftest.py
+REPORTS = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _print_counts(request):
+    """Prints each run's counts (cut points, crash states checked, violations) after the module,
+    also without -s. (No conftest.py here: tests/python's tests import theirs as `conftest`.)"""
+    yield
+    tr = request.config.pluginmanager.get_plugin("terminalreporter")
+    cap = request.config.pluginmanager.get_plugin("capturemanager")
+    if REPORTS and tr is not None and cap is not None:
+        with cap.global_and_fixture_disabled():
+            tr.write_line("")
+            tr.write_sep("=", "power-loss counts")
+            for line in REPORTS:
+                tr.write_line(line)
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
