@@ -41,9 +41,15 @@ def _missing() -> Optional[str]:
     return None
 
 
+def _is_mounted(mnt: str) -> bool:
+    """From /proc/self/mounts: os.path.ismount says False for a mount whose daemon died (ENOTCONN)."""
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1].replace("\\040", " ") == mnt for line in f)
+
+
 def _unmount(mnt: str) -> None:
     for cmd in (["fusermount3", "-u", mnt], ["fusermount3", "-uz", mnt], ["umount", "-l", mnt]):
-        if not os.path.ismount(mnt):
+        if not _is_mounted(mnt):
             return
         subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
 
@@ -99,15 +105,20 @@ def record(name: str, params: dict, workdir: str, env: Optional[Dict[str, str]] 
     """Runs scenario ``name`` on a fresh crashfs mount under ``workdir``; returns its op log."""
     with mounted(workdir) as (mnt, daemon):
         cenv = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
+        child = subprocess.Popen([sys.executable, os.path.join(HERE, "scenarios.py"), name, mnt, json.dumps(params)],
+                                 env=cenv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
-            child = subprocess.run([sys.executable, os.path.join(HERE, "scenarios.py"), name, mnt,
-                                    json.dumps(params)], env=cenv, cwd=ROOT, stdout=subprocess.PIPE,
-                                   stderr=subprocess.STDOUT, timeout=timeout)
+            out, _ = child.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            daemon.kill()  # aborts the FUSE connection: a child stuck in it gets ENOTCONN and exits
-            raise RuntimeError(f"scenario {name} did not finish within {timeout} s")
+            daemon.kill()  # first: aborts the FUSE connection, so a child stuck in it can die
+            child.kill()
+            out, _ = child.communicate(timeout=60)
+            raise RuntimeError(f"scenario {name} did not finish within {timeout} s:\n{out.decode()[-4000:]}")
         if child.returncode != 0:
-            raise RuntimeError(f"scenario {name} failed (exit {child.returncode}):\n{child.stdout.decode()[-4000:]}")
+            with open(os.path.join(workdir, "crashfs.out"), errors="replace") as f:
+                daemon_out = f.read()[-2000:]
+            raise RuntimeError(f"scenario {name} failed (exit {child.returncode}):\n{out.decode()[-4000:]}"
+                               f"\ncrashfs daemon output:\n{daemon_out}")
     with open(os.path.join(workdir, "ops.pickle"), "rb") as f:  # our own daemon's record of this run
         return pickle.load(f)
 
