@@ -12,7 +12,7 @@ BENCH_DEEPSPEED ?= yes
 BENCH_ARGS      ?=
 PYTEST_ARGS ?=
 
-.PHONY: all setup build test test-cpp test-python fuzz-sanitized bench bench-full clean distclean
+.PHONY: all setup build test test-cpp test-python powerloss-long fuzz-sanitized bench bench-full clean distclean
 
 all: build
 
@@ -33,9 +33,15 @@ test-cpp: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ctest --test-dir $(CMAKE_DIR) --output-on-failure
 
 test-python: build
-	$(PY) -m pytest -q tests/python $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests/python tests/powerloss $(PYTEST_ARGS)
 
 test: test-cpp test-python
+
+# The long power-loss run (tests/powerloss): larger checkpoints, more saves, the buffered, thread
+# and flush-interval engine configurations; prints cut points, crash states checked and
+# violations per save kind. `make test` runs the short version.
+powerloss-long: build
+	FASTCKPT_POWERLOSS_LONG=1 $(PY) -m pytest -q tests/powerloss $(PYTEST_ARGS)
 
 # The long fuzz run of issue 6: >= 100,000 damaged inputs to fastckpt.load and FastReader against a
 # build of fastckpt._C with AddressSanitizer and UBSan (out of tree; about 25 min here).

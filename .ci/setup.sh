@@ -11,8 +11,9 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 say() { printf '[setup] %s\n' "$*"; }
 
 # System packages: liburing (io_uring backend), fio (the disk's own limit in
-# the benchmark), a C++ toolchain and cmake/ninja for the C++ tests.
-pkgs=(liburing-dev zlib1g-dev fio g++ make cmake ninja-build python3-venv)
+# the benchmark), a C++ toolchain and cmake/ninja for the C++ tests; fuse3 and
+# libfuse3 for the power-loss simulator (tests/powerloss, through mfusepy).
+pkgs=(liburing-dev zlib1g-dev fio g++ make cmake ninja-build python3-venv fuse3 libfuse3-dev pkg-config)
 if command -v apt-get >/dev/null 2>&1 && command -v dpkg >/dev/null 2>&1; then
   missing=()
   for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done

@@ -10,6 +10,8 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <fstream>
 
 #include "error.h"
@@ -107,7 +109,18 @@ uint64_t pread_full(int fd, void* buf, uint64_t len, int64_t off, const std::str
   return done;
 }
 
+namespace {
+// TEST ONLY (docs/ENGINE.md, tests/powerloss/): FASTCKPT_TEST_SKIP_SYNC=data|dir|all turns the
+// data fdatasync, the directory fsync or both into no-ops, read at each call, so that the
+// power-loss tests can prove that they notice a missing sync. Never set it for real data.
+bool test_skip_sync(const char* what) noexcept {
+  const char* v = std::getenv("FASTCKPT_TEST_SKIP_SYNC");
+  return v && (std::strcmp(v, "all") == 0 || std::strcmp(v, what) == 0);
+}
+}  // namespace
+
 void fdatasync(int fd, const std::string& path) {
+  if (test_skip_sync("data")) return;
   int r, tries = 0;
   do {
     if (injected(Op::Fsync, path, "fdatasync", tries)) {
@@ -121,6 +134,7 @@ void fdatasync(int fd, const std::string& path) {
 }
 
 int fdatasync_raw(int fd) noexcept {
+  if (test_skip_sync("data")) return 0;
   int r;
   do {
     r = ::fdatasync(fd);
@@ -129,6 +143,7 @@ int fdatasync_raw(int fd) noexcept {
 }
 
 void fsync_dir(const std::string& dir) {
+  if (test_skip_sync("dir")) return;
   int tries = 0;
   while (injected(Op::Fsync, dir, "fsync", tries)) {
   }

@@ -1,0 +1,276 @@
+"""What the power-loss tests save, and how they read it back from a crash state.
+
+    python scenarios.py NAME MOUNTPOINT PARAMS_JSON      # run on a crashfs mount by harness.py
+
+A scenario runs in a child process and saves checkpoints on the mount, marking where each save
+began and where it returned (``begin KEY VERSION`` / ``end KEY VERSION``: a ``stat`` that crashfs
+records in its op log). Its checks (``CHECKS``) say, for each key, which directory of a crash
+state to read and how: a probe returns the version found (bitwise equal to what that version
+saved), ``"absent"``, or ``"torn: why"``. harness.py decides which versions are acceptable at each
+cut: the last one whose save returned, or one whose save was under way.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+import zlib
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the worktree's fastckpt
+import fastckpt  # noqa: E402
+
+MARK = ".crashfs-mark="
+
+
+def mark(mnt: str, *words) -> None:
+    try:
+        os.stat(os.path.join(mnt, MARK + " ".join(map(str, words))))
+    except FileNotFoundError:
+        return
+    raise RuntimeError("crashfs did not record a mark: is this a crashfs mount?")
+
+
+def make_state(v: int, numel: int, part: str = "") -> dict:
+    g = torch.Generator().manual_seed(v * 1000 + zlib.crc32(part.encode()) % 997)
+    return {"version": v, f"w{part}": torch.randn(numel, generator=g),
+            f"i{part}": torch.randint(-2**31, 2**31 - 1, (257,), generator=g, dtype=torch.int64),
+            f"h{part}": torch.randn(3, 5, generator=g).to(torch.bfloat16)}
+
+
+def same(got, want) -> bool:
+    if set(got) != set(want):
+        return False
+    for k, w in want.items():
+        g = got[k]
+        if isinstance(w, torch.Tensor):
+            if not (isinstance(g, torch.Tensor) and g.dtype == w.dtype and g.shape == w.shape
+                    and torch.equal(g.contiguous().view(torch.uint8), w.contiguous().view(torch.uint8))):
+                return False
+        elif g != w:
+            return False
+    return True
+
+
+def _identify(obj, p) -> object:
+    v = obj.get("version") if isinstance(obj, dict) else None
+    if not isinstance(v, int):
+        return f"torn: no version in {type(obj).__name__}"
+    return v if same(obj, make_state(v, p["numel"])) else f"torn: differs from version {v}"
+
+
+# ---------------------------------------------------------------- probes (in the checker)
+def probe_file(path: str, p: dict) -> object:
+    if not os.path.lexists(path):
+        return "absent"
+    try:
+        return _identify(fastckpt.load(path, weights_only=True), p)
+    except Exception as e:  # noqa: BLE001 - any failure to load is a torn checkpoint
+        return f"torn: {type(e).__name__}: {str(e)[:160]}"
+
+
+def probe_latest(mdir: str, p: dict) -> object:
+    """`latest` names a complete checkpoint: the version found through it."""
+    latest = os.path.join(mdir, "latest")
+    if not os.path.lexists(latest):
+        return "absent"
+    with open(latest) as f:
+        name = f.read().strip()
+    if not name:
+        return "torn: latest is empty"
+    got = probe_file(os.path.join(mdir, name), p)
+    return f"torn: latest names {name}, which is missing" if got == "absent" else got
+
+
+def probe_load_latest(mdir: str, p: dict) -> object:
+    """What a restart resumes from: CheckpointManager.load_latest (skipping a damaged
+    checkpoint counts as torn: a crash must never damage one under its final name)."""
+    if not os.path.isdir(mdir):
+        return "absent"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            r = fastckpt.CheckpointManager(mdir).load_latest()
+        except Exception as e:  # noqa: BLE001
+            return f"torn: {type(e).__name__}: {str(e)[:160]}"
+    skipped = [str(w.message) for w in caught if "skipping" in str(w.message)]
+    if skipped:
+        return f"torn: {skipped[0][:160]}"
+    if r is None:
+        return "absent"
+    got = _identify(r.state, p)
+    return got if got == r.step or isinstance(got, str) else f"torn: step {r.step} holds version {got}"
+
+
+def dcp_state(v: int, numel: int, ranks) -> dict:
+    sd = {}
+    for r in ranks:
+        sd.update(make_state(v, numel, part=f"r{r}"))
+    return sd
+
+
+def probe_dcp(d: str, p: dict) -> object:
+    if not os.path.lexists(os.path.join(d, ".metadata")):
+        return "absent"
+    import torch.distributed.checkpoint as dcp
+    from fastckpt.dcp import FastReader
+    try:
+        meta = FastReader(d).read_metadata()
+        v = None
+        sd = {k: torch.zeros_like(t) for k, t in dcp_state(0, p["numel"], (0, 1)).items()
+              if isinstance(t, torch.Tensor)}
+        sd["version"] = -1
+        if set(meta.state_dict_metadata) != set(sd):
+            return f"torn: .metadata holds {sorted(meta.state_dict_metadata)}"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": single process on purpose
+            dcp.load(sd, storage_reader=FastReader(d), no_dist=True)
+        v = sd["version"]
+        return v if same(sd, dcp_state(v, p["numel"], (0, 1))) else f"torn: differs from version {v}"
+    except Exception as e:  # noqa: BLE001
+        return f"torn: {type(e).__name__}: {str(e)[:160]}"
+
+
+def probe_latest_dir(mdir: str, p: dict) -> object:
+    """Sharded manager: `latest` names a complete DCP checkpoint directory."""
+    latest = os.path.join(mdir, "latest")
+    if not os.path.lexists(latest):
+        return "absent"
+    with open(latest) as f:
+        name = f.read().strip()
+    if not name:
+        return "torn: latest is empty"
+    got = probe_dcp(os.path.join(mdir, name), p)
+    return f"torn: latest names {name}, which is missing or incomplete" if got == "absent" else got
+
+
+# CHECKS[scenario]: (check name, mark key, directory or file relative to the mount, probe)
+CHECKS = {
+    "save": [("ck.pt", "ck.pt", "ck.pt", probe_file)],
+    "async_save": [(k, k, k, probe_file) for k in ("a.pt", "b.pt", "c.pt")],
+    "manager": [("latest", "latest", "m", probe_latest), ("load_latest", "latest", "m", probe_load_latest)],
+    "dcp": [("dcp", "dcp", "d", probe_dcp)],
+    "manager_sharded": [("latest", "latest", "s", probe_latest_dir)],
+}
+
+
+# ---------------------------------------------------------------- the saves (in the child)
+def run_save(mnt, p):
+    for v in range(1, p["saves"] + 1):
+        mark(mnt, "begin", "ck.pt", v)
+        fastckpt.save(make_state(v, p["numel"]), os.path.join(mnt, "ck.pt"))
+        mark(mnt, "end", "ck.pt", v)
+
+
+def run_async_save(mnt, p):
+    for v in range(1, p["saves"] + 1):
+        mark(mnt, "begin", "a.pt", v)
+        fastckpt.async_save(make_state(v, p["numel"]), os.path.join(mnt, "a.pt")).result()
+        mark(mnt, "end", "a.pt", v)
+        # two in flight at once (the second may wait for the first's snapshot slot)
+        mark(mnt, "begin", "b.pt", v)
+        mark(mnt, "begin", "c.pt", v)
+        fb = fastckpt.async_save(make_state(v, p["numel"]), os.path.join(mnt, "b.pt"))
+        fc = fastckpt.async_save(make_state(v, p["numel"]), os.path.join(mnt, "c.pt"))
+        fb.result()
+        mark(mnt, "end", "b.pt", v)
+        fc.result()
+        mark(mnt, "end", "c.pt", v)
+
+
+def run_manager(mnt, p):
+    n = p["saves"]
+    with fastckpt.CheckpointManager(os.path.join(mnt, "m"), keep_last=2) as mgr:
+        for step in range(1, n + 1):
+            mark(mnt, "begin", "latest", step)
+            mgr.save(step, make_state(step, p["numel"]))
+            mark(mnt, "end", "latest", step)
+        for step in range(n + 1, 2 * n + 1):
+            mark(mnt, "begin", "latest", step)
+            mgr.async_save(step, make_state(step, p["numel"])).result()  # durable, `latest` names it
+            mark(mnt, "end", "latest", step)
+
+
+def _spawn_ranks(mnt, p, role):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for r in range(2):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, __file__, role, mnt, json.dumps(p)], env=env))
+    rcs = [pr.wait() for pr in procs]
+    if any(rcs):
+        raise SystemExit(f"{role} ranks exited with {rcs}")
+
+
+def run_dcp(mnt, p):
+    _spawn_ranks(mnt, p, "dcp_rank")
+
+
+def run_manager_sharded(mnt, p):
+    _spawn_ranks(mnt, p, "manager_sharded_rank")
+
+
+def run_dcp_rank(mnt, p):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from fastckpt.dcp import FastWriter
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    try:
+        for v in range(1, p["saves"] + 1):
+            dist.barrier()
+            if rank == 0:
+                # FastWriter makes the old checkpoint invisible before replacing its files, so
+                # "absent" is acceptable while a save into the same directory is under way.
+                mark(mnt, "begin", "dcp", v, "may-vanish")
+            dist.barrier()
+            state, writer = make_state(v, p["numel"], part=f"r{rank}"), FastWriter(os.path.join(mnt, "d"))
+            if v % 2:
+                dcp.save(state, storage_writer=writer)
+            else:  # every other one through dcp.async_save: durable once its future is done
+                dcp.async_save(state, storage_writer=writer).result()
+            dist.barrier()
+            if rank == 0:
+                mark(mnt, "end", "dcp", v)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_manager_sharded_rank(mnt, p):
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    try:
+        n = p["saves"]
+        with fastckpt.CheckpointManager(os.path.join(mnt, "s"), keep_last=2, sharded=True) as mgr:
+            for step in range(1, 2 * n + 1):
+                dist.barrier()
+                if rank == 0:
+                    mark(mnt, "begin", "latest", step)
+                state = make_state(step, p["numel"], part=f"r{rank}")
+                if step <= n:
+                    mgr.save(step, state)
+                else:
+                    mgr.async_save(step, state).result()  # rank 0: durable, and `latest` names it
+                if rank == 0:
+                    mark(mnt, "end", "latest", step)
+            mgr.wait()
+    finally:
+        dist.destroy_process_group()
+
+
+RUN = {"save": run_save, "async_save": run_async_save, "manager": run_manager, "dcp": run_dcp,
+       "dcp_rank": run_dcp_rank, "manager_sharded": run_manager_sharded,
+       "manager_sharded_rank": run_manager_sharded_rank}
+
+if __name__ == "__main__":
+    import ctypes
+    import signal
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: die with the test
+    RUN[sys.argv[1]](sys.argv[2], json.loads(sys.argv[3]))
