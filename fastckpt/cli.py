@@ -75,9 +75,38 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _existing(path: str) -> str:
-    if not os.path.exists(path):
-        raise UsageError(f"{path}: no such file or directory")
+def _blocked_at(path: str) -> str:
+    """The directory on the way to `path` that this user may not look into (or `path`)."""
+    cur = os.path.abspath(path)
+    chain = []
+    while True:
+        chain.append(cur)
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            break
+        cur = parent
+    for p in reversed(chain[:-1]):  # from the top down
+        try:
+            os.stat(p)
+        except PermissionError:
+            return os.path.dirname(p)
+        except OSError:
+            break
+    return path
+
+
+def _existing(path: str, what: str = "file or directory") -> str:
+    """`path`, which must exist: a missing path is a usage error (exit 2); a
+    permission problem is reported as one (exit 1), never as a missing path."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        raise UsageError(f"{path}: no such {what}") from None
+    except PermissionError as e:
+        where = _blocked_at(path)
+        why = (f"this user may not look into directory {where}" if where != path
+               else "this user may not read it")
+        raise PermissionError(e.errno, f"{path}: permission denied ({why})", path) from None
     return path
 
 
@@ -155,8 +184,9 @@ def cmd_convert(args) -> int:
         if to != "dcp" and os.path.isdir(dst):
             raise UsageError(f"{dst} is a directory; a {to} checkpoint is a single file")
     parent = os.path.dirname(os.path.abspath(dst))
+    _existing(parent, "directory")
     if not os.path.isdir(parent):
-        raise UsageError(f"{parent}: no such directory")
+        raise UsageError(f"{parent}: not a directory")
     bar_factory = _Bar(_progress_enabled(args))
     _return_freed_memory()
     with _convert.engine_for_streaming(), open_source(src_path, verify=args.verify) as src:
