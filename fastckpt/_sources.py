@@ -40,7 +40,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.serialization as ts
 
-from . import _C, _zip
+from . import _unpickle, _C, _zip
 from . import serialization as _serialization
 from .engine import get_engine
 from .errors import FormatError
@@ -376,6 +376,9 @@ class ZipSource(_FileSource):
                 self._used[name] = s
             setattr(untyped, STORAGE_ATTR, s)
 
+        # the size and nesting guards of fastckpt's walk first: torch's unpickler would hash a
+        # deeply nested key (a C stack overflow) or grow its stack and memo as the file says
+        _unpickle.check(self.small.get("data.pkl", b""), f"{path}: data.pkl")
         unpickler = type("_Unpickler", (_MetaUnpickler,), {"on_storage": staticmethod(on_storage)})
         module = types.SimpleNamespace(Unpickler=unpickler)
         try:

@@ -376,7 +376,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise
             if args.verbose:
                 traceback.print_exc(file=sys.stderr)
-            _error(_describe(e, args.verbose))
+            if isinstance(e, RecursionError):  # objects nested deeper than Python's recursion limit
+                path = getattr(args, "path", None) or getattr(args, "src", None)
+                _error(f"damaged or not a checkpoint: {path}: it nests objects too deeply to be handled ({e})")
+            else:
+                _error(_describe(e, args.verbose))
             return EXIT_FAILED
 
 

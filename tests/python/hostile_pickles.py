@@ -145,6 +145,67 @@ def code_attacks(marker: str):
     }
 
 
+# ---------------------------------------------------------------- a DCP checkpoint of one record
+
+def record(pkl: bytes) -> bytes:
+    """A DCP tensor record (a torch.save archive of a float32 tensor of 3
+    elements) whose data.pkl is `pkl`, with correct CRCs."""
+    import io
+    import sys
+    import zipfile
+
+    import torch
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", pkl)
+        z.writestr("archive/byteorder", sys.byteorder)
+        z.writestr("archive/data/0", torch.arange(3.0).numpy().tobytes())
+        z.writestr("archive/version", "3\n")
+    return buf.getvalue()
+
+
+def record_ckpt(d, pkl: bytes) -> None:
+    """Make `d` a DCP checkpoint of one tensor "w" (float32, 3 elements) stored in
+    one record whose data.pkl is `pkl`."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata, Metadata, MetadataIndex, TensorProperties, TensorStorageMetadata,
+    )
+    os.makedirs(d, exist_ok=True)
+    blob = record(pkl)
+    with open(os.path.join(d, "__0_0.distcp"), "wb") as f:
+        f.write(blob)
+    md = Metadata(
+        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3]),
+                                                        [ChunkStorageMetadata(torch.Size([0]), torch.Size([3]))])},
+        storage_data={MetadataIndex("w", torch.Size([0])): _StorageInfo("__0_0.distcp", 0, len(blob))})
+    with open(os.path.join(d, ".metadata"), "wb") as f:
+        f.write(pickle.dumps(md))
+
+
+# Opcode fragments to splice into valid pickles.
+def tricks(marker: str):
+    return {
+        "long_binput_2G": b"r" + I4.pack(0x7FFFFFFF),
+        "long_binput_32M": b"r" + I4.pack(0x02000000),
+        "binput_ahead": b"q\xff",
+        "long_binget": b"j" + I4.pack(0x7FFFFFFF),
+        "binbytes8": b"\x8e" + Q8.pack(1 << 40),
+        "binunicode8": b"\x8d" + Q8.pack(1 << 40),
+        "binbytes": b"B" + I4.pack(0xFFFFFFFF),
+        "binunicode": b"X" + I4.pack(0xFFFFFFFF),
+        "long4": b"\x8b" + I4.pack(0x7FFFFFFF),
+        "frame": b"\x95" + Q8.pack(1 << 40),
+        "deep_tuple": b"N" + b"\x85" * 300,
+        "deep_lists": b"]" * 300 + b"a" * 299,
+        "marks": b"(" * 2000,
+        "empty_sets": b"\x8f" * 5000,
+        "os_system": b"cos\nsystem\n(S'touch " + marker.encode() + b"'\ntR",
+        "eval": b"cbuiltins\neval\n(S'open(" + repr(marker).encode() + b", \"w\")'\ntR",
+    }
+
+
 # ---------------------------------------------------------------- the memory oracle
 
 def _status(field: str) -> int:
@@ -172,26 +233,31 @@ def rss_oracle_available() -> bool:
     return _reset_hwm()
 
 
-def peak_growth(fn, *args, **kwargs):
+def peak_growth(fn, *args, traced: bool = True, **kwargs):
     """(result or exception, bytes): run fn once and measure how much the peak
-    memory grew during this call alone (RSS high-water mark reset before it, and
-    tracemalloc's peak of Python allocations, reset before it)."""
-    started = not tracemalloc.is_tracing()
+    memory grew during this call alone: the RSS high-water mark (reset before
+    it) and, with `traced` (or where the high-water mark cannot be reset),
+    tracemalloc's peak of Python allocations (reset before it)."""
+    if not traced and not rss_oracle_available():
+        traced = True
+    started = traced and not tracemalloc.is_tracing()
     if started:
         tracemalloc.start()
-    tracemalloc.reset_peak()
-    base_traced = tracemalloc.get_traced_memory()[0]
+    if traced:
+        tracemalloc.reset_peak()
+        base_traced = tracemalloc.get_traced_memory()[0]
     _reset_hwm()
     base_rss = _status("VmRSS")
     try:
         out = fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - returned for the caller to judge
         out = e
-    rss = _status("VmHWM") - base_rss
-    traced = tracemalloc.get_traced_memory()[1] - base_traced
+    grown = _status("VmHWM") - base_rss
+    if traced:
+        grown = max(grown, tracemalloc.get_traced_memory()[1] - base_traced)
     if started:
         tracemalloc.stop()
-    return out, max(rss, traced)
+    return out, grown
 
 
 def peak_in_subprocess_code(body: str) -> str:

@@ -15,20 +15,16 @@
   says "permission denied" with the path, never "no such file".
 """
 import ctypes
-import io
 import json
 import os
 import pickle
 import subprocess
 import sys
-import textwrap
-import zipfile
 
 import pytest
 import torch
 
 import fastckpt
-from fastckpt import FormatError, _unpickle
 from fastckpt.cli import main
 
 import hostile_pickles as H
@@ -87,6 +83,7 @@ def test_the_attacks_are_real(tmp_path):
 
 @pytest.mark.parametrize("name", ATTACKS)
 def test_restricted_unpickler_runs_no_code(tmp_path, name):
+    from fastckpt import _unpickle
     marker = tmp_path / "pwned"
     data = H.code_attacks(str(marker))[name]
     with pytest.raises(pickle.UnpicklingError) as ei:
@@ -191,6 +188,7 @@ def _big_metadata(tensors=600, chunks=4):
 
 @pytest.mark.parametrize("protocol", [2, 4, 5])
 def test_real_metadata_passes_the_walk(protocol):
+    from fastckpt import _unpickle
     md = _big_metadata()
     data = pickle.dumps(md, protocol=protocol)
     cost = _unpickle._walk(data, "x", _unpickle.dcp_metadata_class, False)
@@ -200,6 +198,7 @@ def test_real_metadata_passes_the_walk(protocol):
 
 def test_user_safe_globals_are_allowed_in_metadata():
     import torch.serialization as ts
+    from fastckpt import _unpickle
 
     md = _big_metadata(2, 1)
     md.planner_data = {"k": fastckpt.FormatError("x")}  # a class DCP metadata does not use
@@ -213,29 +212,7 @@ def test_user_safe_globals_are_allowed_in_metadata():
 
 # ---------------------------------------------------------------- crafted sizes, per input, in a subprocess
 
-def _record(pkl: bytes) -> bytes:
-    """A DCP tensor record (a torch.save archive of a float32 tensor of 3
-    elements) whose data.pkl is `pkl`, with correct CRCs."""
-    buf = io.BytesIO()
-    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:
-        z.writestr("archive/data.pkl", pkl)
-        z.writestr("archive/byteorder", sys.byteorder)
-        z.writestr("archive/data/0", torch.arange(3.0).numpy().tobytes())
-        z.writestr("archive/version", "3\n")
-    return buf.getvalue()
-
-
-def _record_ckpt(d, pkl: bytes) -> None:
-    os.makedirs(d, exist_ok=True)
-    blob = _record(pkl)
-    with open(os.path.join(d, "__0_0.distcp"), "wb") as f:
-        f.write(blob)
-    md = Metadata(
-        state_dict_metadata={"w": TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([3]),
-                                                        [ChunkStorageMetadata(torch.Size([0]), torch.Size([3]))])},
-        storage_data={MetadataIndex("w", torch.Size([0])): _StorageInfo("__0_0.distcp", 0, len(blob))})
-    with open(os.path.join(d, ".metadata"), "wb") as f:
-        f.write(pickle.dumps(md))
+_record_ckpt = H.record_ckpt
 
 
 def _load_staged(d, target):
