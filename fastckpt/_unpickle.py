@@ -20,8 +20,10 @@ command's DCP sources) go through :func:`loads`, in two steps:
      unpickler sizes its memo table from a ``PUT``'s index: 10 bytes could ask
      for 64 GiB, zero-filled), a counted size (``BINBYTES8``, ``BINUNICODE8``,
      ``FRAME``, ...) larger than the bytes that follow, containers nested
-     deeper than :data:`MAX_DEPTH` (hashing a deeply nested tuple overflows
-     the C stack), or an estimate of what the unpickled objects take that
+     deeper than :data:`MAX_DEPTH` as they are built (hashing a deeply nested
+     tuple overflows the C stack; lists and dicts nested later through the
+     memo are not counted, Python's recursion guards cover them), or an
+     estimate of what the unpickled objects take that
      exceeds :data:`MAX_RATIO` times the pickle's size (plus
      :data:`MIN_BUDGET`): :class:`fastckpt.FormatError`.
 
@@ -30,7 +32,10 @@ command's DCP sources) go through :func:`loads`, in two steps:
    ``persistent_load`` is the caller's handler or a refusal.
 
 A policy is a ``find_class(module, name)`` callable that returns the object
-to use or raises; :func:`dcp_metadata_class` is the one for DCP metadata.
+to use or raises; :func:`dcp_metadata_class` is the one for DCP metadata, and
+``fastckpt.dcp._blob`` has the one for tensor records' ``data.pkl``.
+:func:`check` is the walk alone (every global accepted), for pickles that
+torch's weights-only unpickler then judges class by class.
 Every message names the caller's ``where`` (the user's path) and, for a
 refusal, says that nothing from the file was run.
 """
