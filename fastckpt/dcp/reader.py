@@ -314,14 +314,42 @@ def _reason(e: BaseException) -> str:
     return lines[0].rstrip(".") if lines else type(e).__name__
 
 
+def _guard_archive(data: bytes, where: str) -> None:
+    """Walk the data.pkl of the torch.save archive `data` with fastckpt's size
+    and nesting guards (:func:`fastckpt._unpickle.check`) before torch's
+    unpickler sees it: torch's weights-only unpickler would hash a deeply
+    nested key (a C stack overflow) or grow as the file says."""
+    index = _blob.parse_tail(data, 0, len(data), where)
+    e = index.entries.get("data.pkl")
+    if e is None:
+        raise FormatError(f"{where}: no data.pkl record (not a torch.save archive)")
+    start = _blob.local_data_offset(data[e.rel_offset:e.rel_offset + _blob.LOCAL_HEADER_SIZE], e, index, where)
+    raw = data[start:index.span_end(e)]
+    if e.method == 0:
+        pkl = raw[:e.size]
+    elif e.method == 8:
+        try:
+            pkl = zlib.decompressobj(-15).decompress(raw, e.size + 1)
+        except zlib.error as z:
+            raise FormatError(f"{where}: record 'data.pkl' does not inflate ({z})") from None
+    else:
+        raise FormatError(f"{where}: record 'data.pkl' uses compression method {e.method}")
+    if len(pkl) != e.size:
+        raise FormatError(f"{where}: record 'data.pkl' holds {len(pkl)} bytes, the directory says {e.size}")
+    _unpickle.check(pkl, f"{where}: data.pkl")
+
+
 def _check_value(r: "_Req", path: str) -> None:
     """Refuse a non-tensor value that torch's weights-only unpickler refuses,
     before the planner unpickles it (DefaultLoadPlanner.load_bytes uses
-    torch.load with weights_only=False). Nothing is kept: the check loads onto
-    the meta device."""
+    torch.load with weights_only=False). Anything the check cannot load is
+    refused too: a value that fails in the weights-only unpickler is never
+    handed to the full one."""
     where = f"{path} @{r.info.offset}+{r.info.length} ({_sd_str(r.req.storage_index)})"
+    data = bytes(r.data)
+    _guard_archive(data, where)
     try:
-        torch.load(io.BytesIO(r.data), map_location="meta", weights_only=True)
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise pickle.UnpicklingError(
             f"Weights only load failed for the value in {where}: {_reason(e)}. "
@@ -329,7 +357,8 @@ def _check_value(r: "_Req", path: str) -> None:
             "FastReader(..., weights_only=False), or allow the class with torch.serialization.add_safe_globals"
         ) from None
     except Exception as e:
-        raise FormatError(f"{where}: cannot load the record ({type(e).__name__}: {e})") from None
+        raise FormatError(f"{where}: cannot load the record with the weights-only unpickler "
+                          f"({type(e).__name__}: {e}); nothing from the checkpoint was run") from None
 
 
 def _torch_load_record(data: bytes, req: ReadItem, descriptors, reader: FastReader, where: str):
@@ -579,6 +608,7 @@ class _FileJob:
             if self.reader.verify and _blob.verify_archive(stream.getvalue(), b.where):
                 with self.lock:
                     self.stats["verified"] += 1
+            _guard_archive(stream.getvalue(), b.where)
             try:
                 t = torch.load(stream, map_location="cpu", weights_only=True)
             except Exception as e:

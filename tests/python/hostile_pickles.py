@@ -164,6 +164,21 @@ def record(pkl: bytes) -> bytes:
     return buf.getvalue()
 
 
+def value_ckpt(d, pkl: bytes) -> None:
+    """Make `d` a DCP checkpoint of one non-tensor value "x" (a BYTE_IO record: a
+    torch.save archive) whose data.pkl is `pkl`."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex
+    os.makedirs(d, exist_ok=True)
+    blob = record(pkl)
+    with open(os.path.join(d, "__0_0.distcp"), "wb") as f:
+        f.write(blob)
+    md = Metadata(state_dict_metadata={"x": BytesStorageMetadata()},
+                  storage_data={MetadataIndex("x"): _StorageInfo("__0_0.distcp", 0, len(blob))})
+    with open(os.path.join(d, ".metadata"), "wb") as f:
+        f.write(pickle.dumps(md))
+
+
 def record_ckpt(d, pkl: bytes) -> None:
     """Make `d` a DCP checkpoint of one tensor "w" (float32, 3 elements) stored in
     one record whose data.pkl is `pkl`."""

@@ -364,6 +364,42 @@ def test_crafted_record_pickle_is_refused_in_small_memory(crafted_dirs, kind):
     assert not problems, "\n".join(problems)
 
 
+_DEEP_SCRIPT = """
+import sys, warnings
+warnings.simplefilter("ignore")
+import torch
+sys.path.insert(0, {tests!r})
+import test_hostile as T
+try:
+    T._load_staged({d!r}, {target})
+    print("loaded")
+except Exception as e:
+    print(type(e).__name__, str(e)[:500])
+"""
+
+
+@pytest.mark.parametrize("where", ["value", "fallback-record"])
+def test_deep_nesting_for_torch_unpickler_is_refused_not_a_crash(tmp_path, where):
+    """A 1 MB data.pkl whose dict key is a tuple nested a million deep: torch's
+    weights-only unpickler hashes it and overflows the C stack (SIGSEGV). FastReader
+    hands it such pickles for non-tensor values (its weights-only check) and for
+    tensor records its fast path leaves to torch.load (here: a global
+    and the fast path does not know): it walks them first."""
+    deep = b"\x85" * 1_000_000
+    if where == "value":
+        H.value_ckpt(tmp_path / "ck", H.PROTO2 + b"}" + b"N" + deep + b"N" + b"s" + b".")
+        target = '{"x": None}'
+    else:
+        H.record_ckpt(tmp_path / "ck", H.PROTO2 + b"cbuiltins\nset\n0" + b"}" + b"N" + deep + b"N" + b"s" + b".")
+        target = '{"w": torch.zeros(3)}'
+    code = _DEEP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), d=str(tmp_path / "ck"),
+                               target=target)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.startswith("FormatError") and "nested more than 100 deep" in r.stdout, r.stdout
+    assert str(tmp_path / "ck") in r.stdout
+
+
 # ---------------------------------------------------------------- permission problems are not "no such file"
 
 def _drop_dac():
