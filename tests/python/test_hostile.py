@@ -383,8 +383,8 @@ def test_deep_nesting_for_torch_unpickler_is_refused_not_a_crash(tmp_path, where
     """A 1 MB data.pkl whose dict key is a tuple nested a million deep: torch's
     weights-only unpickler hashes it and overflows the C stack (SIGSEGV). FastReader
     hands it such pickles for non-tensor values (its weights-only check) and for
-    tensor records its fast path leaves to torch.load (here: a global
-    and the fast path does not know): it walks them first."""
+    tensor records its fast path leaves to torch.load (here: one with a global
+    the fast path does not know): it walks them first."""
     deep = b"\x85" * 1_000_000
     if where == "value":
         H.value_ckpt(tmp_path / "ck", H.PROTO2 + b"}" + b"N" + deep + b"N" + b"s" + b".")
