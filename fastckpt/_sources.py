@@ -12,8 +12,9 @@ storage on demand, so that a caller holds at most the piece it is working on:
 - :class:`SafetensorsSource`: the JSON header is parsed and checked; tensor
   bytes are read through the engine.
 - :class:`DcpSource`: a ``torch.distributed.checkpoint`` directory. ``.metadata``
-  is unpickled by a restricted unpickler that knows only DCP's metadata
-  classes; tensors are read one at a time with :class:`fastckpt.dcp.FastReader`
+  is unpickled by fastckpt's one restricted, size-guarded unpickler
+  (:mod:`fastckpt._unpickle`, through ``fastckpt.dcp.reader.load_metadata``),
+  which knows only DCP's metadata classes; tensors are read one at a time with :class:`fastckpt.dcp.FastReader`
   (which checks CRC-32s), non-tensor values with ``torch.load(weights_only=True)``.
 - :class:`LoadedSource`: anything else ``fastckpt.load`` reads (torch's legacy
   format, big-endian archives): loaded whole, with ``weights_only=True``.
@@ -39,7 +40,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.serialization as ts
 
-from . import _C, _zip
+from . import _unpickle, _C, _zip
 from . import serialization as _serialization
 from .engine import get_engine
 from .errors import FormatError
@@ -375,6 +376,9 @@ class ZipSource(_FileSource):
                 self._used[name] = s
             setattr(untyped, STORAGE_ATTR, s)
 
+        # the size and nesting guards of fastckpt's walk first: torch's unpickler would hash a
+        # deeply nested key (a C stack overflow) or grow its stack and memo as the file says
+        _unpickle.check(self.small.get("data.pkl", b""), f"{path}: data.pkl")
         unpickler = type("_Unpickler", (_MetaUnpickler,), {"on_storage": staticmethod(on_storage)})
         module = types.SimpleNamespace(Unpickler=unpickler)
         try:
@@ -586,56 +590,11 @@ def decode_layout(j: Any, tensors: Dict[str, torch.Tensor]) -> Any:
 
 # ---------------------------------------------------------------- DCP directories
 
-_DCP_META_CLASSES = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
-        "_MEM_FORMAT_ENCODING", "MetadataIndex", "StorageMeta"},
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "collections": {"OrderedDict"},
-    "pathlib": {"PosixPath", "PurePosixPath", "Path"},
-    "builtins": {"set", "frozenset", "slice"},
-}
-
-
-class _DcpMetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP ``.metadata`` with only DCP's metadata classes (and dtypes,
-    torch.Size, paths) allowed: nothing from the file can run code."""
-
-    def find_class(self, module, name):
-        if name in _DCP_META_CLASSES.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"global {module}.{name} is not a DCP metadata class")
-
-    def persistent_load(self, pid):
-        raise pickle.UnpicklingError("persistent ids are not allowed in DCP metadata")
-
-
 def read_dcp_metadata(directory: str):
     """The Metadata of a DCP checkpoint, unpickled without running code from it."""
-    from torch.distributed.checkpoint.metadata import Metadata
+    from .dcp.reader import load_metadata
     p = os.path.join(directory, ".metadata")
-    try:
-        with open(p, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise FileNotFoundError(2, f"{p} does not exist: {directory} is not a complete DCP checkpoint "
-                                "(no save has finished there, or one was interrupted)", p) from None
-    try:
-        md = _DcpMetadataUnpickler(io.BytesIO(data)).load()
-    except pickle.UnpicklingError as e:
-        raise FormatError(f"{p}: refused: {e} (corrupt, or not written by torch.distributed.checkpoint)") from None
-    except Exception as e:
-        raise FormatError(f"{p}: corrupt checkpoint metadata ({type(e).__name__}: {e})") from None
-    if not isinstance(md, Metadata):
-        raise FormatError(f"{p}: not DCP checkpoint metadata (it holds a {type(md).__name__})")
-    if not isinstance(getattr(md, "storage_data", None), dict):
-        raise FormatError(f"{p}: corrupt checkpoint metadata (no storage table)")
-    if not isinstance(getattr(md, "state_dict_metadata", None), dict):
-        raise FormatError(f"{p}: corrupt checkpoint metadata (no table of items)")
+    md = load_metadata(p, directory)
     for index, info in md.storage_data.items():
         fqn = getattr(index, "fqn", None)
         rel, off, ln = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))

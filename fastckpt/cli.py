@@ -75,11 +75,38 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _existing(path: str) -> str:
+def _blocked_at(path: str) -> str:
+    """The directory on the way to `path` that this user may not look into (or `path`)."""
+    cur = os.path.abspath(path)
+    chain = []
+    while True:
+        chain.append(cur)
+        parent = os.path.dirname(cur)
+        if parent == cur:
+            break
+        cur = parent
+    for p in reversed(chain[:-1]):  # from the top down
+        try:
+            os.stat(p)
+        except PermissionError:
+            return os.path.dirname(p)
+        except OSError:
+            break
+    return path
+
+
+def _existing(path: str, what: str = "file or directory") -> str:
+    """`path`, which must exist: a missing path is a usage error (exit 2); a
+    permission problem is reported as one (exit 1), never as a missing path."""
     try:
         os.stat(path)
-    except FileNotFoundError:  # a permission problem is not "no such file": it propagates as itself
-        raise UsageError(f"{path}: no such file or directory") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise UsageError(f"{path}: no such {what}") from None
+    except PermissionError as e:
+        where = _blocked_at(path)
+        why = (f"this user may not look into directory {where}" if where != path
+               else "this user may not read it")
+        raise PermissionError(e.errno, f"{path}: permission denied ({why})", path) from None
     return path
 
 
@@ -157,8 +184,9 @@ def cmd_convert(args) -> int:
         if to != "dcp" and os.path.isdir(dst):
             raise UsageError(f"{dst} is a directory; a {to} checkpoint is a single file")
     parent = os.path.dirname(os.path.abspath(dst))
+    _existing(parent, "directory")
     if not os.path.isdir(parent):
-        raise UsageError(f"{parent}: no such directory")
+        raise UsageError(f"{parent}: not a directory")
     bar_factory = _Bar(_progress_enabled(args))
     _return_freed_memory()
     with _convert.engine_for_streaming(), open_source(src_path, verify=args.verify) as src:
@@ -348,7 +376,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 raise
             if args.verbose:
                 traceback.print_exc(file=sys.stderr)
-            _error(_describe(e, args.verbose))
+            if isinstance(e, RecursionError):  # objects nested deeper than Python's recursion limit
+                path = getattr(args, "path", None) or getattr(args, "src", None)
+                _error(f"damaged or not a checkpoint: {path}: it nests objects too deeply to be handled ({e})")
+            else:
+                _error(_describe(e, args.verbose))
             return EXIT_FAILED
 
 

@@ -31,6 +31,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 
+from .. import _unpickle
 from ..errors import FormatError
 
 __all__ = ["ALIGN", "ALIGN_MIN", "RECORD_ALIGN", "TensorBlob", "plan_tensor_blob", "ZipIndex",
@@ -330,16 +331,24 @@ class TensorLayout:
     nbytes: int     # of the storage record
 
 
-def _rebuild_v2(storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None):
-    if metadata:
+def _rebuild_v2(*args):
+    # (storage, storage_offset, size, stride, requires_grad=False, hooks=None, metadata=None)
+    if not 4 <= len(args) <= 7:
+        raise Unsupported(f"_rebuild_tensor_v2 with {len(args)} arguments")
+    storage, storage_offset, size, stride = args[:4]
+    if len(args) == 7 and args[6]:
         raise Unsupported("tensor metadata (conjugate/negative bits)")
     if not isinstance(storage, _PStorage) or storage.untyped:
         raise Unsupported("_rebuild_tensor_v2 without a typed storage")
     return _layout(storage, storage.dtype, storage_offset, size, stride)
 
 
-def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None):
-    if metadata:
+def _rebuild_v3(*args):
+    # (storage, storage_offset, size, stride, requires_grad, hooks, dtype, metadata=None)
+    if not 7 <= len(args) <= 8:
+        raise Unsupported(f"_rebuild_tensor_v3 with {len(args)} arguments")
+    storage, storage_offset, size, stride, _, _, dtype = args[:7]
+    if len(args) == 8 and args[7]:
         raise Unsupported("tensor metadata (conjugate/negative bits)")
     if not isinstance(storage, _PStorage) or not isinstance(dtype, torch.dtype):
         raise Unsupported("_rebuild_tensor_v3 without an untyped storage")
@@ -355,43 +364,55 @@ def _layout(storage: "_PStorage", dtype, storage_offset, size, stride) -> Tensor
     return TensorLayout(dtype, size, stride, storage_offset, storage.key, storage.numel * isz)
 
 
-class _LayoutUnpickler(pickle.Unpickler):
-    """Unpickles torch.save's data.pkl of one plain tensor into a TensorLayout;
-    any other global is Unsupported (no code from the file runs)."""
-
-    def find_class(self, module, name):
-        if module == "torch._utils" and name == "_rebuild_tensor_v2":
-            return _rebuild_v2
-        if module == "torch._utils" and name == "_rebuild_tensor_v3":
-            return _rebuild_v3
-        if module == "collections" and name == "OrderedDict":
-            return collections.OrderedDict
-        if module == "torch.storage" and name == "UntypedStorage":
-            return _StorageType(torch.uint8, True)
-        if module == "torch":
-            names = {v: k for k, v in _storage_type_names().items()}
-            if name in names:
-                return _StorageType(names[name], False)
-            obj = getattr(torch, name, None)
-            if isinstance(obj, torch.dtype):
-                return obj
-        raise Unsupported(f"global {module}.{name}")
-
-    def persistent_load(self, pid):
-        if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
-                or not isinstance(pid[1], _StorageType) or not isinstance(pid[2], str) or not isinstance(pid[4], int)):
-            raise Unsupported(f"persistent id {pid!r}")
-        return _PStorage(pid[1].dtype, pid[1].untyped, pid[2], pid[4])
+_torch_dtypes: Dict[str, torch.dtype] = {}
 
 
-def parse_pickle(data: bytes) -> TensorLayout:
-    import io
+def _layout_class(module: str, name: str):
+    """The policy for data.pkl (see :mod:`fastckpt._unpickle`): torch.save's tensor
+    rebuild functions (replaced by ones that only record the layout), storage
+    types, dtypes and OrderedDict; any other global is Unsupported."""
+    if module == "torch._utils" and name == "_rebuild_tensor_v2":
+        return _rebuild_v2
+    if module == "torch._utils" and name == "_rebuild_tensor_v3":
+        return _rebuild_v3
+    if module == "collections" and name == "OrderedDict":
+        return collections.OrderedDict
+    if module == "torch.storage" and name == "UntypedStorage":
+        return _StorageType(torch.uint8, True)
+    if module == "torch":
+        names = {v: k for k, v in _storage_type_names().items()}
+        if name in names:
+            return _StorageType(names[name], False)
+        if not _torch_dtypes:  # from torch's namespace, never getattr with a name from the file
+            _torch_dtypes.update({k: v for k, v in vars(torch).items() if isinstance(v, torch.dtype)})
+        if name in _torch_dtypes:
+            return _torch_dtypes[name]
+    raise Unsupported(f"global {module}.{name}")
+
+
+def _layout_persistent(pid):
+    if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
+            or not isinstance(pid[1], _StorageType) or not isinstance(pid[2], str) or not isinstance(pid[4], int)):
+        raise Unsupported(f"persistent id {pid!r}")
+    return _PStorage(pid[1].dtype, pid[1].untyped, pid[2], pid[4])
+
+
+def parse_pickle(data: bytes, where: str = "data.pkl") -> TensorLayout:
+    """The TensorLayout that torch.save's ``data.pkl`` of one plain tensor
+    describes, through fastckpt's one restricted unpickler (no code from the
+    file runs, and nothing is allocated that the data cannot account for).
+
+    Raises:
+        Unsupported: a valid pickle this parser does not handle (another
+            object, an unknown global or persistent id): torch.load decides.
+        fastckpt.FormatError: a damaged pickle, or one crafted to allocate far
+            more than its size (huge memo indices, counted sizes, nesting).
+    """
     try:
-        obj = _LayoutUnpickler(io.BytesIO(data)).load()
-    except Unsupported:
-        raise
-    except Exception as e:  # a corrupt pickle: let torch.load report it
-        raise Unsupported(f"unreadable data.pkl: {e}") from None
+        obj = _unpickle.loads(data, where, _layout_class, persistent_load=_layout_persistent,
+                              passthrough=(Unsupported,))
+    except _unpickle.Refused as e:  # an opcode or call this parser does not expect
+        raise Unsupported(str(e)) from None
     if not isinstance(obj, TensorLayout):
         raise Unsupported(f"data.pkl holds a {type(obj).__name__}, not a tensor")
     return obj

@@ -25,7 +25,6 @@ import io
 import logging
 import os
 import pickle
-import pickletools
 import stat
 import sys
 import threading
@@ -43,7 +42,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import _C
+from .. import _C, _unpickle
 from .._owner import check_directory_owner
 from ..engine import get_engine
 from ..errors import FormatError
@@ -104,11 +103,24 @@ class FastReader(StorageReader):
             CRC-32 of its zip entry (records written with CRCs disabled, i.e.
             CRC 0, are not checked). Partial reads (resharding) cannot be checked.
         thread_count: data files read concurrently.
+        weights_only: load non-tensor values (DCP's BYTE_IO records, which
+            ``DefaultLoadPlanner.load_bytes`` hands to ``torch.load`` with
+            ``weights_only=False``) only when torch's weights-only unpickler
+            accepts them, so that nothing from the checkpoint can run code
+            (default). ``False`` keeps the stock behaviour, for checkpoints you
+            trust; ``torch.serialization.add_safe_globals`` allows more classes.
+            ``.metadata`` is always read by fastckpt's restricted unpickler
+            (:mod:`fastckpt._unpickle`), whatever this says.
 
     Raises (from ``dcp.load``, possibly wrapped by it):
         FileNotFoundError: no ``.metadata`` (not a checkpoint, or a save that
             did not finish), or a data file named in it is missing.
-        fastckpt.FormatError: corrupt ``.metadata``, a data file shorter than
+        pickle.UnpicklingError: ``.metadata`` names a class that DCP metadata
+            does not use, or (``weights_only=True``) a value the weights-only
+            unpickler refuses. Nothing from the checkpoint was run.
+        fastckpt.FormatError: corrupt ``.metadata`` (or one that would take far
+            more memory than its size: huge memo indices or counted sizes, deep
+            nesting), a data file shorter than
             ``.metadata`` says, a ``relative_path`` outside the checkpoint
             directory, a corrupt record or a checksum mismatch.
 
@@ -117,12 +129,13 @@ class FastReader(StorageReader):
     """
 
     def __init__(self, path: Union[str, os.PathLike], verify: bool = True, thread_count: int = 2,
-                 _extension_registry: Any = None):
+                 _extension_registry: Any = None, *, weights_only: bool = True):
         super().__init__()
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1 (got {thread_count})")
         self.path = Path(path)
         self.verify = verify
+        self.weights_only = bool(weights_only)
         self.thread_count = thread_count
         self.storage_data: Dict[Any, Any] = {}
         self.load_id = str(uuid.uuid4())
@@ -144,22 +157,7 @@ class FastReader(StorageReader):
         name = METADATA if rank is None else f"__{rank}{METADATA}"
         p = os.path.join(self.path, name)
         check_directory_owner(self.path, "DCP checkpoint directory")
-        try:
-            with open(p, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            raise FileNotFoundError(errno.ENOENT, f"{p} does not exist: {self.path} is not a complete DCP "
-                                    "checkpoint (no save has finished there, or one was interrupted)", p) from None
-        try:
-            _check_pickle(data)
-            md = pickle.loads(data)
-        except Exception as e:
-            raise FormatError(f"{p}: corrupt checkpoint metadata ({type(e).__name__}: {e})") from None
-        if not isinstance(md, Metadata):
-            raise FormatError(f"{p}: not DCP checkpoint metadata (it holds a {type(md).__name__})")
-        if (not isinstance(getattr(md, "storage_data", None), dict)
-                or not isinstance(getattr(md, "state_dict_metadata", None), dict)):
-            raise FormatError(f"{p}: corrupt checkpoint metadata (no storage table)")
+        md = load_metadata(p, self.path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
         md.storage_meta.load_id = self.load_id
@@ -232,6 +230,8 @@ class FastReader(StorageReader):
                 stats[k] += j.stats[k]
             for r in j.reqs:
                 if r.req.type == LoadItemType.BYTE_IO:
+                    if self.weights_only:
+                        _check_value(r, j.path)
                     # The planner torch.loads the record: unchecked (verify=False), a damaged one
                     # raises whatever torch's zip reader or unpickler raises.
                     try:
@@ -279,15 +279,86 @@ class FastReader(StorageReader):
         return _StorageReaderTransforms(self._extension_registry)
 
 
-def _check_pickle(data: bytes) -> None:
-    """Walk the opcodes of a pickle without running them, and refuse what would
-    make CPython's C unpickler allocate memory that the data cannot account for:
-    it sizes its memo table from a PUT's index (a damaged LONG_BINPUT asks for up
-    to 64 GiB, zero-filled) and allocates counted bytes before it checks that
-    they are there (genops refuses those itself)."""
-    for op, arg, _ in pickletools.genops(data):
-        if op.name in ("PUT", "BINPUT", "LONG_BINPUT") and not 0 <= arg < len(data):
-            raise ValueError(f"memo index {arg} in a {len(data)}-byte pickle")
+def load_metadata(p: str, directory: Union[str, os.PathLike]) -> Metadata:
+    """The Metadata in file `p` of DCP checkpoint `directory`, unpickled by
+    fastckpt's restricted unpickler (:mod:`fastckpt._unpickle`): only DCP's
+    metadata classes, nothing from the file run, nothing allocated that its
+    size cannot account for. `p` must be a regular file.
+
+    Raises FileNotFoundError, PermissionError (and other OSErrors, naming `p`),
+    pickle.UnpicklingError (a refused class; nothing was run), FormatError."""
+    try:
+        with open(p, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise FormatError(f"{p}: not a regular file (DCP checkpoint metadata is one)")
+            data = f.read(st.st_size)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"{p} does not exist: {directory} is not a complete DCP "
+                                "checkpoint (no save has finished there, or one was interrupted)", p) from None
+    md = _unpickle.loads(data, p, _unpickle.dcp_metadata_class)
+    if not isinstance(md, Metadata):
+        raise FormatError(f"{p}: not DCP checkpoint metadata (it holds a {type(md).__name__})")
+    if (not isinstance(getattr(md, "storage_data", None), dict)
+            or not isinstance(getattr(md, "state_dict_metadata", None), dict)):
+        raise FormatError(f"{p}: corrupt checkpoint metadata (no storage table)")
+    return md
+
+
+def _reason(e: BaseException) -> str:
+    """The line of torch's weights-only refusal that says what was refused."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    for ln in lines[1:]:
+        if not ln.startswith("Check the documentation"):
+            return ln.rstrip(".")
+    return lines[0].rstrip(".") if lines else type(e).__name__
+
+
+def _guard_archive(data: bytes, where: str) -> None:
+    """Walk the data.pkl of the torch.save archive `data` with fastckpt's size
+    and nesting guards (:func:`fastckpt._unpickle.check`) before torch's
+    unpickler sees it: torch's weights-only unpickler would hash a deeply
+    nested key (a C stack overflow) or grow as the file says."""
+    index = _blob.parse_tail(data, 0, len(data), where)
+    e = index.entries.get("data.pkl")
+    if e is None:
+        raise FormatError(f"{where}: no data.pkl record (not a torch.save archive)")
+    start = _blob.local_data_offset(data[e.rel_offset:e.rel_offset + _blob.LOCAL_HEADER_SIZE], e, index, where)
+    raw = data[start:index.span_end(e)]
+    if e.method == 0:
+        pkl = raw[:e.size]
+    elif e.method == 8:
+        try:
+            pkl = zlib.decompressobj(-15).decompress(raw, e.size + 1)
+        except zlib.error as z:
+            raise FormatError(f"{where}: record 'data.pkl' does not inflate ({z})") from None
+    else:
+        raise FormatError(f"{where}: record 'data.pkl' uses compression method {e.method}")
+    if len(pkl) != e.size:
+        raise FormatError(f"{where}: record 'data.pkl' holds {len(pkl)} bytes, the directory says {e.size}")
+    _unpickle.check(pkl, f"{where}: data.pkl")
+
+
+def _check_value(r: "_Req", path: str) -> None:
+    """Refuse a non-tensor value that torch's weights-only unpickler refuses,
+    before the planner unpickles it (DefaultLoadPlanner.load_bytes uses
+    torch.load with weights_only=False). Anything the check cannot load is
+    refused too: a value that fails in the weights-only unpickler is never
+    handed to the full one."""
+    where = f"{path} @{r.info.offset}+{r.info.length} ({_sd_str(r.req.storage_index)})"
+    data = bytes(r.data)
+    _guard_archive(data, where)
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise pickle.UnpicklingError(
+            f"Weights only load failed for the value in {where}: {_reason(e)}. "
+            "Nothing from the checkpoint was run. If you trust its source, read it with "
+            "FastReader(..., weights_only=False), or allow the class with torch.serialization.add_safe_globals"
+        ) from None
+    except Exception as e:
+        raise FormatError(f"{where}: cannot load the record with the weights-only unpickler "
+                          f"({type(e).__name__}: {e}); nothing from the checkpoint was run") from None
 
 
 def _torch_load_record(data: bytes, req: ReadItem, descriptors, reader: FastReader, where: str):
@@ -433,7 +504,7 @@ class _FileJob:
                 b.slow = f"{order.decode()}-endian data"
                 continue
             try:
-                lay = _blob.parse_pickle(small["pkl"])
+                lay = _blob.parse_pickle(small["pkl"], f"{b.where}: data.pkl")
             except _blob.Unsupported as u:
                 b.slow = f"data.pkl: {u}"
                 continue
@@ -537,6 +608,7 @@ class _FileJob:
             if self.reader.verify and _blob.verify_archive(stream.getvalue(), b.where):
                 with self.lock:
                     self.stats["verified"] += 1
+            _guard_archive(stream.getvalue(), b.where)
             try:
                 t = torch.load(stream, map_location="cpu", weights_only=True)
             except Exception as e:

@@ -26,6 +26,7 @@ from fastckpt import _C, _zip
 from fastckpt.cli import main
 
 from conftest import temp_files, uring_refusal
+import hostile_pickles as H
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.dirname(sys.executable)
@@ -476,11 +477,61 @@ def test_damaged_input_is_an_error_never_a_crash(tmp_path, capsys, kind):
         target.write_bytes(bytes(data))
         cmds = [["inspect", bad], ["verify", bad], ["convert", bad, tmp_path / f"out{i}.pt", "--to", "fastckpt"]]
         for argv in cmds:
-            rc, out, err = run(capsys, *argv)
+            rc, out, err = _run_measured(capsys, H.file_size(bad), *argv)
             assert rc in (0, 1), (argv, how, rc, err)
             assert "run with -v" not in err and "Traceback" not in err, (argv, how, err)
             if rc == 1 and argv[0] != "verify":
                 assert err.startswith("fastckpt: error: "), err
+    assert temp_files(tmp_path) == []
+
+
+# The per-input memory oracle of the command's fuzzing: the peak RSS of one command
+# on one input (the high-water mark reset before it) may grow by at most this many
+# times the input's size, plus what running a command costs.
+MEMORY_RATIO, MEMORY_SLACK = 64, 64 << 20
+
+
+def _run_measured(capsys, size, *argv):
+    """run() with the memory oracle."""
+    (rc, out, err), grown = H.peak_growth(run, capsys, *argv, traced=False)
+    assert grown <= MEMORY_RATIO * size + MEMORY_SLACK, \
+        f"{argv[0]} of a {size}-byte input raised the peak RSS by {grown >> 20} MiB"
+    return rc, out, err
+
+
+@pytest.mark.parametrize("where", ["dcp-metadata", "dcp-record", "zip-data.pkl"])
+def test_crafted_input_is_an_error_in_small_memory(tmp_path, capsys, where):
+    """Crafted pickles (tests/python/hostile_pickles.py: a 9-byte LONG_BINPUT,
+    huge declared sizes, deep nesting, amplifiers, calls of os.system / eval /
+    open) as a DCP .metadata, as the data.pkl of a DCP record and as the data.pkl
+    of a zip archive: inspect, verify and convert end with status 1 and a
+    message, run no code and stay in little memory for each input."""
+    marker = tmp_path / "pwned"
+    crafted = {**H.SIZE_ATTACKS, **H.AMPLIFIERS, **H.code_attacks(str(marker))}
+    write_source("dcp", tmp_path / "warm", {"w": torch.ones(3)})
+    run(capsys, "verify", tmp_path / "warm")  # imports and first-use caches, not measured
+    for i, (name, pkl) in enumerate(crafted.items()):
+        bad = tmp_path / f"bad{i}"
+        if where == "dcp-metadata":
+            write_source("dcp", bad, {"w": torch.ones(3), "n": 1})
+            (bad / ".metadata").write_bytes(pkl)
+        elif where == "dcp-record":
+            H.record_ckpt(bad, pkl)
+        else:
+            bad = tmp_path / f"bad{i}.pt"
+            bad.write_bytes(H.record(pkl))
+        for argv in (["inspect", bad], ["verify", bad], ["convert", bad, tmp_path / f"out{i}.pt", "--to", "fastckpt"]):
+            if where == "dcp-record" and argv[0] == "inspect":
+                continue  # inspect reads no record
+            rc, out, err = _run_measured(capsys, H.file_size(bad), *argv)
+            # torch's weights-only unpickler (zip archives) may find a harmless object, e.g. {}
+            assert rc == 1 or (rc == 0 and where == "zip-data.pkl"), (name, argv[0], rc, out, err)
+            assert "run with -v" not in err and "Traceback" not in err, (name, argv[0], err)
+            if rc == 1:
+                assert str(bad) in (out if argv[0] == "verify" else err), (name, argv[0], out, err)
+            assert not marker.exists(), (name, argv[0])
+        if where != "zip-data.pkl":
+            assert not (tmp_path / f"out{i}.pt").exists()
     assert temp_files(tmp_path) == []
 
 

@@ -604,28 +604,63 @@ def test_random_corruption_never_crashes(small_ckpt, seed):
 
 
 def test_fuzz_zip_parser():
+    """parse_tail / local_data_offset / parse_pickle on damaged and crafted bytes:
+    only their own exceptions (never a MemoryError or anything else turned into
+    Unsupported), and each input's peak of Python allocations (tracemalloc,
+    reset per input; the C unpickler's memo table is traced) a small multiple
+    of its size."""
     pytest.importorskip("hypothesis")
+    import tracemalloc
+
     from hypothesis import given, settings, strategies as st
+
+    import hostile_pickles as H
 
     blob = _blob.plan_tensor_blob(torch.float32, (3,), 0)
     rec = blob.head + torch.arange(3.0).numpy().tobytes() + blob.tail(0)
+    pkl = _blob.tensor_pickle(torch.float32, (3,))
+    assert _blob.parse_pickle(pkl).size == (3,)  # the fuzzing below starts from a pickle that parses
 
-    @settings(max_examples=300, deadline=None)
-    @given(st.binary(max_size=600), st.integers(0, len(rec)))
-    def run(junk, cut):
-        for data in (junk, rec[:cut] + junk[: len(rec) - cut], rec[cut:]):
-            try:
-                index = _blob.parse_tail(data, 0, len(data), "fuzz")
-                for e in index.entries.values():
-                    _blob.local_data_offset(data[e.rel_offset:e.rel_offset + 30], e, index, "fuzz")
-            except (FormatError, _blob.NeedMore):
-                pass
-            try:
-                _blob.parse_pickle(data)
-            except _blob.Unsupported:
-                pass
+    def parse_pickle(data):
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        try:
+            _blob.parse_pickle(data)
+            outcome = None
+        except (_blob.Unsupported, FormatError) as e:  # nothing else: a MemoryError is a failure
+            outcome = e
+        grown = tracemalloc.get_traced_memory()[1] - base
+        assert grown <= 64 * len(data) + (2 << 20), (grown, len(data), data[:40])
+        return outcome
 
-    run()
+    tracemalloc.start()
+    try:
+        # crafted structures: refused as damaged (FormatError), not as "unsupported", and in little memory
+        for name, data in {**H.SIZE_ATTACKS, **H.AMPLIFIERS}.items():
+            if name in ("deep_lists", "copying_calls"):  # nesting through the memo; a global it does not know
+                continue
+            assert isinstance(parse_pickle(data), FormatError), name
+
+        @settings(max_examples=300, deadline=None)
+        @given(st.binary(max_size=600), st.integers(0, len(rec)), st.integers(0, len(pkl)),
+               st.sampled_from([b"r\xff\xff\xff\x7f", b"r\x00\x00\x00\x02", b"j\xff\xff\x00\x00",
+                                b"\x8e\x00\x00\x00\x00\x00\x01\x00\x00", b"\x85" * 200, b"\x95\xff\xff\xff\xff\x00\x00\x00\x00"]))
+        def run(junk, cut, at, trick):
+            for data in (junk, rec[:cut] + junk[: len(rec) - cut], rec[cut:]):
+                try:
+                    index = _blob.parse_tail(data, 0, len(data), "fuzz")
+                    for e in index.entries.values():
+                        _blob.local_data_offset(data[e.rel_offset:e.rel_offset + 30], e, index, "fuzz")
+                except (FormatError, _blob.NeedMore):
+                    pass
+                parse_pickle(data)
+            # a valid data.pkl with a crafted opcode spliced in (huge memo index, counted size, nesting, frame)
+            parse_pickle(pkl[:at] + trick + pkl[at:])
+            parse_pickle(pkl[:at] + junk[:16] + pkl[at:])
+
+        run()
+    finally:
+        tracemalloc.stop()
 
 
 def test_fastckpt_exports():

@@ -10,12 +10,22 @@ bytes, or the storage table: offsets, lengths, huge sizes, relative paths that
 leave the directory or name a symlink, a FIFO, a directory, wrong types), and
 loads it the way ``dcp.load`` does without a process group, stage by stage.
 
+Besides these mutations, crafted structures (tests/python/hostile_pickles.py):
+whole ``.metadata`` files and DCP records' ``data.pkl`` built to allocate
+(a 9-byte LONG_BINPUT, huge declared sizes and counts, deep nesting,
+amplifiers) or to run code, and the same opcode tricks spliced into valid
+pickles at any position.
+
 Every damaged checkpoint must give a clean outcome from FastReader: it loads,
 or raises fastckpt.FormatError, an OSError, or pickle.UnpicklingError. Never
-another exception, a crash, a hang or a huge allocation (sizes come from the
-file and are checked against it first; a jump of the peak RSS fails the test,
-and under tests/fuzz/run_sanitized.sh ASan aborts on any allocation > 2 GiB). With verify=True, a checkpoint with a
-single damaged spot that loads must give back the original values.
+another exception, a crash, a hang, code from the file run, or a large
+allocation: the peak RSS of each input, measured for that input alone (the
+kernel's high-water mark is reset before it through /proc/self/clear_refs;
+tracemalloc's peak where that is not possible), must stay below
+MEMORY_RATIO times the checkpoint's size plus MEMORY_SLACK (and under
+tests/fuzz/run_sanitized.sh ASan aborts on any allocation > 2 GiB). With
+verify=True, a checkpoint with a single damaged spot that loads must give back
+the original values.
 
 The planner (torch's DefaultLoadPlanner) is not under test: when damaged
 ``.metadata`` still unpickles into a Metadata that no longer matches the state
@@ -26,7 +36,6 @@ refused by torch and is checked no further.
 import dataclasses
 import os
 import pickle
-import resource
 import shutil
 import struct
 
@@ -42,7 +51,9 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # noqa: E402
 
 import fastckpt  # noqa: E402
-from fastckpt.dcp import FastReader, FastWriter  # noqa: E402
+from fastckpt.dcp import FastReader, FastWriter, _blob  # noqa: E402
+
+import hostile_pickles as H  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
@@ -168,27 +179,25 @@ def _load(ck, verify: bool):
     return tgt
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+# The per-input memory oracle: a load may grow the peak RSS by at most this many
+# times the checkpoint's size, plus what loading anything costs (the reference
+# is < 100 KiB; the crafted inputs ask for 512 MiB .. 1 TiB).
+MEMORY_RATIO, MEMORY_SLACK = 64, 48 << 20
 
 
-MAX_GROWTH = 256 << 20  # the reference is < 100 KiB: a load that needs more trusted a size from the file
-
-
-def _check(ck, files: dict, verify: bool, intact: bool = False) -> None:
+def _check(ck, files: dict, verify: bool, intact: bool = False, target=None, loader=None) -> None:
     """Load the checkpoint made of `files`; only a clean outcome is allowed, and
-    no huge allocation (the process's peak RSS must not jump).
-    `intact`: the damage cannot have gone unnoticed (one damaged spot, verify=True),
-    so a successful load must give back the original values."""
+    no large allocation (the peak RSS of this load alone is bounded by the
+    checkpoint's size). `intact`: the damage cannot have gone unnoticed (one
+    damaged spot, verify=True), so a successful load must give back the original values."""
     _populate(ck, files)
-    before = _peak_rss()
-    try:
-        got = _load(ck, verify)
-    except ALLOWED:
-        got = None
-    grown = _peak_rss() - before
-    assert grown < MAX_GROWTH, f"the load raised the peak RSS by {grown >> 20} MiB (a size taken from the file?)"
-    if intact and got is not None:
+    size = sum(len(v) for v in files.values())
+    got, grown = H.peak_growth(loader or _load, ck, verify, traced=False)
+    if isinstance(got, BaseException) and not isinstance(got, ALLOWED):
+        raise got
+    assert grown <= MEMORY_RATIO * size + MEMORY_SLACK, \
+        f"the load of a {size}-byte checkpoint raised the peak RSS by {grown >> 20} MiB (a size taken from the file?)"
+    if intact and not isinstance(got, BaseException) and got is not None:
         assert _same(_state(), got), "a damaged checkpoint loaded with verify=True, with wrong values"
 
 
@@ -367,6 +376,67 @@ def test_damaged_metadata_bytes_fail_cleanly(refs, workdir, data, verify):
     files = dict(ref.files)
     files[".metadata"] = _apply(raw, data.draw(st.lists(mut, min_size=1, max_size=3)))
     _check(workdir, files, verify)
+
+
+# ---------------------------------------------------------------- crafted structures
+
+def _load_record(ck, verify: bool):
+    """Load a checkpoint made by H.record_ckpt (one float32 tensor "w" of 3 elements)."""
+    tgt = {"w": torch.zeros(3)}
+    reader = FastReader(ck, verify=verify)
+    md = reader.read_metadata()
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(tgt, md, True)
+    plan = planner.create_local_plan()
+    reader.set_up_storage_reader(md, True)
+    plan = reader.prepare_global_plan(planner.create_global_plan([reader.prepare_local_plan(plan)]))[0]
+    reader.read_data(planner.finish_plan(plan), planner).wait()
+    return tgt
+
+
+def _record_files(pkl: bytes) -> dict:
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        H.record_ckpt(d, pkl)
+        return _read_dir(d)
+
+
+@pytest.fixture(scope="module")
+def marker(tmp_path_factory):
+    return tmp_path_factory.mktemp("marker") / "pwned"
+
+
+def test_crafted_whole_pickles_fail_cleanly(refs, workdir, marker):
+    """Every crafted pickle as .metadata and as a record's data.pkl: a clean
+    refusal, little memory, no code run."""
+    crafted = {**H.SIZE_ATTACKS, **H.AMPLIFIERS, **H.code_attacks(str(marker))}
+    for name, pkl in crafted.items():
+        files = dict(refs["fast"].files)
+        files[".metadata"] = pkl
+        _check(workdir, files, verify=True)
+        _check(workdir, _record_files(pkl), verify=True, loader=_load_record)
+        assert not marker.exists(), name
+
+
+@FUZZ
+@given(data=st.data(), verify=st.booleans())
+def test_crafted_tricks_spliced_into_pickles_fail_cleanly(refs, workdir, marker, data, verify):
+    """An opcode trick (huge memo index or counted size, deep nesting, a call of
+    os.system / eval, ...) spliced into a valid .metadata or data.pkl."""
+    name = data.draw(st.sampled_from(sorted(H.tricks(str(marker)))))
+    trick = H.tricks(str(marker))[name]
+    if data.draw(st.booleans()):
+        ref = refs[data.draw(st.sampled_from(["fast", "stock"]))]
+        raw = ref.files[".metadata"]
+        at = data.draw(st.integers(0, len(raw)))
+        files = dict(ref.files)
+        files[".metadata"] = raw[:at] + trick + raw[at:]
+        _check(workdir, files, verify)
+    else:
+        raw = _blob.tensor_pickle(torch.float32, (3,))
+        at = data.draw(st.integers(0, len(raw)))
+        _check(workdir, _record_files(raw[:at] + trick + raw[at:]), verify, loader=_load_record)
+    assert not marker.exists(), name
 
 
 # ---------------------------------------------------------------- regressions
