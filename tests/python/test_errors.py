@@ -292,7 +292,7 @@ def test_command_reports_permission_not_missing(shared_dir, capsys):
     assert res[0] == "RuntimeError", res
     rc, rc2, out = res[3].split(" ", 2)
     lines = out.strip().splitlines()
-    assert rc == "1" and "Permission denied" in lines[0] and p in lines[0], out
+    assert rc == "1" and "permission denied" in lines[0].lower() and p in lines[0], out
     assert "no such file" not in lines[0], out
     assert rc2 == "2" and "no such file" in lines[-1] and missing in lines[-1], out
 
