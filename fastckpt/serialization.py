@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, IO, List, Optional, Tuple, Union
 import torch
 import torch.serialization as ts
 
-from . import _C, _paths, _torch_rules, _zip, knobs
+from . import _C, _paths, _torch_rules, _unpickle, _zip, knobs
 from .engine import get_engine
 from .errors import FormatError
 
@@ -576,15 +576,30 @@ def _referenced_storages(pkl: bytes, names) -> List[str]:
     return [n for k, n in keys.items() if k in found]
 
 
-def _check_layout(f: FileLike) -> None:
+def _check_layout(f: FileLike, weights_only: bool = False) -> None:
     """For the loads left to torch.load (file objects, mmap=True): refuse a zip
     archive whose records are out of order or overlap, or whose sizes run past
-    the file (docs/FORMAT.md 1.5), before torch allocates its records. Torch's
-    legacy format and streams that cannot seek are left to torch.load."""
+    the file (docs/FORMAT.md 1.5), before torch allocates its records, and, with
+    ``weights_only``, a data.pkl that _unpickle's walk refuses (nesting that
+    would overflow the C stack in torch's unpickler, memory far beyond its
+    size). Torch's legacy format and streams that cannot seek are left to
+    torch.load."""
+    def check(fh, name: str, **parse_args) -> None:
+        if fh.read(4) != b"PK\x03\x04":
+            return
+        archive = _zip.Archive.parse(fh, name, **parse_args)
+        pkl = archive.records.get("data.pkl")
+        if weights_only and pkl is not None and pkl.method == 0:
+            fh.seek(pkl.data_offset)
+            data = fh.read(pkl.size)
+            try:
+                _unpickle.check(data, f"{name}: data.pkl")
+            except _unpickle.Refused as e:
+                raise pickle.UnpicklingError(_weights_only_message(name, str(e))) from None
+
     if _is_path(f):
         with open(f, "rb") as fh:  # FileNotFoundError etc. as torch.load would raise them
-            if fh.read(4) == b"PK\x03\x04":
-                _zip.Archive.parse(fh, os.fspath(f))
+            check(fh, os.fspath(f))
         return
     seekable = getattr(f, "seekable", None)
     if not (callable(seekable) and seekable()) or not hasattr(f, "read"):
@@ -592,8 +607,7 @@ def _check_layout(f: FileLike) -> None:
     pos = f.tell()
     try:
         f.seek(0)
-        if f.read(4) == b"PK\x03\x04":
-            _zip.Archive.parse(f, str(getattr(f, "name", None) or f"<{type(f).__name__} object>"), use_fd=False)
+        check(f, str(getattr(f, "name", None) or f"<{type(f).__name__} object>"), use_fd=False)
     finally:
         f.seek(pos)
 
@@ -730,7 +744,7 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     if not _is_path(f) or mmap or (not verify and _torch_rules.reads_no_data(map_location)):
         if verify:
             raise ValueError("verify=True needs a path and mmap=False")
-        _check_layout(f)
+        _check_layout(f, weights_only)
         return torch.load(f, map_location=map_location, weights_only=weights_only, mmap=mmap,
                           **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
     path = os.fspath(f)
@@ -747,6 +761,13 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         archive, small, storages, bad = _read_archive(path, fh, verify)
     if weights_only:
         pickle_module = ts._weights_only_unpickler
+        # torch's weights-only unpickler is never handed a pickle that nests deep
+        # enough to overflow the C stack (a key hashed a million tuples deep) or
+        # that would allocate far more than its size: the one walk of _unpickle.
+        try:
+            _unpickle.check(small["data.pkl"], f"{path}: data.pkl")
+        except _unpickle.Refused as e:
+            raise pickle.UnpicklingError(_weights_only_message(path, str(e))) from None
     reader = _Reader(archive, small, storages)
     if bad:
         names = _tensor_names_for_records(reader, bad, pickle_module, pickle_load_args)

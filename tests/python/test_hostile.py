@@ -452,3 +452,38 @@ def test_unreadable_directory_is_not_reported_missing(locked, cmd):
         if blocked is not None:
             assert f"may not look into directory {blocked}" in text, (target, text)
         assert "Traceback" not in text
+
+
+_DEEP_LOAD_SCRIPT = """
+import io, sys, pickle
+sys.path.insert(0, {tests!r})
+import fastckpt
+path = {path!r}
+how = {how!r}
+try:
+    if how == "path":
+        fastckpt.load(path)
+    elif how == "fileobj":
+        with open(path, "rb") as fh:
+            fastckpt.load(io.BytesIO(fh.read()))
+    else:
+        fastckpt.load(path, mmap=True)
+    print("LOADED")
+except Exception as e:
+    print(type(e).__name__, str(e)[:500])
+"""
+
+
+@pytest.mark.parametrize("how", ["path", "fileobj", "mmap"])
+def test_deep_nesting_in_a_torch_save_file_is_refused_not_a_crash(tmp_path, how):
+    """The same million-deep tuple key as the data.pkl of a plain .pt file: torch's
+    weights-only unpickler (torch.load, and fastckpt.load before the walk) dies of
+    SIGSEGV; fastckpt.load refuses it on every path (engine read, file object and
+    mmap=True, the last two handed to torch.load after the check)."""
+    path = tmp_path / "deep.pt"
+    path.write_bytes(H.record(H.deep_tuple_key(1_000_000)))
+    code = _DEEP_LOAD_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), path=str(path), how=how)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert r.stdout.startswith("FormatError") and "nested more than 100 deep" in r.stdout, r.stdout
+    assert "data.pkl" in r.stdout, r.stdout
