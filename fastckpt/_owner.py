@@ -23,7 +23,7 @@ for one shared on purpose.
 
 Only the directory itself is checked, not its ancestors. Single files given to
 :func:`fastckpt.load` are not checked: loading a published checkpoint from a
-shared directory is normal, and with ``weights_only=True`` (the default)
+shared directory is normal, and with weights-only unpickling (the default, as in torch.load)
 nothing in the file can run code.
 """
 
