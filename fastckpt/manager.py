@@ -286,14 +286,15 @@ class CheckpointManager:
     def _begin(self, step: int, name: str, *, wait_previous: bool, tmp_dir: bool = False) -> Optional[Path]:
         """The barrier before a save. Every rank (with ``wait_previous``) waits
         for its earlier asynchronous saves of this manager, so that ``latest``
-        moves in order, and raises any failure of an asynchronous save nobody
-        looked at; rank 0 makes the temporary directory of a sharded save. Every
-        rank learns of any rank's failure. Returns that directory."""
+        moves in order; rank 0 makes the temporary directory of a sharded save.
+        Every rank learns of any rank's failure. Returns that directory.
+
+        An earlier asynchronous save's failure is not raised here (it was
+        logged when it happened; :meth:`wait` raises it): this save goes ahead."""
         err, tmp_name = None, None
         try:
             if wait_previous:
                 self.wait_local()
-            self.saver.raise_unobserved()
             if tmp_dir and self.rank == 0:
                 tmp_name = f".{name}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}.dcp"
                 (self.directory / tmp_name).mkdir()
@@ -323,7 +324,10 @@ class CheckpointManager:
             OSError etc.: this rank's write failed; ``latest`` still names the
                 previous checkpoint and no temporary file is left.
             RuntimeError: another rank failed (the message says which and why).
-            The failure of an earlier :meth:`async_save` nobody looked at.
+
+        The failure of an earlier :meth:`async_save` is not raised here and
+        does not stop this save: it is logged at ERROR level when it happens
+        and raised by :meth:`wait` if nobody looked at its future.
         """
         self._check_step(step)
         name = self.name_for(step)
@@ -367,8 +371,11 @@ class CheckpointManager:
             failures on all ranks.
 
         Raises:
-            The failure of an earlier asynchronous save that nobody looked at
-            (on every rank); a snapshot error (e.g. unpicklable state).
+            A snapshot error (e.g. unpicklable state), on every rank. The
+            failure of an earlier asynchronous save is never raised here and
+            never stops this save: it is logged at ERROR level (on the rank
+            that failed) when it happens, and :meth:`wait` raises it on every
+            rank if nobody looked at its future.
         """
         self._check_step(step)
         name = self.name_for(step)
@@ -594,7 +601,7 @@ class CheckpointManager:
             if exc is None:
                 fut.set_result(SaveResult(fut.path, 0, 0.0, time.perf_counter() - t0))
             else:
-                self.saver.note_failure(fut)
+                self.saver.note_failure(fut, exc)
                 fut.set_exception(exc)
 
         with self._lock:
