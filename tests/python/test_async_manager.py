@@ -320,7 +320,8 @@ def test_retention_spares_latest_target_and_saves_in_flight(tmp_path):
     assert mgr.steps() == [40]
     mgr.save(20, small_state(20))  # e.g. after rolling back: latest names an older step
     assert (tmp_path / "latest").read_text() == "step_00000020.pt\n"
-    assert mgr.steps() == [20, 40]
+    # step 40 is an abandoned branch now (issue 11 item 11): set aside, not deleted
+    assert mgr.steps() == [20] and os.listdir(tmp_path / "abandoned") == ["step_00000040.pt"]
     mgr.save(50, small_state(50))
     assert mgr.steps() == [50]
     fastckpt.save(small_state(5), tmp_path / "step_00000005.pt")
@@ -378,8 +379,13 @@ def test_failed_pointer_update_keeps_the_old_pointer(tmp_path):
     _C.fault_clear()
     assert (tmp_path / "latest").read_text() == "step_00000010.pt\n"
     assert temp_files(tmp_path) == []
-    # step 20 itself was committed before the pointer: it is complete, and newest.
-    assert mgr.steps() == [10, 20] and mgr.load_latest().step == 20
+    # step 20 was renamed into place before the pointer failed: complete, but the save
+    # failed and `latest` is authoritative (issue 11 item 11): resume from 10, say why.
+    assert mgr.steps() == [10, 20]
+    with pytest.warns(RuntimeWarning, match=r"not loading step_00000020\.pt .*never committed"):
+        assert mgr.load_latest().step == 10
+    mgr.save(20, small_state(20))  # the step saved again commits
+    assert mgr.load_latest().step == 20 and not (tmp_path / "abandoned").exists()
 
 
 def test_unobserved_async_failure_does_not_stop_the_next_manager_save(tmp_path, caplog):
