@@ -44,6 +44,7 @@ The directory must be visible to every rank that reads it (one node, or a
 shared filesystem).
 """
 
+import atexit
 import concurrent.futures
 import errno
 import inspect
@@ -52,10 +53,13 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import threading
 import time
+import types
 import uuid
 import warnings
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, List, NamedTuple, Optional, Set, Tuple, Union
@@ -76,6 +80,77 @@ TMP_MARK = ".fastckpt-tmp."          # docs/FORMAT.md 1.6: `.<name>.fastckpt-tmp
 _TMP_RE = re.compile(r"^\..+\.fastckpt-tmp\.(?:(\d+)\.)?")
 LATEST = "latest"
 ABANDONED = "abandoned"               # checkpoints of an abandoned branch (a rollback) are moved here
+
+
+def _drop_torch_refs_to_destroyed_groups() -> int:
+    """``torch.distributed.nn.functional`` (imported by
+    ``torch.distributed.checkpoint``, DDP and others) binds
+    ``dist.group.WORLD`` as the default argument of its functions when it is
+    first imported; imported after ``init_process_group``, that keeps the
+    default group alive after ``destroy_process_group()``. Such a group dies
+    only during interpreter finalization, and that is fatal with gloo: each
+    of its worker threads keeps the last collective it ran, whose tensors
+    hold Python objects, until the group is destroyed; releasing them then
+    takes the GIL, and a thread that takes the GIL during finalization is
+    killed inside a noexcept destructor: "terminate called without an
+    active exception", SIGABRT (issue 11 item 13).
+
+    Called at exit, while the interpreter is fully alive: replaces those
+    default arguments, where they name a group that was already destroyed
+    (no longer registered), by None (which means the default group, as if
+    the module had been imported before ``init_process_group``). If nothing
+    else holds the group, it is freed here, through its Python object,
+    whose destructor releases the GIL while it joins the worker threads.
+    Live groups are left alone. Returns how many defaults were replaced."""
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    if mod is None:
+        return 0
+    import torch.distributed as dist
+    live = set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
+    n = 0
+    for f in list(vars(mod).values()):
+        if not isinstance(f, types.FunctionType) or not f.__defaults__:
+            continue
+        d = tuple(None if isinstance(x, dist.ProcessGroup) and x not in live else x for x in f.__defaults__)
+        if any(x is not y for x, y in zip(d, f.__defaults__)):
+            f.__defaults__ = d
+            n += 1
+    return n
+
+
+_live: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+_exit_hook = False
+_exit_lock = threading.Lock()
+
+
+def _release_at_exit() -> None:
+    """atexit (registered when the first manager is made, i.e. after torch's
+    own exit handlers, so it runs before them, and while the interpreter is
+    fully alive): every live manager finishes its background saves and frees
+    its own gloo group, whose worker threads are joined here rather than
+    during interpreter finalization; then the references torch keeps to
+    destroyed groups are dropped (:func:`_drop_torch_refs_to_destroyed_groups`)."""
+    for mgr in list(_live):
+        try:
+            mgr._release(wait=True)
+        except Exception:  # noqa: BLE001 - never mask other exit handlers
+            log.exception("fastckpt.CheckpointManager: error while finishing %s at exit", mgr.directory)
+    try:
+        n = _drop_torch_refs_to_destroyed_groups()
+        if n:
+            log.debug("fastckpt.CheckpointManager: dropped %d reference(s) torch kept to destroyed groups", n)
+    except Exception:  # noqa: BLE001
+        log.debug("fastckpt.CheckpointManager: could not drop torch's references to destroyed groups",
+                  exc_info=True)
+
+
+def _register(mgr: "CheckpointManager") -> None:
+    global _exit_hook
+    with _exit_lock:
+        _live.add(mgr)
+        if not _exit_hook:
+            atexit.register(_release_at_exit)
+            _exit_hook = True
 
 
 class Restored(NamedTuple):
@@ -308,15 +383,21 @@ class CheckpointManager:
                 err = e
         self._agree(err, "preparing the checkpoint directory")
         if sharded and self._dist:
-            import torch.distributed as dist
-            # dcp.async_save runs collectives from a background thread: never on the
-            # group the training loop uses (two threads' collectives would interleave).
-            # Its timeout is the user's group's, not torch's default of 30 minutes for a new
-            # group: a rank whose peer stops responding in the middle of an asynchronous save
-            # fails within that timeout instead of waiting it out (crash driver's stall check).
-            group = self._pg or dist.group.WORLD
-            self._dcp_pg = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
-                                          timeout=_group_timeout(group))
+            self._dcp_pg = self._new_dcp_group()
+        _register(self)
+
+    def _new_dcp_group(self) -> Any:
+        """Collective. dcp.async_save runs collectives from a background thread:
+        never on the group the training loop uses (two threads' collectives
+        would interleave). Its timeout is the user's group's, not torch's
+        default of 30 minutes for a new group: a rank whose peer stops
+        responding in the middle of an asynchronous save fails within that
+        timeout instead of waiting it out (crash driver's stall check). Freed
+        by :meth:`close` / ``with`` / interpreter exit (:meth:`_release`)."""
+        import torch.distributed as dist
+        group = self._pg or dist.group.WORLD
+        return dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                              timeout=_group_timeout(group))
 
     # ------------------------------------------------------------ names
     def name_for(self, step: int) -> str:
@@ -516,7 +597,8 @@ class CheckpointManager:
             else:
                 with self._lock:
                     self._futures = [f for f in self._futures if not f.done()] + [fut]
-                fut.add_done_callback(lambda _f: self._finished(name))
+                me = weakref.ref(self)  # no cycle manager -> future -> callback -> manager
+                fut.add_done_callback(lambda _f: me() is not None and me()._finished(name))
         self._agree(err, f"snapshotting the checkpoint of step {step}")
         return fut if fut is not None else _done_future()
 
@@ -544,20 +626,54 @@ class CheckpointManager:
         self._agree(err, "an asynchronous checkpoint save")
 
     def close(self) -> None:
-        """:meth:`wait`, then free the staging memory of sharded asynchronous saves. Collective."""
-        self.wait()
-        if self._dcp_writer is not None:
-            self._dcp_writer.close()
-            self._dcp_writer = None
+        """:meth:`wait` (raising on every rank any failure nobody looked at),
+        then free what the manager holds: the staging memory of sharded
+        asynchronous saves and the manager's own gloo group (its worker
+        threads are joined now). Collective. The manager stays usable: a later
+        sharded :meth:`async_save` makes a new group (collectively).
+
+        Call it (or use the manager as a context manager) before
+        ``destroy_process_group()``: a sharded asynchronous save still running
+        then would find its group destroyed. At interpreter exit, managers
+        still open finish their saves and free their group by themselves (an
+        exit handler, not collective)."""
+        try:
+            self.wait()
+        finally:
+            self._release(wait=False)
+
+    def _release(self, wait: bool) -> None:
+        """Not collective: (with ``wait``) wait for this process's background
+        saves of this manager, then close the sharded writer and free the
+        manager's own process group: it is destroyed (if still registered)
+        and its last reference dropped, so that gloo's destructor joins its
+        worker threads here, while the interpreter is alive."""
+        if wait:
+            self.wait_local()
+        writer, self._dcp_writer = self._dcp_writer, None
+        if writer is not None:
+            writer.close()
+        pg, self._dcp_pg = self._dcp_pg, None
+        if pg is None:
+            return
+        import torch.distributed as dist
+        try:
+            dist.destroy_process_group(pg)
+        except (ValueError, RuntimeError) as e:  # already destroyed (destroy_process_group() of all groups)
+            log.debug("fastckpt.CheckpointManager: own process group already destroyed: %s", e)
+        del pg  # the last reference: ProcessGroupGloo's destructor joins its threads now
 
     def __enter__(self) -> "CheckpointManager":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        """Without an exception: :meth:`close` (collective). With one: wait
+        for this process's background saves and free the manager's group,
+        without collectives (another rank may not be there)."""
         if exc_type is None:
-            self.wait()
+            self.close()
         else:
-            self.wait_local()
+            self._release(wait=True)
 
     # ------------------------------------------------------------ commit, retention, cleanup
     def _commit(self, name: str) -> None:
@@ -716,6 +832,8 @@ class CheckpointManager:
         from .dcp import FastWriter
         # one sharded save in flight: every rank waits for its previous one first
         tmp = self._begin(step, name, wait_previous=True, tmp_dir=True)
+        if self._dist and self._dcp_pg is None:  # closed before: a new group (every rank is here)
+            self._dcp_pg = self._new_dcp_group()
         err = None
         fut = SaveFuture(str(self.directory / name))
         fut.set_running_or_notify_cancel()
