@@ -14,11 +14,22 @@ bounded by ``async_max_in_flight`` (a :mod:`fastckpt.knobs` knob, default 1)
 times the size of the state: a call that would exceed that many saves in
 flight waits for the oldest to finish first.
 
-Errors are never lost: a failed save's future holds the exception; if nobody
-looked at it (``result()`` or ``exception()``), the next ``async_save``,
-:func:`wait_for_saves` or :class:`fastckpt.CheckpointManager` save raises it,
-and at interpreter exit (which waits for pending saves) it is logged at error
-level on the ``fastckpt`` logger.
+Errors are never lost, and a failed save never stops the next one:
+
+* a failed save's future holds the exception, and the failure is logged at
+  ERROR level on the ``fastckpt`` logger when it happens (the path and the
+  cause);
+* ``async_save`` never raises an *earlier* save's failure: the next save is
+  snapshotted and written as usual (a call raises only for its own snapshot);
+* a failure whose future nobody looked at (``result()`` or ``exception()``) is
+  raised by the next :func:`wait_for_saves` (or :meth:`AsyncSaver.wait`,
+  :meth:`fastckpt.CheckpointManager.wait` / ``close()``), once, with a note
+  naming the save; at interpreter exit (which waits for pending saves) it is
+  logged again at ERROR level.
+
+A training loop that must stop at the first failed checkpoint checks the
+previous save's future (``fut.exception(timeout=0)`` once ``fut.done()``) or
+calls :func:`wait_for_saves` now and then.
 """
 
 import atexit
@@ -58,7 +69,8 @@ class SaveFuture(concurrent.futures.Future):
     """A Future that knows whether anyone looked at its outcome.
 
     ``result()`` or ``exception()`` count as looking; a failure nobody looked
-    at is raised by the next save call or logged at exit.
+    at is raised by the next :meth:`AsyncSaver.wait` (:func:`wait_for_saves`)
+    or logged at exit (it is logged when it happens in any case).
     """
 
     def __init__(self, path: str):
@@ -229,9 +241,16 @@ class AsyncSaver:
             return list(self._in_flight)
 
     # -- errors nobody looked at
-    def note_failure(self, fut: SaveFuture) -> None:
-        """Record a failed save made elsewhere (the checkpoint manager's sharded
-        saves) so that, unobserved, it is raised and logged like this saver's."""
+    def note_failure(self, fut: SaveFuture, exc: Optional[BaseException] = None) -> None:
+        """Record a failed save (this saver's, or one made elsewhere: the
+        checkpoint manager's sharded saves): log it at ERROR level now, with its
+        path and cause, and keep it so that, unobserved, :meth:`wait` raises it
+        and interpreter exit logs it again. ``exc`` defaults to the future's."""
+        if exc is None:
+            exc = concurrent.futures.Future.exception(fut, timeout=0)
+        log.error("fastckpt: the asynchronous save of %r failed: %s: %s (that checkpoint was not written; "
+                  "later saves go on)", fut.path, type(exc).__name__, exc,
+                  exc_info=(type(exc), exc, exc.__traceback__))
         with self._cv:
             self._failed.append(fut)
 
@@ -271,7 +290,8 @@ class AsyncSaver:
         if threading.get_ident() == self._worker_ident:
             raise RuntimeError("fastckpt.async_save called from the save thread itself (it would wait for itself)")
         path = os.fspath(f)
-        self.raise_unobserved()
+        # An earlier failure is not raised here: it was logged when it happened and
+        # wait() raises it; this save goes ahead (issue 11, item 8).
         limit = self.max_in_flight
         with self._cv:
             while len(self._in_flight) >= limit:
@@ -280,7 +300,6 @@ class AsyncSaver:
             self._in_flight.append(fut)  # the slot is ours from here
         arena = None
         try:
-            self.raise_unobserved()  # a save we just waited for may have failed
             t0 = time.perf_counter()
             data_pkl, storages = _ser._pickle(obj, pickle_module, pickle_protocol)
             arena, staged = self.stager.snapshot(storages)
@@ -310,16 +329,15 @@ class AsyncSaver:
                 if after is not None:
                     after()
             except BaseException as e:  # noqa: BLE001 - delivered through the future
-                log.debug("fastckpt.async_save of %s failed: %r", fut.path, e)
-                with self._cv:
-                    self._failed.append(fut)
+                self.note_failure(fut, e)
                 fut.set_exception(e)
                 return
             fut.set_result(SaveResult(fut.path, snap.nbytes, snap_s, time.perf_counter() - t0))
         finally:
+            snap.staged = snap.data_pkl = None  # a kept failure's traceback must not pin the snapshot
             if snap.arena is not None:
-                snap.staged = None
                 self.stager.release(snap.arena, keep=self.max_in_flight)
+                snap.arena = None
             self._done(fut)
 
     def _done(self, fut: SaveFuture) -> None:
@@ -392,9 +410,11 @@ def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 
         file is durable under its final name.
 
     Raises:
-        The failure of an earlier asynchronous save whose future nobody
-        checked; pickling errors (``obj`` cannot be saved), raised before
-        anything is staged. I/O errors of this save are raised by its future.
+        Pickling errors (``obj`` cannot be saved), raised before anything is
+        staged. I/O errors of this save are raised by its future (and logged
+        at ERROR level when they happen). The failure of an *earlier* save is
+        never raised here, and never stops this save: :func:`wait_for_saves`
+        raises it if nobody looked at its future.
 
     Example:
         >>> fut = fastckpt.async_save({"model": model.state_dict(), "step": step}, "ckpt.pt")
@@ -407,7 +427,13 @@ def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 
 
 def wait_for_saves(timeout: Optional[float] = None) -> bool:
     """Wait for every pending :func:`async_save` (and checkpoint manager save);
-    then raise the first failure nobody looked at. Returns False on timeout."""
+    then raise the first failure whose future nobody looked at (with a note
+    naming it and any others; each is raised once). Returns False on timeout.
+
+    This is where a failed background save that nobody checked is raised:
+    ``async_save`` itself never raises an earlier save's failure (the next
+    save is written regardless), and every failure is logged at ERROR level
+    on the ``fastckpt`` logger when it happens."""
     return default_saver().wait(timeout)
 
 

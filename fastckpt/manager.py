@@ -6,6 +6,7 @@ Layout of ``directory``::
     step_00000200/       ... or, in sharded mode, one DCP directory each
     latest               "step_00000200.pt\\n": the last checkpoint saved, replaced atomically
     .step_00000300.pt.fastckpt-tmp.<pid>.<n>.<r>   a save in progress (or left by a crash)
+    abandoned/step_00000300.pt   newer checkpoints set aside by a rollback (see below)
 
 A checkpoint appears under its final name only when it is complete: single
 files are committed by the engine (temporary file, fdatasync, rename,
@@ -13,6 +14,22 @@ directory fsync); sharded directories are written under a temporary name and
 renamed by rank 0 once every rank's data and DCP's ``.metadata`` are durable.
 ``latest`` is then replaced the same way, and retention deletes older
 checkpoints. Anything named ``.*.fastckpt-tmp.*`` is never a checkpoint.
+
+``latest`` is authoritative: a save is committed when ``latest`` names it,
+and :meth:`CheckpointManager.load_latest` loads what ``latest`` names (or,
+if that one is damaged, an older one), never a checkpoint of a higher step.
+
+Rollback: saving a step lower than existing checkpoints (say 5 after 10, 20,
+30, having gone back to an earlier state) starts a new branch. Once ``latest``
+names step 5, the checkpoints of higher steps (10, 20, 30) are an *abandoned
+branch*: they are never loaded, and rank 0 moves them into the subdirectory
+``abandoned/`` (same filesystem: a rename; a name already there gets a
+``.1``, ``.2``... suffix) with a warning. Retention neither counts nor
+deletes them there; delete them (or move one back, then point ``latest`` at
+it) yourself. A crash before they are moved leaves them in place, still
+ignored; the next commit moves them. The same holds for a checkpoint of a
+higher step left by a save that failed or crashed after its rename but
+before ``latest`` moved: it was never committed.
 
 Distributed rules (when ``torch.distributed`` is initialized; every rank must
 call every method, in the same order):
@@ -27,16 +44,22 @@ The directory must be visible to every rank that reads it (one node, or a
 shared filesystem).
 """
 
+import atexit
 import concurrent.futures
+import errno
+import inspect
 import logging
 import os
 import pickle
 import re
 import shutil
+import sys
 import threading
 import time
+import types
 import uuid
 import warnings
+import weakref
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, List, NamedTuple, Optional, Set, Tuple, Union
@@ -45,6 +68,7 @@ from . import _C
 from .async_save import AsyncSaver, SaveFuture, default_saver
 from ._owner import check_directory_owner
 from .engine import get_engine
+from .errors import FormatError
 from .serialization import load as _load
 from .serialization import save as _save
 
@@ -55,6 +79,78 @@ log = logging.getLogger("fastckpt")
 TMP_MARK = ".fastckpt-tmp."          # docs/FORMAT.md 1.6: `.<name>.fastckpt-tmp.<pid>.<n>.<r>`
 _TMP_RE = re.compile(r"^\..+\.fastckpt-tmp\.(?:(\d+)\.)?")
 LATEST = "latest"
+ABANDONED = "abandoned"               # checkpoints of an abandoned branch (a rollback) are moved here
+
+
+def _drop_torch_refs_to_destroyed_groups() -> int:
+    """``torch.distributed.nn.functional`` (imported by
+    ``torch.distributed.checkpoint``, DDP and others) binds
+    ``dist.group.WORLD`` as the default argument of its functions when it is
+    first imported; imported after ``init_process_group``, that keeps the
+    default group alive after ``destroy_process_group()``. Such a group dies
+    only during interpreter finalization, and that is fatal with gloo: each
+    of its worker threads keeps the last collective it ran, whose tensors
+    hold Python objects, until the group is destroyed; releasing them then
+    takes the GIL, and a thread that takes the GIL during finalization is
+    killed inside a noexcept destructor: "terminate called without an
+    active exception", SIGABRT (issue 11 item 13).
+
+    Called at exit, while the interpreter is fully alive: replaces those
+    default arguments, where they name a group that was already destroyed
+    (no longer registered), by None (which means the default group, as if
+    the module had been imported before ``init_process_group``). If nothing
+    else holds the group, it is freed here, through its Python object,
+    whose destructor releases the GIL while it joins the worker threads.
+    Live groups are left alone. Returns how many defaults were replaced."""
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    if mod is None:
+        return 0
+    import torch.distributed as dist
+    live = set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
+    n = 0
+    for f in list(vars(mod).values()):
+        if not isinstance(f, types.FunctionType) or not f.__defaults__:
+            continue
+        d = tuple(None if isinstance(x, dist.ProcessGroup) and x not in live else x for x in f.__defaults__)
+        if any(x is not y for x, y in zip(d, f.__defaults__)):
+            f.__defaults__ = d
+            n += 1
+    return n
+
+
+_live: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
+_exit_hook = False
+_exit_lock = threading.Lock()
+
+
+def _release_at_exit() -> None:
+    """atexit (registered when the first manager is made, i.e. after torch's
+    own exit handlers, so it runs before them, and while the interpreter is
+    fully alive): every live manager finishes its background saves and frees
+    its own gloo group, whose worker threads are joined here rather than
+    during interpreter finalization; then the references torch keeps to
+    destroyed groups are dropped (:func:`_drop_torch_refs_to_destroyed_groups`)."""
+    for mgr in list(_live):
+        try:
+            mgr._release(wait=True)
+        except Exception:  # noqa: BLE001 - never mask other exit handlers
+            log.exception("fastckpt.CheckpointManager: error while finishing %s at exit", mgr.directory)
+    try:
+        n = _drop_torch_refs_to_destroyed_groups()
+        if n:
+            log.debug("fastckpt.CheckpointManager: dropped %d reference(s) torch kept to destroyed groups", n)
+    except Exception:  # noqa: BLE001
+        log.debug("fastckpt.CheckpointManager: could not drop torch's references to destroyed groups",
+                  exc_info=True)
+
+
+def _register(mgr: "CheckpointManager") -> None:
+    global _exit_hook
+    with _exit_lock:
+        _live.add(mgr)
+        if not _exit_hook:
+            atexit.register(_release_at_exit)
+            _exit_hook = True
 
 
 class Restored(NamedTuple):
@@ -78,13 +174,112 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _dcp_storage(path: str, writing: bool, verify: bool = True):
-    """The storage layer of sharded checkpoints: fastckpt.dcp's FastWriter /
-    FastReader (the engine; the reader checks CRCs when ``verify``). They take
-    the stock FileSystemWriter / FileSystemReader's path argument, which can
-    stand in for them here."""
-    from .dcp import FastReader, FastWriter
-    return FastWriter(path) if writing else FastReader(path, verify=verify)
+def _dcp_writer(path: str) -> Any:
+    """The storage writer of sharded checkpoints: fastckpt.dcp's FastWriter
+    (the engine). It takes the stock FileSystemWriter's path argument, which
+    can stand in for it here."""
+    from .dcp import FastWriter
+    return FastWriter(path)
+
+
+def _dcp_reader(path: str, verify: bool, weights_only: bool) -> Tuple[Any, Any]:
+    """The storage reader and load planner of a sharded checkpoint.
+
+    FastReader (the engine; CRCs checked when ``verify``). ``weights_only``:
+    no value in the checkpoint may be unpickled by code-running pickle. A
+    FastReader that takes ``weights_only`` enforces it itself (its
+    ``.metadata`` and non-tensor values); otherwise the manager loads the
+    non-tensor values (DCP's BYTE_IO items, which the stock planner hands to
+    ``torch.load(..., weights_only=False)``) through :class:`_WeightsOnlyPlanner`.
+    Returns ``(reader, planner)``; planner None means DCP's default."""
+    from .dcp import FastReader
+    if "weights_only" in inspect.signature(FastReader).parameters:
+        return FastReader(path, verify=verify, weights_only=weights_only), None
+    return FastReader(path, verify=verify), (_weights_only_planner() if weights_only else None)
+
+
+class _WeightsOnlyRefusal(pickle.UnpicklingError):
+    """The weights-only unpickler refused a value of a sharded checkpoint.
+    A reader may wrap it (FastReader without ``weights_only`` reports what
+    its planner raises as FormatError, from this): it is found through
+    ``__cause__``/``__context__``, and is a refusal, not damage."""
+
+
+def _refusal(e: BaseException) -> Optional[BaseException]:
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, _WeightsOnlyRefusal):
+            return e
+        e = e.__cause__ or e.__context__
+    return None
+
+
+def _weights_only_planner() -> Any:
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    class _WeightsOnlyPlanner(DefaultLoadPlanner):
+        """DCP's default load planner, except that non-tensor values are
+        unpickled by torch's weights-only unpickler (the stock one uses
+        ``weights_only=False``): a value that would run code is refused with
+        pickle.UnpicklingError, before anything of it runs."""
+
+        def load_bytes(self, read_item, value) -> None:
+            import torch
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                raise _WeightsOnlyRefusal(
+                    f"the weights-only unpickler refused the value {read_item.dest_index.fqn!r} of a sharded "
+                    f"checkpoint: {e}") from None
+            if self.flatten_state_dict:
+                from torch.distributed.checkpoint._traverse import set_element
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return _WeightsOnlyPlanner()
+
+
+# What "this checkpoint is missing or incomplete" looks like as an OSError:
+# the file or directory is not there (or not of its kind). Every other errno
+# (EIO, EACCES, ENOMEM, ESTALE, EUCLEAN, ...) says the machine, the filesystem
+# or the caller is in trouble, not the checkpoint: it propagates.
+_DAMAGE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
+
+
+def _failure_kind(e: BaseException) -> str:
+    """How :meth:`CheckpointManager.load_latest` treats a failure to load one
+    checkpoint: ``"damaged"`` (missing, incomplete or failing its checks: try
+    the previous one), ``"refused"`` (the weights-only unpickler refused a
+    value: raised, not corruption) or ``"error"`` (anything else: raised)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and type(e).__name__ == "CheckpointException":  # DCP wraps every rank's error
+        kinds = {_failure_kind(f[0] if isinstance(f, tuple) else f) for f in failures.values()}
+        if not kinds or "error" in kinds:
+            return "error"
+        return "refused" if "refused" in kinds else "damaged"
+    if _refusal(e) is not None:
+        return "refused"
+    if isinstance(e, FormatError):
+        return "damaged"
+    if isinstance(e, pickle.UnpicklingError):
+        return "refused"
+    if isinstance(e, OSError):
+        return "damaged" if e.errno in _DAMAGE_ERRNOS else "error"
+    return "error"
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """DCP's CheckpointException holding exactly one error: that error; a
+    weights-only refusal that a reader wrapped: the refusal."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and type(e).__name__ == "CheckpointException" and len(failures) == 1:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            e = inner
+    return _refusal(e) or e
 
 
 _failures_cache: Optional[Tuple[type, ...]] = None
@@ -188,15 +383,21 @@ class CheckpointManager:
                 err = e
         self._agree(err, "preparing the checkpoint directory")
         if sharded and self._dist:
-            import torch.distributed as dist
-            # dcp.async_save runs collectives from a background thread: never on the
-            # group the training loop uses (two threads' collectives would interleave).
-            # Its timeout is the user's group's, not torch's default of 30 minutes for a new
-            # group: a rank whose peer stops responding in the middle of an asynchronous save
-            # fails within that timeout instead of waiting it out (crash driver's stall check).
-            group = self._pg or dist.group.WORLD
-            self._dcp_pg = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
-                                          timeout=_group_timeout(group))
+            self._dcp_pg = self._new_dcp_group()
+        _register(self)
+
+    def _new_dcp_group(self) -> Any:
+        """Collective. dcp.async_save runs collectives from a background thread:
+        never on the group the training loop uses (two threads' collectives
+        would interleave). Its timeout is the user's group's, not torch's
+        default of 30 minutes for a new group: a rank whose peer stops
+        responding in the middle of an asynchronous save fails within that
+        timeout instead of waiting it out (crash driver's stall check). Freed
+        by :meth:`close` / ``with`` / interpreter exit (:meth:`_release`)."""
+        import torch.distributed as dist
+        group = self._pg or dist.group.WORLD
+        return dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                              timeout=_group_timeout(group))
 
     # ------------------------------------------------------------ names
     def name_for(self, step: int) -> str:
@@ -286,14 +487,15 @@ class CheckpointManager:
     def _begin(self, step: int, name: str, *, wait_previous: bool, tmp_dir: bool = False) -> Optional[Path]:
         """The barrier before a save. Every rank (with ``wait_previous``) waits
         for its earlier asynchronous saves of this manager, so that ``latest``
-        moves in order, and raises any failure of an asynchronous save nobody
-        looked at; rank 0 makes the temporary directory of a sharded save. Every
-        rank learns of any rank's failure. Returns that directory."""
+        moves in order; rank 0 makes the temporary directory of a sharded save.
+        Every rank learns of any rank's failure. Returns that directory.
+
+        An earlier asynchronous save's failure is not raised here (it was
+        logged when it happened; :meth:`wait` raises it): this save goes ahead."""
         err, tmp_name = None, None
         try:
             if wait_previous:
                 self.wait_local()
-            self.saver.raise_unobserved()
             if tmp_dir and self.rank == 0:
                 tmp_name = f".{name}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}.dcp"
                 (self.directory / tmp_name).mkdir()
@@ -323,7 +525,10 @@ class CheckpointManager:
             OSError etc.: this rank's write failed; ``latest`` still names the
                 previous checkpoint and no temporary file is left.
             RuntimeError: another rank failed (the message says which and why).
-            The failure of an earlier :meth:`async_save` nobody looked at.
+
+        The failure of an earlier :meth:`async_save` is not raised here and
+        does not stop this save: it is logged at ERROR level when it happens
+        and raised by :meth:`wait` if nobody looked at its future.
         """
         self._check_step(step)
         name = self.name_for(step)
@@ -367,8 +572,11 @@ class CheckpointManager:
             failures on all ranks.
 
         Raises:
-            The failure of an earlier asynchronous save that nobody looked at
-            (on every rank); a snapshot error (e.g. unpicklable state).
+            A snapshot error (e.g. unpicklable state), on every rank. The
+            failure of an earlier asynchronous save is never raised here and
+            never stops this save: it is logged at ERROR level (on the rank
+            that failed) when it happens, and :meth:`wait` raises it on every
+            rank if nobody looked at its future.
         """
         self._check_step(step)
         name = self.name_for(step)
@@ -389,7 +597,8 @@ class CheckpointManager:
             else:
                 with self._lock:
                     self._futures = [f for f in self._futures if not f.done()] + [fut]
-                fut.add_done_callback(lambda _f: self._finished(name))
+                me = weakref.ref(self)  # no cycle manager -> future -> callback -> manager
+                fut.add_done_callback(lambda _f: me() is not None and me()._finished(name))
         self._agree(err, f"snapshotting the checkpoint of step {step}")
         return fut if fut is not None else _done_future()
 
@@ -417,20 +626,54 @@ class CheckpointManager:
         self._agree(err, "an asynchronous checkpoint save")
 
     def close(self) -> None:
-        """:meth:`wait`, then free the staging memory of sharded asynchronous saves. Collective."""
-        self.wait()
-        if self._dcp_writer is not None:
-            self._dcp_writer.close()
-            self._dcp_writer = None
+        """:meth:`wait` (raising on every rank any failure nobody looked at),
+        then free what the manager holds: the staging memory of sharded
+        asynchronous saves and the manager's own gloo group (its worker
+        threads are joined now). Collective. The manager stays usable: a later
+        sharded :meth:`async_save` makes a new group (collectively).
+
+        Call it (or use the manager as a context manager) before
+        ``destroy_process_group()``: a sharded asynchronous save still running
+        then would find its group destroyed. At interpreter exit, managers
+        still open finish their saves and free their group by themselves (an
+        exit handler, not collective)."""
+        try:
+            self.wait()
+        finally:
+            self._release(wait=False)
+
+    def _release(self, wait: bool) -> None:
+        """Not collective: (with ``wait``) wait for this process's background
+        saves of this manager, then close the sharded writer and free the
+        manager's own process group: it is destroyed (if still registered)
+        and its last reference dropped, so that gloo's destructor joins its
+        worker threads here, while the interpreter is alive."""
+        if wait:
+            self.wait_local()
+        writer, self._dcp_writer = self._dcp_writer, None
+        if writer is not None:
+            writer.close()
+        pg, self._dcp_pg = self._dcp_pg, None
+        if pg is None:
+            return
+        import torch.distributed as dist
+        try:
+            dist.destroy_process_group(pg)
+        except (ValueError, RuntimeError) as e:  # already destroyed (destroy_process_group() of all groups)
+            log.debug("fastckpt.CheckpointManager: own process group already destroyed: %s", e)
+        del pg  # the last reference: ProcessGroupGloo's destructor joins its threads now
 
     def __enter__(self) -> "CheckpointManager":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        """Without an exception: :meth:`close` (collective). With one: wait
+        for this process's background saves and free the manager's group,
+        without collectives (another rank may not be there)."""
         if exc_type is None:
-            self.wait()
+            self.close()
         else:
-            self.wait_local()
+            self._release(wait=True)
 
     # ------------------------------------------------------------ commit, retention, cleanup
     def _commit(self, name: str) -> None:
@@ -444,7 +687,40 @@ class CheckpointManager:
         except BaseException:
             w.abort()
             raise
+        self._abandon_newer(self._parse(name))
         self._prune()
+
+    def _abandon_newer(self, step: int) -> List[str]:
+        """``latest`` now names ``step``: move the complete checkpoints of
+        higher steps (an abandoned branch, see the module docs) into
+        ``abandoned/``. Rank 0 only. Returns their new paths."""
+        with self._lock:
+            busy = set(self._writing)
+        newer = [n for s, n in self._complete() if s > step and n not in busy]
+        if not newer:
+            return []
+        where = self.directory / ABANDONED
+        if not where.is_dir():
+            where.mkdir(exist_ok=True)
+            _fsync_dir(self.directory)
+        moved = []
+        for name in newer:
+            dest, n = where / name, 0
+            while dest.exists() or dest.is_symlink():
+                n += 1
+                dest = where / f"{name}.{n}"
+            try:
+                os.rename(self.directory / name, dest)
+            except FileNotFoundError:
+                continue
+            moved.append(str(dest))
+        _fsync_dir(where)
+        _fsync_dir(self.directory)
+        if moved:
+            log.warning("fastckpt.CheckpointManager: step %d is older than %d checkpoint(s) in %s (a rollback): "
+                        "that branch is abandoned; moved %s (never loaded, never deleted by retention)",
+                        step, len(moved), self.directory, ", ".join(moved))
+        return moved
 
     def _prune(self) -> List[str]:
         if self.keep_last is None:
@@ -524,7 +800,7 @@ class CheckpointManager:
         err = None
         try:
             try:
-                dcp.save(state, storage_writer=_dcp_storage(str(tmp), writing=True), process_group=self._pg)
+                dcp.save(state, storage_writer=_dcp_writer(str(tmp)), process_group=self._pg)
             except _failures() as e:  # noqa: BLE001
                 err = e
             self._agree(err, f"writing the shards of step {step}")
@@ -556,6 +832,8 @@ class CheckpointManager:
         from .dcp import FastWriter
         # one sharded save in flight: every rank waits for its previous one first
         tmp = self._begin(step, name, wait_previous=True, tmp_dir=True)
+        if self._dist and self._dcp_pg is None:  # closed before: a new group (every rank is here)
+            self._dcp_pg = self._new_dcp_group()
         err = None
         fut = SaveFuture(str(self.directory / name))
         fut.set_running_or_notify_cancel()
@@ -594,7 +872,7 @@ class CheckpointManager:
             if exc is None:
                 fut.set_result(SaveResult(fut.path, 0, 0.0, time.perf_counter() - t0))
             else:
-                self.saver.note_failure(fut)
+                self.saver.note_failure(fut, exc)
                 fut.set_exception(exc)
 
         with self._lock:
@@ -625,13 +903,26 @@ class CheckpointManager:
 
     # ------------------------------------------------------------ loading
     def load_latest(self, map_location: Any = None, *, state: Any = None, weights_only: bool = True) -> Optional[Restored]:
-        """Load the newest complete checkpoint that loads and verifies. Collective.
+        """Load the checkpoint ``latest`` names; if it is damaged, the newest
+        older one that loads. Collective.
 
-        Candidates are the complete checkpoints, newest step first (normally
-        the one ``latest`` names; a newer complete one, left by a crash between
-        its commit and the pointer's, counts too). One that fails to load or
-        verify on any rank is skipped with a warning, and the next older one
-        is tried, on every rank alike.
+        ``latest`` is authoritative: checkpoints of higher steps than the one
+        it names (an abandoned branch after a rollback, or a save that never
+        committed) are never loaded (a warning names them). Without a
+        ``latest`` file (it was deleted, or no save has committed yet), the
+        complete checkpoints are tried newest first, with a warning.
+
+        Only a *damaged* checkpoint is skipped: one that is missing or
+        incomplete (FileNotFoundError, NotADirectoryError, IsADirectoryError,
+        a DCP checkpoint without ``.metadata`` or missing a data file) or
+        fails its checks (:class:`fastckpt.FormatError`: truncated, corrupt,
+        a CRC mismatch). It is skipped on every rank alike, with a
+        ``RuntimeWarning`` naming it and why, and the next older one is
+        tried. Any other failure (MemoryError, an out-of-memory error of a
+        device, EIO or any other OSError, an error of ``map_location``, a DCP
+        planner error such as a missing key) says that the machine or the
+        caller is in trouble, not the checkpoint: it propagates at once, on
+        every rank, and no older checkpoint is tried.
 
         Args:
             map_location: as for :func:`fastckpt.load` (replicated mode), e.g.
@@ -640,16 +931,23 @@ class CheckpointManager:
                 (``torch.distributed.checkpoint.load``); required there. A
                 checkpoint that fails part-way may have filled some entries;
                 the next one tried overwrites every entry it loads.
-            weights_only: as for :func:`fastckpt.load`.
+            weights_only: as for :func:`fastckpt.load`, in both modes: in
+                sharded mode, no value of the checkpoint (non-tensor entries
+                of ``state``) is unpickled by code-running pickle either.
 
         Returns:
             ``Restored(step, state, path)``, or None when the directory holds
-            no complete checkpoint (a fresh start).
+            no complete checkpoint (a fresh start) or none at or below the
+            step ``latest`` names.
 
         Raises:
             pickle.UnpicklingError: ``weights_only`` refused a checkpoint (not
-                corruption: older checkpoints are not tried).
-            RuntimeError: checkpoints exist but none could be loaded.
+                corruption: older checkpoints are not tried); RuntimeError on
+                the ranks where it was not refused.
+            Any error that is not a damaged checkpoint (see above), as itself
+                on the rank that hit it (with a note naming the checkpoint), a
+                RuntimeError naming that rank on the others.
+            RuntimeError: checkpoints exist but every one tried is damaged.
         """
         if self.sharded and state is None:
             raise ValueError("sharded mode loads in place: pass state=<state dict to fill>")
@@ -657,15 +955,7 @@ class CheckpointManager:
         err = None
         if self.rank == 0:
             try:
-                complete = self._complete()
-                latest = self.latest_name()
-                if latest is not None and latest not in {n for _, n in complete}:
-                    warnings.warn(f"fastckpt.CheckpointManager: {self.directory / LATEST} names {latest}, "
-                                  "which is missing or incomplete", RuntimeWarning, stacklevel=2)
-                elif latest is not None and complete and complete[-1][1] != latest:
-                    log.info("fastckpt.CheckpointManager: %s is complete and newer than %s that latest names "
-                             "(interrupted before the pointer moved); trying it first", complete[-1][1], latest)
-                listing = [(s, n) for s, n in reversed(complete)]
+                listing = self._candidates()
             except _failures() as e:  # noqa: BLE001
                 err = e
         listing = self._agree(err, "listing checkpoints", listing)
@@ -676,29 +966,67 @@ class CheckpointManager:
             try:
                 if self.sharded:
                     import torch.distributed.checkpoint as dcp
-                    dcp.load(state, storage_reader=_dcp_storage(str(path), writing=False, verify=self.verify), process_group=self._pg)
+                    reader, planner = _dcp_reader(str(path), self.verify, weights_only)
+                    dcp.load(state, storage_reader=reader, planner=planner, process_group=self._pg)
                     result = state
                 else:
                     result = _load(path, map_location=map_location, weights_only=weights_only, verify=self.verify)
-            except _failures() as e:  # noqa: BLE001 - a damaged checkpoint can fail in many ways
+            except _failures() as e:  # noqa: BLE001 - classified below
                 err = e
-            got = self._gather(None if err is None else (type(err).__name__, str(err),
-                                                        isinstance(err, pickle.UnpicklingError)))
+            kind = None if err is None else _failure_kind(err)
+            got = self._gather(None if err is None else (type(_unwrap(err)).__name__, str(_unwrap(err)), kind))
             bad = [(r, g) for r, g in enumerate(got) if g is not None]
             if not bad:
                 return Restored(step, result, str(path))
-            if isinstance(err, pickle.UnpicklingError):
-                raise err
-            if any(g[2] for _, g in bad):
-                raise RuntimeError(f"fastckpt.CheckpointManager: {path}: the weights-only unpickler refused it on "
-                                   f"rank(s) {[r for r, _ in bad]}: {bad[0][1][1]}")
+            for what in ("error", "refused"):
+                ranks = [r for r, g in bad if g[2] == what]
+                if not ranks:
+                    continue
+                if kind == what:
+                    e = _unwrap(err)
+                    note = (f"fastckpt.CheckpointManager: raised while loading {path}; " +
+                            ("not a damaged checkpoint, so older checkpoints were not tried"
+                             if what == "error" else "the weights-only unpickler refused it (not corruption)"))
+                    if hasattr(e, "add_note"):
+                        e.add_note(note)
+                    if e is err:
+                        raise err
+                    raise e from err
+                first = dict(bad)[ranks[0]]
+                if what == "refused":
+                    raise RuntimeError(f"fastckpt.CheckpointManager: {path}: the weights-only unpickler refused it "
+                                       f"on rank(s) {ranks}: {first[1]}")
+                raise RuntimeError(f"fastckpt.CheckpointManager: loading {path} failed on rank(s) {ranks} "
+                                   f"({first[0]}: {first[1]}); not a damaged checkpoint, so older checkpoints "
+                                   "were not tried")
             why = "; ".join(f"rank {r}: {g[0]}: {g[1]}" for r, g in bad)
             failures.append(f"{name} ({why})")
-            warnings.warn(f"fastckpt.CheckpointManager: skipping checkpoint {path}: {why}; "
+            warnings.warn(f"fastckpt.CheckpointManager: skipping checkpoint {path}, which is damaged: {why}; "
                           "falling back to the previous one", RuntimeWarning, stacklevel=2)
         if failures:
             raise RuntimeError(f"fastckpt.CheckpointManager: no checkpoint in {self.directory} could be loaded: "
                                + "; ".join(failures))
         return None
+
+    def _candidates(self) -> List[Tuple[int, str]]:
+        """Rank 0: the checkpoints :meth:`load_latest` tries, in order: the one
+        ``latest`` names, then the older complete ones, newest first."""
+        complete = self._complete()
+        latest = self.latest_name()
+        if latest is None:
+            if complete:
+                warnings.warn(f"fastckpt.CheckpointManager: {self.directory / LATEST} is missing; trying the "
+                              "complete checkpoints newest first", RuntimeWarning, stacklevel=3)
+            return [(s, n) for s, n in reversed(complete)]
+        top = self._parse(latest)
+        newer = [n for s, n in complete if s > top]
+        if newer:
+            warnings.warn(f"fastckpt.CheckpointManager: not loading {', '.join(newer)} in {self.directory}: "
+                          f"newer than {latest}, which {LATEST} names (an abandoned branch after a rollback, or a "
+                          "save that never committed)", RuntimeWarning, stacklevel=3)
+        if latest not in {n for _, n in complete}:
+            warnings.warn(f"fastckpt.CheckpointManager: {self.directory / LATEST} names {latest}, "
+                          "which is missing or incomplete; trying older checkpoints", RuntimeWarning, stacklevel=3)
+        return [(s, n) for s, n in reversed(complete) if s <= top]
 
     restore = load_latest
