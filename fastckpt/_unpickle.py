@@ -20,7 +20,8 @@ command's DCP sources) go through :func:`loads`, in two steps:
      unpickler sizes its memo table from a ``PUT``'s index: 10 bytes could ask
      for 64 GiB, zero-filled), a counted size (``BINBYTES8``, ``BINUNICODE8``,
      ``FRAME``, ...) larger than the bytes that follow, containers nested
-     deeper than :data:`MAX_DEPTH` as they are built (hashing a deeply nested
+     deeper than :data:`MAX_DEPTH` (DCP metadata) or :data:`MAX_OBJECT_DEPTH`
+     (the user's objects, :func:`check`) as they are built (hashing a deeply nested
      tuple overflows the C stack; lists and dicts nested later through the
      memo are not counted, Python's recursion guards cover them), or an
      estimate of what the unpickled objects take that
@@ -47,9 +48,13 @@ from typing import Any, Callable, Dict, Optional, Tuple
 
 from .errors import FormatError
 
-__all__ = ["loads", "check", "Refused", "dcp_metadata_class", "MAX_DEPTH", "MAX_RATIO", "MIN_BUDGET"]
+__all__ = ["loads", "check", "Refused", "dcp_metadata_class", "MAX_DEPTH", "MAX_OBJECT_DEPTH", "MAX_RATIO", "MIN_BUDGET"]
 
 MAX_DEPTH = 100          # containers nested deeper are refused (DCP metadata nests about 10 deep)
+# For the user's own objects (check(): torch.save's data.pkl, DCP values): pickle itself cannot write
+# deeper than Python's recursion limit (1000 by default), and hashing a tuple 1000 deep is a few
+# hundred KiB of C stack, far inside a thread's 8 MiB.
+MAX_OBJECT_DEPTH = 1000
 MAX_RATIO = 64           # the objects may take at most this many times the pickle's size ...
 MIN_BUDGET = 1 << 20     # ... or this many bytes, whichever is more
 
@@ -108,7 +113,8 @@ _BY_OPCODE = {op: _HANDLER.get(op.name, _REFUSE) for op in pickletools.opcodes}
 _MARK_KIND = {"LIST": "list", "TUPLE": "tuple", "DICT": "dict", "FROZENSET": "frozenset"}
 
 
-def _walk(data: bytes, where: str, find_class: Callable[[str, str], Any], persistent: bool) -> int:
+def _walk(data: bytes, where: str, find_class: Callable[[str, str], Any], persistent: bool,
+          max_depth: int = MAX_DEPTH) -> int:
     """Check `data` (see the module's docstring); returns the estimated bytes its objects take."""
     n = len(data)
     budget = max(MIN_BUDGET, MAX_RATIO * n)
@@ -139,8 +145,8 @@ def _walk(data: bytes, where: str, find_class: Callable[[str, str], Any], persis
     def nest(node: _Node, items, pos: int) -> None:
         d = 1 + max((x.depth for x in items if type(x) is _Node), default=0)
         if d > node.depth:
-            if d > MAX_DEPTH:
-                raise bad(f"containers nested more than {MAX_DEPTH} deep", pos)
+            if d > max_depth:
+                raise bad(f"containers nested more than {max_depth} deep", pos)
             node.depth = d
 
     def target(kinds: Tuple[str, ...], op: str, pos: int) -> _Node:
@@ -411,14 +417,14 @@ def _any_global(module: str, name: str) -> None:
     return None
 
 
-def check(data: bytes, where: str, *, persistent: bool = True) -> int:
+def check(data: bytes, where: str, *, persistent: bool = True, max_depth: int = MAX_OBJECT_DEPTH) -> int:
     """Only the walk, with every global accepted (nothing is imported): for a
     pickle that another restricted unpickler (torch's weights-only one) will
     judge class by class, so that it is not handed a pickle that would allocate
     far more than its size or nest deep enough to overflow the C stack when a
     key is hashed. Returns the estimated bytes; raises FormatError or Refused
     (an opcode that torch.save never writes)."""
-    return _walk(bytes(data), where, _any_global, persistent)
+    return _walk(bytes(data), where, _any_global, persistent, max_depth)
 
 
 # ---------------------------------------------------------------- the DCP metadata policy

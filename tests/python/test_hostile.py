@@ -18,6 +18,7 @@ import ctypes
 import json
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -396,7 +397,7 @@ def test_deep_nesting_for_torch_unpickler_is_refused_not_a_crash(tmp_path, where
                                target=target)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
-    assert r.stdout.startswith("FormatError") and "nested more than 100 deep" in r.stdout, r.stdout
+    assert r.stdout.startswith("FormatError") and re.search(r"nested more than \d+ deep", r.stdout), r.stdout
     assert str(tmp_path / "ck") in r.stdout
 
 
@@ -485,5 +486,5 @@ def test_deep_nesting_in_a_torch_save_file_is_refused_not_a_crash(tmp_path, how)
     code = _DEEP_LOAD_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), path=str(path), how=how)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
-    assert r.stdout.startswith("FormatError") and "nested more than 100 deep" in r.stdout, r.stdout
+    assert r.stdout.startswith("FormatError") and re.search(r"nested more than \d+ deep", r.stdout), r.stdout
     assert "data.pkl" in r.stdout, r.stdout
