@@ -47,7 +47,6 @@ shared filesystem).
 import atexit
 import concurrent.futures
 import errno
-import inspect
 import logging
 import os
 import pickle
@@ -182,63 +181,14 @@ def _dcp_writer(path: str) -> Any:
     return FastWriter(path)
 
 
-def _dcp_reader(path: str, verify: bool, weights_only: bool) -> Tuple[Any, Any]:
-    """The storage reader and load planner of a sharded checkpoint.
-
-    FastReader (the engine; CRCs checked when ``verify``). ``weights_only``:
-    no value in the checkpoint may be unpickled by code-running pickle. A
-    FastReader that takes ``weights_only`` enforces it itself (its
-    ``.metadata`` and non-tensor values); otherwise the manager loads the
-    non-tensor values (DCP's BYTE_IO items, which the stock planner hands to
-    ``torch.load(..., weights_only=False)``) through :class:`_WeightsOnlyPlanner`.
-    Returns ``(reader, planner)``; planner None means DCP's default."""
+def _dcp_reader(path: str, verify: bool, weights_only: bool) -> Any:
+    """The storage reader of a sharded checkpoint: FastReader (the engine; CRCs
+    checked when ``verify``), which with ``weights_only`` unpickles
+    ``.metadata`` through fastckpt's restricted unpickler and non-tensor values
+    through torch's weights-only one (the stock planner would hand them to
+    ``torch.load(..., weights_only=False)``)."""
     from .dcp import FastReader
-    if "weights_only" in inspect.signature(FastReader).parameters:
-        return FastReader(path, verify=verify, weights_only=weights_only), None
-    return FastReader(path, verify=verify), (_weights_only_planner() if weights_only else None)
-
-
-class _WeightsOnlyRefusal(pickle.UnpicklingError):
-    """The weights-only unpickler refused a value of a sharded checkpoint.
-    A reader may wrap it (FastReader without ``weights_only`` reports what
-    its planner raises as FormatError, from this): it is found through
-    ``__cause__``/``__context__``, and is a refusal, not damage."""
-
-
-def _refusal(e: BaseException) -> Optional[BaseException]:
-    seen = set()
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, _WeightsOnlyRefusal):
-            return e
-        e = e.__cause__ or e.__context__
-    return None
-
-
-def _weights_only_planner() -> Any:
-    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-
-    class _WeightsOnlyPlanner(DefaultLoadPlanner):
-        """DCP's default load planner, except that non-tensor values are
-        unpickled by torch's weights-only unpickler (the stock one uses
-        ``weights_only=False``): a value that would run code is refused with
-        pickle.UnpicklingError, before anything of it runs."""
-
-        def load_bytes(self, read_item, value) -> None:
-            import torch
-            try:
-                obj = torch.load(value, weights_only=True)
-            except pickle.UnpicklingError as e:
-                raise _WeightsOnlyRefusal(
-                    f"the weights-only unpickler refused the value {read_item.dest_index.fqn!r} of a sharded "
-                    f"checkpoint: {e}") from None
-            if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return _WeightsOnlyPlanner()
+    return FastReader(path, verify=verify, weights_only=weights_only)
 
 
 # What "this checkpoint is missing or incomplete" looks like as an OSError:
@@ -259,8 +209,6 @@ def _failure_kind(e: BaseException) -> str:
         if not kinds or "error" in kinds:
             return "error"
         return "refused" if "refused" in kinds else "damaged"
-    if _refusal(e) is not None:
-        return "refused"
     if isinstance(e, FormatError):
         return "damaged"
     if isinstance(e, pickle.UnpicklingError):
@@ -271,15 +219,14 @@ def _failure_kind(e: BaseException) -> str:
 
 
 def _unwrap(e: BaseException) -> BaseException:
-    """DCP's CheckpointException holding exactly one error: that error; a
-    weights-only refusal that a reader wrapped: the refusal."""
+    """DCP's CheckpointException holding exactly one error: that error."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and type(e).__name__ == "CheckpointException" and len(failures) == 1:
         inner = next(iter(failures.values()))
         inner = inner[0] if isinstance(inner, tuple) else inner
         if isinstance(inner, BaseException):
             e = inner
-    return _refusal(e) or e
+    return e
 
 
 _failures_cache: Optional[Tuple[type, ...]] = None
@@ -966,8 +913,8 @@ class CheckpointManager:
             try:
                 if self.sharded:
                     import torch.distributed.checkpoint as dcp
-                    reader, planner = _dcp_reader(str(path), self.verify, weights_only)
-                    dcp.load(state, storage_reader=reader, planner=planner, process_group=self._pg)
+                    dcp.load(state, storage_reader=_dcp_reader(str(path), self.verify, weights_only),
+                             process_group=self._pg)
                     result = state
                 else:
                     result = _load(path, map_location=map_location, weights_only=weights_only, verify=self.verify)
