@@ -209,6 +209,27 @@ class _Snapshot:
 
 # ---------------------------------------------------------------- the saver
 
+def _fail_inherited(fut: concurrent.futures.Future) -> None:
+    """In a child made by ``fork()``: fail (if not done) the future of a save
+    the parent had in flight, which no thread of this process will complete.
+    Its lock is made anew (a thread of the parent may have held it) and its
+    done-callbacks are not run (they would take locks of the parent's state;
+    their owners reset themselves in their own fork hooks)."""
+    fut._condition = threading.Condition()  # type: ignore[attr-defined]
+    if isinstance(fut, SaveFuture):
+        fut.observed = True  # the parent reports it; the child must not raise it again
+    if fut.done():
+        return
+    fut._done_callbacks = []  # type: ignore[attr-defined]
+    path = getattr(fut, "path", "?")
+    try:
+        concurrent.futures.Future.set_exception(fut, RuntimeError(
+            f"fastckpt: the asynchronous save of {path!r} was in flight when this process was forked; "
+            "the parent process writes it, this child cannot wait for it"))
+    except concurrent.futures.InvalidStateError:  # pragma: no cover - cancelled meanwhile
+        pass
+
+
 _savers: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()
 
 
@@ -361,6 +382,23 @@ class AsyncSaver:
             self.raise_unobserved()
         return True
 
+    def _after_fork_in_child(self) -> None:
+        """In a child made by ``fork()``: a new writer thread pool (the
+        parent's thread does not exist here), new locks, empty staging and no
+        record of the parent's failures. The saves the parent had in flight
+        are the parent's to write and report: in the child their futures fail
+        at once with a RuntimeError (nothing waits for them, at exit either),
+        and they hold no in-flight slot."""
+        inherited = self._in_flight
+        self._cv = threading.Condition()
+        self._in_flight = []
+        self._failed = []
+        self._worker_ident = None
+        self.stager = Stager()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-save")
+        for fut in inherited:
+            _fail_inherited(fut)
+
     def _at_exit(self) -> None:
         self.wait(raise_errors=False)
         with self._cv:
@@ -375,6 +413,21 @@ class AsyncSaver:
 
 _default: Optional[AsyncSaver] = None
 _default_lock = threading.Lock()
+
+
+def _after_fork_in_child() -> None:
+    # os.fork() (or multiprocessing's "fork") copies only the calling thread:
+    # every saver's writer thread is gone in the child, and a lock another
+    # thread held at fork() stays held forever. A new lock here, and every
+    # saver made fit for the child (AsyncSaver._after_fork_in_child).
+    global _default_lock
+    _default_lock = threading.Lock()
+    for saver in list(_savers):
+        saver._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def default_saver() -> AsyncSaver:

@@ -64,7 +64,7 @@ from pathlib import Path
 from typing import Any, List, NamedTuple, Optional, Set, Tuple, Union
 
 from . import _C
-from .async_save import AsyncSaver, SaveFuture, default_saver
+from .async_save import AsyncSaver, SaveFuture, _fail_inherited, default_saver
 from ._owner import check_directory_owner
 from .engine import get_engine
 from .errors import FormatError
@@ -150,6 +150,27 @@ def _register(mgr: "CheckpointManager") -> None:
         if not _exit_hook:
             atexit.register(_release_at_exit)
             _exit_hook = True
+
+
+def _after_fork_in_child() -> None:
+    """In a child made by ``fork()`` (only the forking thread survives): new
+    locks for the module and every live manager (another thread may have held
+    one at fork()); the parent's saves in flight are not the child's: their
+    futures fail at once (see :func:`fastckpt.async_save._fail_inherited`)
+    and the names they were writing are not the child's to protect, so the
+    child's ``wait``, ``clean_temporaries`` and exit never wait for them."""
+    global _exit_lock
+    _exit_lock = threading.Lock()
+    for mgr in list(_live):
+        mgr._lock = threading.Lock()
+        for f in mgr._futures:
+            _fail_inherited(f)
+        mgr._futures = []
+        mgr._writing = set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Restored(NamedTuple):
