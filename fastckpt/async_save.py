@@ -34,6 +34,7 @@ calls :func:`wait_for_saves` now and then.
 
 import atexit
 import concurrent.futures
+import io
 import logging
 import os
 import pickle
@@ -44,8 +45,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+import torch.serialization as _ts
 
-from . import knobs
+from . import _torch_rules, knobs
 from . import serialization as _ser
 
 __all__ = ["async_save", "wait_for_saves", "AsyncSaver", "SaveFuture", "SaveResult", "Stager", "default_saver"]
@@ -197,14 +199,73 @@ class Stager:
         return staged
 
 
-class _Snapshot:
-    __slots__ = ("data_pkl", "staged", "arena", "nbytes")
+class _NoData:
+    """A storage whose bytes are not written (``torch.serialization.skip_data``):
+    only its size is kept, for the archive's layout; nothing is copied."""
+    __slots__ = ("_n",)
 
-    def __init__(self, data_pkl, staged, arena, nbytes):
+    def __init__(self, n: int):
+        self._n = n
+
+    def nbytes(self) -> int:
+        return self._n
+
+
+class _Snapshot:
+    """What the writer thread writes: a zip archive (``data_pkl``, the staged
+    storages and ``opts``, :func:`fastckpt.serialization._write_archive`'s
+    settings read in the caller's thread) or, for the legacy format, the
+    whole file already serialized (``legacy``)."""
+    __slots__ = ("data_pkl", "staged", "arena", "nbytes", "opts", "legacy")
+
+    def __init__(self, data_pkl, staged, arena, nbytes, opts=None, legacy=None):
         self.data_pkl = data_pkl
         self.staged = staged
         self.arena = arena
         self.nbytes = nbytes
+        self.opts = opts or {}
+        self.legacy = legacy
+
+
+def _take_snapshot(stager: "Stager", obj: Any, pickle_module: Any, pickle_protocol: int,
+                   use_new_zipfile: bool, disable_byteorder_record: bool) -> _Snapshot:
+    """Serialize ``obj`` in the caller's thread as :func:`fastckpt.save`
+    would, with torch's settings as they are in this thread now
+    (``torch.serialization.skip_data()`` is per thread; the storage alignment
+    and CRC setting are read now too, so the file does not depend on when
+    the writer thread runs)."""
+    if not use_new_zipfile:
+        # torch's legacy format, by torch's own writer (as fastckpt.save does), into
+        # memory now; the writer thread commits those bytes (temporary file,
+        # fdatasync, rename). torch refuses skip_data here, as it does for torch.save.
+        buf = io.BytesIO()
+        torch.save(obj, buf, pickle_module, pickle_protocol, _use_new_zipfile_serialization=False)
+        data = buf.getvalue()
+        return _Snapshot(None, None, None, len(data), legacy=data)
+    skip_data = bool(_ts._serialization_tls.skip_data)
+    data_pkl, storages = _ser._pickle(obj, pickle_module, pickle_protocol, skip_data=skip_data)
+    opts = dict(alignment=_torch_rules.storage_alignment(), compute_crc32=_torch_rules.compute_crc32(),
+                byteorder=not disable_byteorder_record, skip_data=skip_data)
+    if skip_data:  # no storage bytes are written: none are copied (meta and fake tensors have none)
+        return _Snapshot(data_pkl, [_NoData(s.nbytes()) for s in storages], None, 0, opts)
+    arena, staged = stager.snapshot(storages)
+    return _Snapshot(data_pkl, staged, arena, sum(s.nbytes() for s in storages), opts)
+
+
+def _write_legacy(path: str, data: bytes) -> None:
+    """Commit an already serialized legacy-format file through the engine
+    (what fastckpt.save's legacy path does around torch's writer)."""
+    sink = None
+    try:
+        sink = _ser._EngineSink(path, len(data))
+        sink.write(data)
+        sink.commit()
+    except BaseException as e:
+        if sink is not None:
+            sink.abort()
+        if isinstance(e, OSError):
+            _ser._paths.raise_named_after_target(e, path)
+        raise
 
 
 # ---------------------------------------------------------------- the saver
@@ -298,6 +359,7 @@ class AsyncSaver:
 
     # -- saving
     def save(self, obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = _ser.DEFAULT_PROTOCOL,
+             _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False,
              *, after: Optional[Callable[[], None]] = None) -> SaveFuture:
         """Snapshot ``obj`` and write it to ``f`` in the background; see :func:`async_save`.
 
@@ -310,6 +372,7 @@ class AsyncSaver:
                             f"not {type(f).__name__}")
         if threading.get_ident() == self._worker_ident:
             raise RuntimeError("fastckpt.async_save called from the save thread itself (it would wait for itself)")
+        _ts._check_dill_version(pickle_module)
         path = os.fspath(f)
         # An earlier failure is not raised here: it was logged when it happened and
         # wait() raises it; this save goes ahead (issue 11, item 8).
@@ -319,19 +382,17 @@ class AsyncSaver:
                 self._cv.wait()
             fut = SaveFuture(path)
             self._in_flight.append(fut)  # the slot is ours from here
-        arena = None
+        snap = None
         try:
             t0 = time.perf_counter()
-            data_pkl, storages = _ser._pickle(obj, pickle_module, pickle_protocol)
-            arena, staged = self.stager.snapshot(storages)
-            nbytes = sum(s.nbytes() for s in storages)
-            del storages  # the live storages are not kept alive by the background save
-            snap = _Snapshot(data_pkl, staged, arena, nbytes)
+            # The live storages are not kept alive by the background save: only copies.
+            snap = _take_snapshot(self.stager, obj, pickle_module, pickle_protocol,
+                                  _use_new_zipfile_serialization, _disable_byteorder_record)
             snap_s = time.perf_counter() - t0
             self._executor.submit(self._run, fut, snap, snap_s, after)
         except BaseException:
-            if arena is not None:  # staged but not submitted (e.g. interpreter shutdown)
-                self.stager.release(arena, keep=limit)
+            if snap is not None and snap.arena is not None:  # staged but not submitted (e.g. interpreter shutdown)
+                self.stager.release(snap.arena, keep=limit)
             self._done(fut)
             raise
         return fut
@@ -343,10 +404,14 @@ class AsyncSaver:
                 return  # cancelled before it started: nothing written
             t0 = time.perf_counter()
             try:
-                _ser._write_archive(fut.path, snap.data_pkl, snap.staged)
-                snap.staged = None
-                self.stager.release(snap.arena, keep=self.max_in_flight)
-                snap.arena = None
+                if snap.legacy is not None:
+                    _write_legacy(fut.path, snap.legacy)
+                else:
+                    _ser._write_archive(fut.path, snap.data_pkl, snap.staged, **snap.opts)
+                snap.staged = snap.legacy = None
+                if snap.arena is not None:  # none for skip_data and the legacy format
+                    self.stager.release(snap.arena, keep=self.max_in_flight)
+                    snap.arena = None
                 if after is not None:
                     after()
             except BaseException as e:  # noqa: BLE001 - delivered through the future
@@ -355,7 +420,7 @@ class AsyncSaver:
                 return
             fut.set_result(SaveResult(fut.path, snap.nbytes, snap_s, time.perf_counter() - t0))
         finally:
-            snap.staged = snap.data_pkl = None  # a kept failure's traceback must not pin the snapshot
+            snap.staged = snap.data_pkl = snap.legacy = None  # a kept failure's traceback must not pin the snapshot
             if snap.arena is not None:
                 self.stager.release(snap.arena, keep=self.max_in_flight)
                 snap.arena = None
@@ -439,7 +504,8 @@ def default_saver() -> AsyncSaver:
         return _default
 
 
-def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = _ser.DEFAULT_PROTOCOL) -> SaveFuture:
+def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = _ser.DEFAULT_PROTOCOL,
+               _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False) -> SaveFuture:
     """Save like :func:`fastckpt.save`, in the background.
 
     Returns once ``obj`` is pickled and every tensor's data is copied into
@@ -457,6 +523,21 @@ def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 
         obj: what :func:`fastckpt.save` accepts.
         f: a path (str or os.PathLike).
         pickle_module, pickle_protocol: as for torch.save.
+        _use_new_zipfile_serialization: as for torch.save and
+            :func:`fastckpt.save`. ``False`` writes torch's legacy format with
+            torch's own writer: serialized into memory in the caller's thread
+            (that is the snapshot; it takes the file's size in host memory),
+            then committed in the background like every save (temporary file,
+            fdatasync, rename, directory fsync).
+        _disable_byteorder_record: as for torch.save: no ``byteorder`` record.
+
+    torch's settings are honoured as :func:`fastckpt.save` honours them, as
+    they are in the *calling* thread when ``async_save`` is called:
+    ``torch.serialization.skip_data()`` (a per-thread setting; no storage's
+    bytes are copied or written, so meta and fake tensors can be saved; the
+    legacy format refuses it, as torch.save does) and
+    ``torch.utils.serialization.config.save`` (``storage_alignment``,
+    ``compute_crc32``). The file is the one ``fastckpt.save`` would write.
 
     Returns:
         A :class:`SaveFuture`; its result is a :class:`SaveResult` once the
@@ -475,7 +556,8 @@ def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 
         >>> fut.result()          # or fastckpt.wait_for_saves() before exiting
     """
     if isinstance(f, (str, os.PathLike)): _ser._paths.check_save_target(f)  # noqa: E701  (before anything is staged)
-    return default_saver().save(obj, f, pickle_module, pickle_protocol)
+    return default_saver().save(obj, f, pickle_module, pickle_protocol,
+                                _use_new_zipfile_serialization, _disable_byteorder_record)
 
 
 def wait_for_saves(timeout: Optional[float] = None) -> bool:
