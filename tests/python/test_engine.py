@@ -685,3 +685,73 @@ def test_async_save_in_a_forked_child(backend, tmp_path, how, inflight):
         pytest.fail(f"async_save after fork ({how}, {backend}, inflight={inflight}) hung")
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
     assert torch.equal(fastckpt.load(tmp_path / "child_async.pt")["b"], torch.ones(7))
+
+
+_FORK_LOCKS_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, threading, time, torch, fastckpt
+    from fastckpt.dcp import FastWriter
+    # the modules (fastckpt.async_save is also the name of the function)
+    A, M, S = (sys.modules[f"fastckpt.{m}"] for m in ("async_save", "manager", "serialization"))
+    d = sys.argv[1]
+    torch.set_num_threads(1)  # torch's OpenMP pool does not survive fork() (see _FORK_SCRIPT)
+    sd = {"w": torch.arange(1000, dtype=torch.float32)}
+    fastckpt.async_save(sd, os.path.join(d, "parent.pt")).result()
+    writer = FastWriter(os.path.join(d, "dcp"))
+    mgr = fastckpt.CheckpointManager(os.path.join(d, "mgr"))
+    locks = [A._default_lock, A.default_saver()._cv, A.default_saver().stager._lock, M._exit_lock, mgr._lock,
+             S._PinnedStager._lock, writer._stager._lock]
+    held, release = threading.Event(), threading.Event()
+
+    def hold():  # another thread of the parent holds every lock at fork()
+        for lk in locks:
+            lk.acquire()
+        held.set()
+        release.wait()
+        for lk in reversed(locks):
+            lk.release()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            staged = writer.stage(sd)
+            assert torch.equal(staged["w"], sd["w"])
+            fastckpt.async_save(sd, os.path.join(d, "child.pt")).result(timeout=60)
+            mgr.save(1, sd)
+            assert torch.equal(mgr.load_latest().state["w"], sd["w"])
+            fastckpt.CheckpointManager(os.path.join(d, "mgr2")).save(2, sd)  # a new manager: _exit_lock
+            code = 0
+        finally:
+            os._exit(code)
+    release.set()
+    t.join()
+    deadline = time.monotonic() + 90
+    while True:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise SystemExit("the child hung")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    assert torch.equal(fastckpt.load(os.path.join(d, "child.pt"))["w"], sd["w"])
+    print("ok")
+""")
+
+
+def test_fork_while_another_thread_holds_fastckpt_locks(tmp_path):
+    """A lock another thread of the parent holds at fork() stays held in the
+    child: every module-level and per-object lock the child may need
+    (async saver, manager, pinned-buffer pool, DCP staging) is made anew there."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        r = subprocess.run([sys.executable, "-c", _FORK_LOCKS_SCRIPT, str(tmp_path)], env=env,
+                           capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the forked child hung")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
