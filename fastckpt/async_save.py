@@ -30,6 +30,16 @@ Errors are never lost, and a failed save never stops the next one:
 A training loop that must stop at the first failed checkpoint checks the
 previous save's future (``fut.exception(timeout=0)`` once ``fut.done()``) or
 calls :func:`wait_for_saves` now and then.
+
+After ``os.fork()`` (or multiprocessing's "fork" start method) the child's
+savers start afresh: a writer thread of their own (the parent's does not
+exist in the child), new locks, no staging memory and no record of the
+parent's failures. A save the parent had in flight at fork() is the parent's
+to write and report: in the child its future fails at once with a
+RuntimeError, and nothing there (``wait_for_saves``, the checkpoint
+manager's ``wait``, interpreter exit) waits for it. As with any fork of a
+process that uses torch, keep torch single-threaded in the child
+(``torch.set_num_threads(1)``) or prefer the "spawn"/"forkserver" methods.
 """
 
 import atexit
