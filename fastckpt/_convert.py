@@ -26,7 +26,6 @@ import logging
 import os
 import pickle
 import shutil
-import uuid
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -362,7 +361,10 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
     # a failed conversion leaves dst as it was (FastWriter alone would first invalidate it).
     final = os.path.abspath(dst).rstrip(os.sep)
     parent, name = os.path.split(final)
-    tmp = os.path.join(parent, f".{name}.fastckpt-tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}")
+    # The checkpoint manager's temporary names (this host, this process): only this host's
+    # CheckpointManager.clean_temporaries removes them, once this process is gone.
+    from .manager import _temp_name
+    tmp = os.path.join(parent, _temp_name(name, "dcp"))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "no process group: saving as a single process"
@@ -375,7 +377,7 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
                     raise errors[0] from None
                 raise
         if os.path.lexists(final):
-            aside = os.path.join(parent, f".{name}.fastckpt-tmp.{os.getpid()}.{uuid.uuid4().hex[:8]}.old")
+            aside = os.path.join(parent, _temp_name(name, "old"))
             os.rename(final, aside)
             os.rename(tmp, final)
             shutil.rmtree(aside, ignore_errors=True)

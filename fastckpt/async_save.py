@@ -30,10 +30,21 @@ Errors are never lost, and a failed save never stops the next one:
 A training loop that must stop at the first failed checkpoint checks the
 previous save's future (``fut.exception(timeout=0)`` once ``fut.done()``) or
 calls :func:`wait_for_saves` now and then.
+
+After ``os.fork()`` (or multiprocessing's "fork" start method) the child's
+savers start afresh: a writer thread of their own (the parent's does not
+exist in the child), new locks, no staging memory and no record of the
+parent's failures. A save the parent had in flight at fork() is the parent's
+to write and report: in the child its future fails at once with a
+RuntimeError, and nothing there (``wait_for_saves``, the checkpoint
+manager's ``wait``, interpreter exit) waits for it. As with any fork of a
+process that uses torch, keep torch single-threaded in the child
+(``torch.set_num_threads(1)``) or prefer the "spawn"/"forkserver" methods.
 """
 
 import atexit
 import concurrent.futures
+import io
 import logging
 import os
 import pickle
@@ -44,8 +55,9 @@ from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
 
 import torch
+import torch.serialization as _ts
 
-from . import knobs
+from . import _torch_rules, knobs
 from . import serialization as _ser
 
 __all__ = ["async_save", "wait_for_saves", "AsyncSaver", "SaveFuture", "SaveResult", "Stager", "default_saver"]
@@ -197,17 +209,97 @@ class Stager:
         return staged
 
 
-class _Snapshot:
-    __slots__ = ("data_pkl", "staged", "arena", "nbytes")
+class _NoData:
+    """A storage whose bytes are not written (``torch.serialization.skip_data``):
+    only its size is kept, for the archive's layout; nothing is copied."""
+    __slots__ = ("_n",)
 
-    def __init__(self, data_pkl, staged, arena, nbytes):
+    def __init__(self, n: int):
+        self._n = n
+
+    def nbytes(self) -> int:
+        return self._n
+
+
+class _Snapshot:
+    """What the writer thread writes: a zip archive (``data_pkl``, the staged
+    storages and ``opts``, :func:`fastckpt.serialization._write_archive`'s
+    settings read in the caller's thread) or, for the legacy format, the
+    whole file already serialized (``legacy``)."""
+    __slots__ = ("data_pkl", "staged", "arena", "nbytes", "opts", "legacy")
+
+    def __init__(self, data_pkl, staged, arena, nbytes, opts=None, legacy=None):
         self.data_pkl = data_pkl
         self.staged = staged
         self.arena = arena
         self.nbytes = nbytes
+        self.opts = opts or {}
+        self.legacy = legacy
+
+
+def _take_snapshot(stager: "Stager", obj: Any, pickle_module: Any, pickle_protocol: int,
+                   use_new_zipfile: bool, disable_byteorder_record: bool) -> _Snapshot:
+    """Serialize ``obj`` in the caller's thread as :func:`fastckpt.save`
+    would, with torch's settings as they are in this thread now
+    (``torch.serialization.skip_data()`` is per thread; the storage alignment
+    and CRC setting are read now too, so the file does not depend on when
+    the writer thread runs)."""
+    if not use_new_zipfile:
+        # torch's legacy format, by torch's own writer (as fastckpt.save does), into
+        # memory now; the writer thread commits those bytes (temporary file,
+        # fdatasync, rename). torch refuses skip_data here, as it does for torch.save.
+        buf = io.BytesIO()
+        torch.save(obj, buf, pickle_module, pickle_protocol, _use_new_zipfile_serialization=False)
+        data = buf.getvalue()
+        return _Snapshot(None, None, None, len(data), legacy=data)
+    skip_data = bool(_ts._serialization_tls.skip_data)
+    data_pkl, storages = _ser._pickle(obj, pickle_module, pickle_protocol, skip_data=skip_data)
+    opts = dict(alignment=_torch_rules.storage_alignment(), compute_crc32=_torch_rules.compute_crc32(),
+                byteorder=not disable_byteorder_record, skip_data=skip_data)
+    if skip_data:  # no storage bytes are written: none are copied (meta and fake tensors have none)
+        return _Snapshot(data_pkl, [_NoData(s.nbytes()) for s in storages], None, 0, opts)
+    arena, staged = stager.snapshot(storages)
+    return _Snapshot(data_pkl, staged, arena, sum(s.nbytes() for s in storages), opts)
+
+
+def _write_legacy(path: str, data: bytes) -> None:
+    """Commit an already serialized legacy-format file through the engine
+    (what fastckpt.save's legacy path does around torch's writer)."""
+    sink = None
+    try:
+        sink = _ser._EngineSink(path, len(data))
+        sink.write(data)
+        sink.commit()
+    except BaseException as e:
+        if sink is not None:
+            sink.abort()
+        if isinstance(e, OSError):
+            _ser._paths.raise_named_after_target(e, path)
+        raise
 
 
 # ---------------------------------------------------------------- the saver
+
+def _fail_inherited(fut: concurrent.futures.Future) -> None:
+    """In a child made by ``fork()``: fail (if not done) the future of a save
+    the parent had in flight, which no thread of this process will complete.
+    Its lock is made anew (a thread of the parent may have held it) and its
+    done-callbacks are not run (they would take locks of the parent's state;
+    their owners reset themselves in their own fork hooks)."""
+    fut._condition = threading.Condition()  # type: ignore[attr-defined]
+    if isinstance(fut, SaveFuture):
+        fut.observed = True  # the parent reports it; the child must not raise it again
+    if fut.done():
+        return
+    fut._done_callbacks = []  # type: ignore[attr-defined]
+    path = getattr(fut, "path", "?")
+    try:
+        concurrent.futures.Future.set_exception(fut, RuntimeError(
+            f"fastckpt: the asynchronous save of {path!r} was in flight when this process was forked; "
+            "the parent process writes it, this child cannot wait for it"))
+    except concurrent.futures.InvalidStateError:  # pragma: no cover - cancelled meanwhile
+        pass
+
 
 _savers: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()
 
@@ -277,6 +369,7 @@ class AsyncSaver:
 
     # -- saving
     def save(self, obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = _ser.DEFAULT_PROTOCOL,
+             _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False,
              *, after: Optional[Callable[[], None]] = None) -> SaveFuture:
         """Snapshot ``obj`` and write it to ``f`` in the background; see :func:`async_save`.
 
@@ -289,6 +382,7 @@ class AsyncSaver:
                             f"not {type(f).__name__}")
         if threading.get_ident() == self._worker_ident:
             raise RuntimeError("fastckpt.async_save called from the save thread itself (it would wait for itself)")
+        _ts._check_dill_version(pickle_module)
         path = os.fspath(f)
         # An earlier failure is not raised here: it was logged when it happened and
         # wait() raises it; this save goes ahead (issue 11, item 8).
@@ -298,19 +392,17 @@ class AsyncSaver:
                 self._cv.wait()
             fut = SaveFuture(path)
             self._in_flight.append(fut)  # the slot is ours from here
-        arena = None
+        snap = None
         try:
             t0 = time.perf_counter()
-            data_pkl, storages = _ser._pickle(obj, pickle_module, pickle_protocol)
-            arena, staged = self.stager.snapshot(storages)
-            nbytes = sum(s.nbytes() for s in storages)
-            del storages  # the live storages are not kept alive by the background save
-            snap = _Snapshot(data_pkl, staged, arena, nbytes)
+            # The live storages are not kept alive by the background save: only copies.
+            snap = _take_snapshot(self.stager, obj, pickle_module, pickle_protocol,
+                                  _use_new_zipfile_serialization, _disable_byteorder_record)
             snap_s = time.perf_counter() - t0
             self._executor.submit(self._run, fut, snap, snap_s, after)
         except BaseException:
-            if arena is not None:  # staged but not submitted (e.g. interpreter shutdown)
-                self.stager.release(arena, keep=limit)
+            if snap is not None and snap.arena is not None:  # staged but not submitted (e.g. interpreter shutdown)
+                self.stager.release(snap.arena, keep=limit)
             self._done(fut)
             raise
         return fut
@@ -322,10 +414,14 @@ class AsyncSaver:
                 return  # cancelled before it started: nothing written
             t0 = time.perf_counter()
             try:
-                _ser._write_archive(fut.path, snap.data_pkl, snap.staged)
-                snap.staged = None
-                self.stager.release(snap.arena, keep=self.max_in_flight)
-                snap.arena = None
+                if snap.legacy is not None:
+                    _write_legacy(fut.path, snap.legacy)
+                else:
+                    _ser._write_archive(fut.path, snap.data_pkl, snap.staged, **snap.opts)
+                snap.staged = snap.legacy = None
+                if snap.arena is not None:  # none for skip_data and the legacy format
+                    self.stager.release(snap.arena, keep=self.max_in_flight)
+                    snap.arena = None
                 if after is not None:
                     after()
             except BaseException as e:  # noqa: BLE001 - delivered through the future
@@ -334,7 +430,7 @@ class AsyncSaver:
                 return
             fut.set_result(SaveResult(fut.path, snap.nbytes, snap_s, time.perf_counter() - t0))
         finally:
-            snap.staged = snap.data_pkl = None  # a kept failure's traceback must not pin the snapshot
+            snap.staged = snap.data_pkl = snap.legacy = None  # a kept failure's traceback must not pin the snapshot
             if snap.arena is not None:
                 self.stager.release(snap.arena, keep=self.max_in_flight)
                 snap.arena = None
@@ -361,6 +457,23 @@ class AsyncSaver:
             self.raise_unobserved()
         return True
 
+    def _after_fork_in_child(self) -> None:
+        """In a child made by ``fork()``: a new writer thread pool (the
+        parent's thread does not exist here), new locks, empty staging and no
+        record of the parent's failures. The saves the parent had in flight
+        are the parent's to write and report: in the child their futures fail
+        at once with a RuntimeError (nothing waits for them, at exit either),
+        and they hold no in-flight slot."""
+        inherited = self._in_flight
+        self._cv = threading.Condition()
+        self._in_flight = []
+        self._failed = []
+        self._worker_ident = None
+        self.stager = Stager()
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-save")
+        for fut in inherited:
+            _fail_inherited(fut)
+
     def _at_exit(self) -> None:
         self.wait(raise_errors=False)
         with self._cv:
@@ -377,6 +490,21 @@ _default: Optional[AsyncSaver] = None
 _default_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    # os.fork() (or multiprocessing's "fork") copies only the calling thread:
+    # every saver's writer thread is gone in the child, and a lock another
+    # thread held at fork() stays held forever. A new lock here, and every
+    # saver made fit for the child (AsyncSaver._after_fork_in_child).
+    global _default_lock
+    _default_lock = threading.Lock()
+    for saver in list(_savers):
+        saver._after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def default_saver() -> AsyncSaver:
     """The process-wide saver behind :func:`async_save` (and the checkpoint manager)."""
     global _default
@@ -386,7 +514,8 @@ def default_saver() -> AsyncSaver:
         return _default
 
 
-def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = _ser.DEFAULT_PROTOCOL) -> SaveFuture:
+def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = _ser.DEFAULT_PROTOCOL,
+               _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False) -> SaveFuture:
     """Save like :func:`fastckpt.save`, in the background.
 
     Returns once ``obj`` is pickled and every tensor's data is copied into
@@ -404,6 +533,21 @@ def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 
         obj: what :func:`fastckpt.save` accepts.
         f: a path (str or os.PathLike).
         pickle_module, pickle_protocol: as for torch.save.
+        _use_new_zipfile_serialization: as for torch.save and
+            :func:`fastckpt.save`. ``False`` writes torch's legacy format with
+            torch's own writer: serialized into memory in the caller's thread
+            (that is the snapshot; it takes the file's size in host memory),
+            then committed in the background like every save (temporary file,
+            fdatasync, rename, directory fsync).
+        _disable_byteorder_record: as for torch.save: no ``byteorder`` record.
+
+    torch's settings are honoured as :func:`fastckpt.save` honours them, as
+    they are in the *calling* thread when ``async_save`` is called:
+    ``torch.serialization.skip_data()`` (a per-thread setting; no storage's
+    bytes are copied or written, so meta and fake tensors can be saved; the
+    legacy format refuses it, as torch.save does) and
+    ``torch.utils.serialization.config.save`` (``storage_alignment``,
+    ``compute_crc32``). The file is the one ``fastckpt.save`` would write.
 
     Returns:
         A :class:`SaveFuture`; its result is a :class:`SaveResult` once the
@@ -422,7 +566,8 @@ def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 
         >>> fut.result()          # or fastckpt.wait_for_saves() before exiting
     """
     if isinstance(f, (str, os.PathLike)): _ser._paths.check_save_target(f)  # noqa: E701  (before anything is staged)
-    return default_saver().save(obj, f, pickle_module, pickle_protocol)
+    return default_saver().save(obj, f, pickle_module, pickle_protocol,
+                                _use_new_zipfile_serialization, _disable_byteorder_record)
 
 
 def wait_for_saves(timeout: Optional[float] = None) -> bool:

@@ -5,7 +5,8 @@ Layout of ``directory``::
     step_00000100.pt     complete checkpoints (replicated mode: one fastckpt.save file each)
     step_00000200/       ... or, in sharded mode, one DCP directory each
     latest               "step_00000200.pt\\n": the last checkpoint saved, replaced atomically
-    .step_00000300.pt.fastckpt-tmp.<pid>.<n>.<r>   a save in progress (or left by a crash)
+    .step_00000300.pt.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>   a save in progress (or left by a crash)
+    .step_00000400.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>.dcp  ... of a sharded checkpoint (a directory)
     abandoned/step_00000300.pt   newer checkpoints set aside by a rollback (see below)
 
 A checkpoint appears under its final name only when it is complete: single
@@ -13,7 +14,9 @@ files are committed by the engine (temporary file, fdatasync, rename,
 directory fsync); sharded directories are written under a temporary name and
 renamed by rank 0 once every rank's data and DCP's ``.metadata`` are durable.
 ``latest`` is then replaced the same way, and retention deletes older
-checkpoints. Anything named ``.*.fastckpt-tmp.*`` is never a checkpoint.
+checkpoints. Anything named ``.*.fastckpt-tmp.*`` is never a checkpoint;
+leftovers of crashed saves are removed only by the host that wrote them
+(:meth:`CheckpointManager.clean_temporaries`).
 
 ``latest`` is authoritative: a save is committed when ``latest`` names it,
 and :meth:`CheckpointManager.load_latest` loads what ``latest`` names (or,
@@ -47,11 +50,13 @@ shared filesystem).
 import atexit
 import concurrent.futures
 import errno
+import itertools
 import logging
 import os
 import pickle
 import re
 import shutil
+import stat
 import sys
 import threading
 import time
@@ -64,7 +69,7 @@ from pathlib import Path
 from typing import Any, List, NamedTuple, Optional, Set, Tuple, Union
 
 from . import _C
-from .async_save import AsyncSaver, SaveFuture, default_saver
+from .async_save import AsyncSaver, SaveFuture, _fail_inherited, default_saver
 from ._owner import check_directory_owner
 from .engine import get_engine
 from .errors import FormatError
@@ -75,8 +80,61 @@ __all__ = ["CheckpointManager", "Restored", "TMP_MARK"]
 
 log = logging.getLogger("fastckpt")
 
-TMP_MARK = ".fastckpt-tmp."          # docs/FORMAT.md 1.6: `.<name>.fastckpt-tmp.<pid>.<n>.<r>`
-_TMP_RE = re.compile(r"^\..+\.fastckpt-tmp\.(?:(\d+)\.)?")
+# Temporary names (docs/FORMAT.md 1.6): the engine's `.<name>.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>`
+# (csrc/engine/temp_file.h; parsed by _C.parse_temp_name), and the manager's (and `fastckpt convert`'s)
+# directories: the same, then `.dcp` (a sharded save in progress), `.del` (retention removing an old
+# one) or `.old` (a re-saved step's previous directory), made by _temp_name.
+TMP_MARK = ".fastckpt-tmp."
+_TMP_RE = re.compile(r"^\..+\.fastckpt-tmp\.(?:(\d+)\.)?")  # the pid, right after the mark
+_TMP_KINDS = ("dcp", "del", "old")
+_tmp_counter = itertools.count()
+
+
+def _process_start(pid: int) -> int:
+    """Start time of process ``pid`` in clock ticks since boot (/proc/PID/stat
+    field 22, as the engine's temporary names hold it); 0 when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])  # fields from 3 (state) on: 22 is [19]
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _temp_name(name: str, kind: Optional[str] = None) -> str:
+    """A temporary name for ``name`` in the engine's format (this process's
+    pid, this host, its start time), then ``.kind`` (one of ``_TMP_KINDS``)
+    for directories, which the engine never touches."""
+    pid = os.getpid()
+    base = (f".{name}{TMP_MARK}{pid}.{_C.temp_host()}.{_process_start(pid)}."
+            f"{next(_tmp_counter)}.{uuid.uuid4().hex[:8]}")
+    return base if kind is None else f"{base}.{kind}"
+
+
+def _parse_temp(entry: str) -> Optional[Tuple[str, dict, Optional[str]]]:
+    """``(target, {"pid", "host", "start"}, kind)`` of a name made by the
+    engine or by :func:`_temp_name`, or None (not one: older names without a
+    host included)."""
+    for base, kind in [(entry, None)] + [(entry[:-len(k) - 1], k) for k in _TMP_KINDS if entry.endswith("." + k)]:
+        i = base.rfind(TMP_MARK)
+        if i < 2 or not base.startswith("."):
+            continue
+        info = _C.parse_temp_name(base, base[1:i])
+        if info is not None:
+            return base[1:i], info, kind
+    return None
+
+
+def _writer_gone(info: dict) -> bool:
+    """Whether the process (of this host) that made a temporary name is
+    certainly gone: no such pid, or one that started at another time (the
+    pid was reused). False when in doubt (the engine's temp_writer_gone)."""
+    if not _pid_alive(info["pid"]):
+        return True
+    if not info["start"]:
+        return False
+    now = _process_start(info["pid"])
+    return now != 0 and now != info["start"]
 LATEST = "latest"
 ABANDONED = "abandoned"               # checkpoints of an abandoned branch (a rollback) are moved here
 
@@ -150,6 +208,27 @@ def _register(mgr: "CheckpointManager") -> None:
         if not _exit_hook:
             atexit.register(_release_at_exit)
             _exit_hook = True
+
+
+def _after_fork_in_child() -> None:
+    """In a child made by ``fork()`` (only the forking thread survives): new
+    locks for the module and every live manager (another thread may have held
+    one at fork()); the parent's saves in flight are not the child's: their
+    futures fail at once (see :func:`fastckpt.async_save._fail_inherited`)
+    and the names they were writing are not the child's to protect, so the
+    child's ``wait``, ``clean_temporaries`` and exit never wait for them."""
+    global _exit_lock
+    _exit_lock = threading.Lock()
+    for mgr in list(_live):
+        mgr._lock = threading.Lock()
+        for f in mgr._futures:
+            _fail_inherited(f)
+        mgr._futures = []
+        mgr._writing = set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Restored(NamedTuple):
@@ -444,7 +523,7 @@ class CheckpointManager:
             if wait_previous:
                 self.wait_local()
             if tmp_dir and self.rank == 0:
-                tmp_name = f".{name}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}.dcp"
+                tmp_name = _temp_name(name, "dcp")
                 (self.directory / tmp_name).mkdir()
         except _failures() as e:  # noqa: BLE001
             err = e
@@ -684,7 +763,7 @@ class CheckpointManager:
             p = self.directory / name
             try:
                 if p.is_dir():  # rename first, so that a crash never leaves half a checkpoint under its name
-                    doomed = self.directory / f".{name}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}.del"
+                    doomed = self.directory / _temp_name(name, "del")
                     os.rename(p, doomed)
                     shutil.rmtree(doomed)
                 else:
@@ -698,17 +777,27 @@ class CheckpointManager:
         return removed
 
     def clean_temporaries(self) -> List[str]:
-        """Delete what crashed saves left in the directory: names matching
-        ``.*.fastckpt-tmp.*`` (docs/FORMAT.md 1.6), files or directories.
+        """Delete what crashed saves *of this host* left in the directory:
+        temporary names (``.<name>.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>``,
+        files, and the manager's directories with a ``.dcp``, ``.del`` or
+        ``.old`` suffix; docs/FORMAT.md 1.6) whose process is gone.
 
-        Skipped: names whose process id is this process's or that of a live
-        process on this host (it may be saving right now). Refused while a save
-        of this manager is in flight. Not collective: the constructor calls it
-        on rank 0 only.
+        Kept:
 
-        Caveat: a process on *another host* that writes into the same (shared)
-        directory right now cannot be recognised; do not point two running jobs
-        at one directory.
+        * another host's temporary names, always: on a shared filesystem
+          another node may be writing that file right now, and its process
+          cannot be checked from here (a warning names them: delete them by
+          hand once no job on that host writes here);
+        * names of a live process of this host (this one included; a pid
+          reused by another process, told apart by its start time, is not
+          live), and files whose lock a live writer holds (the engine's check,
+          :func:`fastckpt._C.remove_leftovers`, removes the files);
+        * names that are not of this format (an older fastckpt's, without a
+          host: which host wrote them cannot be told), and entries owned by
+          another user or that are neither files nor directories.
+
+        Refused while a save of this manager is in flight. Not collective: the
+        constructor calls it on rank 0 only.
 
         Returns the names removed.
         """
@@ -716,28 +805,57 @@ class CheckpointManager:
             busy = bool(self._writing) or any(not f.done() for f in self._futures)
         if busy:
             raise RuntimeError("fastckpt.CheckpointManager.clean_temporaries: a save of this manager is in flight")
-        removed = []
+        removed: List[str] = []
+        foreign: List[str] = []
+        unknown: List[str] = []
+        engine_targets: Set[str] = set()
+        me, uid = _C.temp_host(), os.geteuid()
         for name in sorted(os.listdir(self.directory)):
-            m = _TMP_RE.match(name)
-            if not m:
+            if TMP_MARK not in name:
                 continue
-            pid = int(m.group(1)) if m.group(1) else None
-            if pid is not None and (pid == os.getpid() or _pid_alive(pid)):
-                log.debug("fastckpt.CheckpointManager: keeping %s (process %d is alive)", name, pid)
+            parsed = _parse_temp(name)
+            if parsed is None:
+                unknown.append(name)
+                continue
+            target, info, kind = parsed
+            if info["host"] != me:
+                foreign.append(name)
                 continue
             p = self.directory / name
             try:
-                if p.is_dir() and not p.is_symlink():
+                st = os.lstat(p)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode) and kind is None:
+                engine_targets.add(target)  # the engine's own files: its checks (lock included) decide
+                continue
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)) or st.st_uid != uid:
+                continue
+            if not _writer_gone(info):
+                log.debug("fastckpt.CheckpointManager: keeping %s (process %d is alive)", name, info["pid"])
+                continue
+            try:
+                if stat.S_ISDIR(st.st_mode):
                     shutil.rmtree(p)
                 else:
                     os.unlink(p)
                 removed.append(name)
             except FileNotFoundError:
                 pass
+        for target in sorted(engine_targets):
+            removed.extend(_C.remove_leftovers(str(self.directory / target)))
+        removed.sort()
         if removed:
             _fsync_dir(self.directory)
             log.warning("fastckpt.CheckpointManager: removed %d leftover temporary file(s) of interrupted saves "
                         "in %s: %s", len(removed), self.directory, ", ".join(removed))
+        if foreign:
+            log.warning("fastckpt.CheckpointManager: kept %d temporary file(s) of other hosts in %s (never removed "
+                        "from here: another node may be writing them; delete them by hand once no job there "
+                        "writes to this directory): %s", len(foreign), self.directory, ", ".join(foreign))
+        if unknown:
+            log.warning("fastckpt.CheckpointManager: kept %d temporary file(s) in %s whose name does not say which "
+                        "host wrote them (an older fastckpt's): %s", len(unknown), self.directory, ", ".join(unknown))
         return removed
 
     # ------------------------------------------------------------ sharded (DCP)
@@ -840,7 +958,7 @@ class CheckpointManager:
         _fsync_dir(tmp)
         final = self.directory / name
         if final.exists():  # re-saving a step: move the old one aside (then it is a temporary)
-            aside = self.directory / f".{name}{TMP_MARK}{os.getpid()}.{uuid.uuid4().hex[:8]}.old"
+            aside = self.directory / _temp_name(name, "old")
             os.rename(final, aside)
             os.rename(tmp, final)
             shutil.rmtree(aside, ignore_errors=True)

@@ -230,6 +230,15 @@ class _PinnedStager:
         return crc
 
 
+def _after_fork_in_child() -> None:
+    # A thread of the parent may have held the pinned-buffer pool's lock at fork().
+    _PinnedStager._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _cuda_chunk() -> int:
     return 4 * knobs.config().buffer_size
 

@@ -31,6 +31,7 @@ import collections
 import copy
 import io
 import logging
+import os
 import threading
 import weakref
 from typing import Any, Dict, List, Optional, Tuple
@@ -94,6 +95,21 @@ def _storage_ptr(t: torch.Tensor) -> int:
         return 0
 
 
+_stagers: "weakref.WeakSet[Stager]" = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # After fork() only the forking thread exists: a lock another thread held
+    # then would stay held in the child. (A slot busy with a save of the parent
+    # stays busy: the child stages into another one.)
+    for st in list(_stagers):
+        st._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 class Stager:
     def __init__(self):
         self._lock = threading.Lock()
@@ -101,6 +117,7 @@ class Stager:
         self._generation = 0
         self._owners: Dict[int, Claim] = {}   # storage pointer of a busy slot's buffer -> its claim
         self.allocations = 0                  # buffers allocated so far (tests check reuse)
+        _stagers.add(self)
 
     # -- slots
 

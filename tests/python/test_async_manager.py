@@ -453,13 +453,14 @@ def test_leftovers_of_crashed_saves_are_cleaned_safely(tmp_path):
     mgr = CheckpointManager(tmp_path)
     mgr.save(10, small_state(10))
     dead = dead_pid()
-    leftovers = [f".step_00000020.pt.fastckpt-tmp.{dead}.0.1a2b", f".latest.fastckpt-tmp.{dead}.3.ff00"]
+    host = _C.temp_host()  # names of this host (another host's are never removed: test_manager_cleanup.py)
+    leftovers = [f".step_00000020.pt.fastckpt-tmp.{dead}.{host}.1.0.1a2b", f".latest.fastckpt-tmp.{dead}.{host}.1.3.ff00"]
     for n in leftovers:
         (tmp_path / n).write_bytes(b"partial")
-    dcp_tmp = tmp_path / f".step_00000030.fastckpt-tmp.{dead}.abcd1234.dcp"
+    dcp_tmp = tmp_path / f".step_00000030.fastckpt-tmp.{dead}.{host}.1.0.abcd1234.dcp"
     dcp_tmp.mkdir()
     (dcp_tmp / "__0_0.distcp").write_bytes(b"partial")
-    live = f".step_00000040.pt.fastckpt-tmp.{os.getppid()}.0.beef"  # its writer is still running
+    live = f".step_00000040.pt.fastckpt-tmp.{os.getppid()}.{host}.0.0.beef"  # its writer is still running
     (tmp_path / live).write_bytes(b"in progress")
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / ".hidden").write_text("mine")
@@ -476,7 +477,7 @@ def test_manager_sharded_mode_single_process(tmp_path):
         return {"model": {"w": torch.full((64,), float(v)), "b": torch.arange(8) + v}, "step": v}
 
     dead = dead_pid()
-    (tmp_path / f".step_00000002.fastckpt-tmp.{dead}.00000000.dcp").mkdir()  # a crashed sharded save
+    (tmp_path / f".step_00000002.fastckpt-tmp.{dead}.{_C.temp_host()}.1.0.00000000.dcp").mkdir()  # a crashed sharded save
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP: "assuming the intent is to save in a single process"

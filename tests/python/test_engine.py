@@ -584,3 +584,174 @@ def test_buffers_of_unreaped_io_uring_requests_are_quarantined(tmp_path):
     data = random_bytes(1 << 20, 2)
     save(eng, tmp_path / "a.bin", data)  # a new ring, the remaining buffers
     assert (tmp_path / "a.bin").read_bytes() == data.numpy().tobytes()
+
+
+_FORK_ASYNC_SCRIPT = textwrap.dedent("""
+    import multiprocessing, os, signal, sys, time, torch, fastckpt
+    from fastckpt import _C
+    backend, how, inflight, d = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
+    torch.set_num_threads(1)  # torch's OpenMP pool does not survive fork() (see _FORK_SCRIPT)
+    sd = {"w": torch.arange(300000, dtype=torch.float32), "b": torch.ones(7)}
+    big = {"w": torch.ones(1 << 20, dtype=torch.uint8)}
+
+    def child_work():
+        if inflight:
+            # The parent's save in flight at fork() is not the child's: its future fails at
+            # once, and neither the manager's wait() nor the saver's waits for it.
+            try:
+                parent_fut.result(timeout=60)
+                return 20
+            except RuntimeError as e:
+                if "forked" not in str(e):
+                    return 21
+            mgr.wait()
+            if not fastckpt.wait_for_saves(timeout=60):
+                return 22
+        fut = fastckpt.async_save(sd, os.path.join(d, "child_async.pt"))
+        try:
+            fut.result(timeout=60)
+        except TimeoutError:
+            return 23
+        got = fastckpt.load(os.path.join(d, "child_async.pt"))
+        if not all(torch.equal(got[k], sd[k]) for k in sd):
+            return 24
+        return 0  # a normal exit: atexit handlers (which wait for saves) must not hang either
+
+    def mp_target():
+        sys.exit(child_work())
+
+    def wait_child(pid):
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got:
+                return os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        return "hung"
+
+    with fastckpt.knobs.override(backend=backend, buffer_size=64 << 10, buffer_count=4, queue_depth=4):
+        fastckpt.async_save(sd, os.path.join(d, "parent.pt")).result()  # saver thread and engine exist
+        if inflight:
+            os.mkdir(os.path.join(d, "zz_slow_dir"))
+            mgr = fastckpt.CheckpointManager(os.path.join(d, "zz_slow_dir"))
+            # every write of that save is slow (~3 s): it is still in flight at fork()
+            _C.fault_inject("write", nth=1, delay_ms=200, times=0, path_contains="zz_slow_dir")
+            parent_fut = mgr.async_save(1, big)
+            assert not parent_fut.done()
+        if how == "os.fork":
+            pid = os.fork()
+            if pid == 0:
+                code = 99
+                try:
+                    code = child_work()
+                finally:
+                    sys.exit(code)
+            rc = wait_child(pid)
+        else:
+            p = multiprocessing.get_context("fork").Process(target=mp_target)
+            p.start()
+            p.join(90)
+            rc = p.exitcode
+            if rc is None:
+                p.kill()
+                p.join()
+                rc = "hung"
+        assert rc == 0, f"child failed with {rc}"
+        if inflight:
+            parent_fut.result()  # the parent's save was not disturbed
+            _C.fault_clear()
+            assert torch.equal(mgr.load_latest().state["w"], big["w"])
+        fut = fastckpt.async_save(sd, os.path.join(d, "parent2.pt"))  # the parent still works
+        fut.result()
+        got = fastckpt.load(os.path.join(d, "parent2.pt"))
+        assert all(torch.equal(got[k], sd[k]) for k in sd)
+    print("ok")
+""")
+
+
+@pytest.mark.parametrize("inflight", [False, True], ids=["idle", "inflight"])
+@pytest.mark.parametrize("how", ["os.fork", "multiprocessing"])
+def test_async_save_in_a_forked_child(backend, tmp_path, how, inflight):
+    """fastckpt.async_save in a child made by fork() (item 10's class): the
+    parent's saver thread does not exist there; with a save of the parent
+    (through the checkpoint manager) in flight at fork() too."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        r = subprocess.run([sys.executable, "-c", _FORK_ASYNC_SCRIPT, backend, how, str(int(inflight)),
+                            str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"async_save after fork ({how}, {backend}, inflight={inflight}) hung")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+    assert torch.equal(fastckpt.load(tmp_path / "child_async.pt")["b"], torch.ones(7))
+
+
+_FORK_LOCKS_SCRIPT = textwrap.dedent("""
+    import os, signal, sys, threading, time, torch, fastckpt
+    from fastckpt.dcp import FastWriter
+    # the modules (fastckpt.async_save is also the name of the function)
+    A, M, S = (sys.modules[f"fastckpt.{m}"] for m in ("async_save", "manager", "serialization"))
+    d = sys.argv[1]
+    torch.set_num_threads(1)  # torch's OpenMP pool does not survive fork() (see _FORK_SCRIPT)
+    sd = {"w": torch.arange(1000, dtype=torch.float32)}
+    fastckpt.async_save(sd, os.path.join(d, "parent.pt")).result()
+    writer = FastWriter(os.path.join(d, "dcp"))
+    mgr = fastckpt.CheckpointManager(os.path.join(d, "mgr"))
+    locks = [A._default_lock, A.default_saver()._cv, A.default_saver().stager._lock, M._exit_lock, mgr._lock,
+             S._PinnedStager._lock, writer._stager._lock]
+    held, release = threading.Event(), threading.Event()
+
+    def hold():  # another thread of the parent holds every lock at fork()
+        for lk in locks:
+            lk.acquire()
+        held.set()
+        release.wait()
+        for lk in reversed(locks):
+            lk.release()
+
+    t = threading.Thread(target=hold)
+    t.start()
+    held.wait()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            staged = writer.stage(sd)
+            assert torch.equal(staged["w"], sd["w"])
+            fastckpt.async_save(sd, os.path.join(d, "child.pt")).result(timeout=60)
+            mgr.save(1, sd)
+            assert torch.equal(mgr.load_latest().state["w"], sd["w"])
+            fastckpt.CheckpointManager(os.path.join(d, "mgr2")).save(2, sd)  # a new manager: _exit_lock
+            code = 0
+        finally:
+            os._exit(code)
+    release.set()
+    t.join()
+    deadline = time.monotonic() + 90
+    while True:
+        got, status = os.waitpid(pid, os.WNOHANG)
+        if got:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise SystemExit("the child hung")
+        time.sleep(0.05)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+    assert torch.equal(fastckpt.load(os.path.join(d, "child.pt"))["w"], sd["w"])
+    print("ok")
+""")
+
+
+def test_fork_while_another_thread_holds_fastckpt_locks(tmp_path):
+    """A lock another thread of the parent holds at fork() stays held in the
+    child: every module-level and per-object lock the child may need
+    (async saver, manager, pinned-buffer pool, DCP staging) is made anew there."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    try:
+        r = subprocess.run([sys.executable, "-c", _FORK_LOCKS_SCRIPT, str(tmp_path)], env=env,
+                           capture_output=True, text=True, timeout=240)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the forked child hung")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
