@@ -281,7 +281,8 @@ def unreferenced_archive(referenced: int, unreferenced: int) -> Tuple[bytes, str
 
 # ---------------------------------------------------------------- memory probe
 
-def _status(field: str) -> int:
+def status_bytes(field: str) -> int:
+    """A memory figure of this process (VmRSS, VmHWM, ...) in bytes."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -294,7 +295,7 @@ def hwm_resettable() -> Optional[str]:
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-        _status("VmHWM")
+        status_bytes("VmHWM")
         return None
     except (OSError, RuntimeError) as e:
         return f"cannot reset the peak RSS through /proc/self/clear_refs: {e}"
@@ -319,7 +320,7 @@ def _worker() -> None:
             trim(0)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS
-        base = _status("VmRSS")
+        base = status_bytes("VmRSS")
         error = None
         try:
             load_cleanly(req["path"], req["verify"], req.get("as_file", False))
@@ -327,7 +328,7 @@ def _worker() -> None:
             error = traceback.format_exc()
         # (The kernel's RSS counters are per-CPU and read approximately: a load
         # that allocates nothing can read a few hundred KiB below the baseline.)
-        growth = max(0, _status("VmHWM") - base)
+        growth = max(0, status_bytes("VmHWM") - base)
         sys.stdout.write(json.dumps({"growth": growth, "error": error}) + "\n")
         sys.stdout.flush()
 

@@ -13,6 +13,8 @@ import pickle
 import struct
 import tracemalloc
 
+import crafted  # the memory figures of /proc/self/status, shared with the load fuzzers
+
 I4 = struct.Struct("<I")
 Q8 = struct.Struct("<Q")
 
@@ -223,28 +225,11 @@ def tricks(marker: str):
 
 # ---------------------------------------------------------------- the memory oracle
 
-def _status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def _reset_hwm() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset the peak RSS (VmHWM) to the current RSS (Linux >= 4.0)
-        return True
-    except OSError:
-        return False
+    return crafted.hwm_resettable() is None  # resets the peak RSS (VmHWM) to the current RSS when it can
 
 
 def rss_oracle_available() -> bool:
-    try:
-        _status("VmHWM")
-    except (OSError, RuntimeError):
-        return False
     return _reset_hwm()
 
 
@@ -262,12 +247,12 @@ def peak_growth(fn, *args, traced: bool = True, **kwargs):
         tracemalloc.reset_peak()
         base_traced = tracemalloc.get_traced_memory()[0]
     _reset_hwm()
-    base_rss = _status("VmRSS")
+    base_rss = crafted.status_bytes("VmRSS")
     try:
         out = fn(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - returned for the caller to judge
         out = e
-    grown = _status("VmHWM") - base_rss
+    grown = crafted.status_bytes("VmHWM") - base_rss
     if traced:
         grown = max(grown, tracemalloc.get_traced_memory()[1] - base_traced)
     if started:
