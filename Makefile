@@ -82,3 +82,16 @@ distclean: clean
 .PHONY: test-exit-long
 test-exit-long: build
 	FASTCKPT_EXIT_RUNS=50 $(PY) -m pytest -q tests/python/test_manager_exit.py $(PYTEST_ARGS)
+
+# Issue 12: CRC-32 (zip polynomial) of zlib and of whichever accelerated libraries are installed
+# (ISA-L: libisal-dev, libdeflate: libdeflate-dev, zlib-ng: libz-ng-dev), found with pkg-config;
+# parity with zlib first (non-zero exit on a mismatch), then GB/s per buffer size. CRC_ARGS: --reps,
+# --sizes, --parity-only. docs/ENGINE.md "CRC-32: measured" has the figures.
+CRC_ARGS ?=
+CRC_LIBS := $(foreach p,libisal:HAVE_ISAL libdeflate:HAVE_LIBDEFLATE zlib-ng:HAVE_ZLIBNG,$(shell pkg-config --exists $(word 1,$(subst :, ,$(p))) 2>/dev/null && echo "-D$(word 2,$(subst :, ,$(p))) $$(pkg-config --cflags --libs $(word 1,$(subst :, ,$(p))))"))
+.PHONY: bench-crc
+build/bench_crc: benchmarks/bench_crc.cc Makefile
+	@mkdir -p build
+	g++ -O2 -std=c++17 -pthread -o $@ $< $(CRC_LIBS) -lz
+bench-crc: build/bench_crc
+	./build/bench_crc $(CRC_ARGS)
