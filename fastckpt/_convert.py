@@ -36,7 +36,7 @@ from ._sources import (
     LAYOUT_KEY, SEPARATOR, ST_NAMES, LazyValue, Source, Storage, byte_span, dtype_name, encode_layout,
     is_dense, itemsize, storage_of, walk,
 )
-from .engine import get_engine
+from .engine import fsync_dir, get_engine
 
 log = logging.getLogger("fastckpt")
 
@@ -383,7 +383,7 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _C.fsync_dir(parent)
+        fsync_dir(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

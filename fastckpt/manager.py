@@ -71,7 +71,7 @@ from typing import Any, List, NamedTuple, Optional, Set, Tuple, Union
 from . import _C
 from .async_save import AsyncSaver, SaveFuture, _fail_inherited, default_saver
 from ._owner import check_directory_owner
-from .engine import get_engine
+from .engine import fsync_dir, get_engine
 from .errors import FormatError
 from .serialization import load as _load
 from .serialization import save as _save
@@ -238,10 +238,6 @@ class Restored(NamedTuple):
     path: str
 
 
-def _fsync_dir(path: Union[str, os.PathLike]) -> None:
-    _C.fsync_dir(os.fspath(path))
-
-
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -402,7 +398,7 @@ class CheckpointManager:
                 check_directory_owner(self.directory)
                 if not self.directory.is_dir():
                     self.directory.mkdir(parents=True, exist_ok=True)
-                    _fsync_dir(self.directory.parent)
+                    fsync_dir(self.directory.parent)
                 if clean:
                     self.clean_temporaries()
             except _failures() as e:  # noqa: BLE001 - every rank learns of it
@@ -728,7 +724,7 @@ class CheckpointManager:
         where = self.directory / ABANDONED
         if not where.is_dir():
             where.mkdir(exist_ok=True)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         moved = []
         for name in newer:
             dest, n = where / name, 0
@@ -740,8 +736,8 @@ class CheckpointManager:
             except FileNotFoundError:
                 continue
             moved.append(str(dest))
-        _fsync_dir(where)
-        _fsync_dir(self.directory)
+        fsync_dir(where)
+        fsync_dir(self.directory)
         if moved:
             log.warning("fastckpt.CheckpointManager: step %d is older than %d checkpoint(s) in %s (a rollback): "
                         "that branch is abandoned; moved %s (never loaded, never deleted by retention)",
@@ -772,7 +768,7 @@ class CheckpointManager:
             except FileNotFoundError:
                 pass
         if removed:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             log.debug("fastckpt.CheckpointManager: retention removed %s", removed)
         return removed
 
@@ -846,7 +842,7 @@ class CheckpointManager:
             removed.extend(_C.remove_leftovers(str(self.directory / target)))
         removed.sort()
         if removed:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             log.warning("fastckpt.CheckpointManager: removed %d leftover temporary file(s) of interrupted saves "
                         "in %s: %s", len(removed), self.directory, ", ".join(removed))
         if foreign:
@@ -955,7 +951,7 @@ class CheckpointManager:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         final = self.directory / name
         if final.exists():  # re-saving a step: move the old one aside (then it is a temporary)
             aside = self.directory / _temp_name(name, "old")
@@ -964,7 +960,7 @@ class CheckpointManager:
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     # ------------------------------------------------------------ loading
     def load_latest(self, map_location: Any = None, *, state: Any = None, weights_only: bool = True) -> Optional[Restored]:
