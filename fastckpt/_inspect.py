@@ -28,23 +28,12 @@ from ._sources import (
     DcpSource, LazyValue, SafetensorsSource, Source, ZipSource, _holds_structure, dtype_name, is_dcp_dir,
     open_source, sniff, storage_of, walk,
 )
+from ._units import human
 from .errors import FormatError
 
 log = logging.getLogger("fastckpt")
 
 Progress = Optional[Callable[[int], None]]
-
-
-def human(n: Optional[int]) -> str:
-    if n is None:
-        return "?"
-    if n < 1024:
-        return f"{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        n /= 1024.0
-        if n < 1024 or unit == "PiB":
-            return f"{n:.1f} {unit}"
-    return str(n)
 
 
 # ---------------------------------------------------------------- inspect
