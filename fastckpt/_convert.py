@@ -37,7 +37,7 @@ from ._sources import (
     is_dense, storage_of, walk,
 )
 from ._torch_rules import StorageRef, itemsize, v3_dtypes
-from .engine import fsync_dir, get_engine
+from .engine import get_engine
 
 log = logging.getLogger("fastckpt")
 
@@ -352,7 +352,7 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
     parent, name = os.path.split(final)
     # The checkpoint manager's temporary names (this host, this process): only this host's
     # CheckpointManager.clean_temporaries removes them, once this process is gone.
-    from .manager import _temp_name
+    from .manager import _replace_dir, _temp_name
     tmp = os.path.join(parent, _temp_name(name, "dcp"))
     try:
         with warnings.catch_warnings():
@@ -365,14 +365,7 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
                 if len(errors) == 1 and isinstance(errors[0], BaseException):
                     raise errors[0] from None
                 raise
-        if os.path.lexists(final):
-            aside = os.path.join(parent, _temp_name(name, "old"))
-            os.rename(final, aside)
-            os.rename(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        fsync_dir(parent)
+        _replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

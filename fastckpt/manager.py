@@ -111,6 +111,25 @@ def _temp_name(name: str, kind: Optional[str] = None) -> str:
     return base if kind is None else f"{base}.{kind}"
 
 
+def _replace_dir(tmp: Union[str, os.PathLike], final: Union[str, os.PathLike]) -> None:
+    """Rename the finished directory `tmp` to its sibling `final` and make the
+    rename durable (an fsync of their parent). An existing `final` (a re-saved
+    step, a converted checkpoint written over) is first moved aside under a
+    temporary name of this host and process (``.old``: clean_temporaries
+    removes it if this process dies before it does), then removed. The one
+    rename-into-place of directories: the manager's sharded saves and
+    `fastckpt convert` to DCP."""
+    parent, name = os.path.split(os.fspath(final))
+    if os.path.lexists(final):
+        aside = os.path.join(parent, _temp_name(name, "old"))
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(parent)
+
+
 def _parse_temp(entry: str) -> Optional[Tuple[str, dict, Optional[str]]]:
     """``(target, {"pid", "host", "start"}, kind)`` of a name made by the
     engine or by :func:`_temp_name`, or None (not one: older names without a
@@ -952,15 +971,7 @@ class CheckpointManager:
                 finally:
                     os.close(fd)
         fsync_dir(tmp)
-        final = self.directory / name
-        if final.exists():  # re-saving a step: move the old one aside (then it is a temporary)
-            aside = self.directory / _temp_name(name, "old")
-            os.rename(final, aside)
-            os.rename(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        fsync_dir(self.directory)
+        _replace_dir(tmp, self.directory / name)  # re-saving a step: the old one moved aside, then removed
 
     # ------------------------------------------------------------ loading
     def load_latest(self, map_location: Any = None, *, state: Any = None, weights_only: bool = True) -> Optional[Restored]:
