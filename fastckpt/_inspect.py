@@ -28,6 +28,7 @@ from ._sources import (
     DcpSource, LazyValue, SafetensorsSource, Source, ZipSource, _holds_structure, dtype_name, is_dcp_dir,
     open_source, sniff, storage_of, walk,
 )
+from ._torch_rules import itemsize
 from ._units import human
 from .errors import FormatError
 
@@ -421,7 +422,7 @@ def _verify_dcp(src: DcpSource, rep: Report, progress_factory) -> None:
             n = 1
             for s in m.size:
                 n *= s
-            total += n * torch.empty((), dtype=m.properties.dtype).element_size()
+            total += n * itemsize(m.properties.dtype)
     bar = _progress(progress_factory, total, "verify")
     checked_t = checked_v = 0
     try:

@@ -53,6 +53,7 @@ from torch.futures import Future
 from .. import _C
 from .._owner import check_directory_owner
 from .._paths import check_dcp_target
+from .._torch_rules import itemsize
 from ..engine import fsync_dir, get_engine
 from . import _blob
 from ._staging import Stager
@@ -75,7 +76,7 @@ def _item_nbytes(item: WriteItem) -> int:
     n = 1
     for s in td.chunk.sizes:
         n *= s
-    return n * torch.empty((), dtype=td.properties.dtype).element_size()
+    return n * itemsize(td.properties.dtype)
 
 
 def _split(bins: int, items: List[WriteItem]) -> List[List[WriteItem]]:
