@@ -286,7 +286,9 @@ class _StorageType:
 
 
 @dataclass
-class _PStorage:
+class _ParsedStorage:
+    """A storage's persistent id as data.pkl holds it, read back (the writing
+    side is _torch_rules.StorageRef)."""
     dtype: torch.dtype
     untyped: bool
     key: str
@@ -313,7 +315,7 @@ def _rebuild_v2(*args):
     storage, storage_offset, size, stride = args[:4]
     if len(args) == 7 and args[6]:
         raise Unsupported("tensor metadata (conjugate/negative bits)")
-    if not isinstance(storage, _PStorage) or storage.untyped:
+    if not isinstance(storage, _ParsedStorage) or storage.untyped:
         raise Unsupported("_rebuild_tensor_v2 without a typed storage")
     return _layout(storage, storage.dtype, storage_offset, size, stride)
 
@@ -325,12 +327,12 @@ def _rebuild_v3(*args):
     storage, storage_offset, size, stride, _, _, dtype = args[:7]
     if len(args) == 8 and args[7]:
         raise Unsupported("tensor metadata (conjugate/negative bits)")
-    if not isinstance(storage, _PStorage) or not isinstance(dtype, torch.dtype):
+    if not isinstance(storage, _ParsedStorage) or not isinstance(dtype, torch.dtype):
         raise Unsupported("_rebuild_tensor_v3 without an untyped storage")
     return _layout(storage, dtype, storage_offset, size, stride)
 
 
-def _layout(storage: "_PStorage", dtype, storage_offset, size, stride) -> TensorLayout:
+def _layout(storage: "_ParsedStorage", dtype, storage_offset, size, stride) -> TensorLayout:
     ok = (isinstance(storage_offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)
           and len(size) == len(stride) and all(isinstance(x, int) for x in size + stride))
     if not ok:
@@ -369,7 +371,7 @@ def _layout_persistent(pid):
     if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
             or not isinstance(pid[1], _StorageType) or not isinstance(pid[2], str) or not isinstance(pid[4], int)):
         raise Unsupported(f"persistent id {pid!r}")
-    return _PStorage(pid[1].dtype, pid[1].untyped, pid[2], pid[4])
+    return _ParsedStorage(pid[1].dtype, pid[1].untyped, pid[2], pid[4])
 
 
 def parse_pickle(data: bytes, where: str = "data.pkl") -> TensorLayout:
