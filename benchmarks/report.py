@@ -50,6 +50,7 @@ try:
 except ImportError:  # a checkout whose extension was built in place but not installed
     sys.path.insert(0, REPO_ROOT)
     from fastckpt import _bench as fb
+from fastckpt._units import human  # noqa: E402  (the package's one size formatter)
 
 DEFAULT_SIZES = "256M,1G,4G"
 DEFAULT_OUT = os.path.join(HERE, "results")
@@ -77,11 +78,7 @@ def size_tag(n: int) -> str:
 
 
 def human_size(n: int) -> str:
-    for unit, mult in (("GiB", fb.GiB), ("MiB", fb.MiB)):
-        if n >= mult:
-            v = n / mult
-            return f"{v:g} {unit}" if v == int(v) else f"{v:.2f} {unit}"
-    return f"{n} B"
+    return human(n, digits=2, trim=True)
 
 
 def clean(x: Any) -> Any:

@@ -34,8 +34,9 @@ import torch
 from . import _C, _zip, knobs
 from ._sources import (
     LAYOUT_KEY, SEPARATOR, ST_NAMES, LazyValue, Source, Storage, byte_span, dtype_name, encode_layout,
-    is_dense, itemsize, storage_of, walk,
+    is_dense, storage_of, walk,
 )
+from ._torch_rules import StorageRef, itemsize, v3_dtypes
 from .engine import get_engine
 
 log = logging.getLogger("fastckpt")
@@ -73,18 +74,6 @@ def engine_for_streaming():
 
 # ---------------------------------------------------------------- fastckpt / torch.save files
 
-class _PStorage:
-    """Pickled as the persistent id of a storage of the new archive."""
-
-    def __init__(self, storage_type, key: str, location: str, numel: int):
-        self.pid = ("storage", storage_type, key, location, numel)
-
-
-def _v3_dtypes():
-    new = getattr(torch.storage, "_new_dtypes", None)
-    return new() if new is not None else set()
-
-
 class _Streamed:
     """A storage of the new archive, streamed from the source by _write_archive."""
 
@@ -112,20 +101,20 @@ def pickle_tree(tree: Any, source: Source, progress: Progress = None) -> Tuple[b
     """data.pkl for `tree` exactly as torch.save writes it (protocol 2, storages as
     persistent ids numbered in order of first use, views and shared storages kept),
     and the storages to stream, in key order."""
-    keys: Dict[int, _PStorage] = {}
+    keys: Dict[int, StorageRef] = {}
     order: List[_Streamed] = []
-    v3 = _v3_dtypes()
+    v3 = v3_dtypes()
     names = torch.storage._dtype_to_storage_type_map()
 
-    def pstorage(t: torch.Tensor) -> Tuple[_PStorage, bool]:
+    def pstorage(t: torch.Tensor) -> Tuple[StorageRef, bool]:
         s = storage_of(t)
         untyped = s.untyped or s.dtype in v3 or s.dtype not in names
         p = keys.get(id(s))
         if p is None:
             if untyped:
-                p = _PStorage(torch.UntypedStorage, str(len(order)), s.location or "cpu", s.nbytes)
+                p = StorageRef(torch.UntypedStorage, str(len(order)), s.location or "cpu", s.nbytes)
             else:
-                p = _PStorage(getattr(torch, names[s.dtype]), str(len(order)), s.location or "cpu",
+                p = StorageRef(getattr(torch, names[s.dtype]), str(len(order)), s.location or "cpu",
                               s.nbytes // itemsize(s.dtype))
             keys[id(s)] = p
             order.append(_Streamed(source, s, progress))
@@ -136,7 +125,7 @@ def pickle_tree(tree: Any, source: Source, progress: Progress = None) -> Tuple[b
 
     class Pickler(pickle.Pickler):
         def persistent_id(self, obj):
-            return obj.pid if isinstance(obj, _PStorage) else None
+            return obj.pid if isinstance(obj, StorageRef) else None
 
         def reducer_override(self, obj):
             if not isinstance(obj, torch.Tensor):
@@ -363,7 +352,7 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
     parent, name = os.path.split(final)
     # The checkpoint manager's temporary names (this host, this process): only this host's
     # CheckpointManager.clean_temporaries removes them, once this process is gone.
-    from .manager import _temp_name
+    from .manager import _replace_dir, _temp_name
     tmp = os.path.join(parent, _temp_name(name, "dcp"))
     try:
         with warnings.catch_warnings():
@@ -376,14 +365,7 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
                 if len(errors) == 1 and isinstance(errors[0], BaseException):
                     raise errors[0] from None
                 raise
-        if os.path.lexists(final):
-            aside = os.path.join(parent, _temp_name(name, "old"))
-            os.rename(final, aside)
-            os.rename(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _C.fsync_dir(parent)
+        _replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

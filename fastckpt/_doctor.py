@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _C, knobs
+from ._units import human
 
 # statfs(2) f_type values (linux/magic.h and filesystems' own headers)
 FS_MAGIC = {
@@ -285,7 +286,7 @@ def _recommend(r: Dict[str, Any]) -> List[str]:
                        "CPU per GB)" + (f"; {uring['hint']}" if uring.get("hint") else ""))
     free = r["space"]["free"]
     if free < LOW_FREE:
-        out.append(f"only {free / (1 << 30):.1f} GiB free: a save needs room for the new checkpoint next to the "
+        out.append(f"only {human(free)} free: a save needs room for the new checkpoint next to the "
                    "previous one until it replaces it")
     if r["cuda"]["available"] and r["pinned_memory"].get("usable") is False:
         out.append(f"pinned memory unavailable ({r['pinned_memory'].get('error')}): CUDA tensors are staged "
@@ -298,11 +299,6 @@ def _recommend(r: Dict[str, Any]) -> List[str]:
     return out
 
 
-def _human(n: Optional[int]) -> str:
-    from ._inspect import human
-    return human(n)
-
-
 def doctor_text(r: Dict[str, Any]) -> str:
     fs, od, u, eng = r["filesystem"], r["o_direct"], r["io_uring"], r["engine"]
     L = []
@@ -311,7 +307,7 @@ def doctor_text(r: Dict[str, Any]) -> str:
     L.append(f"filesystem       {fs['type'] or '?'} (statfs magic {fs['statfs_magic'] or '?'}"
              + (f", {fs['statfs_name']}" if fs["statfs_name"] else "") + ")"
              + (f", mounted at {mount['mount_point']} from {mount['device']}" if mount else ""))
-    L.append(f"free space       {_human(r['space']['free'])} of {_human(r['space']['total'])}")
+    L.append(f"free space       {human(r['space']['free'])} of {human(r['space']['total'])}")
     if od.get("writable") is False:
         L.append(f"writable         no ({od.get('reason')})")
     a = od.get("alignment") or {}
@@ -331,9 +327,9 @@ def doctor_text(r: Dict[str, Any]) -> str:
     L.append(f"pinned memory    " + ("usable" if p["usable"] else f"unusable: {p.get('error')}" if p["usable"] is False
                                      else f"n/a ({p.get('reason')})"))
     m = r["memory"]
-    L.append(f"memory           {_human(m['available'])} available of {_human(m['total'])}; staging buffers "
-             f"{_human(m['staging_buffers'])}; RLIMIT_MEMLOCK "
-             + ("unlimited" if m["memlock_limit"] is None else _human(m["memlock_limit"])))
+    L.append(f"memory           {human(m['available'])} available of {human(m['total'])}; staging buffers "
+             f"{human(m['staging_buffers'])}; RLIMIT_MEMLOCK "
+             + ("unlimited" if m["memlock_limit"] is None else human(m["memlock_limit"])))
     L.append("knobs            " + ", ".join(f"{k}={v}" for k, v in r["knobs"].items()))
     if r["environment"]:
         L.append("environment      " + ", ".join(f"{k}={v}" for k, v in sorted(r["environment"].items())))

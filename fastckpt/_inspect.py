@@ -28,23 +28,13 @@ from ._sources import (
     DcpSource, LazyValue, SafetensorsSource, Source, ZipSource, _holds_structure, dtype_name, is_dcp_dir,
     open_source, sniff, storage_of, walk,
 )
+from ._torch_rules import itemsize
+from ._units import human
 from .errors import FormatError
 
 log = logging.getLogger("fastckpt")
 
 Progress = Optional[Callable[[int], None]]
-
-
-def human(n: Optional[int]) -> str:
-    if n is None:
-        return "?"
-    if n < 1024:
-        return f"{n} B"
-    for unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        n /= 1024.0
-        if n < 1024 or unit == "PiB":
-            return f"{n:.1f} {unit}"
-    return str(n)
 
 
 # ---------------------------------------------------------------- inspect
@@ -432,7 +422,7 @@ def _verify_dcp(src: DcpSource, rep: Report, progress_factory) -> None:
             n = 1
             for s in m.size:
                 n *= s
-            total += n * torch.empty((), dtype=m.properties.dtype).element_size()
+            total += n * itemsize(m.properties.dtype)
     bar = _progress(progress_factory, total, "verify")
     checked_t = checked_v = 0
     try:

@@ -42,6 +42,7 @@ import torch.serialization as ts
 
 from . import _unpickle, _C, _zip
 from . import serialization as _serialization
+from ._torch_rules import contiguous_stride, itemsize
 from .engine import get_engine
 from .errors import FormatError
 
@@ -64,20 +65,8 @@ ST_DTYPES: Dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in _ST_NAMES.
 ST_NAMES: Dict[torch.dtype, str] = {v: k for k, v in ST_DTYPES.items()}
 
 
-def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
-
-
-def contiguous_stride(shape) -> Tuple[int, ...]:
-    out, acc = [], 1
-    for s in reversed(tuple(shape)):
-        out.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(out))
 
 
 @dataclass(eq=False)

@@ -1,7 +1,9 @@
 """What torch.save and torch.load decide from their arguments, torch's
 settings and the environment, for fastckpt.save / fastckpt.load to decide
 the same: the weights-only rules, the loads that read no data, the record
-alignment and the checksums. torch inlines most of these in torch.load and
+alignment and the checksums; and how torch.save describes a storage in
+``data.pkl`` (its persistent id, the dtypes pickled as untyped storages,
+element sizes, contiguous strides), for every writer of such pickles. torch inlines most of these in torch.load and
 torch._save; where it has a helper (``_default_to_weights_only``,
 ``_get_storage_alignment``, ``get_crc32_options``, ``_is_meta_location``) it is
 called, and tests/python/test_torch_semantics.py checks the result against
@@ -12,14 +14,15 @@ import math
 import os
 import pickle
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.serialization as ts
 
 from . import _zip
 
-__all__ = ["weights_only_policy", "reads_no_data", "storage_alignment", "compute_crc32"]
+__all__ = ["weights_only_policy", "reads_no_data", "storage_alignment", "compute_crc32", "StorageRef",
+           "v3_dtypes", "itemsize", "contiguous_stride"]
 
 
 _TRUE_VALUES = ("1", "y", "yes", "true")  # torch.load's, for its TORCH_FORCE_* variables
@@ -81,3 +84,33 @@ def storage_alignment() -> int:
 def compute_crc32() -> bool:
     get = getattr(ts, "get_crc32_options", None)
     return bool(get()) if get else True
+
+
+# ---------------------------------------------------------------- storages in data.pkl
+
+class StorageRef:
+    """Pickled (by a Pickler whose ``persistent_id`` returns ``obj.pid``) as
+    torch.save's persistent id of a storage: ``("storage", storage type, key,
+    location, numel)``."""
+
+    def __init__(self, storage_type, key: str, location: str, numel: int):
+        self.pid = ("storage", storage_type, key, location, numel)
+
+
+def v3_dtypes():
+    """The dtypes torch.save pickles with an untyped storage (``_rebuild_tensor_v3``)."""
+    new = getattr(torch.storage, "_new_dtypes", None)
+    return new() if new is not None else set()
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
+    """The row-major strides of `shape` (a size-0 dimension counts as 1, as in torch)."""
+    out, acc = [], 1
+    for s in reversed(tuple(shape)):
+        out.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(out))

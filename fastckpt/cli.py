@@ -164,7 +164,7 @@ def cmd_verify(args) -> int:
 
 def cmd_convert(args) -> int:
     from . import _convert
-    from ._inspect import human
+    from ._units import human
     from ._sources import is_dcp_dir, open_source
     src_path, dst = args.src, args.dst
     _existing(src_path)

@@ -19,7 +19,7 @@ from typing import Dict, Tuple
 
 from . import _C, knobs
 
-__all__ = ["get_engine", "reset_engine"]
+__all__ = ["get_engine", "reset_engine", "fsync_dir"]
 
 log = logging.getLogger("fastckpt")
 _lock = threading.Lock()
@@ -47,6 +47,14 @@ def reset_engine() -> None:
     """Drop cached engines (their buffers are freed once no writer uses them)."""
     with _lock:
         _engines.clear()
+
+
+def fsync_dir(path) -> None:
+    """fsync a directory (its entries: a rename, create or unlink in it) through
+    the engine's syscall checker: an OSError subclass naming the path on failure.
+    The one directory fsync of the package (save, FastWriter, the manager, convert);
+    the test-only FASTCKPT_TEST_SKIP_SYNC=dir|all switch (tests/powerloss) turns it off."""
+    _C.fsync_dir(os.fspath(path))
 
 
 def _after_fork_in_child() -> None:

@@ -71,7 +71,7 @@ from typing import Any, List, NamedTuple, Optional, Set, Tuple, Union
 from . import _C
 from .async_save import AsyncSaver, SaveFuture, _fail_inherited, default_saver
 from ._owner import check_directory_owner
-from .engine import get_engine
+from .engine import fsync_dir, get_engine
 from .errors import FormatError
 from .serialization import load as _load
 from .serialization import save as _save
@@ -109,6 +109,25 @@ def _temp_name(name: str, kind: Optional[str] = None) -> str:
     base = (f".{name}{TMP_MARK}{pid}.{_C.temp_host()}.{_process_start(pid)}."
             f"{next(_tmp_counter)}.{uuid.uuid4().hex[:8]}")
     return base if kind is None else f"{base}.{kind}"
+
+
+def _replace_dir(tmp: Union[str, os.PathLike], final: Union[str, os.PathLike]) -> None:
+    """Rename the finished directory `tmp` to its sibling `final` and make the
+    rename durable (an fsync of their parent). An existing `final` (a re-saved
+    step, a converted checkpoint written over) is first moved aside under a
+    temporary name of this host and process (``.old``: clean_temporaries
+    removes it if this process dies before it does), then removed. The one
+    rename-into-place of directories: the manager's sharded saves and
+    `fastckpt convert` to DCP."""
+    parent, name = os.path.split(os.fspath(final))
+    if os.path.lexists(final):
+        aside = os.path.join(parent, _temp_name(name, "old"))
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(parent)
 
 
 def _parse_temp(entry: str) -> Optional[Tuple[str, dict, Optional[str]]]:
@@ -236,10 +255,6 @@ class Restored(NamedTuple):
     step: int
     state: Any
     path: str
-
-
-def _fsync_dir(path: Union[str, os.PathLike]) -> None:
-    _C.fsync_dir(os.fspath(path))
 
 
 def _pid_alive(pid: int) -> bool:
@@ -402,7 +417,7 @@ class CheckpointManager:
                 check_directory_owner(self.directory)
                 if not self.directory.is_dir():
                     self.directory.mkdir(parents=True, exist_ok=True)
-                    _fsync_dir(self.directory.parent)
+                    fsync_dir(self.directory.parent)
                 if clean:
                     self.clean_temporaries()
             except _failures() as e:  # noqa: BLE001 - every rank learns of it
@@ -728,7 +743,7 @@ class CheckpointManager:
         where = self.directory / ABANDONED
         if not where.is_dir():
             where.mkdir(exist_ok=True)
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
         moved = []
         for name in newer:
             dest, n = where / name, 0
@@ -740,8 +755,8 @@ class CheckpointManager:
             except FileNotFoundError:
                 continue
             moved.append(str(dest))
-        _fsync_dir(where)
-        _fsync_dir(self.directory)
+        fsync_dir(where)
+        fsync_dir(self.directory)
         if moved:
             log.warning("fastckpt.CheckpointManager: step %d is older than %d checkpoint(s) in %s (a rollback): "
                         "that branch is abandoned; moved %s (never loaded, never deleted by retention)",
@@ -772,7 +787,7 @@ class CheckpointManager:
             except FileNotFoundError:
                 pass
         if removed:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             log.debug("fastckpt.CheckpointManager: retention removed %s", removed)
         return removed
 
@@ -846,7 +861,7 @@ class CheckpointManager:
             removed.extend(_C.remove_leftovers(str(self.directory / target)))
         removed.sort()
         if removed:
-            _fsync_dir(self.directory)
+            fsync_dir(self.directory)
             log.warning("fastckpt.CheckpointManager: removed %d leftover temporary file(s) of interrupted saves "
                         "in %s: %s", len(removed), self.directory, ", ".join(removed))
         if foreign:
@@ -955,16 +970,8 @@ class CheckpointManager:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
-        _fsync_dir(tmp)
-        final = self.directory / name
-        if final.exists():  # re-saving a step: move the old one aside (then it is a temporary)
-            aside = self.directory / _temp_name(name, "old")
-            os.rename(final, aside)
-            os.rename(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(self.directory)
+        fsync_dir(tmp)
+        _replace_dir(tmp, self.directory / name)  # re-saving a step: the old one moved aside, then removed
 
     # ------------------------------------------------------------ loading
     def load_latest(self, map_location: Any = None, *, state: Any = None, weights_only: bool = True) -> Optional[Restored]:

@@ -27,11 +27,12 @@ import sys
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 
 from .. import _unpickle
+from .._torch_rules import StorageRef, contiguous_stride, itemsize, v3_dtypes
 from ..errors import FormatError
 
 __all__ = ["ALIGN", "ALIGN_MIN", "RECORD_ALIGN", "TensorBlob", "plan_tensor_blob", "ZipIndex",
@@ -53,14 +54,6 @@ ARCHIVE = "archive"   # the top folder torch.save uses for a file object without
 
 # ---------------------------------------------------------------- the pickle
 
-class _StorageRef:
-    """Pickled as torch.save's persistent id of a storage."""
-
-    def __init__(self, storage_type, numel: int):
-        self.storage_type = storage_type
-        self.numel = numel
-
-
 class _TensorStub:
     """Pickles like a CPU tensor of `dtype` and `size` whose storage is exactly its
     contiguous bytes (what torch.save writes for such a tensor; see
@@ -71,44 +64,26 @@ class _TensorStub:
         self.size = size
 
     def __reduce__(self):
-        stride = _contiguous_stride(self.size)
+        stride = contiguous_stride(self.size)
         numel = 1
         for s in self.size:
             numel *= s
         hooks = collections.OrderedDict()
-        if self.dtype in _v3_dtypes():
-            storage = _StorageRef(torch.storage.UntypedStorage, numel * _itemsize(self.dtype))
+        if self.dtype in v3_dtypes():
+            storage = StorageRef(torch.storage.UntypedStorage, "0", "cpu", numel * itemsize(self.dtype))
             return (torch._utils._rebuild_tensor_v3, (storage, 0, self.size, stride, False, hooks, self.dtype))
-        storage = _StorageRef(getattr(torch, _storage_type_names()[self.dtype]), numel)
+        storage = StorageRef(getattr(torch, _storage_type_names()[self.dtype]), "0", "cpu", numel)
         return (torch._utils._rebuild_tensor_v2, (storage, 0, self.size, stride, False, hooks))
-
-
-def _v3_dtypes():
-    new = getattr(torch.storage, "_new_dtypes", None)
-    return new() if new is not None else set()
 
 
 def _storage_type_names() -> Dict[torch.dtype, str]:
     return torch.storage._dtype_to_storage_type_map()
 
 
-def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _contiguous_stride(size: Sequence[int]) -> Tuple[int, ...]:
-    stride = []
-    acc = 1
-    for s in reversed(size):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
-
-
 class _Pickler(pickle.Pickler):
     def persistent_id(self, obj):
-        if isinstance(obj, _StorageRef):
-            return ("storage", obj.storage_type, "0", "cpu", obj.numel)
+        if isinstance(obj, StorageRef):
+            return obj.pid
         return None
 
 
@@ -120,7 +95,7 @@ def tensor_pickle(dtype: torch.dtype, size: Tuple[int, ...]) -> bytes:
     key = (dtype, size)
     p = _pickle_cache.get(key)
     if p is None:
-        if dtype not in _v3_dtypes() and dtype not in _storage_type_names():
+        if dtype not in v3_dtypes() and dtype not in _storage_type_names():
             raise TypeError(f"fastckpt.dcp: cannot save tensors of dtype {dtype}")
         import io
         buf = io.BytesIO()
@@ -161,7 +136,7 @@ def plan_tensor_blob(dtype: torch.dtype, size: Tuple[int, ...], file_offset: int
     numel = 1
     for s in size:
         numel *= s
-    nbytes = numel * _itemsize(dtype)
+    nbytes = numel * itemsize(dtype)
     pkl = tensor_pickle(dtype, tuple(size))
     serialization_id = f"{uuid.uuid4().int:040d}"[:40].encode()
     before = [("data.pkl", pkl), (".format_version", b"1"), (".storage_alignment", str(RECORD_ALIGN).encode()),
@@ -311,7 +286,9 @@ class _StorageType:
 
 
 @dataclass
-class _PStorage:
+class _ParsedStorage:
+    """A storage's persistent id as data.pkl holds it, read back (the writing
+    side is _torch_rules.StorageRef)."""
     dtype: torch.dtype
     untyped: bool
     key: str
@@ -338,7 +315,7 @@ def _rebuild_v2(*args):
     storage, storage_offset, size, stride = args[:4]
     if len(args) == 7 and args[6]:
         raise Unsupported("tensor metadata (conjugate/negative bits)")
-    if not isinstance(storage, _PStorage) or storage.untyped:
+    if not isinstance(storage, _ParsedStorage) or storage.untyped:
         raise Unsupported("_rebuild_tensor_v2 without a typed storage")
     return _layout(storage, storage.dtype, storage_offset, size, stride)
 
@@ -350,17 +327,17 @@ def _rebuild_v3(*args):
     storage, storage_offset, size, stride, _, _, dtype = args[:7]
     if len(args) == 8 and args[7]:
         raise Unsupported("tensor metadata (conjugate/negative bits)")
-    if not isinstance(storage, _PStorage) or not isinstance(dtype, torch.dtype):
+    if not isinstance(storage, _ParsedStorage) or not isinstance(dtype, torch.dtype):
         raise Unsupported("_rebuild_tensor_v3 without an untyped storage")
     return _layout(storage, dtype, storage_offset, size, stride)
 
 
-def _layout(storage: "_PStorage", dtype, storage_offset, size, stride) -> TensorLayout:
+def _layout(storage: "_ParsedStorage", dtype, storage_offset, size, stride) -> TensorLayout:
     ok = (isinstance(storage_offset, int) and isinstance(size, tuple) and isinstance(stride, tuple)
           and len(size) == len(stride) and all(isinstance(x, int) for x in size + stride))
     if not ok:
         raise Unsupported("unexpected tensor arguments")
-    isz = 1 if storage.untyped else _itemsize(storage.dtype)
+    isz = 1 if storage.untyped else itemsize(storage.dtype)
     return TensorLayout(dtype, size, stride, storage_offset, storage.key, storage.numel * isz)
 
 
@@ -394,7 +371,7 @@ def _layout_persistent(pid):
     if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
             or not isinstance(pid[1], _StorageType) or not isinstance(pid[2], str) or not isinstance(pid[4], int)):
         raise Unsupported(f"persistent id {pid!r}")
-    return _PStorage(pid[1].dtype, pid[1].untyped, pid[2], pid[4])
+    return _ParsedStorage(pid[1].dtype, pid[1].untyped, pid[2], pid[4])
 
 
 def parse_pickle(data: bytes, where: str = "data.pkl") -> TensorLayout:

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import _C, _unpickle
+from .._torch_rules import contiguous_stride, itemsize
 from .._owner import check_directory_owner
 from ..engine import get_engine
 from ..errors import FormatError
@@ -514,7 +515,7 @@ class _FileJob:
             if lay.nbytes != b.storage.size:
                 raise FormatError(f"{b.where}: storage record {b.storage.name!r} holds {b.storage.size} bytes, "
                                   f"data.pkl expects {lay.nbytes}")
-            isz = _blob._itemsize(lay.dtype)
+            isz = itemsize(lay.dtype)
             if lay.offset < 0 or any(s < 0 for s in lay.size) or any(s < 0 for s in lay.stride):
                 raise FormatError(f"{b.where}: data.pkl describes a tensor with negative sizes or strides")
             numel = 1
@@ -549,7 +550,7 @@ class _FileJob:
             numel *= n
         if numel == 0:
             return None
-        isz = _blob._itemsize(lay.dtype)
+        isz = itemsize(lay.dtype)
         lo = lay.offset + sum(o * s for o, s in zip(offs, lay.stride))
         hi = lo + sum((n - 1) * s for n, s in zip(lens, lay.stride))
         span = (hi - lo + 1) * isz
@@ -558,7 +559,7 @@ class _FileJob:
         check = self.reader.verify and whole_record and (b.storage.crc != 0 or lay.nbytes == 0)
         crc = b.storage.crc
         dense = span == numel * isz and all(
-            s == c for n, s, c in zip(lens, lay.stride, _blob._contiguous_stride(lens)) if n > 1)
+            s == c for n, s, c in zip(lens, lay.stride, contiguous_stride(lens)) if n > 1)
         if (dense and target.device.type == "cpu" and target.is_contiguous() and target.dtype == lay.dtype):
             dest = target.reshape(-1).view(torch.uint8)
 

@@ -53,7 +53,8 @@ from torch.futures import Future
 from .. import _C
 from .._owner import check_directory_owner
 from .._paths import check_dcp_target
-from ..engine import get_engine
+from .._torch_rules import itemsize
+from ..engine import fsync_dir, get_engine
 from . import _blob
 from ._staging import Stager
 
@@ -70,16 +71,12 @@ METADATA = ".metadata"
 SUFFIX = ".distcp"
 
 
-def _fsync_dir(path: str) -> None:
-    _C.fsync_dir(os.fspath(path))
-
-
 def _item_nbytes(item: WriteItem) -> int:
     td = item.tensor_data
     n = 1
     for s in td.chunk.sizes:
         n *= s
-    return n * torch.empty((), dtype=td.properties.dtype).element_size()
+    return n * itemsize(td.properties.dtype)
 
 
 def _split(bins: int, items: List[WriteItem]) -> List[List[WriteItem]]:
@@ -346,7 +343,7 @@ class FastWriter(StorageWriter, AsyncStager):
                 pass
         if removed:
             log.warning("fastckpt.dcp: replacing the checkpoint in %s", path)
-            _fsync_dir(os.fspath(path))
+            fsync_dir(os.fspath(path))
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         s = self._save()
@@ -423,7 +420,7 @@ class FastWriter(StorageWriter, AsyncStager):
             w.abort()
             raise
         parent = os.path.dirname(os.path.abspath(s.path))
-        _fsync_dir(parent)  # the checkpoint directory's own entry, if it was created by this save
+        fsync_dir(parent)  # the checkpoint directory's own entry, if it was created by this save
 
     def storage_meta(self) -> Optional[StorageMeta]:
         s = self._save()
