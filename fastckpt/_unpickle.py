@@ -132,6 +132,17 @@ def _walk(data: bytes, where: str, find_class: Callable[[str, str], Any], persis
     def refused(msg: str, pos: int) -> Refused:
         return Refused(f"{where}: refused to unpickle: {msg} at byte {pos}; {NOTHING_RUN}")
 
+    def pop_mark(pos: int) -> list:
+        """The items above the last MARK, taken off the stack with the MARK."""
+        nonlocal fence
+        if not marks:
+            raise bad("no MARK to pop to", pos)
+        items = stack[fence:]
+        del stack[fence:]
+        marks.pop()
+        fence = marks[-1] if marks else 0
+        return items
+
     def pop(pos: int):
         if len(stack) <= fence:
             raise bad("stack underflow", pos)
@@ -207,12 +218,7 @@ def _walk(data: bytes, where: str, find_class: Callable[[str, str], Any], persis
                     v = pop(pos)
                     items = [pop(pos), v]
                 else:
-                    items = stack[fence:]
-                    del stack[fence:]
-                    if not marks:
-                        raise bad("no MARK to pop to", pos)
-                    marks.pop()
-                    fence = marks[-1] if marks else 0
+                    items = pop_mark(pos)
                 if len(items) % 2:
                     raise bad(f"odd number of items for {op.name}", pos)
                 t = target(("dict", "inst"), op.name, pos)
@@ -241,12 +247,7 @@ def _walk(data: bytes, where: str, find_class: Callable[[str, str], Any], persis
                 stack.append(_Node("bytes", k))
                 cost += _C_OBJ + k
             elif h == _TUPM:
-                if not marks:
-                    raise bad("no MARK to pop to", pos)
-                items = stack[fence:]
-                del stack[fence:]
-                marks.pop()
-                fence = marks[-1] if marks else 0
+                items = pop_mark(pos)
                 kind = _MARK_KIND[op.name]
                 if kind == "dict" and len(items) % 2:
                     raise bad("odd number of items for DICT", pos)
@@ -265,12 +266,7 @@ def _walk(data: bytes, where: str, find_class: Callable[[str, str], Any], persis
                 if op.name == "APPEND":
                     items = [pop(pos)]
                 else:
-                    if not marks:
-                        raise bad("no MARK to pop to", pos)
-                    items = stack[fence:]
-                    del stack[fence:]
-                    marks.pop()
-                    fence = marks[-1] if marks else 0
+                    items = pop_mark(pos)
                 if op.name == "ADDITEMS":
                     t = target(("set", "inst"), op.name, pos)
                     cost += _C_ENTRY * len(items)
@@ -286,11 +282,7 @@ def _walk(data: bytes, where: str, find_class: Callable[[str, str], Any], persis
                 else:
                     pop(pos)
             elif h == _POPM:
-                if not marks:
-                    raise bad("no MARK to pop to", pos)
-                del stack[fence:]
-                marks.pop()
-                fence = marks[-1] if marks else 0
+                pop_mark(pos)
             elif h == _DUP:
                 stack.append(pop(pos))
                 stack.append(stack[-1])

@@ -83,3 +83,22 @@ def dcp_unwrapped(fn, *args, **kw):
         if len(errors) == 1 and isinstance(errors[0], BaseException):
             raise errors[0] from None
         raise
+
+
+def wait_for_ranks(procs, scenario, timeout):
+    """Wait for the rank processes (stdout piped, stderr merged) of a multi-process
+    test, killing any still running at the end, and assert that each exited 0 and
+    printed "OK <scenario> rank <r>"; the failure message holds every rank's output."""
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    report = "\n".join(f"--- rank {r} (exit {p.returncode})\n{o[-6000:]}" for r, (p, o) in enumerate(zip(procs, outs)))
+    assert all(p.returncode == 0 for p in procs), report
+    for r, o in enumerate(outs):
+        assert f"OK {scenario} rank {r}" in o, report

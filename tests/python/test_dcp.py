@@ -32,7 +32,7 @@ from fastckpt import FormatError, _C  # noqa: E402
 from fastckpt.dcp import FastReader, FastWriter  # noqa: E402
 from fastckpt.dcp import _blob  # noqa: E402
 
-from conftest import dcp_unwrapped, fd_count, temp_files  # noqa: E402
+from conftest import dcp_unwrapped, fd_count, temp_files, wait_for_ranks  # noqa: E402
 
 HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dcp_helpers", "dist_worker.py")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -65,19 +65,7 @@ def _run_ranks(scenario, world_size, work, timeout=180):
     if not dist.is_gloo_available():
         pytest.skip("this torch has no gloo backend")
     procs = _launch(scenario, world_size, work)
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    report = "\n".join(f"--- rank {r} (exit {p.returncode})\n{o[-6000:]}" for r, (p, o) in enumerate(zip(procs, outs)))
-    assert all(p.returncode == 0 for p in procs), report
-    for r, o in enumerate(outs):
-        assert f"OK {scenario} rank {r}" in o, report
+    wait_for_ranks(procs, scenario, timeout)
 
 
 @pytest.fixture(scope="module")

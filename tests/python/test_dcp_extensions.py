@@ -49,7 +49,7 @@ from fastckpt import FormatError, _C  # noqa: E402
 from fastckpt.dcp import FastReader, FastWriter  # noqa: E402
 
 if __name__ != "__main__":
-    from conftest import dcp_unwrapped, temp_files  # noqa: E402
+    from conftest import dcp_unwrapped, temp_files, wait_for_ranks  # noqa: E402
 
     pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -319,19 +319,7 @@ def _run_ranks(scenario, world_size, work, timeout=240):
         env["RANK"] = str(r)
         procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), scenario, str(work)],
                                       env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    report = "\n".join(f"--- rank {r} (exit {p.returncode})\n{o[-6000:]}" for r, (p, o) in enumerate(zip(procs, outs)))
-    assert all(p.returncode == 0 for p in procs), report
-    for r, o in enumerate(outs):
-        assert f"OK {scenario} rank {r}" in o, report
+    wait_for_ranks(procs, scenario, timeout)
 
 
 def _kinds():
