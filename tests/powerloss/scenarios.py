@@ -72,8 +72,9 @@ def probe_file(path: str, p: dict) -> object:
         return f"torn: {type(e).__name__}: {str(e)[:160]}"
 
 
-def probe_latest(mdir: str, p: dict) -> object:
-    """`latest` names a complete checkpoint: the version found through it."""
+def probe_latest(mdir: str, p: dict, probe=None, missing: str = "missing") -> object:
+    """`latest` names a complete checkpoint: the version found through it, read
+    with `probe` (a checkpoint file by default; probe_dcp for the sharded manager)."""
     latest = os.path.join(mdir, "latest")
     if not os.path.lexists(latest):
         return "absent"
@@ -81,8 +82,8 @@ def probe_latest(mdir: str, p: dict) -> object:
         name = f.read().strip()
     if not name:
         return "torn: latest is empty"
-    got = probe_file(os.path.join(mdir, name), p)
-    return f"torn: latest names {name}, which is missing" if got == "absent" else got
+    got = (probe or probe_file)(os.path.join(mdir, name), p)
+    return f"torn: latest names {name}, which is {missing}" if got == "absent" else got
 
 
 def probe_load_latest(mdir: str, p: dict) -> object:
@@ -136,15 +137,7 @@ def probe_dcp(d: str, p: dict) -> object:
 
 def probe_latest_dir(mdir: str, p: dict) -> object:
     """Sharded manager: `latest` names a complete DCP checkpoint directory."""
-    latest = os.path.join(mdir, "latest")
-    if not os.path.lexists(latest):
-        return "absent"
-    with open(latest) as f:
-        name = f.read().strip()
-    if not name:
-        return "torn: latest is empty"
-    got = probe_dcp(os.path.join(mdir, name), p)
-    return f"torn: latest names {name}, which is missing or incomplete" if got == "absent" else got
+    return probe_latest(mdir, p, probe_dcp, "missing or incomplete")
 
 
 # CHECKS[scenario]: (check name, mark key, directory or file relative to the mount, probe)
