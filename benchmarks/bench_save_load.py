@@ -96,13 +96,16 @@ from typing import Any, Dict, List, Optional, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+if REPO_ROOT not in sys.path:  # the checkout's `benchmarks` package (harness.py, workload.py)
+    sys.path.insert(1, REPO_ROOT)
 
 import torch  # noqa: E402
 
 import bench_engine as be  # noqa: E402  (fio runner, size parsing, drop_caches, /proc helpers)
-from fastckpt._bench import (  # noqa: E402  (the shared measuring pieces)
-    SEED, build_state_dict, compare, describe_sd, fsync_dir, fsync_path, iter_tensors, map_tensors, path_bytes,
-    remove, reset_peak_rss, run_in_child, status_kb, timed, touch_pages)
+from benchmarks.harness import (  # noqa: E402  (the shared measuring pieces)
+    SEED, fsync_dir, fsync_path, path_bytes, remove, reset_peak_rss, run_in_child, status_kb, timed)
+from benchmarks.workload import (  # noqa: E402  (the synthetic state dict)
+    build_state_dict, compare, describe_sd, iter_tensors, map_tensors, touch_pages)
 
 MiB = be.MiB
 GiB = be.GiB
@@ -119,7 +122,7 @@ log = be.log
 
 # ----------------------------------------------------------------------------- the state dict
 
-# build_state_dict, iter_tensors, describe_sd, map_tensors, compare and touch_pages: fastckpt._bench
+# build_state_dict, iter_tensors, describe_sd, map_tensors, compare and touch_pages: benchmarks/workload.py
 # (one copy, shared with `fastckpt bench`), imported at the top.
 
 
@@ -162,7 +165,7 @@ def st_unflatten(flat: Dict[str, torch.Tensor], meta: Dict[str, str]) -> Any:
 
 # ----------------------------------------------------------------------------- durability helpers
 
-# fsync_path, fsync_dir, path_bytes, remove: fastckpt._bench, imported at the top.
+# fsync_path, fsync_dir, path_bytes, remove: benchmarks/harness.py, imported at the top.
 
 
 # ----------------------------------------------------------------------------- methods
@@ -445,7 +448,7 @@ def setup_deepspeed(notes: List[str]) -> Tuple[Optional[Any], Optional[str]]:
 # ----------------------------------------------------------------------------- children
 
 # status_kb, reset_peak_rss, run_in_child (a forked child reporting its result, CPU and peak RSS) and
-# timed: fastckpt._bench, imported at the top.
+# timed: benchmarks/harness.py, imported at the top.
 _status_kb = status_kb
 
 

@@ -10,7 +10,7 @@ What it runs, on the directory ``--dir`` (default: the repository root, i.e. the
    FastPersist writer (FastFileWriter); every operation in a fresh forked child, durable saves,
    cold loads, all of them interleaved with fio in each repetition, medians of ``--reps``;
 2. with ``--tune-size`` (default 1G; 0 for none), the knob sweep of ``fastckpt bench --tune``
-   (fastckpt/_bench.py) on the same directory;
+   (benchmarks/bench_tune.py) on the same directory;
 3. with ``--extras`` (make bench-full): bench_engine.py --full, bench_dcp.py, bench_training.py,
    whose own reports are kept in results/raw/ and linked.
 
@@ -46,10 +46,12 @@ from typing import Any, Dict, List, Optional, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
 try:
-    from fastckpt import _bench as fb
+    import fastckpt  # noqa: F401
 except ImportError:  # a checkout whose extension was built in place but not installed
     sys.path.insert(0, REPO_ROOT)
-    from fastckpt import _bench as fb
+if REPO_ROOT not in sys.path:  # the checkout's `benchmarks` package
+    sys.path.insert(1, REPO_ROOT)
+from benchmarks import harness as fb  # noqa: E402
 from fastckpt._units import human  # noqa: E402  (the package's one size formatter)
 
 DEFAULT_SIZES = "256M,1G,4G"
@@ -146,7 +148,7 @@ def measure(args: argparse.Namespace, raw: str) -> Dict[str, Any]:
         log(f"   {human_size(size)} done in {sec:.0f} s (exit {code})")
     if args.tune_size not in ("", "0"):
         js, md = os.path.join(raw, "tune.json"), os.path.join(raw, "tune.md")
-        cmd = [py, "-m", "fastckpt._bench", args.dir, "--tune", "--size", args.tune_size, "--reps",
+        cmd = [py, os.path.join(HERE, "bench_quick.py"), args.dir, "--tune", "--size", args.tune_size, "--reps",
                str(args.tune_reps), "--json", js]
         log(f"== knob sweep (fastckpt bench --tune) at {args.tune_size}")
         code, sec, last = run_script(cmd, md)
