@@ -291,3 +291,73 @@ def test_report_assembler(tmp_path):
     assert fast["save"]["gbps"] == pytest.approx(5.9) and fast["load"]["label"] == "fastckpt.load"
     assert next(r for r in e["rows"] if r["key"] == "async")["blocked_s"] == 0.2
     assert res["tune"]["best"]["label"].startswith("uring 16M")
+
+
+def _save_load_module():
+    spec = importlib.util.spec_from_file_location("fastckpt_bench_save_load",
+                                                  os.path.join(REPO, "benchmarks", "bench_save_load.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_issue12_targets_are_judged_on_their_figures():
+    sl = _save_load_module()
+    Row = sl.Row
+
+    def row(label, key, op, gbps, cpu):
+        return Row(label, key, op, 3, gbps, gbps, gbps, cpu_per_gb=cpu)
+    rows = {"save": [row("fastckpt.save", "fastckpt", "save", 3.0, 0.10)],
+            "load": [row(sl.LABEL_LOAD_VERIFY, "fastckpt", "load", 2.6, 0.25),
+                     row(sl.LABEL_LOAD_NOVERIFY, "fastckpt_noverify", "load", 2.8, 0.15),
+                     row(sl.LABEL_TORCH_MMAP, "torch_mmap", "load", 2.0, 0.25),
+                     row(sl.LABEL_FASTREADER, "fastdcp", "load", 2.2, 0.3)]}
+    summary = {"disk_load_gbps": 2.5}
+    lines = sl.targets_issue12(rows, summary)
+    got = {t["id"]: t for t in summary["targets_issue12"]}
+    assert got["load_vs_torch_mmap"]["measured"] == pytest.approx(1.3) and got["load_vs_torch_mmap"]["met"]
+    assert got["load_vs_fio"]["measured"] == pytest.approx(1.04) and got["load_vs_fio"]["met"]
+    assert got["fastreader_vs_load"]["measured"] == pytest.approx(2.2 / 2.6) and got["fastreader_vs_load"]["met"] is False
+    assert got["save_cpu"]["met"] is True and got["load_cpu"]["met"] is False  # 0.25 s/GB > 0.2
+    assert len(lines) == 5 and any("NOT MET" in l and "CPU-s/GB <= 0.2" in l for l in lines)
+    # a figure that was not measured is said, never judged
+    summary = {}
+    sl.targets_issue12({"save": [], "load": rows["load"][:1]}, summary)
+    got = {t["id"]: t for t in summary["targets_issue12"]}
+    assert got["load_vs_fio"]["met"] is None and got["save_cpu"]["measured"] is None
+
+
+def test_report_states_targets_and_renders_standalone_scripts(tmp_path):
+    report = _report_module()
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    sl = _fake_save_load(256 << 20)
+    sl["summary"]["targets_issue12"] = [
+        {"id": "load_vs_torch_mmap", "target": "fastckpt.load (verify on) vs torch.load(mmap=True) >= 1.3 x",
+         "goal": 1.3, "unit": "x", "measured": 1.42, "met": True},
+        {"id": "load_cpu", "target": "fastckpt.load (verify on) CPU-s/GB <= 0.2 s/GB", "goal": 0.2, "unit": "s/GB",
+         "measured": 0.31, "met": False}]
+    (raw / "save_load-256M.json").write_text(json.dumps(sl))
+    (raw / "small.json").write_text(json.dumps({
+        "title": "100,000 scalar tensors", "columns": ["method", "save s", "file MB"],
+        "rows": [["fastckpt", 0.5, 30.0], ["torch", 0.6, 27.0]],
+        "targets": [{"target": "file <= 1.3 x torch.save's", "measured": 1.11, "unit": "x", "met": True}],
+        "notes": ["a small note"]}))
+    meta = {"runs": [{"size": 256 << 20, "json": "raw/save_load-256M.json", "md": "raw/save_load-256M.md",
+                      "exit": 0}],
+            "deepspeed": "not run (test)", "extras": {}, "tune": None,
+            "standalone": {"small": {"json": "raw/small.json", "md": "raw/small.md", "exit": 0, "seconds": 3.0},
+                           "first_load": {"missing": "not run: benchmarks/bench_first_load.py is not in this checkout"}}}
+    settings = {"sizes": "256M", "reps": 3, "command": "make bench", "seconds": 60.0}
+    (raw / "meta.json").write_text(json.dumps({"meta": meta, "machine": harness.machine_info(str(tmp_path)),
+                                               "settings": settings}))
+    assert report.main(["--assemble-only", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "REPORT.md").read_text()
+    for s in ("## Targets (issue 12)", "| fastckpt.load (verify on) vs torch.load(mmap=True) >= 1.3 x | 256 MiB | "
+              "1.42 x | **met** |", "| fastckpt.load (verify on) CPU-s/GB <= 0.2 s/GB | 256 MiB | 0.310 s/GB | "
+              "**NOT met** |", "| file <= 1.3 x torch.save's | bench_small.py | 1.11 x | **met** |",
+              "## 100,000 scalar tensors", "| fastckpt | 0.5 | 30 |", "- note: a small note",
+              "bench_first_load.py is not in this checkout"):
+        assert s in md, s
+    res = _strict_json((tmp_path / "results.json").read_text())
+    assert [x["name"] for x in res["standalone"]] == ["small", "first_load"]
