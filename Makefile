@@ -71,6 +71,12 @@ bench-full: build
 	bash .ci/install_deepspeed.sh
 	$(BENCH_REPORT) --deepspeed yes --extras engine,dcp,training --command "make bench-full" $(BENCH_ARGS)
 
+# The same pipeline in about a minute (64M, one repetition, one fio point, no knob sweep, the standalone
+# scripts' --quick): a check that `make bench` works end to end, not figures to quote; into build/bench-quick/.
+.PHONY: bench-quick
+bench-quick: build
+	$(PY) benchmarks/report.py --dir "$(BENCH_DIR)" --quick --deepspeed no --command "make bench-quick" $(BENCH_ARGS)
+
 clean:
 	rm -rf build fastckpt/*.so .pytest_cache
 

@@ -60,6 +60,8 @@ try:
 except ImportError:  # a checkout whose extension was built in place but not installed
     sys.path.insert(0, REPO_ROOT)
     from fastckpt import _C  # noqa: E402
+if REPO_ROOT not in sys.path:  # the checkout's `benchmarks` package (harness.py, workload.py)
+    sys.path.insert(1, REPO_ROOT)
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -69,9 +71,9 @@ TARGET_CPU = 0.2  # CPU-seconds (user+sys) per GB (1e9 bytes)
 
 
 # ----------------------------------------------------------------------------- helpers
-# One copy of the measuring pieces, shared with bench_save_load.py, bench_dcp.py and `fastckpt bench`
-# (they are re-exported here: the other scripts use them as bench_engine.X).
-from fastckpt._bench import (  # noqa: E402,F401
+# One copy of the measuring pieces (benchmarks/harness.py), shared with bench_save_load.py, bench_dcp.py and
+# `fastckpt bench` (they are re-exported here: the other scripts use them as bench_engine.X).
+from benchmarks.harness import (  # noqa: E402,F401
     block_queue_info, cpu_children, cpu_machine, cpu_self, dev_delta, dev_stat, drop_caches, fmt_size,
     machine_info, median, mount_of, parse_size, run_fio)
 

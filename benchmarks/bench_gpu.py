@@ -19,12 +19,12 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fastckpt  # noqa: E402
-from fastckpt import _bench  # noqa: E402  (parse_size, drop_caches: one copy, shared with `fastckpt bench`)
-parse_size = _bench.parse_size
+from benchmarks import harness  # noqa: E402  (parse_size, drop_caches: one copy, shared with `fastckpt bench`)
+parse_size = harness.parse_size
 
 
 def drop_caches():
-    return _bench.drop_caches() is None
+    return harness.drop_caches() is None
 
 
 def rss_mb():

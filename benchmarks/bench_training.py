@@ -59,7 +59,7 @@ from torch import nn
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 import fastckpt  # noqa: E402
-from fastckpt._bench import parse_size  # noqa: E402  (one copy, shared with `fastckpt bench`)
+from benchmarks.harness import parse_size  # noqa: E402  (one copy, shared with `fastckpt bench`)
 
 MiB, GiB = 1 << 20, 1 << 30
 MODES = ("none", "torch.save", "fastckpt.save", "fastckpt.async_save")

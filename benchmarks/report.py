@@ -10,9 +10,19 @@ What it runs, on the directory ``--dir`` (default: the repository root, i.e. the
    FastPersist writer (FastFileWriter); every operation in a fresh forked child, durable saves,
    cold loads, all of them interleaved with fio in each repetition, medians of ``--reps``;
 2. with ``--tune-size`` (default 1G; 0 for none), the knob sweep of ``fastckpt bench --tune``
-   (fastckpt/_bench.py) on the same directory;
-3. with ``--extras`` (make bench-full): bench_engine.py --full, bench_dcp.py, bench_training.py,
+   (benchmarks/bench_tune.py) on the same directory;
+3. the standalone scripts of ``STANDALONE`` (``--standalone``; issue 12's small-tensor and
+   first-load figures: bench_small.py, bench_first_load.py), each rendered from its JSON (the
+   contract is at ``STANDALONE``); a script missing from the checkout is reported as not run;
+4. with ``--extras`` (make bench-full): bench_engine.py --full, bench_dcp.py, bench_training.py,
    whose own reports are kept in results/raw/ and linked.
+
+Issue 12's targets are stated next to the figures they are judged on ("Targets" section:
+bench_save_load.py's ``targets_issue12`` per size, and the standalone scripts' own).
+
+``--quick`` checks the whole pipeline in about a minute (64M, one repetition, no knob sweep,
+one fio point, DCP thread_count 2 only), into build/bench-quick/ unless ``--out`` is given:
+``make bench-quick``.
 
 Then it writes, into ``--out`` (default benchmarks/results/):
 
@@ -31,6 +41,7 @@ Examples::
     .venv/bin/python benchmarks/report.py                                  # what make bench runs
     .venv/bin/python benchmarks/report.py --sizes 256M,1G --reps 2 --tune-size 0
     .venv/bin/python benchmarks/report.py --assemble-only
+    .venv/bin/python benchmarks/report.py --quick                         # make bench-quick
 """
 
 import argparse
@@ -46,14 +57,34 @@ from typing import Any, Dict, List, Optional, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
 try:
-    from fastckpt import _bench as fb
+    import fastckpt  # noqa: F401
 except ImportError:  # a checkout whose extension was built in place but not installed
     sys.path.insert(0, REPO_ROOT)
-    from fastckpt import _bench as fb
+if REPO_ROOT not in sys.path:  # the checkout's `benchmarks` package
+    sys.path.insert(1, REPO_ROOT)
+from benchmarks import harness as fb  # noqa: E402
 from fastckpt._units import human  # noqa: E402  (the package's one size formatter)
 
 DEFAULT_SIZES = "256M,1G,4G"
 DEFAULT_OUT = os.path.join(HERE, "results")
+QUICK_OUT = os.path.join(REPO_ROOT, "build", "bench-quick")
+
+# Standalone measurements run after the save/load sizes, each rendered from its JSON: the hook for
+# measurements that do not fit the per-size save/load table (issue 12: many small tensors, the first
+# load in a fresh process). Each entry: (name, script in benchmarks/, what it measures). The report runs
+#     python benchmarks/SCRIPT --dir DIR --json raw/NAME.json [--quick]
+# (stdout, Markdown, kept as raw/NAME.md; progress on stderr; exit 0 unless a measurement failed) and
+# renders the JSON object it wrote:
+#     {"title": str,                              the section's title
+#      "columns": [str, ...], "rows": [[cell, ...], ...],   one table (cells: str or number)
+#      "targets": [{"target": str, "measured": number | null, "unit": "x" | "ms" | "s/GB" | ...,
+#                   "met": true | false | null}, ...],     stated in the Targets section
+#      "notes": [str, ...], "errors": [str, ...]}
+# A script missing from this checkout is reported as not run. Add an entry here to plug one in.
+STANDALONE = (
+    ("small", "bench_small.py", "100,000 scalar tensors: save, load and verify against torch, file size"),
+    ("first_load", "bench_first_load.py", "the first small load in a fresh process against torch.load"),
+)
 REPORT_VERSION = 1
 DS_INSTALL = ".ci/install_deepspeed.sh"
 
@@ -65,6 +96,8 @@ SERIES = [
     ("DCP stock (best t)", lambda r: r["key"] == "dcp", lambda r: r["key"] == "dcp"),
     ("DCP FastWriter/Reader", lambda r: r["key"] == "fastdcp", lambda r: r["key"] == "fastdcp"),
     ("safetensors", lambda r: r["key"] == "safetensors", lambda r: r["key"] == "safetensors"),
+    ("fastckpt.load verify off", None, lambda r: r["key"] == "fastckpt_noverify"),
+    ("torch.load mmap, touched", None, lambda r: r["key"] == "torch_mmap"),
     ("DeepSpeed FastPersist (best p)", lambda r: r["key"] == "deepspeed", None),
 ]
 
@@ -146,12 +179,27 @@ def measure(args: argparse.Namespace, raw: str) -> Dict[str, Any]:
         log(f"   {human_size(size)} done in {sec:.0f} s (exit {code})")
     if args.tune_size not in ("", "0"):
         js, md = os.path.join(raw, "tune.json"), os.path.join(raw, "tune.md")
-        cmd = [py, "-m", "fastckpt._bench", args.dir, "--tune", "--size", args.tune_size, "--reps",
+        cmd = [py, os.path.join(HERE, "bench_quick.py"), args.dir, "--tune", "--size", args.tune_size, "--reps",
                str(args.tune_reps), "--json", js]
         log(f"== knob sweep (fastckpt bench --tune) at {args.tune_size}")
         code, sec, last = run_script(cmd, md)
         meta["tune"] = {"json": os.path.relpath(js, args.out), "md": os.path.relpath(md, args.out), "exit": code,
                         "seconds": round(sec, 1), "last_line": last}
+    meta["standalone"] = {}
+    for name, script, what in STANDALONE:
+        if name not in args.standalone:
+            continue
+        path = os.path.join(HERE, script)
+        if not os.path.exists(path):
+            meta["standalone"][name] = {"missing": f"not run: benchmarks/{script} is not in this checkout"}
+            log(f"== {script}: not in this checkout, not run")
+            continue
+        js, md = os.path.join(raw, f"{name}.json"), os.path.join(raw, f"{name}.md")
+        cmd = [py, path, "--dir", args.dir, "--json", js] + (["--quick"] if args.quick else [])
+        log(f"== {script}: {what}")
+        code, sec, last = run_script(cmd, md)
+        meta["standalone"][name] = {"json": os.path.relpath(js, args.out), "md": os.path.relpath(md, args.out),
+                                    "exit": code, "seconds": round(sec, 1), "last_line": last}
     extras = [x for x in (args.extras or "").split(",") if x]
     for x in extras:
         md = os.path.join(raw, f"{x}.md")
@@ -217,6 +265,7 @@ def collect_size(raw_json: Dict[str, Any]) -> Dict[str, Any]:
             "notes": raw_json.get("notes") or [], "errors": raw_json.get("errors") or [],
             "cache": ("NOT dropped: " + raw_json["drop_caches_error"]) if raw_json.get("drop_caches_error")
             else "dropped before every load", "targets": s.get("targets"),
+            "targets_issue12": s.get("targets_issue12") or [],
             "versions": {k: ctx[k] for k in ("safetensors", "deepspeed") if k in ctx},
             "load_avg": ctx.get("load_avg")}
 
@@ -253,7 +302,31 @@ def collect(out: str, meta: Dict[str, Any], machine: Dict[str, Any], settings: D
         versions.update(e.get("versions") or {})
     return {"kind": "fastckpt-bench-report", "version": REPORT_VERSION, "machine": machine, "settings": settings,
             "versions": versions, "sizes": sizes, "tune": tune, "deepspeed": meta.get("deepspeed"),
+            "standalone": collect_standalone(out, meta.get("standalone") or {}),
             "extras": meta.get("extras") or {}}
+
+
+def collect_standalone(out: str, runs: Dict[str, Any]) -> List[Dict[str, Any]]:
+    """The standalone scripts' results (STANDALONE), in its order: their JSON, or why there is none."""
+    found = []
+    for name, script, what in STANDALONE:
+        run = runs.get(name)
+        if run is None:
+            continue
+        entry: Dict[str, Any] = {"name": name, "script": script, "title": what}
+        if run.get("missing"):
+            entry["failed"] = run["missing"]
+        elif not os.path.exists(os.path.join(out, run["json"])):
+            why = f": {run['last_line']}" if run.get("last_line") else ""
+            entry["failed"] = f"no results (exit {run.get('exit')}{why}); see {run['md']}"
+        else:
+            with open(os.path.join(out, run["json"])) as f:
+                got = json.load(f)
+            entry.update({k: got.get(k) for k in ("columns", "rows", "targets", "notes", "errors")})
+            entry["title"] = got.get("title") or what
+            entry.update(md=run["md"], exit=run.get("exit"), seconds=run.get("seconds"))
+        found.append(entry)
+    return found
 
 
 # ----------------------------------------------------------------------------- writing
@@ -379,6 +452,10 @@ def markdown(res: Dict[str, Any], pngs: List[str]) -> str:
              "median of the same run and size (write with --end_fsync=1; read). CPU-s/GB: the child's user+sys "
              "(all its threads). Peak RSS: the child's extra peak resident memory (its long-lived buffers included; "
              "for loads the loaded state dict too, about the payload).")
+    L.append("- Loads: fastckpt.load with verify on (the row paired with fastckpt.save) and off, torch.load and "
+             "torch.load(mmap=True), safetensors load_file, DCP FileSystemReader and FastReader (verify on); "
+             "a lazily mapped result (mmap, safetensors) has one byte of every 4 KiB page read inside the timing, "
+             "so that every loader has really read the data when the clock stops.")
     L.append("- Loads allocate fresh memory for their result (see the '(ref) fresh memory' row: the rate at which "
              "this machine faults in and zeroes new memory), except DCP's, which fill a state dict allocated "
              "beforehand, outside the timing (as dcp.load is used); fio reads into a reused buffer.")
@@ -404,6 +481,7 @@ def markdown(res: Dict[str, Any], pngs: List[str]) -> str:
                       _f(fl.get("cpu_s_per_gb"), ".2f")])
     L += _table(["size", "fastckpt.save GB/s", "x disk", "x torch.save+fsync", "CPU-s/GB",
                  "fastckpt.load GB/s", "x disk", "x torch.load", "CPU-s/GB"], srows)
+    L += targets_section(res)
     if pngs:
         L.append("")
         for p in pngs:
@@ -448,6 +526,7 @@ def markdown(res: Dict[str, Any], pngs: List[str]) -> str:
         extra += [f"- **ERROR**: {x}" for x in e.get("errors") or []]
         if extra:
             L += [""] + extra
+    L += standalone_section(res)
     L += ["", "## DeepSpeed FastPersist", ""]
     ds_rows = [r for e in sizes for r in e["rows"] if r["key"] == "deepspeed"]
     ds_skip = next((e["skipped"]["deepspeed"] for e in sizes if "deepspeed" in (e.get("skipped") or {})), None)
@@ -501,6 +580,54 @@ def markdown(res: Dict[str, Any], pngs: List[str]) -> str:
     return "\n".join(L)
 
 
+def _verdict(met: Optional[bool]) -> str:
+    return "n/a" if met is None else ("**met**" if met else "**NOT met**")
+
+
+def _figure(x: Optional[float], unit: str) -> str:
+    if x is None:
+        return "not measured"
+    return f"{x:.2f} x" if unit == "x" else f"{x:.3f} {unit}" if unit == "s/GB" else f"{x:g} {unit}"
+
+
+def targets_section(res: Dict[str, Any]) -> List[str]:
+    """Issue 12's targets next to the figures they are judged on: every size's, then the standalone scripts'."""
+    rows = []
+    for e in res["sizes"]:
+        for t in e.get("targets_issue12") or []:
+            rows.append([t["target"], human_size(e["size"]), _figure(num(t.get("measured")), t.get("unit", "")),
+                         _verdict(t.get("met"))])
+    for x in res.get("standalone") or []:
+        for t in x.get("targets") or []:
+            rows.append([t.get("target", "?"), x["script"], _figure(num(t.get("measured")), t.get("unit", "")),
+                         _verdict(t.get("met"))])
+        if x.get("failed"):
+            rows.append([x["title"], x["script"], x["failed"], "n/a"])
+    if not rows:
+        return []
+    return ["", "## Targets (issue 12)", "",
+            "Each operation in a fresh process from a cold page cache, interleaved with its peers and with fio "
+            "(the rows of each size below); one machine, so the verdicts hold for this disk and these CPUs.", ""] + \
+        _table(["target", "measured at", "figure", "verdict"], rows)
+
+
+def standalone_section(res: Dict[str, Any]) -> List[str]:
+    """The standalone scripts' tables (STANDALONE): what does not fit the per-size save/load table."""
+    L: List[str] = []
+    for x in res.get("standalone") or []:
+        L += ["", f"## {x['title']}", ""]
+        if x.get("failed"):
+            L.append(f"Not measured ({x['script']}): {x['failed']}")
+            continue
+        if x.get("columns") and x.get("rows"):
+            L += _table([str(c) for c in x["columns"]],
+                        [[format(c, ".3g") if isinstance(c, float) else str(c) for c in r] for r in x["rows"]])
+        L += [f"- note: {n}" for n in x.get("notes") or []]
+        L += [f"- **ERROR**: {n}" for n in x.get("errors") or []]
+        L.append(f"- ({x['script']}, [raw output]({x['md']}))")
+    return L
+
+
 def assemble(res: Dict[str, Any], out: str) -> List[str]:
     """Write REPORT.md, results.json and the charts into out; returns the paths written."""
     os.makedirs(out, exist_ok=True)
@@ -525,20 +652,36 @@ def main(argv=None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dir", default=REPO_ROOT, help="directory on the disk to measure (default: the repository "
                                                      "root); each script works in a private temporary directory")
-    ap.add_argument("--sizes", default=DEFAULT_SIZES, help=f"state dict sizes (default {DEFAULT_SIZES})")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions per size, interleaved (default 3)")
+    ap.add_argument("--sizes", default=None, help=f"state dict sizes (default {DEFAULT_SIZES}; --quick: 64M)")
+    ap.add_argument("--reps", type=int, default=None, help="repetitions per size, interleaved (default 3; --quick: 1)")
+    ap.add_argument("--quick", action="store_true",
+                    help="the whole pipeline in about a minute: --sizes 64M --reps 1 --tune-size 0, "
+                         "bench_save_load.py --quick (one fio point, DCP thread_count 2 only), the standalone "
+                         "scripts with --quick; output in build/bench-quick/ unless --out (make bench-quick)")
+    ap.add_argument("--standalone", default=",".join(n for n, _, _ in STANDALONE),
+                    help="comma-separated standalone scripts to run (default: all of " +
+                         ", ".join(f"{n} ({s})" for n, s, _ in STANDALONE) + "; '' for none)")
     ap.add_argument("--deepspeed", choices=("yes", "no"), default="no",
                     help="also DeepSpeed's FastFileWriter (must be installed: " + DS_INSTALL + "; default no)")
-    ap.add_argument("--tune-size", default="1G", help="knob sweep at this size (default 1G; 0: none)")
+    ap.add_argument("--tune-size", default=None, help="knob sweep at this size (default 1G; --quick and 0: none)")
     ap.add_argument("--tune-reps", type=int, default=2, help="knob sweep repetitions (default 2)")
     ap.add_argument("--extras", default="", help="comma-separated: engine (bench_engine.py --full), dcp "
                                                   "(bench_dcp.py), training (bench_training.py)")
-    ap.add_argument("--out", default=DEFAULT_OUT, help="where the report goes (default benchmarks/results)")
+    ap.add_argument("--out", default=None, help="where the report goes (default benchmarks/results; --quick: "
+                                               "build/bench-quick)")
     ap.add_argument("--save-load-args", default="", help="more options for bench_save_load.py, in one string")
     ap.add_argument("--command", default="make bench", help="how the report says it was produced")
     ap.add_argument("--assemble-only", action="store_true", help="rebuild the report from OUT/raw, measure nothing")
     args = ap.parse_args(argv)
-    args.save_load_args = args.save_load_args.split()
+    args.sizes = args.sizes or ("64M" if args.quick else DEFAULT_SIZES)
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.tune_size = args.tune_size if args.tune_size is not None else ("0" if args.quick else "1G")
+    args.out = args.out or (QUICK_OUT if args.quick else DEFAULT_OUT)
+    args.standalone = [x for x in args.standalone.split(",") if x]
+    bad = [x for x in args.standalone if x not in [n for n, _, _ in STANDALONE]]
+    if bad:
+        ap.error(f"--standalone: unknown {bad}")
+    args.save_load_args = (["--quick"] if args.quick else []) + args.save_load_args.split()
     args.dir = os.path.abspath(args.dir)
     args.out = os.path.abspath(args.out)
     raw = os.path.join(args.out, "raw")
@@ -579,6 +722,7 @@ def main(argv=None) -> int:
             f"{args.reps} reps; output in {args.out}")
         meta = measure(args, raw)
         settings = {"sizes": args.sizes, "reps": args.reps, "tune_size": args.tune_size, "tune_reps": args.tune_reps,
+                    "quick": args.quick, "standalone": args.standalone,
                     "deepspeed": args.deepspeed, "extras": args.extras, "command": args.command,
                     "save_load_args": args.save_load_args, "seconds": round(time.perf_counter() - t0, 1)}
         with open(meta_path, "w") as f:
@@ -591,6 +735,7 @@ def main(argv=None) -> int:
             print(f"  {os.path.relpath(p)}")
     failed = [r for r in meta["runs"] if r.get("exit")] + ([meta["tune"]] if meta.get("tune") and
                                                           meta["tune"].get("exit") else [])
+    failed += [r for r in (meta.get("standalone") or {}).values() if r.get("exit")]
     errors = [x for e in res["sizes"] for x in e.get("errors") or []]
     if failed or errors:
         log(f"{len(failed)} script(s) failed, {len(errors)} error(s): see the report")

@@ -352,7 +352,7 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
     parent, name = os.path.split(final)
     # The checkpoint manager's temporary names (this host, this process): only this host's
     # CheckpointManager.clean_temporaries removes them, once this process is gone.
-    from .manager import _replace_dir, _temp_name
+    from ._manager_policy import _replace_dir, _temp_name
     tmp = os.path.join(parent, _temp_name(name, "dcp"))
     try:
         with warnings.catch_warnings():

@@ -212,20 +212,42 @@ def cmd_doctor(args) -> int:
     return EXIT_OK
 
 
+def _source_root() -> str:
+    """The directory above this package: a source checkout's root when fastckpt runs from one."""
+    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def _bench_module():
+    """``benchmarks/bench_quick.py`` of the source checkout this package runs from, or None where there
+    is none (an installed package: the benchmark harness is not part of it)."""
     import importlib
-    try:
-        return importlib.import_module("fastckpt._bench")
-    except ModuleNotFoundError as e:
-        if e.name == "fastckpt._bench":
-            return None
-        raise
+    import importlib.util
+    bench_dir = os.path.join(_source_root(), "benchmarks")
+    if not os.path.isfile(os.path.join(bench_dir, "bench_quick.py")):
+        return None
+    pkg = sys.modules.get("benchmarks")
+    if pkg is None:  # the checkout's benchmarks/, whatever else sys.path holds
+        spec = importlib.util.spec_from_file_location("benchmarks", os.path.join(bench_dir, "__init__.py"),
+                                                      submodule_search_locations=[bench_dir])
+        pkg = importlib.util.module_from_spec(spec)
+        sys.modules["benchmarks"] = pkg
+        try:
+            spec.loader.exec_module(pkg)
+        except BaseException:
+            del sys.modules["benchmarks"]
+            raise
+    elif os.path.realpath(bench_dir) not in [os.path.realpath(p) for p in getattr(pkg, "__path__", [])]:
+        raise ImportError(f"another module named 'benchmarks' is already imported ({pkg!r}), not {bench_dir}")
+    return importlib.import_module("benchmarks.bench_quick")
 
 
 def cmd_bench(args) -> int:
     mod = getattr(args, "_bench_module", None)
     if mod is None:
-        raise Failed("the bench command is not available: this installation has no fastckpt._bench module")
+        raise Failed("fastckpt bench runs the benchmark harness of a source checkout (benchmarks/bench_quick.py), "
+                     f"and this installation has none beside its package ({os.path.dirname(os.path.abspath(__file__))}"
+                     "): in a checkout of the fastckpt repository, run `python -m fastckpt bench DIR` or "
+                     "`python benchmarks/bench_quick.py DIR` (with `make build` done there first)")
     return int(mod.run(args) or 0)
 
 
@@ -301,7 +323,8 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_doctor)
 
     p = sub.add_parser("bench", parents=[common], help="measure save/load throughput in a directory",
-                       description="Benchmark fastckpt in a directory (fastckpt._bench).")
+                       description="Benchmark fastckpt in a directory (benchmarks/bench_quick.py of a source "
+                                   "checkout; not part of an installed package).")
     if bench_module is not None:
         bench_module.add_arguments(p)
     else:
@@ -352,7 +375,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             bench_error = e
     parser = build_parser(bench_module)
     try:
-        args = parser.parse_args(argv)
+        if _wants_bench(argv) and bench_module is None:
+            # no harness to parse its options: whatever follows `bench` is left for the error that says so
+            args, _ = parser.parse_known_args(argv)
+        else:
+            args = parser.parse_args(argv)
     except SystemExit as e:  # argparse printed the usage error
         return int(e.code) if isinstance(e.code, int) else EXIT_USAGE
     if not hasattr(args, "progress"):

@@ -1,4 +1,5 @@
-"""`fastckpt bench` (fastckpt/_bench.py) and the report assembler (benchmarks/report.py).
+"""`fastckpt bench` (benchmarks/bench_quick.py, bench_tune.py, harness.py, workload.py) and the report
+assembler (benchmarks/report.py).
 
 Structure only: tiny sizes, one repetition, no figure is compared with a speed (speeds belong in
 benchmarks, not in timed tests); every measured figure must merely be positive.
@@ -11,17 +12,23 @@ import math
 import os
 import shutil
 
+import sys
+
 import pytest
 
 import fastckpt
-from fastckpt import _bench
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:  # the checkout's benchmarks package (not part of the installed fastckpt)
+    sys.path.insert(0, REPO)
+
+from benchmarks import bench_quick, bench_tune, harness, workload  # noqa: E402
+from fastckpt import cli  # noqa: E402
 
 
 def _args(*argv):
     p = argparse.ArgumentParser()
-    _bench.add_arguments(p)
+    bench_quick.add_arguments(p)
     return p.parse_args([str(a) for a in argv])
 
 
@@ -36,17 +43,17 @@ def _leftovers(d):
 
 
 def test_parse_and_format_size():
-    assert _bench.parse_size("2G") == 2 << 30
-    assert _bench.parse_size("512M") == 512 << 20
-    assert _bench.parse_size("1.5GiB") == 3 << 29
-    assert _bench.parse_size("65536") == 65536
+    assert harness.parse_size("2G") == 2 << 30
+    assert harness.parse_size("512M") == 512 << 20
+    assert harness.parse_size("1.5GiB") == 3 << 29
+    assert harness.parse_size("65536") == 65536
     with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
-        _bench.parse_size("two gigs")
+        harness.parse_size("two gigs")
     with pytest.raises(argparse.ArgumentTypeError, match="too small"):
-        _bench.parse_size("1K")
-    assert _bench.fmt_size(8 << 20) == "8M"
-    assert _bench.fmt_size(3 << 30) == "3G"
-    assert _bench.fmt_size(1000) == "1000"
+        harness.parse_size("1K")
+    assert harness.fmt_size(8 << 20) == "8M"
+    assert harness.fmt_size(3 << 30) == "3G"
+    assert harness.fmt_size(1000) == "1000"
 
 
 def test_defaults():
@@ -61,14 +68,14 @@ def test_arguments_beside_a_common_quiet_option():
     common.add_argument("-q", "--quiet", action="store_true")
     common.add_argument("-v", "--verbose", action="count", default=0)
     p = argparse.ArgumentParser(parents=[common])
-    _bench.add_arguments(p)
+    bench_quick.add_arguments(p)
     a = p.parse_args(["/x", "-q", "--tune"])
     assert (a.dir, a.quiet, a.tune) == ("/x", True, True)
 
 
 def test_quick(tmp_path, capsys):
     out = tmp_path / "r.json"
-    assert _bench.run(_args(tmp_path, "--size", "16M", "--reps", "1", "--json", out, "-q")) == 0
+    assert bench_quick.run(_args(tmp_path, "--size", "16M", "--reps", "1", "--json", out, "-q")) == 0
     res = _strict_json(out.read_text())
     assert res["kind"] == "fastckpt-bench"
     for k in ("machine", "state_dict", "args", "cache", "summary", "records", "notes", "errors", "seconds"):
@@ -104,7 +111,7 @@ def test_quick(tmp_path, capsys):
 
 def test_tune_tiny_grid(tmp_path, capsys):
     grid = "uring:1M:4:4,threads:1M:4:4:2"
-    assert _bench.run(_args(tmp_path, "--tune", "--grid", grid, "--size", "16M", "--reps", "1", "--no-fio",
+    assert bench_quick.run(_args(tmp_path, "--tune", "--grid", grid, "--size", "16M", "--reps", "1", "--no-fio",
                             "--json", "-q")) == 0  # --json without PATH: JSON on stdout
     res = _strict_json(capsys.readouterr().out)
     assert res["kind"] == "fastckpt-bench-tune"
@@ -125,36 +132,70 @@ def test_tune_tiny_grid(tmp_path, capsys):
         cfg = fastckpt.knobs.as_dict()
         for line in res["env"]:
             name, value = line.split("=", 1)
-            knob = next(k for k, v in _bench.ENV.items() if v == name)
-            want = _bench.parse_size(value) if knob == "buffer_size" else value
+            knob = next(k for k, v in bench_tune.ENV.items() if v == name)
+            want = harness.parse_size(value) if knob == "buffer_size" else value
             assert str(cfg[knob]) == str(want)
     assert _leftovers(tmp_path) == []
 
 
 def test_tune_text_output(tmp_path, capsys):
-    assert _bench.run(_args(tmp_path, "--tune", "--grid", "threads:1M:4:4:2", "--size", "8M", "--reps", "1",
+    assert bench_quick.run(_args(tmp_path, "--tune", "--grid", "threads:1M:4:4:2", "--size", "8M", "--reps", "1",
                             "--no-fio", "-q")) == 0
     text = capsys.readouterr().out
     assert "export FASTCKPT_" in text and "fastckpt.knobs.override(" in text and "save+load GB/s" in text
 
 
 def test_cannot_run_here(tmp_path, capsys):
-    assert _bench.run(_args(tmp_path / "missing", "--size", "16M", "-q")) == 2
+    assert bench_quick.run(_args(tmp_path / "missing", "--size", "16M", "-q")) == 2
     assert "not a directory" in capsys.readouterr().err
-    assert _bench.run(_args(tmp_path, "--size", "1T", "-q")) == 2
+    assert bench_quick.run(_args(tmp_path, "--size", "1T", "-q")) == 2
     assert "not enough" in capsys.readouterr().err
-    assert _bench.run(_args(tmp_path, "--tune", "--grid", "uring:8M:8", "-q")) == 2
+    assert bench_quick.run(_args(tmp_path, "--tune", "--grid", "uring:8M:8", "-q")) == 2
     assert "--grid" in capsys.readouterr().err
     assert _leftovers(tmp_path) == []
 
 
 def test_build_state_dict_scales():
-    sd = _bench.build_state_dict(8 << 20)
-    info = _bench.describe_sd(sd)
+    sd = workload.build_state_dict(8 << 20)
+    info = workload.describe_sd(sd)
     assert 6 << 20 < info["bytes"] < 10 << 20 and info["tensors"] > 1000
-    assert _bench.compare(sd, _bench.build_state_dict(8 << 20)) == []
-    other = _bench.build_state_dict(8 << 20, seed=1)
-    assert _bench.compare(sd, other)  # a different state dict is told apart
+    assert workload.compare(sd, workload.build_state_dict(8 << 20)) == []
+    other = workload.build_state_dict(8 << 20, seed=1)
+    assert workload.compare(sd, other)  # a different state dict is told apart
+
+
+# ----------------------------------------------------------------------------- the command over the harness
+
+def test_command_runs_the_checkouts_harness(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cli.main(["bench", str(tmp_path), "--size", "8M", "--reps", "1", "--no-fio", "--no-torch", "-q",
+                     "--json", str(out)]) == 0
+    res = _strict_json(out.read_text())
+    assert res["kind"] == "fastckpt-bench" and res["errors"] == []
+    assert [r["method"] for r in res["summary"]["load"]] == ["fastckpt"]
+    assert "| load | fastckpt.load" in capsys.readouterr().out
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("argv", [["bench", "{d}", "--size", "8M"], ["bench", "--size", "8M", "{d}"], ["bench"]])
+def test_command_without_a_source_checkout(tmp_path, monkeypatch, capsys, argv):
+    # an installed package: nothing beside it but site-packages; the command says where the harness is
+    monkeypatch.setattr(cli, "_source_root", lambda: str(tmp_path))
+    assert cli.main([a.format(d=tmp_path) for a in argv]) == cli.EXIT_FAILED
+    err = capsys.readouterr().err
+    assert "source checkout" in err and "benchmarks/bench_quick.py" in err, err
+    assert "Traceback" not in err
+
+
+def test_the_runtime_package_holds_no_harness():
+    pkg = os.path.dirname(fastckpt.__file__)
+    assert not os.path.exists(os.path.join(pkg, "_bench.py"))
+    for name in sorted(os.listdir(pkg)):
+        if name.endswith(".py"):
+            with open(os.path.join(pkg, name)) as f:
+                text = f.read()
+            for line in text.splitlines():
+                assert not line.lstrip().startswith(("import benchmarks", "from benchmarks")), (name, line)
 
 
 # ----------------------------------------------------------------------------- the report assembler
@@ -206,7 +247,7 @@ def test_report_assembler(tmp_path):
     raw.mkdir()
     runs = []
     for size in (256 << 20, 1 << 30, 4 << 30):
-        tag = _bench.fmt_size(size)
+        tag = harness.fmt_size(size)
         (raw / f"save_load-{tag}.json").write_text(json.dumps(_fake_save_load(size)))
         (raw / f"save_load-{tag}.md").write_text("raw\n")
         runs.append({"size": size, "json": f"raw/save_load-{tag}.json", "md": f"raw/save_load-{tag}.md", "exit": 0,
@@ -224,7 +265,7 @@ def test_report_assembler(tmp_path):
     (raw / "tune.json").write_text(json.dumps(tune))
     meta = {"runs": runs, "deepspeed": "not run (test)", "extras": {},
             "tune": {"json": "raw/tune.json", "md": "raw/tune.md", "exit": 0, "seconds": 100.0}}
-    machine = _bench.machine_info(str(tmp_path))
+    machine = harness.machine_info(str(tmp_path))
     settings = {"sizes": "256M,1G,4G,8G", "reps": 3, "command": "make bench", "seconds": 1200.0}
     (raw / "meta.json").write_text(json.dumps({"meta": meta, "machine": machine, "settings": settings}))
 
@@ -250,3 +291,75 @@ def test_report_assembler(tmp_path):
     assert fast["save"]["gbps"] == pytest.approx(5.9) and fast["load"]["label"] == "fastckpt.load"
     assert next(r for r in e["rows"] if r["key"] == "async")["blocked_s"] == 0.2
     assert res["tune"]["best"]["label"].startswith("uring 16M")
+
+
+def _save_load_module():
+    spec = importlib.util.spec_from_file_location("fastckpt_bench_save_load",
+                                                  os.path.join(REPO, "benchmarks", "bench_save_load.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_issue12_targets_are_judged_on_their_figures():
+    sl = _save_load_module()
+    Row = sl.Row
+
+    def row(label, key, op, gbps, cpu):
+        return Row(label, key, op, 3, gbps, gbps, gbps, cpu_per_gb=cpu)
+    rows = {"save": [row("fastckpt.save", "fastckpt", "save", 3.0, 0.10)],
+            "load": [row(sl.LABEL_LOAD_VERIFY, "fastckpt", "load", 2.6, 0.25),
+                     row(sl.LABEL_LOAD_NOVERIFY, "fastckpt_noverify", "load", 2.8, 0.15),
+                     row(sl.LABEL_TORCH_MMAP, "torch_mmap", "load", 2.0, 0.25),
+                     row(sl.LABEL_FASTREADER, "fastdcp", "load", 2.2, 0.3)]}
+    summary = {"disk_load_gbps": 2.5}
+    lines = sl.targets_issue12(rows, summary)
+    got = {t["id"]: t for t in summary["targets_issue12"]}
+    assert got["load_vs_torch_mmap"]["measured"] == pytest.approx(1.3) and got["load_vs_torch_mmap"]["met"]
+    assert got["load_vs_fio"]["measured"] == pytest.approx(1.04) and got["load_vs_fio"]["met"]
+    assert got["fastreader_vs_load"]["measured"] == pytest.approx(2.2 / 2.6)
+    assert got["fastreader_vs_load"]["met"] is False
+    assert got["save_cpu"]["met"] is True and got["load_cpu"]["met"] is False  # 0.25 s/GB > 0.2
+    assert len(lines) == 5 and any("NOT MET" in l and "CPU-s/GB <= 0.2" in l for l in lines)
+    # a figure that was not measured is said, never judged
+    summary = {}
+    sl.targets_issue12({"save": [], "load": rows["load"][:1]}, summary)
+    got = {t["id"]: t for t in summary["targets_issue12"]}
+    assert got["load_vs_fio"]["met"] is None and got["save_cpu"]["measured"] is None
+
+
+def test_report_states_targets_and_renders_standalone_scripts(tmp_path):
+    report = _report_module()
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    sl = _fake_save_load(256 << 20)
+    sl["summary"]["targets_issue12"] = [
+        {"id": "load_vs_torch_mmap", "target": "fastckpt.load (verify on) vs torch.load(mmap=True) >= 1.3 x",
+         "goal": 1.3, "unit": "x", "measured": 1.42, "met": True},
+        {"id": "load_cpu", "target": "fastckpt.load (verify on) CPU-s/GB <= 0.2 s/GB", "goal": 0.2, "unit": "s/GB",
+         "measured": 0.31, "met": False}]
+    (raw / "save_load-256M.json").write_text(json.dumps(sl))
+    (raw / "small.json").write_text(json.dumps({
+        "title": "100,000 scalar tensors", "columns": ["method", "save s", "file MB"],
+        "rows": [["fastckpt", 0.5, 30.0], ["torch", 0.6, 27.0]],
+        "targets": [{"target": "file <= 1.3 x torch.save's", "measured": 1.11, "unit": "x", "met": True}],
+        "notes": ["a small note"]}))
+    meta = {"runs": [{"size": 256 << 20, "json": "raw/save_load-256M.json", "md": "raw/save_load-256M.md",
+                      "exit": 0}],
+            "deepspeed": "not run (test)", "extras": {}, "tune": None,
+            "standalone": {"small": {"json": "raw/small.json", "md": "raw/small.md", "exit": 0, "seconds": 3.0},
+                           "first_load": {"missing": "not run: benchmarks/bench_first_load.py is not in this "
+                                                     "checkout"}}}
+    settings = {"sizes": "256M", "reps": 3, "command": "make bench", "seconds": 60.0}
+    (raw / "meta.json").write_text(json.dumps({"meta": meta, "machine": harness.machine_info(str(tmp_path)),
+                                               "settings": settings}))
+    assert report.main(["--assemble-only", "--out", str(tmp_path)]) == 0
+    md = (tmp_path / "REPORT.md").read_text()
+    for s in ("## Targets (issue 12)", "| fastckpt.load (verify on) vs torch.load(mmap=True) >= 1.3 x | 256 MiB | "
+              "1.42 x | **met** |", "| fastckpt.load (verify on) CPU-s/GB <= 0.2 s/GB | 256 MiB | 0.310 s/GB | "
+              "**NOT met** |", "| file <= 1.3 x torch.save's | bench_small.py | 1.11 x | **met** |",
+              "## 100,000 scalar tensors", "| fastckpt | 0.5 | 30 |", "- note: a small note",
+              "bench_first_load.py is not in this checkout"):
+        assert s in md, s
+    res = _strict_json((tmp_path / "results.json").read_text())
+    assert [x["name"] for x in res["standalone"]] == ["small", "first_load"]

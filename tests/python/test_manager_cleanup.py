@@ -96,8 +96,8 @@ def test_manager_and_convert_temporary_names_carry_this_host(tmp_path, monkeypat
     with the pid, host and start time (the engine's format, plus a suffix):
     a crash leaves something only this host removes."""
     pytest.importorskip("torch.distributed.checkpoint")
-    from fastckpt import manager as m
-    from fastckpt.manager import _parse_temp
+    from fastckpt import _manager_dist as m
+    from fastckpt._manager_policy import _parse_temp
     seen = []
     real = m._dcp_writer
 

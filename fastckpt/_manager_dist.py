@@ -1,0 +1,272 @@
+"""CheckpointManager's distributed coordination: the ranks that share a checkpoint directory.
+
+:class:`Ranks` holds the process group the user gave (or the world), this rank and the
+world size, the collectives of the manager (a gather that is also a barrier, and the
+failure agreement built on it: every rank learns whether any rank failed, so that none
+hangs or runs ahead), and sharded mode's DCP calls: ``dcp.save`` / ``dcp.load`` on the
+user's group, and ``dcp.async_save`` through one FastWriter (its staging reused) on a gloo
+group of the manager's own (DCP runs its background collectives on it, never on the
+training loop's group), with the user's group's timeout.
+
+The manager's own groups are freed by ``close()``, by ``with``, and at interpreter exit
+(:func:`_release_at_exit`, while the interpreter is fully alive, because a gloo group that
+dies during finalization aborts the process), and a forked child starts with fresh locks
+(:func:`_after_fork_in_child`). Which rank does what with the directory is the manager's
+business (fastckpt/manager.py); what the directory holds is fastckpt/_manager_policy.py's.
+"""
+
+import atexit
+import logging
+import os
+import sys
+import threading
+import types
+import weakref
+from datetime import timedelta
+from typing import Any, List, Optional, Tuple
+
+log = logging.getLogger("fastckpt")
+
+
+# ------------------------------------------------------------------ what a failure can be
+
+_failures_cache: Optional[Tuple[type, ...]] = None
+
+
+def _failures() -> Tuple[type, ...]:
+    """What a failed save or load can raise: Exception, and DCP's
+    CheckpointException, which is a BaseException."""
+    global _failures_cache
+    if _failures_cache is None:
+        try:
+            from torch.distributed.checkpoint.api import CheckpointException
+            _failures_cache = (Exception, CheckpointException)
+        except ImportError:  # pragma: no cover - torch without distributed
+            _failures_cache = (Exception,)
+    return _failures_cache
+
+
+# ------------------------------------------------------------------ groups
+
+def _dist_initialized() -> bool:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return False
+    return dist.is_available() and dist.is_initialized()
+
+
+def _group_timeout(group: Any) -> Optional[timedelta]:
+    """The timeout ``group`` was created with (torch has no public getter), or None
+    (torch's default) where it cannot be told."""
+    import torch
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - no such backend, or a torch without these internals
+            continue
+    return None
+
+
+def _dcp_writer(path: str) -> Any:
+    """The storage writer of sharded checkpoints: fastckpt.dcp's FastWriter
+    (the engine). It takes the stock FileSystemWriter's path argument, which
+    can stand in for it here."""
+    from .dcp import FastWriter
+    return FastWriter(path)
+
+
+def _dcp_reader(path: str, verify: bool, weights_only: bool) -> Any:
+    """The storage reader of a sharded checkpoint: FastReader (the engine; CRCs
+    checked when ``verify``), which with ``weights_only`` unpickles
+    ``.metadata`` through fastckpt's restricted unpickler and non-tensor values
+    through torch's weights-only one (the stock planner would hand them to
+    ``torch.load(..., weights_only=False)``)."""
+    from .dcp import FastReader
+    return FastReader(path, verify=verify, weights_only=weights_only)
+
+
+class Ranks:
+    """The ranks sharing a checkpoint directory: the user's process group (or
+    the world when torch.distributed is initialized; one rank otherwise), and
+    what the manager runs collectively on them."""
+
+    def __init__(self, process_group: Any = None):
+        self.pg = process_group
+        self.dist = _dist_initialized()
+        if self.dist:
+            import torch.distributed as dist
+            self.rank = dist.get_rank(self.pg)
+            self.world_size = dist.get_world_size(self.pg)
+        else:
+            self.rank, self.world_size = 0, 1
+        self.async_pg = None       # sharded async saves: a gloo group of their own for DCP's background collectives
+        self.async_writer = None   # ... and one FastWriter, its staging reused
+
+    # ------------------------------------------------------------ collectives
+    def gather(self, obj: Any) -> List[Any]:
+        """Every rank's ``obj``, on every rank (a barrier too)."""
+        if not self.dist:
+            return [obj]
+        import torch.distributed as dist
+        out: List[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.pg)  # also a barrier
+        return out
+
+    def agree(self, err: Optional[BaseException], what: str, payload: Any = None) -> Any:
+        """A barrier that also tells every rank whether any rank failed: raises
+        ``err`` here, or a RuntimeError naming the rank that failed. Returns
+        rank 0's ``payload``."""
+        msg = None if err is None else f"{type(err).__name__}: {err}"
+        got = self.gather((msg, payload))
+        if err is not None:
+            raise err
+        for r, (m, _) in enumerate(got):
+            if m is not None:
+                raise RuntimeError(f"fastckpt.CheckpointManager: {what} failed on rank {r}: {m}")
+        return got[0][1]
+
+    # ------------------------------------------------------------ sharded mode (DCP)
+    def open_async_group(self) -> None:
+        """Collective (where torch.distributed is initialized; nothing otherwise).
+        dcp.async_save runs collectives from a background thread: never on the
+        group the training loop uses (two threads' collectives would
+        interleave). Its timeout is the user's group's, not torch's default of
+        30 minutes for a new group: a rank whose peer stops responding in the
+        middle of an asynchronous save fails within that timeout instead of
+        waiting it out (crash driver's stall check). Freed by :meth:`release`."""
+        if not self.dist or self.async_pg is not None:
+            return
+        import torch.distributed as dist
+        group = self.pg or dist.group.WORLD
+        self.async_pg = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                                       timeout=_group_timeout(group))
+
+    def dcp_save(self, state: Any, path: str) -> None:
+        """Collective: every rank writes its shards of ``state`` into ``path``."""
+        import torch.distributed.checkpoint as dcp
+        dcp.save(state, storage_writer=_dcp_writer(path), process_group=self.pg)
+
+    def dcp_async_save(self, state: Any, path: str) -> Any:
+        """Collective: every rank stages its shards of ``state`` and writes them
+        into ``path`` in the background (DCP's collectives on the manager's own
+        group, made here if :meth:`release` freed it). Returns DCP's future."""
+        import torch.distributed.checkpoint as dcp
+        from .dcp import FastWriter
+        self.open_async_group()
+        if self.async_writer is None:
+            self.async_writer = FastWriter(path)
+        fut = dcp.async_save(state, checkpoint_id=path, storage_writer=self.async_writer,
+                             process_group=self.async_pg)
+        return getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse in some modes
+
+    def dcp_load(self, state: Any, path: str, verify: bool, weights_only: bool) -> None:
+        """Collective: fill ``state`` in place from the sharded checkpoint ``path``."""
+        import torch.distributed.checkpoint as dcp
+        dcp.load(state, storage_reader=_dcp_reader(path, verify, weights_only), process_group=self.pg)
+
+    def release(self) -> None:
+        """Not collective: close the sharded writer (its staging memory) and
+        free the manager's own process group: it is destroyed (if still
+        registered) and its last reference dropped, so that gloo's destructor
+        joins its worker threads here, while the interpreter is alive."""
+        writer, self.async_writer = self.async_writer, None
+        if writer is not None:
+            writer.close()
+        pg, self.async_pg = self.async_pg, None
+        if pg is None:
+            return
+        import torch.distributed as dist
+        try:
+            dist.destroy_process_group(pg)
+        except (ValueError, RuntimeError) as e:  # already destroyed (destroy_process_group() of all groups)
+            log.debug("fastckpt.CheckpointManager: own process group already destroyed: %s", e)
+        del pg  # the last reference: ProcessGroupGloo's destructor joins its threads now
+
+
+# ------------------------------------------------------------------ exit and fork
+
+def _drop_torch_refs_to_destroyed_groups() -> int:
+    """``torch.distributed.nn.functional`` (imported by
+    ``torch.distributed.checkpoint``, DDP and others) binds
+    ``dist.group.WORLD`` as the default argument of its functions when it is
+    first imported; imported after ``init_process_group``, that keeps the
+    default group alive after ``destroy_process_group()``. Such a group dies
+    only during interpreter finalization, and that is fatal with gloo: each
+    of its worker threads keeps the last collective it ran, whose tensors
+    hold Python objects, until the group is destroyed; releasing them then
+    takes the GIL, and a thread that takes the GIL during finalization is
+    killed inside a noexcept destructor: "terminate called without an
+    active exception", SIGABRT (issue 11 item 13).
+
+    Called at exit, while the interpreter is fully alive: replaces those
+    default arguments, where they name a group that was already destroyed
+    (no longer registered), by None (which means the default group, as if
+    the module had been imported before ``init_process_group``). If nothing
+    else holds the group, it is freed here, through its Python object,
+    whose destructor releases the GIL while it joins the worker threads.
+    Live groups are left alone. Returns how many defaults were replaced."""
+    mod = sys.modules.get("torch.distributed.nn.functional")
+    if mod is None:
+        return 0
+    import torch.distributed as dist
+    live = set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
+    n = 0
+    for f in list(vars(mod).values()):
+        if not isinstance(f, types.FunctionType) or not f.__defaults__:
+            continue
+        d = tuple(None if isinstance(x, dist.ProcessGroup) and x not in live else x for x in f.__defaults__)
+        if any(x is not y for x, y in zip(d, f.__defaults__)):
+            f.__defaults__ = d
+            n += 1
+    return n
+
+
+_live: "weakref.WeakSet[Any]" = weakref.WeakSet()   # the CheckpointManagers of this process
+_exit_hook = False
+_exit_lock = threading.Lock()
+
+
+def _release_at_exit() -> None:
+    """atexit (registered when the first manager is made, i.e. after torch's
+    own exit handlers, so it runs before them, and while the interpreter is
+    fully alive): every live manager finishes its background saves and frees
+    its own gloo group, whose worker threads are joined here rather than
+    during interpreter finalization; then the references torch keeps to
+    destroyed groups are dropped (:func:`_drop_torch_refs_to_destroyed_groups`)."""
+    for mgr in list(_live):
+        try:
+            mgr._release(wait=True)
+        except Exception:  # noqa: BLE001 - never mask other exit handlers
+            log.exception("fastckpt.CheckpointManager: error while finishing %s at exit", mgr.directory)
+    try:
+        n = _drop_torch_refs_to_destroyed_groups()
+        if n:
+            log.debug("fastckpt.CheckpointManager: dropped %d reference(s) torch kept to destroyed groups", n)
+    except Exception:  # noqa: BLE001
+        log.debug("fastckpt.CheckpointManager: could not drop torch's references to destroyed groups",
+                  exc_info=True)
+
+
+def _register(mgr: Any) -> None:
+    """A new manager: released at exit (``mgr._release(wait=True)``) and told of a fork (``mgr._after_fork()``)."""
+    global _exit_hook
+    with _exit_lock:
+        _live.add(mgr)
+        if not _exit_hook:
+            atexit.register(_release_at_exit)
+            _exit_hook = True
+
+
+def _after_fork_in_child() -> None:
+    """In a child made by ``fork()`` (only the forking thread survives): a new
+    lock for this module, and every live manager forgets what the parent was
+    doing (:meth:`CheckpointManager._after_fork`)."""
+    global _exit_lock
+    _exit_lock = threading.Lock()
+    for mgr in list(_live):
+        mgr._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

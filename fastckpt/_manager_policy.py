@@ -1,0 +1,402 @@
+"""CheckpointManager's policy: what a checkpoint directory holds and what is done with it.
+
+Names (``step_<8 digits>.pt`` files, or ``step_<8 digits>`` DCP directories in sharded
+mode), which checkpoints are complete, the ``latest`` pointer (authoritative: written
+atomically by the engine), rollback (checkpoints of an abandoned branch moved into
+``abandoned/``), retention (``keep_last``), which checkpoints a restore tries and which
+failures count as damage, and temporary names: the engine's and the manager's own (the
+directories of sharded saves, of retention and of a re-saved step), whose leftovers only
+the host that made them removes. No collective and no process group here: the manager
+(fastckpt/manager.py) decides which rank calls what, and fastckpt/_manager_dist.py
+coordinates the ranks.
+"""
+
+import errno
+import itertools
+import logging
+import os
+import pickle
+import re
+import shutil
+import stat
+import uuid
+import warnings
+from pathlib import Path
+from typing import AbstractSet, List, Optional, Set, Tuple, Union
+
+from . import _C
+from ._owner import check_directory_owner
+from .engine import fsync_dir, get_engine
+from .errors import FormatError
+
+log = logging.getLogger("fastckpt")
+
+LATEST = "latest"
+ABANDONED = "abandoned"               # checkpoints of an abandoned branch (a rollback) are moved here
+
+# Temporary names (docs/FORMAT.md 1.6): the engine's `.<name>.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>`
+# (csrc/engine/temp_file.h; parsed by _C.parse_temp_name), and the manager's (and `fastckpt convert`'s)
+# directories: the same, then `.dcp` (a sharded save in progress), `.del` (retention removing an old
+# one) or `.old` (a re-saved step's previous directory), made by _temp_name.
+TMP_MARK = ".fastckpt-tmp."
+_TMP_RE = re.compile(r"^\..+\.fastckpt-tmp\.(?:(\d+)\.)?")  # the pid, right after the mark
+_TMP_KINDS = ("dcp", "del", "old")
+_tmp_counter = itertools.count()
+
+
+# ------------------------------------------------------------------ temporary names
+
+def _process_start(pid: int) -> int:
+    """Start time of process ``pid`` in clock ticks since boot (/proc/PID/stat
+    field 22, as the engine's temporary names hold it); 0 when unknown."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])  # fields from 3 (state) on: 22 is [19]
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _temp_name(name: str, kind: Optional[str] = None) -> str:
+    """A temporary name for ``name`` in the engine's format (this process's
+    pid, this host, its start time), then ``.kind`` (one of ``_TMP_KINDS``)
+    for directories, which the engine never touches."""
+    pid = os.getpid()
+    base = (f".{name}{TMP_MARK}{pid}.{_C.temp_host()}.{_process_start(pid)}."
+            f"{next(_tmp_counter)}.{uuid.uuid4().hex[:8]}")
+    return base if kind is None else f"{base}.{kind}"
+
+
+def _replace_dir(tmp: Union[str, os.PathLike], final: Union[str, os.PathLike]) -> None:
+    """Rename the finished directory `tmp` to its sibling `final` and make the
+    rename durable (an fsync of their parent). An existing `final` (a re-saved
+    step, a converted checkpoint written over) is first moved aside under a
+    temporary name of this host and process (``.old``: clean_temporaries
+    removes it if this process dies before it does), then removed. The one
+    rename-into-place of directories: the manager's sharded saves and
+    `fastckpt convert` to DCP."""
+    parent, name = os.path.split(os.fspath(final))
+    if os.path.lexists(final):
+        aside = os.path.join(parent, _temp_name(name, "old"))
+        os.rename(final, aside)
+        os.rename(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(parent)
+
+
+def _parse_temp(entry: str) -> Optional[Tuple[str, dict, Optional[str]]]:
+    """``(target, {"pid", "host", "start"}, kind)`` of a name made by the
+    engine or by :func:`_temp_name`, or None (not one: older names without a
+    host included)."""
+    for base, kind in [(entry, None)] + [(entry[:-len(k) - 1], k) for k in _TMP_KINDS if entry.endswith("." + k)]:
+        i = base.rfind(TMP_MARK)
+        if i < 2 or not base.startswith("."):
+            continue
+        info = _C.parse_temp_name(base, base[1:i])
+        if info is not None:
+            return base[1:i], info, kind
+    return None
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _writer_gone(info: dict) -> bool:
+    """Whether the process (of this host) that made a temporary name is
+    certainly gone: no such pid, or one that started at another time (the
+    pid was reused). False when in doubt (the engine's temp_writer_gone)."""
+    if not _pid_alive(info["pid"]):
+        return True
+    if not info["start"]:
+        return False
+    now = _process_start(info["pid"])
+    return now != 0 and now != info["start"]
+
+
+# ------------------------------------------------------------------ which failures are damage
+
+# What "this checkpoint is missing or incomplete" looks like as an OSError:
+# the file or directory is not there (or not of its kind). Every other errno
+# (EIO, EACCES, ENOMEM, ESTALE, EUCLEAN, ...) says the machine, the filesystem
+# or the caller is in trouble, not the checkpoint: it propagates.
+_DAMAGE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
+
+
+def _failure_kind(e: BaseException) -> str:
+    """How :meth:`CheckpointManager.load_latest` treats a failure to load one
+    checkpoint: ``"damaged"`` (missing, incomplete or failing its checks: try
+    the previous one), ``"refused"`` (the weights-only unpickler refused a
+    value: raised, not corruption) or ``"error"`` (anything else: raised)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and type(e).__name__ == "CheckpointException":  # DCP wraps every rank's error
+        kinds = {_failure_kind(f[0] if isinstance(f, tuple) else f) for f in failures.values()}
+        if not kinds or "error" in kinds:
+            return "error"
+        return "refused" if "refused" in kinds else "damaged"
+    if isinstance(e, FormatError):
+        return "damaged"
+    if isinstance(e, pickle.UnpicklingError):
+        return "refused"
+    if isinstance(e, OSError):
+        return "damaged" if e.errno in _DAMAGE_ERRNOS else "error"
+    return "error"
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """DCP's CheckpointException holding exactly one error: that error."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and type(e).__name__ == "CheckpointException" and len(failures) == 1:
+        inner = next(iter(failures.values()))
+        inner = inner[0] if isinstance(inner, tuple) else inner
+        if isinstance(inner, BaseException):
+            e = inner
+    return e
+
+
+# ------------------------------------------------------------------ the directory
+
+class StepDirectory:
+    """The checkpoints of one directory and what is done with them. Never
+    collective; the methods that change the directory are called on rank 0
+    only (the manager sees to it). ``busy``: the final names of saves in
+    flight, which rollback and retention never touch."""
+
+    def __init__(self, directory: Union[str, os.PathLike], keep_last: Optional[int], sharded: bool):
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1 or None (got {keep_last})")
+        self.path = Path(directory)
+        self.keep_last = keep_last
+        self.sharded = sharded
+
+    # ------------------------------------------------------------ names
+    def name_for(self, step: int) -> str:
+        return f"step_{step:08d}" if self.sharded else f"step_{step:08d}.pt"
+
+    def parse(self, name: str) -> Optional[int]:
+        m = re.fullmatch(r"step_(\d+)" if self.sharded else r"step_(\d+)\.pt", name)
+        return int(m.group(1)) if m else None
+
+    def complete(self) -> List[Tuple[int, str]]:
+        """Complete checkpoints as (step, name), oldest first."""
+        found = []
+        try:
+            names = os.listdir(self.path)
+        except FileNotFoundError:
+            return []
+        for name in names:
+            step = self.parse(name)
+            if step is None:
+                continue
+            p = self.path / name
+            if self.sharded and not (p.is_dir() and (p / ".metadata").is_file()):
+                continue
+            if not self.sharded and not p.is_file():
+                continue
+            found.append((step, name))
+        return sorted(found)
+
+    def latest_name(self, stacklevel: int = 2) -> Optional[str]:
+        """The checkpoint the ``latest`` pointer names, or None."""
+        try:
+            text = (self.path / LATEST).read_text().strip()
+        except FileNotFoundError:
+            return None
+        if self.parse(text) is None:
+            warnings.warn(f"fastckpt.CheckpointManager: {self.path / LATEST} holds {text[:80]!r}, "
+                          "which is not a checkpoint name; ignoring it", RuntimeWarning, stacklevel=stacklevel + 1)
+            return None
+        return text
+
+    # ------------------------------------------------------------ preparing
+    def prepare(self, clean: bool) -> None:
+        """Rank 0, when the manager is made: check who owns the directory, make
+        it if missing (durably), and remove the leftovers of crashed saves."""
+        check_directory_owner(self.path)
+        if not self.path.is_dir():
+            self.path.mkdir(parents=True, exist_ok=True)
+            fsync_dir(self.path.parent)
+        if clean:
+            self.clean_temporaries()
+
+    def new_temp_dir(self, name: str) -> str:
+        """Rank 0: the temporary directory a sharded save of ``name`` is written into; returns its name."""
+        tmp_name = _temp_name(name, "dcp")
+        (self.path / tmp_name).mkdir()
+        return tmp_name
+
+    # ------------------------------------------------------------ commit, rollback, retention
+    def commit(self, name: str, busy: AbstractSet[str]) -> None:
+        """The checkpoint ``name`` is complete and durable: point ``latest`` at
+        it (atomically), then move an abandoned branch aside and apply
+        retention."""
+        data = (name + "\n").encode()
+        w = _C.Writer(get_engine(), str(self.path / LATEST), len(data))
+        try:
+            w.write(data)
+            w.commit()  # temporary file, fdatasync, rename over `latest`, directory fsync
+        except BaseException:
+            w.abort()
+            raise
+        self.abandon_newer(self.parse(name), busy)
+        self.prune(busy)
+
+    def abandon_newer(self, step: int, busy: AbstractSet[str]) -> List[str]:
+        """``latest`` now names ``step``: move the complete checkpoints of
+        higher steps (an abandoned branch, see fastckpt/manager.py's docs) into
+        ``abandoned/``. Returns their new paths."""
+        newer = [n for s, n in self.complete() if s > step and n not in busy]
+        if not newer:
+            return []
+        where = self.path / ABANDONED
+        if not where.is_dir():
+            where.mkdir(exist_ok=True)
+            fsync_dir(self.path)
+        moved = []
+        for name in newer:
+            dest, n = where / name, 0
+            while dest.exists() or dest.is_symlink():
+                n += 1
+                dest = where / f"{name}.{n}"
+            try:
+                os.rename(self.path / name, dest)
+            except FileNotFoundError:
+                continue
+            moved.append(str(dest))
+        fsync_dir(where)
+        fsync_dir(self.path)
+        if moved:
+            log.warning("fastckpt.CheckpointManager: step %d is older than %d checkpoint(s) in %s (a rollback): "
+                        "that branch is abandoned; moved %s (never loaded, never deleted by retention)",
+                        step, len(moved), self.path, ", ".join(moved))
+        return moved
+
+    def prune(self, busy: AbstractSet[str]) -> List[str]:
+        """Retention: remove the complete checkpoints beyond the newest
+        ``keep_last``, except the one ``latest`` names and those in ``busy``."""
+        if self.keep_last is None:
+            return []
+        complete = self.complete()
+        keep = {n for _, n in complete[-self.keep_last:]}
+        latest = self.latest_name()
+        protected = keep | set(busy) | ({latest} if latest else set())
+        removed = []
+        for step, name in complete:
+            if name in protected:
+                continue
+            p = self.path / name
+            try:
+                if p.is_dir():  # rename first, so that a crash never leaves half a checkpoint under its name
+                    doomed = self.path / _temp_name(name, "del")
+                    os.rename(p, doomed)
+                    shutil.rmtree(doomed)
+                else:
+                    os.unlink(p)
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+        if removed:
+            fsync_dir(self.path)
+            log.debug("fastckpt.CheckpointManager: retention removed %s", removed)
+        return removed
+
+    def publish_dir(self, tmp: Path, name: str) -> None:
+        """Every rank's files and DCP's .metadata are written in ``tmp``: make
+        the directory durable and rename it to its final name."""
+        for entry in os.scandir(tmp):  # the stock writer fsyncs its files; a cheap check for the others
+            if entry.is_file():
+                fd = os.open(entry.path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        fsync_dir(tmp)
+        _replace_dir(tmp, self.path / name)  # re-saving a step: the old one moved aside, then removed
+
+    # ------------------------------------------------------------ leftovers
+    def clean_temporaries(self) -> List[str]:
+        """Delete the leftovers of crashed saves of this host (see
+        :meth:`CheckpointManager.clean_temporaries`). Returns the names removed."""
+        removed: List[str] = []
+        foreign: List[str] = []
+        unknown: List[str] = []
+        engine_targets: Set[str] = set()
+        me, uid = _C.temp_host(), os.geteuid()
+        for name in sorted(os.listdir(self.path)):
+            if TMP_MARK not in name:
+                continue
+            parsed = _parse_temp(name)
+            if parsed is None:
+                unknown.append(name)
+                continue
+            target, info, kind = parsed
+            if info["host"] != me:
+                foreign.append(name)
+                continue
+            p = self.path / name
+            try:
+                st = os.lstat(p)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode) and kind is None:
+                engine_targets.add(target)  # the engine's own files: its checks (lock included) decide
+                continue
+            if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)) or st.st_uid != uid:
+                continue
+            if not _writer_gone(info):
+                log.debug("fastckpt.CheckpointManager: keeping %s (process %d is alive)", name, info["pid"])
+                continue
+            try:
+                if stat.S_ISDIR(st.st_mode):
+                    shutil.rmtree(p)
+                else:
+                    os.unlink(p)
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+        for target in sorted(engine_targets):
+            removed.extend(_C.remove_leftovers(str(self.path / target)))
+        removed.sort()
+        if removed:
+            fsync_dir(self.path)
+            log.warning("fastckpt.CheckpointManager: removed %d leftover temporary file(s) of interrupted saves "
+                        "in %s: %s", len(removed), self.path, ", ".join(removed))
+        if foreign:
+            log.warning("fastckpt.CheckpointManager: kept %d temporary file(s) of other hosts in %s (never removed "
+                        "from here: another node may be writing them; delete them by hand once no job there "
+                        "writes to this directory): %s", len(foreign), self.path, ", ".join(foreign))
+        if unknown:
+            log.warning("fastckpt.CheckpointManager: kept %d temporary file(s) in %s whose name does not say which "
+                        "host wrote them (an older fastckpt's): %s", len(unknown), self.path, ", ".join(unknown))
+        return removed
+
+    # ------------------------------------------------------------ restoring
+    def candidates(self) -> List[Tuple[int, str]]:
+        """The checkpoints a restore tries, in order: the one ``latest`` names,
+        then the older complete ones, newest first (warnings: at the caller's
+        caller, i.e. the user's call of load_latest)."""
+        complete = self.complete()
+        latest = self.latest_name()
+        if latest is None:
+            if complete:
+                warnings.warn(f"fastckpt.CheckpointManager: {self.path / LATEST} is missing; trying the "
+                              "complete checkpoints newest first", RuntimeWarning, stacklevel=3)
+            return [(s, n) for s, n in reversed(complete)]
+        top = self.parse(latest)
+        newer = [n for s, n in complete if s > top]
+        if newer:
+            warnings.warn(f"fastckpt.CheckpointManager: not loading {', '.join(newer)} in {self.path}: "
+                          f"newer than {latest}, which {LATEST} names (an abandoned branch after a rollback, or a "
+                          "save that never committed)", RuntimeWarning, stacklevel=3)
+        if latest not in {n for _, n in complete}:
+            warnings.warn(f"fastckpt.CheckpointManager: {self.path / LATEST} names {latest}, "
+                          "which is missing or incomplete; trying older checkpoints", RuntimeWarning, stacklevel=3)
+        return [(s, n) for s, n in reversed(complete) if s <= top]
