@@ -60,11 +60,12 @@ def test_fresh_process_small_load_touches_only_what_it_used(tmp_path, backend):
     assert after["backend"] == ("io_uring" if backend == "uring" else "threads")
     assert after["count"] == 8 and after["size"] == 8 * MiB
     assert after["available"] == after["count"]
-    # A load of a few hundred KB used a buffer or two, not the pool.
-    assert 1 <= after["touched"] <= 3
-    # Only buffers handed out have backed pages, and not even all of theirs.
+    # A load of a few hundred KB used a few buffers (3 today: parallel windows), not the pool.
+    assert 1 <= after["touched"] < after["count"]
+    # Only buffers handed out have backed pages, and not even all of theirs
+    # (a 2 MiB huge page or a few small pages each): at most a quarter of the pool.
     assert 0 < after["resident"] <= after["touched"] * after["size"]
-    assert after["resident"] <= 3 * 8 * MiB
+    assert after["resident"] <= after["count"] * after["size"] // 4
     # Small transfers pin no buffer.
     assert after["registered"] == 0
 
