@@ -101,3 +101,10 @@ build/bench_crc: benchmarks/bench_crc.cc Makefile
 	g++ -O2 -std=c++17 -pthread -o $@ $< $(CRC_LIBS) -lz
 bench-crc: build/bench_crc
 	./build/bench_crc $(CRC_ARGS)
+
+# Issue 12, fixed costs: the first fastckpt.load / save of a ~400 KB checkpoint in fresh processes
+# against torch.load / torch.save (+fsync), medians of FIRST_LOAD_REPS alternating runs, on BENCH_DIR.
+FIRST_LOAD_REPS ?= 12
+.PHONY: bench-first-load
+bench-first-load: build
+	$(PY) benchmarks/bench_first_load.py --dir "$(BENCH_DIR)" --reps $(FIRST_LOAD_REPS)

@@ -6,10 +6,33 @@ from .errors import FormatError, UnsupportedURLError
 from . import knobs
 from .engine import get_engine, reset_engine
 from .serialization import load, save
+# Eager: the submodule shares the function's name (importing it later would
+# rebind fastckpt.async_save to the module).
 from .async_save import async_save, wait_for_saves
-from .manager import CheckpointManager
 
 __all__ = ["save", "load", "async_save", "wait_for_saves", "CheckpointManager", "FormatError", "UnsupportedURLError", "knobs",
            "get_engine", "reset_engine"]
 __version__ = "0.1.0"
-from .dcp import __getattr__  # noqa: E402,F401  fastckpt.FastWriter/FastReader, imported on first use (torch.distributed)
+
+# Imported on first use, so that `import fastckpt` (and a process that only
+# saves and loads) does not pay for them: the manager, and FastWriter /
+# FastReader (torch.distributed); name -> the submodule that defines it. The
+# submodules themselves (fastckpt.manager, fastckpt.dcp) load on first access too.
+_LAZY = {"CheckpointManager": ".manager", "FastWriter": ".dcp", "FastReader": ".dcp"}
+_LAZY_MODULES = ("manager", "dcp")
+
+
+def __getattr__(name):
+    import importlib
+    if name in _LAZY_MODULES:
+        return importlib.import_module("." + name, __name__)
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module 'fastckpt' has no attribute {name!r}")
+    value = getattr(importlib.import_module(mod, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY) | set(_LAZY_MODULES))

@@ -1,9 +1,12 @@
 """The process-wide I/O engine.
 
-An engine owns the staging-buffer pool (allocated and touched once) and the
-I/O backends (io_uring rings with registered buffers, or worker threads), so
-every save and load after the first reuses warm memory. Engines are cached
-per configuration (see :mod:`fastckpt.knobs`).
+An engine owns the staging-buffer pool and the I/O backends (io_uring rings
+with registered buffers, or worker threads), so every save and load after the
+first reuses warm memory. All of it grows at first use: making an engine
+touches no buffer and starts no thread, a small load backs a buffer or two
+and pins none (``buffers_touched``, ``buffers_registered``,
+``buffers_resident_bytes``; docs/ENGINE.md, "Fixed costs"). Engines are
+cached per configuration (see :mod:`fastckpt.knobs`).
 
 After ``os.fork()`` (including multiprocessing's "fork" start method) the
 child starts with no cached engine: the parent's I/O threads do not exist in

@@ -144,8 +144,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
       .def(py::init([](const EngineConfig& cfg) {
-             py::gil_scoped_release nogil;  // allocating and touching the pool takes a while
-             return std::make_shared<Engine>(cfg);
+             py::gil_scoped_release nogil;
+             return std::make_shared<Engine>(cfg);  // cheap: the pool and backends grow at the first I/O
            }),
            py::arg("config"))
       .def_property_readonly("config", &Engine::config)
@@ -156,7 +156,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("uring_refusal", &Engine::uring_refusal)
       .def_property_readonly("buffers_available", [](Engine& e) { return e.pool().available(); })
       .def_property_readonly("buffers_quarantined", [](Engine& e) { return e.pool().quarantined(); },
-                             "Staging buffers taken out of use because the kernel may still access them.");
+                             "Staging buffers taken out of use because the kernel may still access them.")
+      .def_property_readonly("buffers_touched", [](Engine& e) { return e.pool().touched(); },
+                             "Staging buffers touched so far: each when the pool first handed it out.")
+      .def_property_readonly("buffers_registered", [](Engine& e) { return e.pool().registered(); },
+                             "Staging buffers registered with at least one io_uring ring (each at its first "
+                             "I/O on that ring).")
+      .def_property_readonly("buffer_registrations_refused",
+                             [](Engine& e) { return e.pool().registration_refusals(); },
+                             "io_uring buffer registrations the kernel refused (that I/O used plain reads and "
+                             "writes).")
+      .def_property_readonly("buffers_resident_bytes", [](Engine& e) { return e.pool().resident_bytes(); },
+                             "Bytes of the staging pool backed by memory now (mincore).");
 
   py::class_<PyWriter>(m, "Writer")
       .def(py::init([](std::shared_ptr<Engine> eng, const std::string& path, int64_t expected_size) {

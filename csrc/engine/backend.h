@@ -13,6 +13,8 @@
 
 namespace fastckpt {
 
+class BufferPool;
+
 struct IoRequest {
   enum Kind : uint8_t { Write, Read, Fsync };
   Kind kind = Write;
@@ -39,12 +41,23 @@ class Backend {
   // Blocks until one request completes.
   virtual IoCompletion wait() = 0;
   virtual unsigned max_inflight() const = 0;
+  // Worker threads started so far (the thread backend starts them as
+  // requests need them); 0 for backends without threads of their own.
+  virtual unsigned threads_started() const { return 0; }
 };
 
 // Throws IoError (op "io_uring_queue_init") when the kernel refuses io_uring
 // (EPERM under seccomp or io_uring_disabled, ENOSYS) or when fastckpt was
-// built without liburing (ENOSYS). `fixed` buffers are registered once.
-std::unique_ptr<Backend> make_uring_backend(unsigned depth, const std::vector<iovec>& fixed);
+// built without liburing (ENOSYS).
+// With a `pool` (which must outlive the backend), the ring registers an empty
+// (sparse) table of pool->count() buffers when it is made, and buffer i the
+// first time a request of at least 1 MiB (or the whole buffer, if smaller) on
+// this ring uses it (IoRequest::buf_index), so that only buffers that carry
+// large transfers are pinned; every later request on buffer i is a
+// fixed-buffer read or write. A registration the kernel refuses (memlock
+// limit, an old kernel) leaves that buffer, or all of them, to plain reads
+// and writes.
+std::unique_ptr<Backend> make_uring_backend(unsigned depth, BufferPool* pool);
 std::unique_ptr<Backend> make_thread_backend(unsigned threads, unsigned depth);
 bool uring_compiled();
 

@@ -1,13 +1,19 @@
 // The pwrite/pread thread-pool backend: each worker performs one system call
 // per request and posts the result; IoQueue handles what the result means.
+// Workers are started as requests need them (a request queued while no
+// worker is idle starts one, up to `threads`), so a small load that keeps one
+// request in flight starts one thread, not the whole pool.
 #include <unistd.h>
 
+#include <cerrno>
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "backend.h"
+#include "error.h"
 #include "sys.h"
 
 namespace fastckpt {
@@ -20,15 +26,15 @@ struct Shared {
   std::deque<IoRequest> requests;
   std::deque<IoCompletion> done;
   std::vector<std::thread> workers;
+  unsigned idle = 0;  // workers waiting for a request
   bool stop = false;
 };
 
 class ThreadBackend final : public Backend {
  public:
-  ThreadBackend(unsigned threads, unsigned depth) : depth_(depth), pid_(::getpid()), s_(new Shared) {
-    s_->workers.reserve(threads);
-    Shared* s = s_;
-    for (unsigned i = 0; i < threads; ++i) s_->workers.emplace_back([s] { run(s); });
+  ThreadBackend(unsigned threads, unsigned depth)
+      : threads_(threads ? threads : 1), depth_(depth), pid_(::getpid()), s_(new Shared) {
+    s_->workers.reserve(threads_);
   }
 
   ~ThreadBackend() override {
@@ -55,8 +61,28 @@ class ThreadBackend final : public Backend {
     {
       std::lock_guard<std::mutex> lk(s_->mu);
       s_->requests.push_back(req);
+      // More queued requests than idle workers to take them: one more worker.
+      // If no thread can be made, the request waits for the workers there
+      // are; with none, it is taken back and the failure reported (IoQueue
+      // then never uses this backend again).
+      if (s_->requests.size() > s_->idle && s_->workers.size() < threads_) {
+        Shared* s = s_;
+        try {
+          s_->workers.emplace_back([s] { run(s); });
+        } catch (const std::system_error& e) {
+          if (s_->workers.empty()) {
+            s_->requests.pop_back();
+            throw_io(e.code().value() ? e.code().value() : EAGAIN, "pthread_create", "<fastckpt I/O threads>");
+          }
+        }
+      }
     }
     s_->req_cv.notify_one();
+  }
+
+  unsigned threads_started() const override {
+    std::lock_guard<std::mutex> lk(s_->mu);
+    return static_cast<unsigned>(s_->workers.size());
   }
 
   IoCompletion wait() override {
@@ -69,29 +95,31 @@ class ThreadBackend final : public Backend {
 
  private:
   static void run(Shared* s) {
+    std::unique_lock<std::mutex> lk(s->mu);
     for (;;) {
-      IoRequest r;
-      {
-        std::unique_lock<std::mutex> lk(s->mu);
-        s->req_cv.wait(lk, [&] { return s->stop || !s->requests.empty(); });
-        if (s->requests.empty()) return;  // stop and nothing left
-        r = s->requests.front();
-        s->requests.pop_front();
-      }
+      // Idle from the moment its last completion is posted (same critical
+      // section), so that a caller that submits again after seeing it finds
+      // this worker idle and starts no other.
+      ++s->idle;
+      s->req_cv.wait(lk, [&] { return s->stop || !s->requests.empty(); });
+      --s->idle;
+      if (s->requests.empty()) return;  // stop and nothing left
+      IoRequest r = s->requests.front();
+      s->requests.pop_front();
+      lk.unlock();
       int64_t res = 0;
       switch (r.kind) {
         case IoRequest::Write: res = sys::pwrite_raw(r.fd, r.buf, r.len, r.off); break;
         case IoRequest::Read: res = sys::pread_raw(r.fd, r.buf, r.len, r.off); break;
         case IoRequest::Fsync: res = sys::fdatasync_raw(r.fd); break;
       }
-      {
-        std::lock_guard<std::mutex> lk(s->mu);
-        s->done.push_back(IoCompletion{r.tag, res});
-      }
+      lk.lock();
+      s->done.push_back(IoCompletion{r.tag, res});
       s->done_cv.notify_one();
     }
   }
 
+  unsigned threads_;  // at most this many workers
   unsigned depth_;
   pid_t pid_;  // the process whose threads these are
   Shared* s_;

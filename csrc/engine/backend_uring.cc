@@ -1,9 +1,12 @@
 // The io_uring backend (liburing). Built only when liburing's headers were
 // found (FASTCKPT_HAVE_URING); otherwise make_uring_backend reports ENOSYS and
 // the engine uses the thread backend.
+#include <algorithm>
 #include <cerrno>
+#include <cstdint>
 
 #include "backend.h"
+#include "buffer_pool.h"
 #include "error.h"
 #include "fault.h"
 
@@ -18,19 +21,19 @@ namespace {
 
 class UringBackend final : public Backend {
  public:
-  UringBackend(unsigned depth, const std::vector<iovec>& fixed) : depth_(depth) {
+  UringBackend(unsigned depth, BufferPool* pool) : depth_(depth), pool_(pool) {
     fault::Action a = fault::on(fault::Op::UringSetup, "");
     if (a.err) throw_io(a.err, "io_uring_queue_init", "<io_uring>");
     int r = io_uring_queue_init(depth, &ring_, 0);
     if (r < 0) throw_io(-r, "io_uring_queue_init", "<io_uring>");
-    if (!fixed.empty()) {
-      // Registration pins the staging buffers once for the life of the ring.
-      // If the kernel refuses (memlock limits), plain writes still work.
-      r = io_uring_register_buffers(&ring_, fixed.data(), static_cast<unsigned>(fixed.size()));
-      if (r == 0) {
-        fixed_ = fixed;
-        registered_ = true;
-      }
+    if (pool_) {
+      // An empty table now; each buffer is registered (and pinned) at its
+      // first use on this ring. If the kernel refuses the table, every
+      // request is a plain read or write.
+      fault::Action f = fault::on(fault::Op::UringRegister, "");
+      r = f.err ? -f.err : io_uring_register_buffers_sparse(&ring_, static_cast<unsigned>(pool_->count()));
+      if (r == 0) reg_.assign(pool_->count(), kUnknown);
+      else pool_->note_registered(-1, false);
     }
   }
 
@@ -46,9 +49,7 @@ class UringBackend final : public Backend {
       sqe = io_uring_get_sqe(&ring_);
       if (!sqe) throw_io(EBUSY, "io_uring_get_sqe", "<io_uring>", req.off, req.len);
     }
-    const bool fixed = registered_ && req.buf_index >= 0 && static_cast<size_t>(req.buf_index) < fixed_.size() &&
-                       req.buf >= static_cast<char*>(fixed_[req.buf_index].iov_base) &&
-                       req.buf + req.len <= static_cast<char*>(fixed_[req.buf_index].iov_base) + fixed_[req.buf_index].iov_len;
+    const bool fixed = req.kind != IoRequest::Fsync && usable_fixed(req);
     switch (req.kind) {
       case IoRequest::Write:
         if (fixed)
@@ -105,26 +106,51 @@ class UringBackend final : public Backend {
     }
   }
 
+  // Whether `req` can be a fixed-buffer request: its bytes lie in pool buffer
+  // req.buf_index, registered with this ring now if it was not yet.
+  bool usable_fixed(const IoRequest& req) {
+    if (reg_.empty() || req.buf_index < 0 || static_cast<size_t>(req.buf_index) >= reg_.size()) return false;
+    const iovec v = pool_->iov(req.buf_index);
+    const char* base = static_cast<const char*>(v.iov_base);
+    if (req.buf < base || req.buf + req.len > base + v.iov_len) return false;
+    uint8_t& state = reg_[static_cast<size_t>(req.buf_index)];
+    // Registering pins (and so backs) the whole buffer: worth it for a large
+    // transfer, which then saves the kernel pinning its pages per request,
+    // not for the few KiB of a small load's records.
+    if (state == kUnknown && req.len < std::min<uint64_t>(kRegisterMinBytes, v.iov_len)) return false;
+    if (state == kUnknown) {
+      fault::Action f = fault::on(fault::Op::UringRegister, "");
+      const int r = f.err ? -f.err
+                          : io_uring_register_buffers_update_tag(&ring_, static_cast<unsigned>(req.buf_index), &v,
+                                                                 nullptr, 1);
+      state = r == 1 ? kRegistered : kRefused;
+      pool_->note_registered(req.buf_index, state == kRegistered);
+    }
+    return state == kRegistered;
+  }
+
   static constexpr unsigned kMaxSubmitRetries = 100000;
- private:
+  static constexpr uint64_t kRegisterMinBytes = 1u << 20;
+  enum : uint8_t { kUnknown = 0, kRegistered = 1, kRefused = 2 };
+
   unsigned depth_;
+  BufferPool* pool_;
   io_uring ring_{};
-  std::vector<iovec> fixed_;
-  bool registered_ = false;
+  std::vector<uint8_t> reg_;  // per pool buffer, in this ring; empty: no table (no fixed I/O)
   unsigned unsubmitted_ = 0;  // SQEs prepared and not yet taken by the kernel
 };
 
 }  // namespace
 
-std::unique_ptr<Backend> make_uring_backend(unsigned depth, const std::vector<iovec>& fixed) {
-  return std::unique_ptr<Backend>(new UringBackend(depth, fixed));
+std::unique_ptr<Backend> make_uring_backend(unsigned depth, BufferPool* pool) {
+  return std::unique_ptr<Backend>(new UringBackend(depth, pool));
 }
 
 bool uring_compiled() { return true; }
 
 #else  // !FASTCKPT_HAVE_URING
 
-std::unique_ptr<Backend> make_uring_backend(unsigned, const std::vector<iovec>&) {
+std::unique_ptr<Backend> make_uring_backend(unsigned, BufferPool*) {
   throw_io(ENOSYS, "io_uring_queue_init", "<fastckpt built without liburing>");
 }
 

@@ -1,8 +1,10 @@
 #include "buffer_pool.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -10,36 +12,60 @@
 
 namespace fastckpt {
 
+namespace {
+constexpr size_t kHugePage = 2u << 20;
+}
+
 BufferPool::BufferPool(size_t buffer_size, size_t count)
-    : size_(buffer_size), count_(count), mapped_(buffer_size * count), base_(nullptr) {
+    : size_(buffer_size), count_(count), mapped_(0), map_(nullptr), base_(nullptr) {
   if (buffer_size == 0 || buffer_size % 4096 != 0 || count == 0)
     throw UsageError("BufferPool: buffer size must be a positive multiple of 4096 and count > 0");
+  // Address space only: the kernel backs a page when it is first touched.
+  // 2 MiB of slack, so that the buffers start on a huge-page boundary (a huge
+  // page then never straddles two buffers of a size that is a multiple of it).
+  const size_t bytes = buffer_size * count;
+  mapped_ = bytes + kHugePage;
   void* p = ::mmap(nullptr, mapped_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) throw_io(errno, "mmap", "<staging buffers>", -1, mapped_);
-  base_ = static_cast<char*>(p);
+  map_ = static_cast<char*>(p);
+  base_ = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(map_) + kHugePage - 1) / kHugePage * kHugePage);
   // Transparent huge pages where the kernel offers them: fewer, larger
-  // physically contiguous segments per O_DIRECT request. Advisory only.
-  (void)::madvise(base_, mapped_, MADV_HUGEPAGE);
-  // Touch every page now so that no save pays the first-touch cost.
-  for (size_t off = 0; off < mapped_; off += 4096) base_[off] = 0;
-  iov_.resize(count);
+  // physically contiguous segments per O_DIRECT request, and a first touch
+  // that backs 2 MiB at a time. Advisory only.
+  (void)::madvise(base_, bytes, MADV_HUGEPAGE);
   owner_.resize(count);
-  free_.reserve(count);
-  for (size_t i = 0; i < count; ++i) {
-    iov_[i].iov_base = data(static_cast<int>(i));
-    iov_[i].iov_len = size_;
-    free_.push_back(static_cast<int>(count - 1 - i));
-  }
+  touched_.assign(count, 0);
+  registered_.assign(count, 0);
+  warm_.reserve(count);
+  cold_.reserve(count);
+  for (size_t i = 0; i < count; ++i) cold_.push_back(static_cast<int>(count - 1 - i));
 }
 
 BufferPool::~BufferPool() {
-  if (base_) ::munmap(base_, mapped_);
+  if (map_) ::munmap(map_, mapped_);
+}
+
+int BufferPool::take_locked() {
+  int i;
+  if (!warm_.empty()) {
+    i = warm_.back();
+    warm_.pop_back();
+  } else if (!cold_.empty()) {
+    i = cold_.back();
+    cold_.pop_back();
+    touched_[static_cast<size_t>(i)] = 1;
+    ++n_touched_;
+  } else {
+    return -1;
+  }
+  owner_[static_cast<size_t>(i)] = std::this_thread::get_id();
+  return i;
 }
 
 int BufferPool::acquire() {
   const std::thread::id me = std::this_thread::get_id();
   std::unique_lock<std::mutex> lk(mu_);
-  while (free_.empty()) {
+  while (warm_.empty() && cold_.empty()) {
     size_t mine = 0;
     for (const std::thread::id& o : owner_) mine += o == me;
     if (mine + lost_ == count_) {
@@ -53,26 +79,19 @@ int BufferPool::acquire() {
     }
     cv_.wait(lk);
   }
-  int i = free_.back();
-  free_.pop_back();
-  owner_[static_cast<size_t>(i)] = me;
-  return i;
+  return take_locked();
 }
 
 int BufferPool::try_acquire() {
   std::lock_guard<std::mutex> lk(mu_);
-  if (free_.empty()) return -1;
-  int i = free_.back();
-  free_.pop_back();
-  owner_[static_cast<size_t>(i)] = std::this_thread::get_id();
-  return i;
+  return take_locked();
 }
 
 void BufferPool::release(int index) {
   {
     std::lock_guard<std::mutex> lk(mu_);
     owner_[static_cast<size_t>(index)] = std::thread::id();
-    free_.push_back(index);
+    warm_.push_back(index);
   }
   cv_.notify_one();
 }
@@ -93,7 +112,47 @@ size_t BufferPool::quarantined() const {
 
 size_t BufferPool::available() const {
   std::lock_guard<std::mutex> lk(mu_);
-  return free_.size();
+  return warm_.size() + cold_.size();
+}
+
+size_t BufferPool::resident_bytes() const {
+  const long ps = ::sysconf(_SC_PAGESIZE);
+  const size_t page = ps > 0 ? static_cast<size_t>(ps) : 4096, bytes = size_ * count_;
+  std::vector<unsigned char> vec((bytes + page - 1) / page);
+  if (::mincore(base_, bytes, vec.data()) != 0) return 0;
+  size_t n = 0;
+  for (unsigned char v : vec) n += v & 1;
+  return n * page;
+}
+
+size_t BufferPool::touched() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return n_touched_;
+}
+
+bool BufferPool::is_touched(int index) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return index >= 0 && static_cast<size_t>(index) < count_ && touched_[static_cast<size_t>(index)];
+}
+
+void BufferPool::note_registered(int index, bool ok) {
+  std::lock_guard<std::mutex> lk(mu_);
+  if (!ok) {
+    ++refusals_;
+  } else if (index >= 0 && static_cast<size_t>(index) < count_ && !registered_[static_cast<size_t>(index)]) {
+    registered_[static_cast<size_t>(index)] = 1;
+    ++n_registered_;
+  }
+}
+
+size_t BufferPool::registered() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return n_registered_;
+}
+
+size_t BufferPool::registration_refusals() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return refusals_;
 }
 
 }  // namespace fastckpt

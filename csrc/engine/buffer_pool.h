@@ -1,6 +1,12 @@
-// A fixed set of aligned staging buffers, allocated (and touched) once and
-// reused: on virtual machines, memory touched for the first time fills many
-// times slower than memory already in use.
+// A fixed set of aligned staging buffers, reused by every save and load of an
+// engine. The pool grows lazily: the constructor only reserves address space
+// (2 MiB-aligned, transparent huge pages requested) and the kernel backs a
+// page when an I/O or a copy first touches it; backed pages stay for the life
+// of the pool. Memory touched for the first time fills several times slower
+// than memory already in use, so buffers handed out before ("touched") are
+// handed out again before untouched ones, the one released last first. A
+// small load touches a few pages of one or two buffers, not the whole pool;
+// a large save touches every buffer it cycles through once.
 #pragma once
 
 #include <sys/uio.h>
@@ -15,6 +21,7 @@ namespace fastckpt {
 
 class BufferPool {
  public:
+  // Reserves buffer_size x count bytes of address space; touches nothing.
   BufferPool(size_t buffer_size, size_t count);
   ~BufferPool();
   BufferPool(const BufferPool&) = delete;
@@ -23,13 +30,15 @@ class BufferPool {
   size_t buffer_size() const { return size_; }
   size_t count() const { return count_; }
   char* data(int index) const { return base_ + static_cast<size_t>(index) * size_; }
-  // One iovec per buffer, for io_uring buffer registration.
-  const std::vector<iovec>& iovecs() const { return iov_; }
+  // Buffer `index` as an iovec, for io_uring buffer registration.
+  iovec iov(int index) const { return iovec{data(index), size_}; }
 
-  // Blocks until a buffer is free. Throws UsageError instead of waiting
-  // forever when every buffer is held by the calling thread (e.g. an open
-  // Writer of this thread holds them all and this thread now reads): only
-  // this thread could give one back.
+  // Blocks until a buffer is free. Hands out an already-touched buffer when
+  // one is free (the one released last first), otherwise an untouched one
+  // (lowest index first). Throws UsageError instead
+  // of waiting forever when every buffer is held by the calling thread (e.g.
+  // an open Writer of this thread holds them all and this thread now reads):
+  // only this thread could give one back.
   int acquire();
   int try_acquire();  // -1 when none is free
   void release(int index);
@@ -37,17 +46,35 @@ class BufferPool {
   // (an I/O request on it was never reaped). It is never handed out again.
   void quarantine(int index);
   size_t quarantined() const;
-  size_t available() const;
+  size_t available() const;  // free buffers, touched or not
+
+  // Buffers handed out at least once so far (only these can have backed
+  // pages; a touched buffer stays touched).
+  size_t touched() const;
+  bool is_touched(int index) const;
+  // Bytes of the pool backed by memory now (mincore; 0 if it fails).
+  size_t resident_bytes() const;
+  // Registration bookkeeping of the io_uring backends (the pool itself
+  // registers nothing): a ring calls note_registered(i, true) when it
+  // registered buffer i, (i, false) when the kernel refused.
+  void note_registered(int index, bool ok);
+  size_t registered() const;            // buffers registered with at least one ring
+  size_t registration_refusals() const;  // registrations the kernel refused
 
  private:
+  int take_locked();  // a free buffer (touched ones first), marked held by this thread; -1 if none
+
   size_t size_;
   size_t count_;
-  size_t mapped_;
-  char* base_;
-  std::vector<iovec> iov_;
+  size_t mapped_;    // bytes reserved (the buffers plus alignment slack)
+  char* map_;        // the reservation
+  char* base_;       // the first buffer: map_ rounded up to 2 MiB
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<int> free_;
+  std::vector<int> warm_;  // free buffers already touched; the last released at the back
+  std::vector<int> cold_;  // never handed out; the lowest index at the back
+  std::vector<char> touched_, registered_;  // per buffer
+  size_t n_touched_ = 0, n_registered_ = 0, refusals_ = 0;
   size_t lost_ = 0;  // quarantined buffers
   std::vector<std::thread::id> owner_;  // the thread that took each buffer; id() when free
 };

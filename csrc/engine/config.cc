@@ -99,7 +99,7 @@ void EngineConfig::validate() const {
     throw UsageError("buffer_size x buffer_count (FASTCKPT_BUFFER_SIZE x FASTCKPT_BUFFER_COUNT) = " +
                      std::to_string(total) + " bytes of staging buffers is more than this machine's memory (" +
                      std::to_string(static_cast<uint64_t>(pages) * static_cast<uint64_t>(page)) +
-                     " bytes); every buffer is touched when the engine is made");
+                     " bytes); a large save touches every buffer");
   if (queue_depth < 1 || queue_depth > 1024)
     throw UsageError("queue_depth (FASTCKPT_QUEUE_DEPTH) must be in 1..1024, got " + std::to_string(queue_depth));
   if (io_threads < 1 || io_threads > 256)

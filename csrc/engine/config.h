@@ -18,7 +18,7 @@ constexpr uint64_t kMaxBufferSize = 1ull << 30;  // one staging buffer
 constexpr uint64_t kMaxPoolBytes = 64ull << 30;  // buffer_size x buffer_count
 
 struct EngineConfig {
-  // Staging buffers: allocated once per Engine, reused by every save and load.
+  // Staging buffers: reserved once per Engine, backed as first used, reused by every save and load.
   // 8 x 8 MiB keeps the disk busy (see benchmarks/bench_engine.py) for 64 MiB of RAM.
   size_t buffer_size = 8u << 20;   // FASTCKPT_BUFFER_SIZE (bytes, K/M/G suffixes allowed)
   size_t buffer_count = 8;         // FASTCKPT_BUFFER_COUNT

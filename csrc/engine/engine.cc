@@ -60,7 +60,7 @@ std::unique_ptr<Backend> Engine::create_backend() {
   }
   if (try_uring) {
     try {
-      return make_uring_backend(cfg_.queue_depth, pool_->iovecs());
+      return make_uring_backend(cfg_.queue_depth, pool_.get());
     } catch (const IoError& e) {
       if (cfg_.backend == BackendKind::Uring) throw;
       std::lock_guard<std::mutex> lk(mu_);

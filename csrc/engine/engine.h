@@ -36,6 +36,13 @@ class BackendLease {
   std::unique_ptr<Backend> be_;
 };
 
+// Everything an engine owns grows as the first I/O needs it, and stays for
+// the next: making an Engine validates the configuration and reserves the
+// pool's address space (no page touched, no ring, no thread); a lease makes a
+// backend only when no idle one is cached (an io_uring ring with an empty
+// buffer table, or a thread pool that starts workers as requests come); a
+// buffer is touched when the pool first hands it out and registered with a
+// ring when a request on that ring first uses it (BufferPool, backend.h).
 class Engine {
  public:
   explicit Engine(const EngineConfig& cfg);

@@ -22,9 +22,11 @@ enum class Op : int {
   Rename,
   Fallocate,
   Truncate,
-  UringSetup, // io_uring_queue_init / buffer registration
+  UringSetup, // io_uring_queue_init
   UringSubmit, // io_uring_submit fails (the prepared SQE stays in the submission queue, as in the kernel)
   UringWait,   // io_uring_wait_cqe fails (completions can no longer be reaped)
+  UringRegister, // a ring's (sparse) buffer table at its creation, then each buffer's registration at its
+                 // first use on that ring: refused, the I/O goes through plain reads and writes
   kCount
 };
 

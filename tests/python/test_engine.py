@@ -697,6 +697,7 @@ def test_async_save_in_a_forked_child(backend, tmp_path, how, inflight):
 
 _FORK_LOCKS_SCRIPT = textwrap.dedent("""
     import os, signal, sys, threading, time, torch, fastckpt
+    import fastckpt.manager  # imported on first use otherwise
     from fastckpt.dcp import FastWriter
     # the modules (fastckpt.async_save is also the name of the function)
     A, M, S = (sys.modules[f"fastckpt.{m}"] for m in ("async_save", "_manager_dist", "serialization"))
