@@ -828,6 +828,7 @@ def test_doctor(tmp_path, capsys, where):
     assert rep["o_direct"]["writable"] is True and isinstance(rep["o_direct"]["usable"], bool)
     assert rep["o_direct"]["alignment"]["offset"] >= 512
     assert rep["io_uring"]["compiled"] == _C.uring_compiled()
+    assert rep["crc32"] == _C.crc32_impl() and rep["crc32"] in ("isa-l", "zlib")
     assert rep["engine"]["backend"] == ("threads" if uring_refusal() else "io_uring")
     assert rep["knobs"] == {**fastckpt.knobs.as_dict(), **{k: fastckpt.knobs.get(k) for k in fastckpt.knobs.PY_NAMES}}
     st = os.statvfs(d)
@@ -835,6 +836,7 @@ def test_doctor(tmp_path, capsys, where):
     assert rep["cuda"]["available"] == torch.cuda.is_available()
     rc, out, err = run(capsys, "doctor", d)
     assert rc == 0 and "O_DIRECT" in out and "io_uring" in out and "recommendation:" in out
+    assert f"CRC-32           {_C.crc32_impl()}" in out
 
 
 def test_doctor_reports_io_uring_refusal(tmp_path, capsys):
