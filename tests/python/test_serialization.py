@@ -1113,6 +1113,20 @@ def test_verify_is_on_by_default(tmp_path, writer, where):
     assert torch.equal(got["model"]["layer.bias"], sd["model"]["layer.bias"])
 
 
+def test_verify_uses_the_crcs_of_the_reads_not_a_pass_after_them(tmp_path, monkeypatch):
+    """The storages' CRC-32s come back from the engine's reads: load makes no
+    checksum pass of its own over the data after the reads."""
+    sd = {"model": _state_dict()}
+    fastckpt.save(sd, tmp_path / "a.pt")
+
+    def no_pass(*a, **k):
+        raise AssertionError("a CRC-32 pass after the reads")
+    monkeypatch.setattr(_C, "crc32", no_pass)
+    monkeypatch.setattr(zlib, "crc32", no_pass)
+    assert_same(sd, fastckpt.load(tmp_path / "a.pt", verify=True))
+    assert_same(sd, fastckpt.load(tmp_path / "a.pt"))
+
+
 def test_verify_by_default_checks_large_and_unaligned_storages(tmp_path):
     """Storages bigger than a staging buffer (read straight into the tensor,
     several requests, CRCs combined in file order) and odd-sized ones (their
