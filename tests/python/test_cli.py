@@ -390,6 +390,38 @@ def test_verify_flipped_bit_names_the_tensor(tmp_path, capsys):
     assert rc == 1 and "checksum mismatch in record 'data.pkl'" in out
 
 
+def test_verify_many_small_records_in_few_reads(tmp_path, capsys, monkeypatch):
+    """verify reads small records many per engine call (their CRC-32s computed
+    during the reads), not one call per record, and still names each damaged
+    record and tensor: small ones (batched) and a large one (streamed)."""
+    import fastckpt._sources as sources
+    state = {f"s{i}": torch.full((3,), float(i)) for i in range(3000)}
+    state["big"] = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: streamed in CHUNK pieces
+    p = tmp_path / "many.pt"
+    fastckpt.save(state, p)
+    calls = []
+    real = _C.read_ranges
+    monkeypatch.setattr(_C, "read_ranges", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rc, out, err = run(capsys, "verify", p)
+    assert rc == 0, out + err
+    assert len(calls) < 100, f"{len(calls)} engine reads to verify 3001 records"
+    from fastckpt._sources import ZipSource, storage_of
+    with ZipSource(str(p)) as src:
+        tree = src.tree()
+        small, big = storage_of(tree["s1234"]).key, storage_of(tree["big"]).key
+    arch = _zip.Archive.open(str(p))
+    data = bytearray(p.read_bytes())
+    data[arch.records[small].data_offset + 5] ^= 0x01
+    data[arch.records[big].data_offset + (10 << 20) + 1] ^= 0x01
+    p.write_bytes(data)
+    rc, out, err = run(capsys, "verify", p)
+    assert rc == 1
+    assert f"checksum mismatch in record {small!r} (tensor s1234)" in out, out
+    assert f"checksum mismatch in record {big!r} (tensor big)" in out, out
+    assert out.count("checksum mismatch") == 2, out
+    assert sources.CHUNK < 12 << 20  # the big record did go through several pieces
+
+
 def test_verify_dcp_damage(tmp_path, capsys):
     d = tmp_path / "ck"
     write_source("dcp", d)
