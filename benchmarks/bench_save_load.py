@@ -38,7 +38,8 @@ Saves (every one durable before the clock stops):
   ``intra_op_parallelism`` from --ds-parallelism), made once per process outside the timing.
 
 Loads, each from a cold page cache (``os.sync()`` and ``echo 3 > /proc/sys/vm/drop_caches``
-right before the clock starts): ``fastckpt.load(path, map_location="cpu", weights_only=True)``,
+right before the clock starts): ``fastckpt.load(path, map_location="cpu", weights_only=True)``
+(CRC-verified: verify is on by default since issue 12),
 ``torch.load(path, map_location="cpu", weights_only=True)``, ``dcp.load`` (stock
 ``FileSystemReader`` of the t=2 checkpoint; fastckpt's ``FastReader``, CRC-verified, of the
 FastWriter one) into a pre-built state dict of the same shapes (``zeros_like``, allocated and touched outside the timing: an
