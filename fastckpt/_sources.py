@@ -32,7 +32,6 @@ import pickle
 import struct
 import sys
 import types
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -313,14 +312,12 @@ class ZipSource(_FileSource):
         path, fd = self.path, self.f.fileno()
         self.archive = _serialization._parse_checkpoint(path, self.f)
         recs = self.archive.records
+        # the record reader of fastckpt.load: reads go to this open file, CRC-32s come with them
+        self.records = _serialization._Records(path, self.archive, fd, verify=False)
         small_names = [n for n in recs if not n.startswith("data/")]
-        small = {n: bytearray(recs[n].size) for n in small_names}
-        ranges = [(small[n], recs[n].data_offset) for n in small_names if recs[n].size]
-        if ranges:
-            _C.read_ranges(get_engine(), path, ranges, fd)
-        self.small = {n: bytes(b) for n, b in small.items()}
         # metadata records are small: always checked; callers decide what a mismatch means
-        self.bad_small = [n for n in small_names if recs[n].crc and zlib.crc32(self.small[n]) != recs[n].crc]
+        self.bad_small: List[str] = []
+        self.small = self.records.read(small_names, [], bad_small=self.bad_small)
         order = self.small.get("byteorder", b"little")
         if order not in (b"little", b"big"):
             raise FormatError(f"{path}: unknown byte order {order!r} in record 'byteorder'")
@@ -429,14 +426,7 @@ class ZipSource(_FileSource):
         return self._read(storage, offset, out, True)
 
     def _read(self, storage: Storage, offset: int, out: torch.Tensor, crc: bool) -> Optional[int]:
-        n = out.numel()
-        if n == 0:
-            return 0
-        if offset < 0 or offset + n > storage.nbytes:
-            raise ValueError(f"read of bytes {offset}..{offset + n} of {storage.key} ({storage.nbytes} bytes)")
-        rec = self.archive.records[storage.key]
-        st = _C.read_ranges(get_engine(), self.path, [(out, rec.data_offset + offset, crc)], self.f.fileno())
-        return st["crcs"][0] if crc else None
+        return self.records.read_into([(storage.key, offset, out, crc)])[0]
 
     def check_crcs(self, storages: List[Storage], progress: Optional[Callable[[int], None]] = None
                    ) -> Iterator[Tuple[Storage, Optional[BaseException]]]:
@@ -464,14 +454,13 @@ class ZipSource(_FileSource):
             yield from self._check_batch(batch, progress)
 
     def _check_batch(self, batch: List[Storage], progress) -> Iterator[Tuple[Storage, Optional[BaseException]]]:
-        recs = self.archive.records
         buf = aligned_buffer(sum(s.nbytes for s in batch))
         items, at = [], 0
         for s in batch:
-            items.append((buf[at:at + s.nbytes], recs[s.key].data_offset, True))
+            items.append((s.key, 0, buf[at:at + s.nbytes], True))
             at += s.nbytes
         try:
-            crcs = _C.read_ranges(get_engine(), self.path, items, self.f.fileno(), crc=True)["crcs"]
+            crcs = self.records.read_into(items)
         except (OSError, FormatError):  # one by one, to say which record cannot be read
             for s in batch:
                 yield from self._check_one(s, progress)

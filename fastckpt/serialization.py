@@ -402,9 +402,11 @@ _SMALL_RECORDS = ("data.pkl", ".format_version", ".storage_alignment", "byteorde
 
 class _Records(dict):
     """The storages of one archive read so far (record name -> uint8 tensor),
-    and the reading of records: every read goes to the file the archive was
-    parsed from, and all of them together allocate at most the file's size (a
-    check that stays on; docs/FORMAT.md 1.5).
+    and the reading of records, for fastckpt.load and for the command's
+    ZipSource (inspect, verify, convert) alike: every read goes to the file the
+    archive was parsed from (:meth:`read_into`, the one place that turns
+    records into engine reads), and all that :meth:`read` allocates together
+    stays within the file's size (a check that stays on; docs/FORMAT.md 1.5).
 
     ``verify``: as :func:`load`'s (None: the default, True, False). Unless
     False, the engine computes each storage's CRC-32 while it reads it
@@ -434,10 +436,33 @@ class _Records(dict):
                               f"{self.allocated + n} bytes for a {self.archive.file_size}-byte file")
         self.allocated += n
 
-    def read(self, small: List[str], storages: List[str]) -> Dict[str, bytes]:
+    def read_into(self, items: List[Tuple[str, int, Any, bool]]) -> List[Optional[int]]:
+        """Fill each (record, offset in the record, destination, crc) with
+        that record's bytes, in one parallel batch of engine reads; returns per
+        item the CRC-32 of the bytes read when `crc` (computed by the engine
+        during the reads), else None. A destination must lie inside its record."""
+        recs = self.archive.records
+        ranges = []
+        for name, off, dest, crc in items:
+            n = dest.numel() if isinstance(dest, torch.Tensor) else len(dest)
+            if off < 0 or off + n > recs[name].size:
+                raise ValueError(f"{self.path}: read of bytes {off}..{off + n} of record {name!r} "
+                                 f"({recs[name].size} bytes)")
+            ranges.append((dest, recs[name].data_offset + off, crc))
+        out: List[Optional[int]] = [0 if crc else None for *_, crc in items]
+        keep = [i for i, (dest, *_) in enumerate(ranges)
+                if (dest.numel() if isinstance(dest, torch.Tensor) else len(dest))]
+        if keep:
+            st = _C.read_ranges(get_engine(), self.path, [ranges[i] for i in keep], self.fd)
+            for i, c in zip(keep, st.get("crcs") or []):
+                out[i] = c
+        return out
+
+    def read(self, small: List[str], storages: List[str], bad_small: Optional[List[str]] = None) -> Dict[str, bytes]:
         """Read records `small` (returned as bytes, CRC-checked) and `storages`
         (kept as uint8 tensors) that were not read yet, in one parallel batch
-        through the engine."""
+        through the engine. A small record that fails its check raises
+        FormatError, or is appended to `bad_small` when that is given."""
         small = [n for n in dict.fromkeys(small) if n not in self.small_read]
         storages = [n for n in dict.fromkeys(storages) if n not in self]
         self.claim(small + storages)
@@ -452,16 +477,15 @@ class _Records(dict):
         # The engine computes the CRC-32s while it reads (each piece as it
         # lands, in parallel with the other reads): metadata records always
         # (they are small), storages unless verify=False.
-        named = [(n, b, True) for n, b in bufs.items() if len(b)]
-        named += [(n, t, self.verify is not False) for n, t in tensors.items() if t.numel()]
-        crcs: List[Optional[int]] = []
-        if named:
-            st = _C.read_ranges(get_engine(), self.path, [(d, recs[n].data_offset, c) for n, d, c in named], self.fd)
-            crcs = st.get("crcs") or [None] * len(named)
-        got = {n: crc for (n, _, _), crc in zip(named, crcs) if crc is not None}
+        items = [(n, 0, b, True) for n, b in bufs.items()]
+        items += [(n, 0, t, self.verify is not False) for n, t in tensors.items()]
+        got = {n: crc for (n, *_), crc in zip(items, self.read_into(items)) if crc is not None}
         for n in bufs:  # metadata records are always checked
             e = recs[n]
             if e.crc and got.get(n, 0) != e.crc:
+                if bad_small is not None:
+                    bad_small.append(n)
+                    continue
                 raise FormatError(f"{self.path}: checksum mismatch in record {n!r} "
                                   f"(offset {e.data_offset}, {e.size} bytes)")
         if self.verify is not False:

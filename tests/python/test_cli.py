@@ -422,6 +422,25 @@ def test_verify_many_small_records_in_few_reads(tmp_path, capsys, monkeypatch):
     assert sources.CHUNK < 12 << 20  # the big record did go through several pieces
 
 
+def test_load_and_verify_read_records_through_one_reader(tmp_path, capsys, monkeypatch):
+    """fastckpt.load and the command's zip source (verify, inspect, convert)
+    read records through the same reader (serialization._Records.read_into):
+    one code path turns records into engine reads and returns their CRC-32s."""
+    from fastckpt import serialization
+    p = tmp_path / "ck.pt"
+    fastckpt.save({"w": torch.arange(1000.0), "big": torch.zeros(3 << 20)}, p)
+    seen = []
+    real = serialization._Records.read_into
+    monkeypatch.setattr(serialization._Records, "read_into",
+                        lambda self, items: seen.extend(n for n, *_ in items) or real(self, items))
+    fastckpt.load(p)
+    assert "data.pkl" in seen and any(n.startswith("data/") for n in seen)
+    seen.clear()
+    rc, out, err = run(capsys, "verify", p)
+    assert rc == 0, out + err
+    assert "data.pkl" in seen and {n for n in seen if n.startswith("data/")} == {"data/0", "data/1"}
+
+
 def test_verify_dcp_damage(tmp_path, capsys):
     d = tmp_path / "ck"
     write_source("dcp", d)
