@@ -14,7 +14,8 @@ calls of the engine:
 
 A record read whole is checked against the CRC-32 of its zip entry
 (``verify=True``, the default): the engine computes the CRC-32 while it reads
-the record, in parallel with the other reads, not in a pass after them. Records this fast path does not recognise (another pickle,
+the record, in parallel with the other reads, not in a pass after them.
+Records this fast path does not recognise (another pickle,
 big-endian data, stream transforms) are read whole and given to
 ``torch.load``, as the stock reader does. Every ``relative_path``, offset and
 length from ``.metadata`` is checked against the checkpoint directory and the
