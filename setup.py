@@ -3,7 +3,10 @@
 The engine's sources are taken from csrc/engine/ by glob, as CMakeLists.txt
 does. io_uring support is compiled in when liburing's headers and library are
 found (Debian: liburing-dev); otherwise the build says so and the engine uses
-its thread backend only. DEBUG=1 builds with -O0 -g.
+its thread backend only. The CRC-32 is ISA-L's (crc32_gzip_refl) when its
+header and library are found (Debian: libisal-dev; FASTCKPT_NO_ISAL=1 skips
+it), else zlib's; ``fastckpt._C.crc32_impl()`` says which. DEBUG=1 builds
+with -O0 -g.
 
 FASTCKPT_SANITIZE=address,undefined (a comma list, passed to -fsanitize=)
 builds the extension with sanitizers: -fsanitize=<list> -fno-omit-frame-pointer
@@ -48,6 +51,27 @@ def _find_liburing():
     return True
 
 
+def _find_isal():
+    """Return True when a tiny program calling ISA-L's crc32_gzip_refl compiles and links."""
+    if os.environ.get("FASTCKPT_NO_ISAL") == "1":
+        print("fastckpt: FASTCKPT_NO_ISAL=1, CRC-32 from zlib", file=sys.stderr)
+        return False
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return False
+    src = ("#include <isa-l/crc.h>\nint main(void){static const unsigned char b[1];\n"
+           "return (int)(crc32_gzip_refl(0, b, 0) & 1);}\n")
+    with tempfile.TemporaryDirectory() as d:
+        c = os.path.join(d, "t.c")
+        with open(c, "w") as f:
+            f.write(src)
+        r = subprocess.run([cc, c, "-o", os.path.join(d, "t"), "-lisal"], capture_output=True)
+    if r.returncode != 0:
+        print("fastckpt: ISA-L not found (install libisal-dev): CRC-32 from zlib", file=sys.stderr)
+        return False
+    return True
+
+
 def _extension():
     sources = sorted(glob.glob(os.path.join("csrc", "engine", "*.cc")))
     sources += sorted(glob.glob(os.path.join("csrc", "bindings", "*.cpp")))
@@ -65,6 +89,9 @@ def _extension():
     if _find_liburing():
         macros.append(("FASTCKPT_HAVE_URING", "1"))
         libs.append("uring")
+    if _find_isal():
+        macros.append(("FASTCKPT_HAVE_ISAL", "1"))
+        libs.append("isal")
     return CppExtension(
         name="fastckpt._C",
         sources=sources,

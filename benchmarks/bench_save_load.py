@@ -41,7 +41,7 @@ Loads, each in its own fresh child from a cold page cache (``os.sync()`` and ``e
 /proc/sys/vm/drop_caches`` right before the clock starts), several of them reading the same
 saved file (a method's ``load_variants``, their order reversed on odd repetitions):
 ``fastckpt.load(path, map_location="cpu", weights_only=True, verify=True)`` (paired with the
-save) and ``verify=False``; ``torch.load(path, map_location="cpu", weights_only=True)`` and the
+save; verify is on by default since issue 12) and ``verify=False``; ``torch.load(path, map_location="cpu", weights_only=True)`` and the
 same with ``mmap=True``; ``dcp.load`` (stock ``FileSystemReader`` of the t=2 checkpoint;
 fastckpt's ``FastReader(verify=True)`` of the FastWriter one) into a pre-built state dict of the
 same shapes (``zeros_like``, allocated and touched outside the timing: an advantage to DCP),

@@ -238,6 +238,7 @@ def diagnose(directory: str) -> Dict[str, Any]:
         "io_uring": _io_uring(choice),
         "engine": choice,
         "o_direct": _o_direct(d),
+        "crc32": _C.crc32_impl(),
         "cuda": cuda,
         "pinned_memory": pinned,
         "memory": {**_meminfo(), "staging_buffers": cfg.buffer_size * cfg.buffer_count,
@@ -291,6 +292,9 @@ def _recommend(r: Dict[str, Any]) -> List[str]:
     if r["cuda"]["available"] and r["pinned_memory"].get("usable") is False:
         out.append(f"pinned memory unavailable ({r['pinned_memory'].get('error')}): CUDA tensors are staged "
                    "through pageable memory, more slowly")
+    if r.get("crc32") == "zlib":
+        out.append("built without ISA-L: CRC-32s (verified loads, saves) use zlib's, about 15x slower; install "
+                   "libisal-dev and rebuild (make build) for the hardware-accelerated one")
     if not r["knobs"].get("direct", True):
         out.append("FASTCKPT_DIRECT=0: O_DIRECT is disabled by the knob")
     if not out:
@@ -320,6 +324,8 @@ def doctor_text(r: Dict[str, Any]) -> str:
                 if u.get("kernel_io_uring_disabled") is not None else ""))
     L.append(f"engine backend   {eng.get('backend') or 'none: ' + str(eng.get('error'))}"
              + (f" (io_uring refused: {eng['refusal']})" if eng.get("refusal") else ""))
+    L.append(f"CRC-32           {r['crc32']}"
+             + (" (hardware-accelerated)" if r["crc32"] == "isa-l" else " (ISA-L not compiled in)"))
     c = r["cuda"]
     L.append(f"CUDA             " + (f"{len(c['devices'])} device(s): {', '.join(c['devices'])}" if c["available"]
                                      else "not available" + (f" ({c['error']})" if c.get("error") else "")))

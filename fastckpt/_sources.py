@@ -32,7 +32,6 @@ import pickle
 import struct
 import sys
 import types
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -162,6 +161,12 @@ class Source:
             raise ValueError(f"no data for storage {storage.key}")
         out.copy_(storage.data[offset:offset + out.numel()])
 
+    def read_crc(self, storage: Storage, offset: int, out: torch.Tensor) -> int:
+        """:meth:`read`, returning the CRC-32 of the bytes read (sources that
+        read through the engine have it computed during the read)."""
+        self.read(storage, offset, out)
+        return _C.crc32(out)
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
@@ -176,19 +181,28 @@ class Source:
 
     # -- built on read()
     def stream(self, storage: Storage, start: int, length: int, consume: Callable[[torch.Tensor], None],
-               on_read: Optional[Callable[[torch.Tensor], None]] = None) -> None:
+               on_read: Optional[Callable[[torch.Tensor], None]] = None,
+               on_crc: Optional[Callable[[int, int], None]] = None) -> None:
         """Call consume(piece) on bytes [start, start + length) of `storage`, in
         pieces of at most CHUNK bytes, reading the next piece while the last is consumed.
-        ``on_read(piece)`` runs in the reading thread right after each read, in order.
+        ``on_read(piece)`` runs in the reading thread right after each read, in order;
+        so does ``on_crc(crc, n)``, with each piece's CRC-32 (from :meth:`read_crc`).
         Holds two CHUNK buffers, reused across calls."""
         end = start + length
         if length <= 0:
             return
+
+        def fill(pos: int, out: torch.Tensor) -> None:
+            if on_crc is None:
+                self.read(storage, pos, out)
+            else:
+                on_crc(self.read_crc(storage, pos, out), out.numel())
+            if on_read:
+                on_read(out)
+
         if length <= CHUNK // 8:  # small: no thread
             buf = aligned_buffer(length)
-            self.read(storage, start, buf)
-            if on_read:
-                on_read(buf)
+            fill(start, buf)
             consume(buf)
             return
         if not self._bufs:
@@ -198,9 +212,7 @@ class Source:
 
         def rd(i: int, pos: int) -> int:
             n = min(CHUNK, end - pos)
-            self.read(storage, pos, bufs[i][:n])
-            if on_read:
-                on_read(bufs[i][:n])
+            fill(pos, bufs[i][:n])
             return n
 
         pos, i = start, 0
@@ -300,14 +312,12 @@ class ZipSource(_FileSource):
         path, fd = self.path, self.f.fileno()
         self.archive = _serialization._parse_checkpoint(path, self.f)
         recs = self.archive.records
+        # the record reader of fastckpt.load: reads go to this open file, CRC-32s come with them
+        self.records = _serialization._Records(path, self.archive, fd, verify=False)
         small_names = [n for n in recs if not n.startswith("data/")]
-        small = {n: bytearray(recs[n].size) for n in small_names}
-        ranges = [(small[n], recs[n].data_offset) for n in small_names if recs[n].size]
-        if ranges:
-            _C.read_ranges(get_engine(), path, ranges, fd)
-        self.small = {n: bytes(b) for n, b in small.items()}
         # metadata records are small: always checked; callers decide what a mismatch means
-        self.bad_small = [n for n in small_names if recs[n].crc and zlib.crc32(self.small[n]) != recs[n].crc]
+        self.bad_small: List[str] = []
+        self.small = self.records.read(small_names, [], bad_small=self.bad_small)
         order = self.small.get("byteorder", b"little")
         if order not in (b"little", b"big"):
             raise FormatError(f"{path}: unknown byte order {order!r} in record 'byteorder'")
@@ -386,35 +396,92 @@ class ZipSource(_FileSource):
     def crc_error(self, storage: Storage) -> FormatError:
         return FormatError(f"{self.path}: checksum mismatch in record {storage.key!r} (corrupt data)")
 
-    def stream(self, storage, start, length, consume, on_read=None) -> None:
-        if not (self.verify and storage.crc and start == 0 and length == storage.nbytes):
-            return super().stream(storage, start, length, consume, on_read)
+    def _checked(self, storage: Storage, start: int, length: int) -> bool:
+        return bool(self.verify and storage.crc and start == 0 and length == storage.nbytes)
+
+    def stream(self, storage, start, length, consume, on_read=None, on_crc=None) -> None:
+        if on_crc is not None or not self._checked(storage, start, length):
+            return super().stream(storage, start, length, consume, on_read, on_crc)
         crc = 0
 
-        def check(piece: torch.Tensor) -> None:
+        def fold(piece_crc: int, n: int) -> None:  # the pieces' CRC-32s, computed by the engine's reads
             nonlocal crc
-            crc = _C.crc32(piece, crc)
-            if on_read:
-                on_read(piece)
-        super().stream(storage, start, length, consume, check)
+            crc = _C.crc32_combine(crc, piece_crc, n)
+        super().stream(storage, start, length, consume, on_read, fold)
         if crc != storage.crc:
             raise self.crc_error(storage)
 
     def read_span(self, storage: Storage, start: int, length: int) -> torch.Tensor:
-        buf = super().read_span(storage, start, length)
-        if self.verify and storage.crc and start == 0 and length == storage.nbytes:
-            if _C.crc32(buf, 0) != storage.crc:
-                raise self.crc_error(storage)
+        if not self._checked(storage, start, length):
+            return super().read_span(storage, start, length)
+        buf = aligned_buffer(length)
+        if self.read_crc(storage, start, buf) != storage.crc:
+            raise self.crc_error(storage)
         return buf
 
     def read(self, storage: Storage, offset: int, out: torch.Tensor) -> None:
-        n = out.numel()
-        if n == 0:
+        self._read(storage, offset, out, False)
+
+    def read_crc(self, storage: Storage, offset: int, out: torch.Tensor) -> int:
+        return self._read(storage, offset, out, True)
+
+    def _read(self, storage: Storage, offset: int, out: torch.Tensor, crc: bool) -> Optional[int]:
+        return self.records.read_into([(storage.key, offset, out, crc)])[0]
+
+    def check_crcs(self, storages: List[Storage], progress: Optional[Callable[[int], None]] = None
+                   ) -> Iterator[Tuple[Storage, Optional[BaseException]]]:
+        """Check storages read whole against their CRC-32s, in order: yields
+        (storage, None) for a match, (storage, error) for a mismatch
+        (FormatError) or a read that failed (OSError, FormatError). Small
+        records are read many at a time (up to CHUNK bytes per engine call),
+        large ones streamed; the engine computes the CRC-32s during the reads.
+        Memory stays at a few CHUNKs. ``progress(nbytes)`` as bytes are checked."""
+        batch: List[Storage] = []
+        size = 0
+        for s in storages:
+            if s.nbytes > CHUNK // 8:
+                if batch:
+                    yield from self._check_batch(batch, progress)
+                    batch, size = [], 0
+                yield from self._check_one(s, progress)
+                continue
+            if batch and size + s.nbytes > CHUNK:
+                yield from self._check_batch(batch, progress)
+                batch, size = [], 0
+            batch.append(s)
+            size += s.nbytes
+        if batch:
+            yield from self._check_batch(batch, progress)
+
+    def _check_batch(self, batch: List[Storage], progress) -> Iterator[Tuple[Storage, Optional[BaseException]]]:
+        buf = aligned_buffer(sum(s.nbytes for s in batch))
+        items, at = [], 0
+        for s in batch:
+            items.append((s.key, 0, buf[at:at + s.nbytes], True))
+            at += s.nbytes
+        try:
+            crcs = self.records.read_into(items)
+        except (OSError, FormatError):  # one by one, to say which record cannot be read
+            for s in batch:
+                yield from self._check_one(s, progress)
             return
-        if offset < 0 or offset + n > storage.nbytes:
-            raise ValueError(f"read of bytes {offset}..{offset + n} of {storage.key} ({storage.nbytes} bytes)")
-        rec = self.archive.records[storage.key]
-        _C.read_ranges(get_engine(), self.path, [(out, rec.data_offset + offset)], self.f.fileno())
+        for s, crc in zip(batch, crcs):
+            if progress:
+                progress(s.nbytes)
+            yield s, (None if crc == s.crc else self.crc_error(s))
+
+    def _check_one(self, s: Storage, progress) -> Iterator[Tuple[Storage, Optional[BaseException]]]:
+        crc = 0
+
+        def fold(piece_crc: int, n: int) -> None:
+            nonlocal crc
+            crc = _C.crc32_combine(crc, piece_crc, n)
+        try:
+            self.stream(s, 0, s.nbytes, lambda piece: progress(piece.numel()) if progress else None, on_crc=fold)
+        except (OSError, FormatError) as e:
+            yield s, e
+            return
+        yield s, (None if crc == s.crc else self.crc_error(s))
 
 
 # ---------------------------------------------------------------- safetensors

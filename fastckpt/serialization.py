@@ -264,7 +264,8 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
     their records are zero-filled or, in a seekable file object, left as holes,
     with CRC 0; ``materialize_fake_tensors`` lets fake tensors be saved), and
     ``torch.utils.serialization.config.save``: ``compute_crc32=False`` records
-    CRC 0 (and ``fastckpt.load(verify=True)`` then refuses the file),
+    CRC 0 (``fastckpt.load`` then loads the file unverified, with a warning;
+    ``verify=True`` refuses it),
     ``storage_alignment`` aligns records to a multiple of it as well as to
     4096. ``use_pinned_memory_for_d2h`` does not change the file (fastckpt
     always copies CUDA storages through pinned buffers).
@@ -401,15 +402,31 @@ _SMALL_RECORDS = ("data.pkl", ".format_version", ".storage_alignment", "byteorde
 
 class _Records(dict):
     """The storages of one archive read so far (record name -> uint8 tensor),
-    and the reading of records: every read goes to the file the archive was
-    parsed from, and all of them together allocate at most the file's size (a
-    check that stays on; docs/FORMAT.md 1.5)."""
+    and the reading of records, for fastckpt.load and for the command's
+    ZipSource (inspect, verify, convert) alike: every read goes to the file the
+    archive was parsed from (:meth:`read_into`, the one place that turns
+    records into engine reads), and all that :meth:`read` allocates together
+    stays within the file's size (a check that stays on; docs/FORMAT.md 1.5).
 
-    def __init__(self, path: str, archive: "_zip.Archive", fd: int, verify: bool):
+    ``verify``: as :func:`load`'s (None: the default, True, False). Unless
+    False, the engine computes each storage's CRC-32 while it reads it
+    (``crcs``); :meth:`bad` says which storages fail their check."""
+
+    def __init__(self, path: str, archive: "_zip.Archive", fd: int, verify: Optional[bool]):
         super().__init__()
         self.path, self.archive, self.fd, self.verify = path, archive, fd, verify
         self.allocated = 0  # bytes of records read so far, small ones included
         self.small_read: set = set()
+        self.crcs: Dict[str, int] = {}  # storage record -> CRC-32 of the bytes read (unless verify=False)
+
+    def bad(self, names) -> List[str]:
+        """Those of storages `names` whose bytes do not match their recorded
+        CRC-32. A record with CRC 0 (written without checksums) counts as bad
+        only with an explicit ``verify=True``; with ``verify=False``, none."""
+        if self.verify is False:
+            return []
+        recs = self.archive.records
+        return [n for n in names if self.crcs.get(n, 0) != recs[n].crc and (self.verify or recs[n].crc != 0)]
 
     def claim(self, names: List[str]) -> None:
         """Account for reading records `names`, before any memory is allocated."""
@@ -419,10 +436,33 @@ class _Records(dict):
                               f"{self.allocated + n} bytes for a {self.archive.file_size}-byte file")
         self.allocated += n
 
-    def read(self, small: List[str], storages: List[str]) -> Dict[str, bytes]:
+    def read_into(self, items: List[Tuple[str, int, Any, bool]]) -> List[Optional[int]]:
+        """Fill each (record, offset in the record, destination, crc) with
+        that record's bytes, in one parallel batch of engine reads; returns per
+        item the CRC-32 of the bytes read when `crc` (computed by the engine
+        during the reads), else None. A destination must lie inside its record."""
+        recs = self.archive.records
+        ranges = []
+        for name, off, dest, crc in items:
+            n = dest.numel() if isinstance(dest, torch.Tensor) else len(dest)
+            if off < 0 or off + n > recs[name].size:
+                raise ValueError(f"{self.path}: read of bytes {off}..{off + n} of record {name!r} "
+                                 f"({recs[name].size} bytes)")
+            ranges.append((dest, recs[name].data_offset + off, crc))
+        out: List[Optional[int]] = [0 if crc else None for *_, crc in items]
+        keep = [i for i, (dest, *_) in enumerate(ranges)
+                if (dest.numel() if isinstance(dest, torch.Tensor) else len(dest))]
+        if keep:
+            st = _C.read_ranges(get_engine(), self.path, [ranges[i] for i in keep], self.fd)
+            for i, c in zip(keep, st.get("crcs") or []):
+                out[i] = c
+        return out
+
+    def read(self, small: List[str], storages: List[str], bad_small: Optional[List[str]] = None) -> Dict[str, bytes]:
         """Read records `small` (returned as bytes, CRC-checked) and `storages`
         (kept as uint8 tensors) that were not read yet, in one parallel batch
-        through the engine."""
+        through the engine. A small record that fails its check raises
+        FormatError, or is appended to `bad_small` when that is given."""
         small = [n for n in dict.fromkeys(small) if n not in self.small_read]
         storages = [n for n in dict.fromkeys(storages) if n not in self]
         self.claim(small + storages)
@@ -434,15 +474,22 @@ class _Records(dict):
         # into fresh page-aligned memory measured slower here: 1.3-1.8 vs 1.9-2.2
         # GB/s, the kernel faulting the pages in while it pins them.)
         tensors = {n: torch.empty(recs[n].size, dtype=torch.uint8) for n in storages}
-        ranges = [(b, recs[n].data_offset) for n, b in bufs.items() if len(b)]
-        ranges += [(t, recs[n].data_offset) for n, t in tensors.items() if t.numel()]
-        if ranges:
-            _C.read_ranges(get_engine(), self.path, ranges, self.fd)
-        for n, b in bufs.items():  # metadata records are always checked: they are small
+        # The engine computes the CRC-32s while it reads (each piece as it
+        # lands, in parallel with the other reads): metadata records always
+        # (they are small), storages unless verify=False.
+        items = [(n, 0, b, True) for n, b in bufs.items()]
+        items += [(n, 0, t, self.verify is not False) for n, t in tensors.items()]
+        got = {n: crc for (n, *_), crc in zip(items, self.read_into(items)) if crc is not None}
+        for n in bufs:  # metadata records are always checked
             e = recs[n]
-            if e.crc and zlib.crc32(b) != e.crc:
+            if e.crc and got.get(n, 0) != e.crc:
+                if bad_small is not None:
+                    bad_small.append(n)
+                    continue
                 raise FormatError(f"{self.path}: checksum mismatch in record {n!r} "
                                   f"(offset {e.data_offset}, {e.size} bytes)")
+        if self.verify is not False:
+            self.crcs.update((n, got.get(n, 0)) for n in tensors)
         self.update(tensors)
         return {n: bytes(b) for n, b in bufs.items()}
 
@@ -467,10 +514,9 @@ class _Records(dict):
             os.close(fd)
         if not storage:
             return small.get(name, b"")
-        t = self[name]
-        if self.verify and _C.crc32(t, 0) != self.archive.records[name].crc:
+        if self.bad([name]):
             raise FormatError(f"{self.path}: checksum mismatch (corrupt data) in record {name!r}")
-        return t
+        return self[name]
 
 
 class _Reader:
@@ -621,13 +667,18 @@ def _check_layout(f: FileLike, weights_only: bool = False) -> None:
         f.seek(pos)
 
 
-def _read_archive(path: str, fh, verify: bool):
+def _read_archive(path: str, fh, verify: Optional[bool]):
     """Parse and read the archive open as `fh`: every read goes to that one
     file, even if `path` is atomically replaced meanwhile. Reads data.pkl and
     the few small records torch reads, then, in one parallel batch, the storages
-    data.pkl refers to; no other record. Returns (archive, small records,
-    storages (a _Records that reads any other storage on demand), names of
-    storages that fail their CRC check with `verify`)."""
+    data.pkl refers to; no other record. The engine computes the storages'
+    CRC-32s during those reads (unless ``verify=False``). Returns (archive,
+    small records, storages (a _Records that reads any other storage on
+    demand), names of storages that fail their CRC check).
+
+    A file whose storages all record CRC 0 (saved with torch's compute_crc32
+    disabled) cannot be verified: FormatError with ``verify=True``, a warning
+    naming the file under the default (``verify=None``), which loads it."""
     archive = _parse_checkpoint(path, fh)
     recs = archive.records
     storages = _Records(path, archive, fh.fileno(), verify)
@@ -637,13 +688,19 @@ def _read_archive(path: str, fh, verify: bool):
     storages.fd = -1  # `fh` is closed after this: later reads open the file again
     if storages.allocated > archive.file_size:  # the bound, checked again where it is promised
         raise FormatError(f"{path}: {storages.allocated} bytes read from a {archive.file_size}-byte file")
-    bad = []
-    if verify:
-        if storages and all(recs[n].crc == 0 for n in storages):
+    if verify is False:
+        return archive, small, storages, []
+    nonempty = [n for n in storages if recs[n].size]
+    if nonempty and all(recs[n].crc == 0 for n in nonempty):
+        if verify:
             raise FormatError(f"{path}: verify=True, but the file records no checksums "
                               "(saved with torch's compute_crc32 disabled)")
-        bad = [n for n, t in storages.items() if _C.crc32(t, 0) != recs[n].crc]
-    return archive, small, storages, bad
+        warnings.warn(f"fastckpt.load: {path} records no checksums (saved with torch's compute_crc32 "
+                      "disabled, or under skip_data): its data cannot be verified; loading it unverified (verify=False "
+                      "silences this, verify=True refuses such files)", stacklevel=3)
+        storages.verify = False  # nor the storages read later
+        return archive, small, storages, []
+    return archive, small, storages, storages.bad(list(storages))
 
 
 def _tensor_names_for_records(reader: _Reader, records: List[str], pickle_module, pickle_load_args) -> List[str]:
@@ -701,7 +758,7 @@ def _is_legacy(head: bytes) -> bool:
 
 
 def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = None, *,
-         weights_only: Optional[bool] = None, mmap: Optional[bool] = None, verify: bool = False,
+         weights_only: Optional[bool] = None, mmap: Optional[bool] = None, verify: Optional[bool] = None,
          **pickle_load_args) -> Any:
     """Load an object saved by :func:`save` or by :func:`torch.save`.
 
@@ -726,7 +783,17 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
             Loads that read no storage bytes in torch.load (``map_location="meta"``,
             under a FakeTensorMode or ``torch.serialization.skip_data()``)
             are delegated to it too.
-        verify: check every storage against the CRC-32 recorded in the file.
+        verify: check every storage read against the CRC-32 recorded in the
+            file; the engine computes the CRC-32s while it reads, in parallel
+            with the reads. ``None`` (default): verify what is read from a
+            path (a damaged byte is a ``FormatError`` naming the tensor); a
+            file that records no checksums (saved with torch's
+            ``compute_crc32`` disabled) loads unverified, with a warning naming
+            it; loads left to torch.load (file objects, ``mmap=True``, the
+            no-data loads above, torch's legacy format) are not verified.
+            ``True``: verify, and refuse what cannot be verified (a file
+            without checksums: ``FormatError``; a file object or
+            ``mmap=True``: ``ValueError``). ``False``: no check.
 
     Returns:
         The saved object.
@@ -750,7 +817,9 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         mmap = bool(_torch_config.load.mmap)
     # torch.load receives the decided weights_only (an explicit value: it
     # decides the same again, without a second warning).
-    if not _is_path(f) or mmap or (not verify and _torch_rules.reads_no_data(map_location)):
+    # The default verify (None) leaves these loads to torch.load unverified;
+    # an explicit verify=True insists on a path read through the engine.
+    if not _is_path(f) or mmap or (verify is not True and _torch_rules.reads_no_data(map_location)):
         if verify:
             raise ValueError("verify=True needs a path and mmap=False")
         _check_layout(f, weights_only)

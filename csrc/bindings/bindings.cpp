@@ -258,29 +258,49 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return false;
       });
 
-  m.def("read_ranges", [](std::shared_ptr<Engine> eng, const std::string& path, py::sequence items, int fd) {
-          // Each item: (destination, file_offset); the whole destination is filled.
+  m.def("read_ranges", [](std::shared_ptr<Engine> eng, const std::string& path, py::sequence items, int fd,
+                          bool crc) {
+          // Each item: (destination, file_offset[, want_crc]); the whole destination is filled.
+          const size_t n = py::len(items);
           std::vector<Span> spans;
           std::vector<ReadRange> ranges;
-          spans.reserve(py::len(items));
+          std::vector<uint32_t> crcs(n, 0);
+          std::vector<char> want(n, 0);
+          bool any_crc = false;
+          spans.reserve(n);
+          ranges.reserve(n);
           for (py::handle it : items) {
+            const size_t i = ranges.size();
             py::tuple t = py::cast<py::tuple>(it);
-            if (t.size() != 2) throw py::value_error("read_ranges: items are (destination, offset)");
+            if (t.size() != 2 && t.size() != 3)
+              throw py::value_error("read_ranges: items are (destination, offset) or (destination, offset, crc)");
             int64_t off = t[1].cast<int64_t>();
             if (off < 0) throw py::value_error("read_ranges: negative offset");
+            want[i] = t.size() == 3 ? t[2].cast<bool>() : crc;
+            any_crc = any_crc || want[i];
             spans.emplace_back(t[0], true);
-            ranges.push_back(ReadRange{spans.back().ptr(), spans.back().len(), static_cast<uint64_t>(off)});
+            ranges.push_back(ReadRange{spans.back().ptr(), spans.back().len(), static_cast<uint64_t>(off),
+                                       want[i] ? &crcs[i] : nullptr});
           }
           ReadStats st;
           {
             py::gil_scoped_release nogil;
             st = read_ranges(*eng, path, ranges, fd);
           }
-          return read_stats_dict(st);
+          py::dict d = read_stats_dict(st);
+          if (any_crc) {
+            py::list out(n);
+            for (size_t i = 0; i < n; ++i) out[i] = want[i] ? py::object(py::int_(crcs[i])) : py::object(py::none());
+            d["crcs"] = out;
+          }
+          return d;
         },
-        py::arg("engine"), py::arg("path"), py::arg("ranges"), py::arg("fd") = -1,
+        py::arg("engine"), py::arg("path"), py::arg("ranges"), py::arg("fd") = -1, py::arg("crc") = false,
         "Fill each (destination, offset) from the file with parallel reads; with fd, from the file that open "
-        "descriptor refers to (consistent with what was read through it, even if path is renamed over meanwhile).");
+        "descriptor refers to (consistent with what was read through it, even if path is renamed over meanwhile). "
+        "With crc=True (every item) or an item (destination, offset, True), the engine also computes the zip "
+        "CRC-32 of each such destination's bytes as they land, in parallel with the reads: the returned dict's "
+        "'crcs' holds one per item (None for items that did not ask).");
 
   m.def("dio_alignment", [](const std::string& path) {
     int fd = sys::open(path, O_RDONLY);
@@ -301,10 +321,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 
   m.def("crc32", [](py::handle obj, uint32_t crc) {
           Span s(obj, false);
+          if (s.len() < (64u << 10)) return fastckpt::crc32(crc, s.ptr(), s.len());  // less than a GIL round trip
           py::gil_scoped_release nogil;
           return fastckpt::crc32(crc, s.ptr(), s.len());
         },
-        py::arg("data"), py::arg("crc") = 0, "Zip CRC-32 of a CPU tensor or buffer, continued from `crc`.");
+        py::arg("data"), py::arg("crc") = 0,
+        "Zip CRC-32 of a CPU tensor or buffer, continued from `crc` (equal to zlib.crc32; the GIL is released "
+        "for inputs of 64 KiB and more).");
+  m.def("crc32_combine", &fastckpt::crc32_combine, py::arg("crc1"), py::arg("crc2"), py::arg("len2"),
+        "The CRC-32 of a followed by b, from crc32(a), crc32(b) and len(b) (zlib's crc32_combine).");
+  m.def("crc32_impl", []() { return std::string(fastckpt::crc32_impl()); },
+        "The CRC-32 implementation of this build: 'isa-l' (hardware-accelerated) or 'zlib'.");
 
   m.def("fsync_dir", [](const std::string& path) {
           py::gil_scoped_release nogil;

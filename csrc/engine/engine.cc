@@ -3,6 +3,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 #include <zlib.h>
+#ifdef FASTCKPT_HAVE_ISAL
+#include <isa-l/crc.h>
+#endif
 
 #include <atomic>
 #include <cerrno>
@@ -268,7 +271,25 @@ void Writer::submit_current(uint64_t len) {
 }
 
 uint32_t crc32(uint32_t crc, const void* data, uint64_t n) {
+#ifdef FASTCKPT_HAVE_ISAL
+  // Same running value as zlib's crc32 (inversions inside), 64-bit length.
+  return crc32_gzip_refl(crc, static_cast<const unsigned char*>(data), n);
+#else
   return static_cast<uint32_t>(::crc32_z(crc, static_cast<const Bytef*>(data), static_cast<z_size_t>(n)));
+#endif
+}
+
+uint32_t crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
+  static_assert(sizeof(z_off_t) >= sizeof(int64_t), "zlib's z_off_t must hold any file length");
+  return static_cast<uint32_t>(::crc32_combine(crc1, crc2, static_cast<z_off_t>(len2)));
+}
+
+const char* crc32_impl() {
+#ifdef FASTCKPT_HAVE_ISAL
+  return "isa-l";
+#else
+  return "zlib";
+#endif
 }
 
 void Writer::put(const char* src, uint64_t n, uint32_t* crc) {
@@ -412,6 +433,7 @@ struct Part {
   char* dst;
   uint64_t off;
   uint64_t len;
+  int64_t piece = -1;  // its CrcPiece, when its range wants a CRC
 };
 
 struct Job {
@@ -419,11 +441,25 @@ struct Job {
   uint64_t len = 0;      // bytes requested from the file
   uint64_t need = 0;     // bytes that must arrive (the rest may lie past EOF)
   char* direct_dst = nullptr;
+  int64_t piece = -1;    // a direct job's CrcPiece, when its range wants a CRC
   size_t part_begin = 0, part_end = 0;
   int buf = -1;
 };
 
+// One piece (a direct job or a staged part) of a range whose CRC was asked
+// for. A range's pieces are consecutive in the list and in file order, so
+// folding the list in order with crc32_combine gives each range's CRC.
+struct CrcPiece {
+  uint32_t* out;  // the range's ReadRange::crc
+  uint64_t len;
+  uint32_t crc;
+  bool first;     // the range's first piece
+};
+
 constexpr uint64_t kCoalesceGap = 64u << 10;  // read through gaps up to this size
+// A staged part is copied out and checksummed in pieces this big, so that the
+// CRC reads what the copy just wrote while it is still in the cache.
+constexpr uint64_t kCrcPiece = 256u << 10;
 
 }  // namespace
 
@@ -484,6 +520,7 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
     std::vector<ReadRange> sorted;
     sorted.reserve(ranges.size());
     for (const ReadRange& r : ranges) {
+      if (r.crc) *r.crc = 0;  // the CRC of no bytes
       if (r.len == 0) continue;
       if (!r.dst) throw UsageError("read_ranges: null destination");
       if (r.off > fsize || r.len > fsize - r.off) throw TruncatedError(path, r.off, r.len, fsize);
@@ -495,6 +532,12 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
     // Plan: direct jobs for aligned ranges, staging windows for the rest.
     std::vector<Job> jobs;
     std::vector<Part> parts;
+    std::vector<CrcPiece> pieces;
+    auto new_piece = [&](const ReadRange& r, uint64_t len, bool first) -> int64_t {
+      if (!r.crc) return -1;
+      pieces.push_back(CrcPiece{r.crc, len, 0, first});
+      return static_cast<int64_t>(pieces.size() - 1);
+    };
     bool open_window = false;
     uint64_t win_end = 0;  // end of the furthest part in the open window
     auto close_window = [&]() {
@@ -518,6 +561,7 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
           j.off = r.off + done;
           j.len = j.need = body - done < bs ? body - done : bs;
           j.direct_dst = dst + done;
+          j.piece = new_piece(r, j.len, done == 0);
           jobs.push_back(j);
         }
       }
@@ -542,7 +586,7 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
         Job& j = jobs.back();
         uint64_t room = j.off + bs - off;
         uint64_t take = left < room ? left : room;
-        parts.push_back(Part{dst, off, take});
+        parts.push_back(Part{dst, off, take, new_piece(r, take, off == r.off)});
         if (off + take > win_end) win_end = off + take;
         dst += take;
         off += take;
@@ -587,15 +631,33 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
       Reaped r = q->reap();
       Job& j = jobs[r.tag];
       st.bytes_read += r.bytes;
-      if (!j.direct_dst) {
+      // The other requests stay in flight while this one is copied out and
+      // checksummed.
+      if (j.direct_dst) {
+        if (j.piece >= 0) pieces[j.piece].crc = crc32(0, j.direct_dst, j.need);
+      } else {
         const char* src = pool.data(j.buf);
-        for (size_t p = j.part_begin; p < j.part_end; ++p)
-          std::memcpy(parts[p].dst, src + (parts[p].off - j.off), parts[p].len);
+        for (size_t p = j.part_begin; p < j.part_end; ++p) {
+          const Part& part = parts[p];
+          const char* from = src + (part.off - j.off);
+          if (part.piece < 0) {
+            std::memcpy(part.dst, from, part.len);
+            continue;
+          }
+          uint32_t crc = 0;
+          for (uint64_t done = 0; done < part.len; done += kCrcPiece) {
+            const uint64_t k = part.len - done < kCrcPiece ? part.len - done : kCrcPiece;
+            std::memcpy(part.dst + done, from + done, k);
+            crc = crc32(crc, part.dst + done, k);
+          }
+          pieces[part.piece].crc = crc;
+        }
         free_bufs.push_back(j.buf);
         j.buf = -1;
       }
       ++finished;
     }
+    for (const CrcPiece& p : pieces) *p.out = p.first ? p.crc : crc32_combine(*p.out, p.crc, p.len);
   } catch (...) {
     cleanup();
     throw;

@@ -166,6 +166,13 @@ struct ReadRange {
   void* dst;
   uint64_t len;
   uint64_t off;
+  // When set, receives the zip CRC-32 (crc32() from 0) of the range's bytes
+  // once read_ranges returns. The engine computes it while the other reads
+  // are in flight: each direct read's piece when its request is reaped, each
+  // staged piece right after it is copied out of the staging buffer (still
+  // in the cache), combined in file order (crc32_combine). Undefined if
+  // read_ranges throws.
+  uint32_t* crc = nullptr;
 };
 
 struct ReadStats {
@@ -189,8 +196,16 @@ struct ReadStats {
 ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector<ReadRange>& ranges,
                       int same_file_fd = -1);
 
-// Zip CRC-32 (zlib's polynomial) of n bytes, continuing from `crc`.
+// Zip CRC-32 (zlib's polynomial) of n bytes, continuing from `crc` (zlib's
+// convention: crc32(crc32(0, a), b) is the CRC of a followed by b). ISA-L's
+// crc32_gzip_refl where the build has it (FASTCKPT_HAVE_ISAL), else zlib's
+// crc32_z; both give the same values.
 uint32_t crc32(uint32_t crc, const void* data, uint64_t n);
+// The CRC-32 of a followed by b, from crc1 = crc32(0, a), crc2 = crc32(0, b)
+// and len2 = the length of b (zlib's crc32_combine).
+uint32_t crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
+// The implementation crc32() uses in this build: "isa-l" or "zlib".
+const char* crc32_impl();
 
 double now_seconds();
 

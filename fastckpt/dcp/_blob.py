@@ -31,7 +31,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .. import _unpickle
+from .. import _C, _unpickle
 from .._torch_rules import StorageRef, contiguous_stride, itemsize, v3_dtypes
 from ..errors import FormatError
 
@@ -271,7 +271,7 @@ def verify_archive(data: bytes, where: str) -> int:
             raise FormatError(f"{where}: record {e.name!r} holds {len(payload)} bytes, the directory says {e.size}")
         if e.crc == 0 and e.size:
             continue  # written with CRCs disabled
-        if zlib.crc32(payload) != e.crc:
+        if _C.crc32(payload) != e.crc:
             raise FormatError(f"{where}: checksum mismatch in record {e.name!r} (corrupt data)")
         checked += 1
     return checked

@@ -13,7 +13,9 @@ calls of the engine:
    buffer that is then copied (and cast) into the destination.
 
 A record read whole is checked against the CRC-32 of its zip entry
-(``verify=True``). Records this fast path does not recognise (another pickle,
+(``verify=True``, the default): the engine computes the CRC-32 while it reads
+the record, in parallel with the other reads, not in a pass after them.
+Records this fast path does not recognise (another pickle,
 big-endian data, stream transforms) are read whole and given to
 ``torch.load``, as the stock reader does. Every ``relative_path``, offset and
 length from ``.metadata`` is checked against the checkpoint directory and the
@@ -54,8 +56,6 @@ __all__ = ["FastReader"]
 log = logging.getLogger("fastckpt")
 
 METADATA = ".metadata"
-BATCH = 64 << 20  # with verify, data is read in batches this big, INFLIGHT at a time, checked as they land
-INFLIGHT = 3
 MAX_SMALL_SPAN = 1 << 20  # data.pkl and byteorder records are expected to be small
 
 
@@ -92,7 +92,8 @@ class _Copy:
     dest: Any
     offset: int
     nbytes: int
-    after: Any = None               # callable run after the read (copy into target, CRC check)
+    after: Any = None               # after(crc), run after the read (CRC check, copy into target)
+    crc: bool = False               # the engine computes the CRC-32 of the bytes read (passed to after)
 
 
 class FastReader(StorageReader):
@@ -101,8 +102,11 @@ class FastReader(StorageReader):
     Args:
         path: the checkpoint directory. ``dcp.load(..., checkpoint_id=...)`` replaces it.
         verify: check every tensor record that is read whole against the
-            CRC-32 of its zip entry (records written with CRCs disabled, i.e.
-            CRC 0, are not checked). Partial reads (resharding) cannot be checked.
+            CRC-32 of its zip entry (default True; a mismatch is a
+            ``FormatError`` naming the file, offset and tensor). The engine
+            computes the CRC-32s during the reads, in parallel with them.
+            Records written with CRCs disabled (CRC 0) are not checked.
+            Partial reads (resharding) cannot be checked. ``False`` opts out.
         thread_count: data files read concurrently.
         weights_only: load non-tensor values (DCP's BYTE_IO records, which
             ``DefaultLoadPlanner.load_bytes`` hands to ``torch.load`` with
@@ -389,12 +393,18 @@ class _FileJob:
         self.lock = threading.Lock()
         self.stats = {"fast": 0, "slow": 0, "verified": 0, "bytes_requested": 0, "bytes_read": 0}
 
-    def _read(self, ranges: List[Tuple[Any, int]]) -> None:
-        ranges = [(d, o) for d, o in ranges if (d.numel() if isinstance(d, torch.Tensor) else len(d))]
-        if ranges:
-            st = _C.read_ranges(self.eng, self.path, ranges)
+    def _read(self, ranges: List[Tuple[Any, ...]]) -> List[Optional[int]]:
+        """Fill each (destination, offset[, crc]); returns, per range, the CRC-32
+        of its bytes that the engine computed while reading (when asked), else None."""
+        keep = [i for i, (d, *_) in enumerate(ranges) if (d.numel() if isinstance(d, torch.Tensor) else len(d))]
+        crcs: List[Optional[int]] = [0 if len(r) > 2 and r[2] else None for r in ranges]  # empty: CRC 0
+        if keep:
+            st = _C.read_ranges(self.eng, self.path, [ranges[i] for i in keep])
             with self.lock:
                 self.stats["bytes_read"] += st["bytes_read"]
+            for i, c in zip(keep, st.get("crcs") or []):
+                crcs[i] = c
+        return crcs
 
     def run(self) -> None:
         blobs: Dict[Tuple[int, int], _Blob] = {}
@@ -563,21 +573,24 @@ class _FileJob:
         if (dense and target.device.type == "cpu" and target.is_contiguous() and target.dtype == lay.dtype):
             dest = target.reshape(-1).view(torch.uint8)
 
-            def after():
+            def after(got: Optional[int]) -> None:
                 if check:
-                    self._check(b, dest, crc)
-            return _Copy(dest, file_off, span, after)
+                    self._check(b, got, crc)
+            return _Copy(dest, file_off, span, after, crc=check)
         buf = torch.empty(span, dtype=torch.uint8)
 
-        def after():
+        def after(got: Optional[int]) -> None:
             if check:
-                self._check(b, buf, crc)
+                self._check(b, got, crc)
             src = torch.empty(0, dtype=lay.dtype).set_(buf.untyped_storage(), 0, lens, lay.stride)
             target.copy_(src)
-        return _Copy(buf, file_off, span, after)
+        return _Copy(buf, file_off, span, after, crc=check)
 
-    def _check(self, b: _Blob, data: torch.Tensor, crc: int) -> None:
-        if _C.crc32(data, 0) != crc:
+    def _check(self, b: _Blob, got: Optional[int], crc: int) -> None:
+        """`got`: the CRC-32 the engine computed while reading the record."""
+        if got is None:
+            raise RuntimeError(f"{b.where}: no CRC-32 came back from the read")  # a bug here, not in the file
+        if got != crc:
             raise FormatError(f"{b.where}: checksum mismatch in {b.storage.name!r} (corrupt data)")
         with self.lock:
             self.stats["verified"] += 1
@@ -586,7 +599,7 @@ class _FileJob:
         descs = getattr(r.info, "transform_descriptors", None)
         where = f"{self.path} @{r.info.offset}+{r.info.length} ({_sd_str(r.req.storage_index)})"
 
-        def after():
+        def after(_crc: Optional[int] = None) -> None:
             if r.req.type == LoadItemType.BYTE_IO:
                 if descs:
                     r.data = bytearray(_torch_load_record(bytes(r.data), r.req, descs, self.reader, where).read())
@@ -601,7 +614,7 @@ class _FileJob:
         return after
 
     def _after_slow_blob(self, b: _Blob):
-        def after():
+        def after(_crc: Optional[int] = None) -> None:
             r0 = b.reqs[0]
             stream = _torch_load_record(bytes(b.whole), r0.req, getattr(r0.info, "transform_descriptors", None),
                                         self.reader, b.where)
@@ -632,30 +645,11 @@ class _FileJob:
         return after
 
     def _read_data(self, copies: List[_Copy]) -> None:
+        """One parallel read of every copy; the engine computes the CRC-32s
+        asked for while the reads are in flight, so that checking a record is
+        a comparison afterwards, not a pass over its bytes."""
         copies.sort(key=lambda c: c.offset)
-        batches: List[List[_Copy]] = [[]]
-        acc = 0
-        for c in copies:
-            if acc >= BATCH and self.reader.verify:
-                batches.append([])
-                acc = 0
-            batches[-1].append(c)
-            acc += c.nbytes
-        if len(batches) == 1:
-            self._read([(c.dest, c.offset) for c in batches[0]])
-            for c in batches[0]:
-                if c.after:
-                    c.after()
-            return
-        # Several batches in flight: the disk keeps working while the CPU checks the last one.
-        k = INFLIGHT
-        with ThreadPoolExecutor(max_workers=k, thread_name_prefix="fastckpt-dcp-batch") as ex:
-            futs = [ex.submit(self._read, [(c.dest, c.offset) for c in batch]) for batch in batches[:k]]
-            for i, batch in enumerate(batches):
-                futs[i].result()
-                if i + k < len(batches):
-                    nxt = batches[i + k]
-                    futs.append(ex.submit(self._read, [(c.dest, c.offset) for c in nxt]))
-                for c in batch:
-                    if c.after:
-                        c.after()
+        crcs = self._read([(c.dest, c.offset, c.crc) for c in copies])
+        for c, crc in zip(copies, crcs):
+            if c.after:
+                c.after(crc)

@@ -3,6 +3,7 @@
 // direct (aligned) range reads, and several writers sharing one Engine.
 #include <algorithm>
 #include <atomic>
+#include <memory>
 #include <mutex>
 #include <thread>
 
@@ -308,6 +309,70 @@ TEST(aligned_ranges_are_read_directly_into_caller_memory, ALL) {
   CHECK_BYTES(e.str(0, n), data);
   if (cfg.direct) CHECK(st3.direct_requests > 0);
   CHECK(st3.requests > st3.direct_requests);
+  CHECK_POOL_FULL(eng);
+}
+
+TEST(read_ranges_returns_the_crc32_of_each_range_that_asks, ALL) {
+  // Every way a range is read: direct bodies split into buffer-sized jobs with
+  // a staged tail, staged ranges spanning several windows, many small ranges
+  // coalesced into shared windows, overlapping and empty ranges; some ask for
+  // a CRC, some do not. Each CRC must equal the CRC of the bytes delivered.
+  EngineConfig cfg = config();
+  cfg.buffer_size = 1u << 20;  // more windows and direct jobs per range
+  TempDir dir;
+  Engine eng(cfg);
+  const size_t n = (7u << 20) + 12345;
+  std::string data = random_bytes(n, 41);
+  std::string path = dir.file("crc.bin");
+  save(eng, path, data);
+
+  std::mt19937_64 rng(42);
+  struct Want {
+    size_t off, len;
+    bool crc;
+  };
+  std::vector<Want> spans = {
+      {0, n, true},                           // the whole file: direct body, staged tail
+      {4096, 3 * cfg.buffer_size, true},      // aligned: direct only, 3 jobs
+      {4096 * 7 + 1, (2u << 20) + 5, true},   // unaligned: staged over 3 windows
+      {n - 1, 1, true},
+      {100, 0, true},                         // empty: CRC 0
+      {5000, 777, false},
+  };
+  size_t off = 3;
+  while (spans.size() < 400 && off < n) {  // small ranges, coalesced, some asking, some not
+    size_t len = std::min<size_t>(n - off, 1 + rng() % 5000);
+    spans.push_back({off, len, rng() % 4 != 0});
+    off += len + rng() % 9000;
+  }
+  for (int i = 0; i < 40; ++i) {  // large, random, overlapping
+    size_t len = rng() % (3u << 20);
+    size_t o = rng() % (n - len + 1);
+    if (rng() % 2) o &= ~size_t(4095);
+    spans.push_back({o, len, true});
+  }
+  std::shuffle(spans.begin(), spans.end(), rng);
+  std::vector<std::unique_ptr<AlignedBuf>> bufs;
+  std::vector<uint32_t> crcs(spans.size(), 0xdeadbeefu);
+  std::vector<ReadRange> rs;
+  for (size_t i = 0; i < spans.size(); ++i) {
+    // aligned destinations (direct reads where the offset allows), some shifted by one byte
+    bufs.emplace_back(new AlignedBuf(spans[i].len + 1));
+    char* dst = bufs.back()->p + (rng() % 3 == 0 ? 1 : 0);
+    rs.push_back(ReadRange{dst, spans[i].len, spans[i].off, spans[i].crc ? &crcs[i] : nullptr});
+  }
+  ReadStats st = fastckpt::read_ranges(eng, path, rs);
+  if (cfg.direct) CHECK(st.direct_requests > 0);
+  CHECK(st.requests > st.direct_requests);
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const std::string got(static_cast<char*>(rs[i].dst), spans[i].len);
+    CHECK_BYTES(got, data.substr(spans[i].off, spans[i].len));
+    const std::string what = "range " + std::to_string(spans[i].off) + "+" + std::to_string(spans[i].len);
+    if (spans[i].crc)
+      CHECK_MSG(crcs[i] == fastckpt::crc32(0, data.data() + spans[i].off, spans[i].len), what);
+    else
+      CHECK_MSG(crcs[i] == 0xdeadbeefu, what + ": no CRC asked, none written");
+  }
   CHECK_POOL_FULL(eng);
 }
 

@@ -390,6 +390,57 @@ def test_verify_flipped_bit_names_the_tensor(tmp_path, capsys):
     assert rc == 1 and "checksum mismatch in record 'data.pkl'" in out
 
 
+def test_verify_many_small_records_in_few_reads(tmp_path, capsys, monkeypatch):
+    """verify reads small records many per engine call (their CRC-32s computed
+    during the reads), not one call per record, and still names each damaged
+    record and tensor: small ones (batched) and a large one (streamed)."""
+    import fastckpt._sources as sources
+    state = {f"s{i}": torch.full((3,), float(i)) for i in range(3000)}
+    state["big"] = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: streamed in CHUNK pieces
+    p = tmp_path / "many.pt"
+    fastckpt.save(state, p)
+    calls = []
+    real = _C.read_ranges
+    monkeypatch.setattr(_C, "read_ranges", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rc, out, err = run(capsys, "verify", p)
+    assert rc == 0, out + err
+    assert len(calls) < 100, f"{len(calls)} engine reads to verify 3001 records"
+    from fastckpt._sources import ZipSource, storage_of
+    with ZipSource(str(p)) as src:
+        tree = src.tree()
+        small, big = storage_of(tree["s1234"]).key, storage_of(tree["big"]).key
+    arch = _zip.Archive.open(str(p))
+    data = bytearray(p.read_bytes())
+    data[arch.records[small].data_offset + 5] ^= 0x01
+    data[arch.records[big].data_offset + (10 << 20) + 1] ^= 0x01
+    p.write_bytes(data)
+    rc, out, err = run(capsys, "verify", p)
+    assert rc == 1
+    assert f"checksum mismatch in record {small!r} (tensor s1234)" in out, out
+    assert f"checksum mismatch in record {big!r} (tensor big)" in out, out
+    assert out.count("checksum mismatch") == 2, out
+    assert sources.CHUNK < 12 << 20  # the big record did go through several pieces
+
+
+def test_load_and_verify_read_records_through_one_reader(tmp_path, capsys, monkeypatch):
+    """fastckpt.load and the command's zip source (verify, inspect, convert)
+    read records through the same reader (serialization._Records.read_into):
+    one code path turns records into engine reads and returns their CRC-32s."""
+    from fastckpt import serialization
+    p = tmp_path / "ck.pt"
+    fastckpt.save({"w": torch.arange(1000.0), "big": torch.zeros(3 << 20)}, p)
+    seen = []
+    real = serialization._Records.read_into
+    monkeypatch.setattr(serialization._Records, "read_into",
+                        lambda self, items: seen.extend(n for n, *_ in items) or real(self, items))
+    fastckpt.load(p)
+    assert "data.pkl" in seen and any(n.startswith("data/") for n in seen)
+    seen.clear()
+    rc, out, err = run(capsys, "verify", p)
+    assert rc == 0, out + err
+    assert "data.pkl" in seen and {n for n in seen if n.startswith("data/")} == {"data/0", "data/1"}
+
+
 def test_verify_dcp_damage(tmp_path, capsys):
     d = tmp_path / "ck"
     write_source("dcp", d)
@@ -828,6 +879,7 @@ def test_doctor(tmp_path, capsys, where):
     assert rep["o_direct"]["writable"] is True and isinstance(rep["o_direct"]["usable"], bool)
     assert rep["o_direct"]["alignment"]["offset"] >= 512
     assert rep["io_uring"]["compiled"] == _C.uring_compiled()
+    assert rep["crc32"] == _C.crc32_impl() and rep["crc32"] in ("isa-l", "zlib")
     assert rep["engine"]["backend"] == ("threads" if uring_refusal() else "io_uring")
     assert rep["knobs"] == {**fastckpt.knobs.as_dict(), **{k: fastckpt.knobs.get(k) for k in fastckpt.knobs.PY_NAMES}}
     st = os.statvfs(d)
@@ -835,6 +887,7 @@ def test_doctor(tmp_path, capsys, where):
     assert rep["cuda"]["available"] == torch.cuda.is_available()
     rc, out, err = run(capsys, "doctor", d)
     assert rc == 0 and "O_DIRECT" in out and "io_uring" in out and "recommendation:" in out
+    assert f"CRC-32           {_C.crc32_impl()}" in out
 
 
 def test_doctor_reports_io_uring_refusal(tmp_path, capsys):

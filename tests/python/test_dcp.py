@@ -552,6 +552,60 @@ def test_corrupt_tensor_data_is_detected(small_ckpt):
     assert not torch.equal(tgt["a"], sd["a"]) and torch.equal(tgt["b"], sd["b"])
 
 
+@pytest.mark.parametrize("writer", ["fast", "stock"])
+def test_verify_by_default_with_the_crcs_of_the_reads(tmp_path, writer):
+    """FastReader() verifies by default from the CRC-32s the engine computes
+    during the reads: into the destination itself (a tensor bigger than a
+    staging buffer, read in several requests), through a buffer (a cast or a
+    non-contiguous destination). A flipped byte in any of them is a
+    FormatError naming the file and the tensor; verify=False loads it."""
+    g = torch.Generator().manual_seed(3)
+    sd = {"big": torch.randn((5 << 20) + 3, generator=g), "cast": torch.randn(3000, generator=g),
+          "strided": torch.randn(40, 30, generator=g)}
+    w = FastWriter(tmp_path) if writer == "fast" else dcp.FileSystemWriter(tmp_path)
+    dcp.save(sd, storage_writer=w)
+
+    def load(**kw):
+        tgt = {"big": torch.zeros_like(sd["big"]), "cast": torch.zeros(3000, dtype=torch.float64),
+               "strided": torch.zeros(30, 40).t()}
+        r = FastReader(tmp_path, **kw)
+        dcp_unwrapped(dcp.load, tgt, storage_reader=r)
+        return tgt, r.last_read_stats
+
+    tgt, st = load()
+    assert st["verified"] == 3 and st["fast"] == 3, st
+    assert all(torch.equal(tgt[k], sd[k].to(tgt[k].dtype)) for k in sd)
+    md = FastReader(tmp_path).read_metadata()
+    for fqn in sd:
+        info = next(v for k, v in md.storage_data.items() if k.fqn == fqn)
+        p = tmp_path / info.relative_path
+        at = info.offset + info.length - 2000 - (info.length // 3 if fqn == "big" else 0)  # in the tensor bytes
+        good = p.read_bytes()
+        bad = bytearray(good)
+        bad[at] ^= 0x10
+        p.write_bytes(bytes(bad))
+        with pytest.raises(FormatError, match="checksum mismatch") as ei:
+            load()
+        assert f"({fqn}" in str(ei.value) and info.relative_path in str(ei.value), str(ei.value)
+        tgt, st = load(verify=False)
+        assert st["verified"] == 0 and not torch.equal(tgt[fqn], sd[fqn].to(tgt[fqn].dtype))
+        p.write_bytes(good)
+
+
+def test_verify_uses_the_crcs_of_the_reads_not_a_pass_after_them(small_ckpt, monkeypatch):
+    """The records' CRC-32s come back from the engine's reads: no separate
+    checksum pass over the data (which ran serially after the reads before)."""
+    ck, sd = small_ckpt
+
+    def no_pass(*a, **k):
+        raise AssertionError("a CRC-32 pass after the reads")
+    monkeypatch.setattr(_C, "crc32", no_pass)
+    r = FastReader(ck)
+    tgt = {"a": torch.zeros(100000), "b": torch.zeros(7, dtype=torch.int64)}
+    dcp_unwrapped(dcp.load, tgt, storage_reader=r)
+    assert torch.equal(tgt["a"], sd["a"]) and r.last_read_stats["verified"] == 2
+
+
 def test_record_that_is_not_an_archive(small_ckpt):
     ck, _ = small_ckpt
 

@@ -124,6 +124,64 @@ def test_read_aligned_destination_goes_direct(small_engine, tmp_path):
     assert bytes(buf2)[:n - 3] == data.numpy().tobytes()[:n - 3] and bytes(buf2)[n - 3:] == bytes(3)
 
 
+def test_crc32_matches_zlib_on_random_sizes_and_offsets():
+    """_C.crc32 (ISA-L or zlib, whichever this build has) equals zlib.crc32 on
+    tensors, bytes and memoryviews of random sizes at random misalignments,
+    continued from a running value, and crc32_combine joins pieces."""
+    import random
+    import zlib
+    rng = random.Random(12)
+    data = random_bytes((1 << 20) + 200, 3)
+    raw = data.numpy().tobytes()
+    sizes = [0, 1, 15, 16, 17, 63, 64, 65, 4095, 4096, 65535, 65536, 65537, 1 << 20]
+    sizes += [rng.randrange(300) for _ in range(40)] + [rng.randrange((1 << 20) + 1) for _ in range(40)]
+    for n in sizes:
+        at = rng.randrange(64)
+        want = zlib.crc32(raw[at:at + n])
+        assert _C.crc32(data[at:at + n]) == want, (n, at)  # a tensor starting at any byte
+        assert _C.crc32(raw[at:at + n]) == want, (n, at)
+        assert _C.crc32(memoryview(raw)[at:at + n]) == want, (n, at)
+        k = rng.randrange(n + 1)
+        assert _C.crc32(raw[at + k:at + n], _C.crc32(raw[at:at + k])) == want, (n, at, k)
+        seed = rng.randrange(1 << 32)
+        assert _C.crc32(raw[at:at + n], seed) == zlib.crc32(raw[at:at + n], seed), (n, at, seed)
+        assert _C.crc32_combine(zlib.crc32(raw[at:at + k]), zlib.crc32(raw[at + k:at + n]), n - k) == want
+    assert _C.crc32_impl() in ("isa-l", "zlib")
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_read_ranges_returns_crc32_of_each_range(tmp_path, direct):
+    """read_ranges(..., crc=True) or (dest, off, True) items: each range's CRC
+    as zlib.crc32 of its bytes, for direct, staged, coalesced, overlapping and
+    empty ranges; None for ranges that did not ask."""
+    import random
+    import zlib
+    eng = _C.Engine(make_config(direct=direct, buffer_size=256 << 10, buffer_count=4))
+    n = (3 << 20) + 4321
+    data = random_bytes(n, 5)
+    raw = data.numpy().tobytes()
+    save(eng, tmp_path / "f.bin", data)
+    rng = random.Random(7)
+    items = [(torch.empty(n, dtype=torch.uint8), 0), (mmap.mmap(-1, 3 << 18), 4096),
+             (bytearray(0), 17), (torch.empty(1, dtype=torch.uint8), n - 1)]
+    for _ in range(200):
+        ln = rng.choice([rng.randrange(1, 3000), rng.randrange(1, 1 << 20)])
+        off = rng.randrange(n - ln + 1)
+        items.append((torch.empty(ln, dtype=torch.uint8), off))
+    st = _C.read_ranges(eng, str(tmp_path / "f.bin"), items, crc=True)
+    assert len(st["crcs"]) == len(items)
+    for (dst, off), crc in zip(items, st["crcs"]):
+        got = bytes(dst.numpy().tobytes() if isinstance(dst, torch.Tensor) else dst)
+        assert got == raw[off:off + len(got)]
+        assert crc == zlib.crc32(got), (off, len(got))
+    # per item: only those that ask
+    mixed = [(torch.empty(5000, dtype=torch.uint8), 10, True), (torch.empty(5000, dtype=torch.uint8), 20),
+             (torch.empty(70000, dtype=torch.uint8), 8192, False), (torch.empty(70000, dtype=torch.uint8), 8192, True)]
+    st = _C.read_ranges(eng, str(tmp_path / "f.bin"), mixed)
+    assert st["crcs"] == [zlib.crc32(raw[10:5010]), None, None, zlib.crc32(raw[8192:8192 + 70000])]
+    assert "crcs" not in _C.read_ranges(eng, str(tmp_path / "f.bin"), mixed[1:3])
+
+
 def test_read_past_end_is_format_error(small_engine, tmp_path):
     save(small_engine, tmp_path / "f.bin", random_bytes(1000))
     with pytest.raises(fastckpt.FormatError, match="truncated"):

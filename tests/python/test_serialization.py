@@ -1047,8 +1047,8 @@ def test_verify_detects_a_flipped_data_byte(tmp_path, writer):
     msg = str(ei.value)
     assert str(path) in msg and "checksum" in msg and "data/0" in msg
     assert "layer.bias" not in msg and "data/1" not in msg
-    # Without verify the file loads: garbage in exactly that tensor, no error.
-    got = fastckpt.load(path)
+    # verify=False opts out: the file loads, garbage in exactly that tensor, no error.
+    got = fastckpt.load(path, verify=False)
     assert not torch.equal(got["layer.weight"], sd["layer.weight"])
     diff = got["layer.weight"].view(torch.uint8) != sd["layer.weight"].view(torch.uint8)
     assert int(diff.sum()) == 1
@@ -1085,6 +1085,122 @@ def test_verify_needs_a_path(tmp_path):
     buf.seek(0)
     with pytest.raises(ValueError):
         fastckpt.load(buf, verify=True)
+    fastckpt.save({"a": torch.ones(2)}, tmp_path / "a.pt")
+    with pytest.raises(ValueError):
+        fastckpt.load(tmp_path / "a.pt", mmap=True, verify=True)
+
+
+@pytest.mark.parametrize("writer", ["fastckpt", "torch"])
+@pytest.mark.parametrize("where", ["first", "middle", "last"])
+def test_verify_is_on_by_default(tmp_path, writer, where):
+    """A plain fastckpt.load(path) checks every storage's CRC-32 (computed by
+    the engine during the reads): a flipped data byte anywhere in a storage is
+    a FormatError naming the file and the tensor."""
+    sd = {"model": _state_dict(), "step": 3}
+    path = tmp_path / "a.pt"
+    (fastckpt.save if writer == "fastckpt" else torch.save)(sd, path)
+    off, size, _ = record_layout(path)["data/0"]
+    flip_byte(path, off + {"first": 0, "middle": size // 2, "last": size - 1}[where])
+    with pytest.raises(fastckpt.FormatError) as ei:
+        fastckpt.load(path)
+    msg = str(ei.value)
+    assert str(path) in msg and "checksum mismatch" in msg and "model.layer.weight" in msg, msg
+    assert "layer.bias" not in msg
+    for kw in ({"map_location": "cpu"}, {"weights_only": False}):
+        with pytest.raises(fastckpt.FormatError, match="model.layer.weight"):
+            fastckpt.load(path, **kw)
+    got = fastckpt.load(path, verify=False)
+    assert torch.equal(got["model"]["layer.bias"], sd["model"]["layer.bias"])
+
+
+def test_verify_uses_the_crcs_of_the_reads_not_a_pass_after_them(tmp_path, monkeypatch):
+    """The storages' CRC-32s come back from the engine's reads: load makes no
+    checksum pass of its own over the data after the reads."""
+    sd = {"model": _state_dict()}
+    fastckpt.save(sd, tmp_path / "a.pt")
+
+    def no_pass(*a, **k):
+        raise AssertionError("a CRC-32 pass after the reads")
+    monkeypatch.setattr(_C, "crc32", no_pass)
+    monkeypatch.setattr(zlib, "crc32", no_pass)
+    assert_same(sd, fastckpt.load(tmp_path / "a.pt", verify=True))
+    assert_same(sd, fastckpt.load(tmp_path / "a.pt"))
+
+
+def test_verify_by_default_checks_large_and_unaligned_storages(tmp_path):
+    """Storages bigger than a staging buffer (read straight into the tensor,
+    several requests, CRCs combined in file order) and odd-sized ones (their
+    tail through staging) are checked as well; intact ones load."""
+    g = torch.Generator().manual_seed(5)
+    sd = {"big": torch.randint(0, 255, ((20 << 20) + 3,), dtype=torch.uint8, generator=g),
+          "odd": torch.randn(12345, generator=g), "empty": torch.zeros(0)}
+    path = tmp_path / "a.pt"
+    fastckpt.save(sd, path)
+    got = fastckpt.load(path)
+    assert all(torch.equal(got[k], sd[k]) for k in sd)
+    lay = record_layout(path)
+    for name, at in (("data/0", (17 << 20) + 5), ("data/1", 12345 * 4 - 1)):
+        off, size, _ = lay[name]
+        flip_byte(path, off + at)
+        with pytest.raises(fastckpt.FormatError, match="checksum mismatch.*" + ("big" if name == "data/0" else "odd")):
+            fastckpt.load(path)
+        flip_byte(path, off + at)  # restored
+    assert torch.equal(fastckpt.load(path)["big"], sd["big"])
+
+
+@pytest.mark.parametrize("writer", ["fastckpt", "torch"])
+def test_file_without_checksums_loads_by_default_with_a_warning(tmp_path, writer):
+    """torch's compute_crc32=False writes CRC 0 everywhere: the default load
+    warns (naming the file) and loads it unverified; verify=True refuses it;
+    verify=False loads it silently."""
+    from torch.utils.serialization import config as torch_config
+    sd = _state_dict()
+    path = tmp_path / "nocrc.pt"
+    with torch_config.patch({"save.compute_crc32": False}):
+        (fastckpt.save if writer == "fastckpt" else torch.save)(sd, path)
+    assert {c for _, _, c in record_layout(path).values()} == {0}
+    with pytest.warns(UserWarning, match="records no checksums") as rec:
+        assert_same(sd, fastckpt.load(path))
+    assert str(path) in str(rec[0].message)
+    assert rec[0].filename == __file__  # points at the caller's line
+    with pytest.raises(fastckpt.FormatError, match="no checksums"):
+        fastckpt.load(path, verify=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same(sd, fastckpt.load(path, verify=False))
+
+
+def test_file_with_only_empty_storages_loads_without_warning(tmp_path):
+    """Empty storages record CRC 0, correctly: nothing unverifiable, no warning."""
+    sd = {"a": torch.zeros(0), "b": torch.zeros(0, 3)}
+    fastckpt.save(sd, tmp_path / "a.pt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same(sd, fastckpt.load(tmp_path / "a.pt"))
+        assert_same(sd, fastckpt.load(tmp_path / "a.pt", verify=True))
+
+
+def test_default_verify_leaves_torch_load_paths_unverified(tmp_path):
+    """Loads left to torch.load (file objects, mmap=True, map_location="meta")
+    are not verified under the default and do not raise; verify=True keeps
+    refusing file objects and mmap."""
+    sd = _state_dict()
+    path = tmp_path / "a.pt"
+    fastckpt.save(sd, path)
+    off, _, _ = record_layout(path)["data/0"]
+    flip_byte(path, off + 3)
+    with open(path, "rb") as f:
+        got = fastckpt.load(f)
+    assert not torch.equal(got["layer.weight"], sd["layer.weight"])
+    assert torch.equal(got["layer.bias"], sd["layer.bias"])
+    got = fastckpt.load(path, mmap=True)
+    assert torch.equal(got["layer.bias"], sd["layer.bias"])
+    meta = fastckpt.load(path, map_location="meta")
+    assert meta["layer.weight"].device.type == "meta" and meta["layer.weight"].shape == (64, 32)
+    with pytest.raises(fastckpt.FormatError, match="layer.weight"):  # explicit: read and checked
+        fastckpt.load(path, map_location="meta", verify=True)
+    with open(path, "rb") as f, pytest.raises(ValueError):
+        fastckpt.load(f, verify=True)
 
 
 # ---------------------------------------------------------------- bad files

@@ -205,7 +205,7 @@ def test_unreferenced_records_are_not_read(tmp_path, monkeypatch):
     real = _C.read_ranges
 
     def counting(engine, p, ranges, *rest):
-        for buf, off in ranges:
+        for buf, off, *_ in ranges:  # (destination, offset[, crc])
             n = buf.numel() if isinstance(buf, torch.Tensor) else len(buf)
             reads.append((off, off + n))
         return real(engine, p, ranges, *rest)
@@ -288,7 +288,9 @@ def test_storage_read_on_demand_is_checked_and_from_the_same_file(tmp_path, monk
     bad = _write(tmp_path, "late_bad.pt", bytes(data))
     with pytest.raises(fastckpt.FormatError, match="checksum mismatch"):
         fastckpt.load(bad, weights_only=False, verify=True)
-    assert fastckpt.load(bad, weights_only=False)["t"][5] == (5 ^ 0xFF)  # verify=False: as stored
+    with pytest.raises(fastckpt.FormatError, match="checksum mismatch"):  # verified by default too
+        fastckpt.load(bad, weights_only=False)
+    assert fastckpt.load(bad, weights_only=False, verify=False)["t"][5] == (5 ^ 0xFF)  # as stored
 
     real = ser._read_archive
 

@@ -1,0 +1,84 @@
+// The engine's CRC-32 (fastckpt::crc32: ISA-L's crc32_gzip_refl where the
+// build has it, else zlib's crc32_z) against zlib's crc32_z, the reference:
+// random sizes from 0 to past 1 MiB at random misalignments, continued across
+// random splits, and crc32_combine of pieces. Run in both builds
+// (-DFASTCKPT_NO_ISAL=ON gives the zlib one).
+#include <zlib.h>
+
+#include <random>
+
+#include "util.h"
+
+using namespace fct;
+
+namespace {
+
+uint32_t ref(uint32_t crc, const char* p, size_t n) {
+  return static_cast<uint32_t>(::crc32_z(crc, reinterpret_cast<const Bytef*>(p), static_cast<z_size_t>(n)));
+}
+
+std::string hex(uint32_t v) {
+  char b[16];
+  std::snprintf(b, sizeof b, "%08x", v);
+  return b;
+}
+
+}  // namespace
+
+TEST(crc32_is_the_implementation_this_build_chose, ONCE) {
+  CHECK_EQ(std::string(fastckpt::crc32_impl()), std::string(FASTCKPT_EXPECT_CRC_IMPL));
+  CHECK_EQ(fastckpt::crc32(0, "123456789", 9), 0xCBF43926u);  // the CRC-32 check value
+  CHECK_EQ(fastckpt::crc32(0, "", 0), 0u);
+  CHECK_EQ(fastckpt::crc32(0x12345678u, "", 0), 0x12345678u);  // no bytes: the running value unchanged
+  CHECK_EQ(fastckpt::crc32(0, nullptr, 0), 0u);
+}
+
+TEST(crc32_matches_zlib_on_random_sizes_offsets_and_splits, ONCE) {
+  const size_t max = (1u << 20) + 4099;
+  const std::string data = random_bytes(max + 64, 77);
+  std::mt19937_64 rng(5);
+  std::vector<size_t> sizes = {0, 1, 2, 3, 7, 8, 15, 16, 31, 32, 63, 64, 65, 127, 128, 255, 256, 257, 511, 512,
+                               1023, 1024, 4095, 4096, 4097, 65535, 65536, 65537, 262144, 1u << 20, max};
+  for (int i = 0; i < 300; ++i) {
+    switch (rng() % 3) {
+      case 0: sizes.push_back(rng() % 300); break;           // tails and small records
+      case 1: sizes.push_back(rng() % (64u << 10)); break;
+      default: sizes.push_back(rng() % (max + 1)); break;
+    }
+  }
+  for (size_t n : sizes) {
+    const size_t at = rng() % 64;  // every misalignment of the start
+    const char* p = data.data() + at;
+    const uint32_t want = ref(0, p, n);
+    const std::string what = std::to_string(n) + " bytes at +" + std::to_string(at);
+    CHECK_MSG(fastckpt::crc32(0, p, n) == want, what + ": " + hex(fastckpt::crc32(0, p, n)) + " != " + hex(want));
+    // continued across a random split, from a random running value too
+    const size_t k = n ? rng() % (n + 1) : 0;
+    CHECK_MSG(fastckpt::crc32(fastckpt::crc32(0, p, k), p + k, n - k) == want, what + " split at " + std::to_string(k));
+    const uint32_t seed = static_cast<uint32_t>(rng());
+    CHECK_MSG(fastckpt::crc32(seed, p, n) == ref(seed, p, n), what + " from " + hex(seed));
+    // pieces computed apart and combined, as read_ranges does
+    CHECK_MSG(fastckpt::crc32_combine(fastckpt::crc32(0, p, k), fastckpt::crc32(0, p + k, n - k), n - k) == want,
+              what + " combined at " + std::to_string(k));
+  }
+}
+
+TEST(crc32_combine_of_many_pieces_in_order, ONCE) {
+  const std::string data = random_bytes(3u << 20, 78);
+  std::mt19937_64 rng(6);
+  uint32_t acc = 0;
+  size_t off = 0, pieces = 0;
+  while (off < data.size()) {
+    size_t k = std::min<size_t>(data.size() - off, rng() % 4 == 0 ? rng() % 16 : rng() % (300u << 10));
+    acc = pieces == 0 ? fastckpt::crc32(0, data.data(), k)
+                      : fastckpt::crc32_combine(acc, fastckpt::crc32(0, data.data() + off, k), k);
+    off += k;
+    ++pieces;
+  }
+  CHECK(pieces > 10);
+  CHECK_EQ(acc, ref(0, data.data(), data.size()));
+  CHECK_EQ(fastckpt::crc32_combine(0, 0, 0), 0u);
+  CHECK_EQ(fastckpt::crc32_combine(0xCBF43926u, 0, 0), 0xCBF43926u);
+}
+
+FCT_MAIN()
