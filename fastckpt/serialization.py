@@ -16,7 +16,6 @@ import os
 import pickle
 import re
 import sys
-import threading
 import uuid
 import warnings
 import zlib
@@ -25,7 +24,7 @@ from typing import Any, Callable, Dict, IO, List, Optional, Tuple, Union
 import torch
 import torch.serialization as ts
 
-from . import _C, _paths, _torch_rules, _unpickle, _zip, knobs
+from . import _C, _paths, _staging, _torch_rules, _unpickle, _zip, knobs
 from .engine import get_engine
 from .errors import FormatError
 
@@ -169,80 +168,6 @@ class _FileSink:
         pass
 
 
-class _PinnedStager:
-    """Copies CUDA storages to the host through two reused pinned buffers on a
-    side stream, overlapping each device-to-host copy with the disk write of
-    the previous chunk. Host memory used: 2 x chunk per concurrent save,
-    whatever the model size; the pairs are kept and reused across saves."""
-
-    _lock = threading.Lock()
-    _free: Dict[int, List[List[torch.Tensor]]] = {}
-
-    def __init__(self, chunk: int):
-        self.chunk = chunk
-        self.pair: Optional[List[torch.Tensor]] = None
-
-    def release(self) -> None:
-        """Return the buffers for the next save."""
-        if self.pair is not None:
-            with self._lock:
-                self._free.setdefault(self.chunk, []).append(self.pair)
-            self.pair = None
-
-    def _buffers(self) -> List[torch.Tensor]:
-        if self.pair is None:
-            with self._lock:
-                free = self._free.get(self.chunk)
-                self.pair = free.pop() if free else None
-            if self.pair is None:
-                self.pair = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        return self.pair
-
-    def write(self, sink, src: torch.Tensor, crc: int) -> int:
-        device = src.device
-        stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        bufs = self._buffers()
-        events = [torch.cuda.Event(), torch.cuda.Event()]
-        n = src.numel()
-        pending: Optional[Tuple[int, int]] = None  # (buffer index, length) copied, not yet written
-        try:
-            for i, off in enumerate(range(0, n, self.chunk)):
-                k = min(self.chunk, n - off)
-                b = i % 2  # this buffer's previous chunk was written in the last iteration
-                with torch.cuda.stream(stream):
-                    bufs[b][:k].copy_(src[off:off + k], non_blocking=True)
-                    events[b].record(stream)
-                if pending is not None:
-                    pb, pk = pending
-                    events[pb].synchronize()
-                    crc = sink.write_crc(bufs[pb][:pk], crc)
-                pending = (b, k)
-            if pending is not None:
-                pb, pk = pending
-                events[pb].synchronize()
-                crc = sink.write_crc(bufs[pb][:pk], crc)
-        except BaseException:
-            # A failed write leaves a copy in flight into the other buffer: wait
-            # for it before the pair goes back to the pool for the next save.
-            stream.synchronize()
-            raise
-        return crc
-
-
-def _after_fork_in_child() -> None:
-    # A thread of the parent may have held the pinned-buffer pool's lock at fork().
-    _PinnedStager._lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _cuda_chunk() -> int:
-    return 4 * knobs.config().buffer_size
-
-
 def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
          _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False) -> None:
     """Save an object like :func:`torch.save`, durably and atomically.
@@ -353,7 +278,7 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
     expected = pos + cd_len
 
     path = os.fspath(f) if _is_path(f) else None
-    stager = _PinnedStager(_cuda_chunk())  # pinned buffers only if a CUDA storage comes
+    stager = _staging.DeviceStorages([p[0] for p in plan], skip_data)  # copied ahead through the pool
     sink = None
     try:
         sink = _EngineSink(path, expected, crc_on) if path is not None else _FileSink(f, crc_on)
@@ -366,10 +291,10 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
                 t = _as_bytes_tensor(payload)
                 if entry.size == 0:
                     crc = 0
+                elif stager.owns(payload):  # a device storage: its bytes through the staging pool
+                    crc = stager.write(sink, payload, 0)
                 elif t.device.type == "cpu":
                     crc = sink.write_crc(t, 0)
-                elif t.device.type == "cuda":
-                    crc = stager.write(sink, t, 0)
                 else:  # other accelerators: a plain host copy of this storage
                     crc = sink.write_crc(t.cpu(), 0)
             elif not isinstance(payload, (bytes, bytearray)):  # streamed storage
