@@ -571,6 +571,105 @@ def _read_archive(path: str, fh, verify: bool):
     return archive, small, storages, bad
 
 
+def _moves_off_cpu(map_location: MapLocation) -> bool:
+    """Whether `map_location` may put storages on a device (then load() reads
+    them through the staging pool: :class:`_DeviceRecords`)."""
+    if map_location is None:
+        return False
+    if callable(map_location):
+        return True
+    values = map_location.values() if isinstance(map_location, dict) else [map_location]
+    return any(_staging.copier_for_location(v) is not None for v in values)
+
+
+class _DeviceRecords(dict):
+    """load() with a map_location that moves storages to a device: no storage
+    is read up front. While torch unpickles, each storage's destination is
+    decided from its location tag (string, torch.device and dict map_locations
+    as torch decides; a callable is asked once per location tag, with an empty
+    CPU storage, which device it moves storages to); a storage bound for a
+    device gets an empty device storage now and its bytes in :meth:`finish`,
+    read in chunks into the staging pool and copied to the device while the
+    next chunks are read (host memory: the pool, not the checkpoint). Storages
+    that stay on the host are read as :class:`_Records` reads them."""
+
+    def __init__(self, path: str, archive: "_zip.Archive", host: "_Records", map_location: MapLocation):
+        super().__init__()
+        self.path, self.archive, self.host, self.map_location = path, archive, host, map_location
+        self.restore = ts._get_restore_location(map_location)
+        self.jobs: List[_staging.LoadJob] = []
+        self._dest: Dict[str, Any] = {}
+        self._name: Optional[str] = None
+
+    def get(self, name, default=None):
+        rec = self.archive.records.get(name)
+        if rec is None:
+            return default
+        self._name = name  # torch restores the storage it asked for right after
+        return torch.empty(rec.size, dtype=torch.uint8, device="meta")
+
+    def _destination(self, location: str):
+        if location not in self._dest:
+            ml = self.map_location
+            if callable(ml):
+                try:
+                    r = ml(torch.UntypedStorage(0), location)
+                except Exception:
+                    r = None
+                if isinstance(r, torch.storage.TypedStorage):
+                    r = r._untyped_storage
+                c = _staging.copier_for(r) if isinstance(r, torch.UntypedStorage) else None
+                dest = (c, c.device_key(r)) if c is not None else None
+            else:
+                target = ml.get(location, location) if isinstance(ml, dict) else ml
+                dest = _staging.copier_for_location(target)
+            self._dest[location] = dest
+        return self._dest[location]
+
+    def restore_location(self, storage, location):
+        name, self._name = self._name, None
+        dest = self._destination(location) if isinstance(location, str) and name is not None else None
+        if dest is None:  # stays on the host (or an unknown place): read now, restore as torch does
+            if name is not None:
+                storage = self.host.read_late(name, storage=True).untyped_storage() \
+                    if name not in self.host else self.host[name].untyped_storage()
+            return self.restore(storage, location)
+        copier, device = dest
+        rec = self.archive.records[name]
+        dst = copier.empty_device(rec.size, device)
+        self.jobs.append(_staging.LoadJob(name, rec.data_offset, rec.size, dst, copier))
+        return dst
+
+    def finish(self, verify: bool) -> List[str]:
+        """Read every device-bound storage into its device storage; returns the
+        names of records that fail their CRC with `verify`."""
+        path = self.path
+
+        def read(ranges):
+            _C.read_ranges(get_engine(), path, ranges, -1)
+
+        _staging.load_into_device(read, self.jobs, _C.crc32 if verify else None)
+        recs = self.archive.records
+        if verify and self.jobs and all(recs[j.name].crc == 0 for j in self.jobs):
+            raise FormatError(f"{path}: verify=True, but the file records no checksums "
+                              "(saved with torch's compute_crc32 disabled)")
+        return [j.name for j in self.jobs if verify and j.crc != recs[j.name].crc]
+
+
+def _open_for_device(path: str, fh, verify: bool, map_location: MapLocation):
+    """As :func:`_read_archive` for a load onto a device: (archive, small
+    records, _DeviceRecords), or None where the device path does not apply
+    (a file of the other byte order: torch byteswaps the host storages)."""
+    archive = _parse_checkpoint(path, fh)
+    host = _Records(path, archive, fh.fileno(), verify)
+    small = host.read(["data.pkl"], [])
+    small.update(host.read([n for n in _SMALL_RECORDS if n in archive.records], []))
+    host.fd = -1
+    if small.get("byteorder", sys.byteorder.encode()).decode("ascii", "replace") != sys.byteorder:
+        return None
+    return archive, small, _DeviceRecords(path, archive, host, map_location)
+
+
 def _tensor_names_for_records(reader: _Reader, records: List[str], pickle_module, pickle_load_args) -> List[str]:
     """Names (paths in the loaded object) of the tensors stored in `records`."""
     offsets = {reader.get_record_offset(n): n for n in records}
@@ -692,7 +791,11 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         if pickle_load_args and weights_only:
             warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
         pickle_load_args.setdefault("encoding", "utf-8")  # torch.load's default
-        archive, small, storages, bad = _read_archive(path, fh, verify)
+        opened = _open_for_device(path, fh, verify, map_location) if _moves_off_cpu(map_location) else None
+        if opened is not None:  # storages go to a device through the staging pool
+            (archive, small, storages), bad = opened, []
+        else:
+            archive, small, storages, bad = _read_archive(path, fh, verify)
     if weights_only:
         pickle_module = ts._weights_only_unpickler
         # torch's weights-only unpickler is never handed a pickle that nests deep
@@ -706,12 +809,22 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     if bad:
         names = _tensor_names_for_records(reader, bad, pickle_module, pickle_load_args)
         raise FormatError(f"{path}: checksum mismatch (corrupt data) in {', '.join(names)}")
+    restore_arg, done = map_location, (lambda result: result)
+    if isinstance(storages, _DeviceRecords):
+        restore_arg = storages.restore_location
+
+        def done(result):  # the device storages' bytes, through the staging pool
+            bad = storages.finish(verify)
+            if bad:
+                names = _tensor_names_for_records(reader, bad, pickle_module, pickle_load_args)
+                raise FormatError(f"{path}: checksum mismatch (corrupt data) in {', '.join(names)}")
+            return result
     if not weights_only:
-        return ts._load(reader, map_location, pickle_module, **pickle_load_args)
+        return done(ts._load(reader, restore_arg, pickle_module, **pickle_load_args))
     # The restricted unpickler runs no code from the file, so anything it
     # raises, other than a refusal, comes from a damaged pickle; errors of
     # map_location itself are passed through unchanged.
-    restore = ts._get_restore_location(map_location)
+    restore = ts._get_restore_location(restore_arg)
 
     def restore_location(storage, location):
         if not isinstance(location, str):
@@ -726,7 +839,7 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
             raise _MapLocationError(e) from e
 
     try:
-        return ts._load(reader, restore_location, pickle_module, **pickle_load_args)
+        return done(ts._load(reader, restore_location, pickle_module, **pickle_load_args))
     except _MapLocationError as e:
         raise e.error from None
     except pickle.UnpicklingError as e:
