@@ -109,6 +109,10 @@ class DeviceCopier:
         """A hashable name of `t`'s device (copies into one buffer share it)."""
         raise NotImplementedError
 
+    def contiguous(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, or a contiguous copy of it on the same device."""
+        return t.contiguous()
+
     def to_host_async(self, dst: torch.Tensor, src: torch.Tensor):
         raise NotImplementedError
 
@@ -269,11 +273,13 @@ class HostPool:
         return hb if hb is not None else self.copier.alloc_host(self.chunk)
 
     def release(self, hb: HostBuffer) -> None:
-        self.copier.check_idle(hb.tensor)
-        with self._cv:
-            self._free.append(hb)
-            self._lent -= 1
-            self._cv.notify()
+        try:
+            self.copier.check_idle(hb.tensor)
+        finally:
+            with self._cv:
+                self._free.append(hb)
+                self._lent -= 1
+                self._cv.notify()
 
     def clear(self) -> None:
         """Free the buffers no pipeline holds."""
@@ -374,7 +380,7 @@ class ToHost:
         t = self._tensor_of(item)
         c = copier_for(t) if t is not None else None
         if c is not None and isinstance(t, torch.Tensor) and not t.is_contiguous():
-            t = t.contiguous()
+            t = c.contiguous(t)
         self._jobs.append(_Job(item, t, c))
         return True
 
@@ -462,11 +468,19 @@ class ToHost:
     def close(self) -> None:
         """Wait for every copy in flight and give the buffers back."""
         bufs, self._bufs = self._bufs, []
-        for b in bufs:
-            for ev in b.events:
-                ev.synchronize()
-            b.pool.release(b.hb)
         self._jobs.clear()
+        error = None
+        for b in bufs:
+            try:
+                for ev in b.events:
+                    ev.synchronize()
+            finally:
+                try:
+                    b.pool.release(b.hb)
+                except BaseException as e:  # every buffer goes back; the first error is raised
+                    error = error or e
+        if error is not None:
+            raise error
 
 
 def _nbytes(t) -> int:

@@ -839,7 +839,7 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
             raise _MapLocationError(e) from e
 
     try:
-        return done(ts._load(reader, restore_location, pickle_module, **pickle_load_args))
+        result = ts._load(reader, restore_location, pickle_module, **pickle_load_args)
     except _MapLocationError as e:
         raise e.error from None
     except pickle.UnpicklingError as e:
@@ -849,3 +849,4 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     except Exception as e:
         raise FormatError(f"{path}: data.pkl is damaged and cannot be unpickled "
                           f"({type(e).__name__}: {e})") from e
+    return done(result)

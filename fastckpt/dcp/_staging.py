@@ -220,7 +220,7 @@ class Stager:
         buf = self._buffer(path, t, slot, used, hosts, copier)
         if copier is not None:
             if t.numel():
-                src = t.contiguous()
+                src = copier.contiguous(t)
                 copies.append((buf.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)))
         else:
             buf.copy_(t)

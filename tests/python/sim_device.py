@@ -152,6 +152,13 @@ class SimDevice(_staging.DeviceCopier):
         except Exception:
             return False
 
+    def contiguous(self, t: torch.Tensor) -> torch.Tensor:
+        if t.is_contiguous():
+            return t
+        out = t.contiguous()
+        self._register(out.untyped_storage(), self._dev(t))
+        return out
+
     def device_key(self, t) -> Any:
         return f"sim:{self.device_index(t)}"
 
@@ -234,8 +241,7 @@ class SimDevice(_staging.DeviceCopier):
             self._ops.append(op)
             self._streams.setdefault(stream, []).append(op)
             self.copies += 1
-            if host_dst or True:
-                dst.fill_(POISON)  # what the destination holds until the copy lands
+            dst.fill_(POISON)  # what the destination holds until the copy lands
             self._cv.notify_all()
         if clash:
             self._violate("a copy into a host buffer was issued while an earlier copy into it is pending")
