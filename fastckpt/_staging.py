@@ -152,8 +152,8 @@ class CudaCopier(DeviceCopier):
             dev = torch.device(location)
         except (TypeError, RuntimeError, ValueError):
             return None
-        if dev.type != "cuda":
-            return None
+        if dev.type != "cuda" or not torch.cuda.is_available():
+            return None  # torch's own path raises torch's error
         return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
     def empty_device(self, nbytes: int, device: Any) -> torch.UntypedStorage:

@@ -586,18 +586,22 @@ class _DeviceRecords(dict):
     """load() with a map_location that moves storages to a device: no storage
     is read up front. While torch unpickles, each storage's destination is
     decided from its location tag (string, torch.device and dict map_locations
-    as torch decides; a callable is asked once per location tag, with an empty
-    CPU storage, which device it moves storages to); a storage bound for a
-    device gets an empty device storage now and its bytes in :meth:`finish`,
+    as torch decides them); a storage bound for a device gets an empty device
+    storage now and its bytes in :meth:`finish`,
     read in chunks into the staging pool and copied to the device while the
     next chunks are read (host memory: the pool, not the checkpoint). Storages
-    that stay on the host are read as :class:`_Records` reads them."""
+    that stay on the host are read as :class:`_Records` reads them. A
+    callable map_location is called once per storage, as by torch, with a
+    storage of the right size whose bytes are filled after it returns (into
+    the device storage it returns, through the pool; or into the host storage
+    it returns): it must not look at the bytes."""
 
     def __init__(self, path: str, archive: "_zip.Archive", host: "_Records", map_location: MapLocation):
         super().__init__()
         self.path, self.archive, self.host, self.map_location = path, archive, host, map_location
         self.restore = ts._get_restore_location(map_location)
         self.jobs: List[_staging.LoadJob] = []
+        self.host_jobs: List[Tuple[str, torch.UntypedStorage]] = []
         self._dest: Dict[str, Any] = {}
         self._name: Optional[str] = None
 
@@ -611,49 +615,63 @@ class _DeviceRecords(dict):
     def _destination(self, location: str):
         if location not in self._dest:
             ml = self.map_location
-            if callable(ml):
-                try:
-                    r = ml(torch.UntypedStorage(0), location)
-                except Exception:
-                    r = None
-                if isinstance(r, torch.storage.TypedStorage):
-                    r = r._untyped_storage
-                c = _staging.copier_for(r) if isinstance(r, torch.UntypedStorage) else None
-                dest = (c, c.device_key(r)) if c is not None else None
-            else:
-                target = ml.get(location, location) if isinstance(ml, dict) else ml
-                dest = _staging.copier_for_location(target)
-            self._dest[location] = dest
+            target = ml.get(location, location) if isinstance(ml, dict) else ml
+            self._dest[location] = _staging.copier_for_location(target)
         return self._dest[location]
 
     def restore_location(self, storage, location):
         name, self._name = self._name, None
-        dest = self._destination(location) if isinstance(location, str) and name is not None else None
-        if dest is None:  # stays on the host (or an unknown place): read now, restore as torch does
-            if name is not None:
-                storage = self.host.read_late(name, storage=True).untyped_storage() \
-                    if name not in self.host else self.host[name].untyped_storage()
+        if name is None:
             return self.restore(storage, location)
-        copier, device = dest
         rec = self.archive.records[name]
+        if callable(self.map_location):
+            # The callable is called once per storage, as torch calls it, with a
+            # storage of the record's size and location whose bytes are filled
+            # after it returns (through the pool if it moved it to a device).
+            r = self.restore(torch.UntypedStorage(rec.size), location)
+            u = r._untyped_storage if isinstance(r, torch.storage.TypedStorage) else r
+            if isinstance(u, torch.UntypedStorage) and u.nbytes() == rec.size:
+                copier = _staging.copier_for(u)
+                if copier is not None:
+                    self.jobs.append(_staging.LoadJob(name, rec.data_offset, rec.size, u, copier))
+                elif u.device.type == "cpu":
+                    self.host_jobs.append((name, u))
+                else:  # another accelerator: a plain copy of the bytes read now
+                    u.copy_(self.host.read_late(name, storage=True).untyped_storage())
+            return r
+        dest = self._destination(location) if isinstance(location, str) else None
+        if dest is None:  # stays on the host (or an unknown place): read now, restore as torch does
+            t = self.host[name] if name in self.host else self.host.read_late(name, storage=True)
+            return self.restore(t.untyped_storage(), location)
+        copier, device = dest
         dst = copier.empty_device(rec.size, device)
         self.jobs.append(_staging.LoadJob(name, rec.data_offset, rec.size, dst, copier))
         return dst
 
     def finish(self, verify: bool) -> List[str]:
-        """Read every device-bound storage into its device storage; returns the
-        names of records that fail their CRC with `verify`."""
+        """Read every deferred storage (device-bound ones through the pool,
+        host ones a callable map_location kept on the host in one parallel
+        batch); returns the names of records that fail their CRC with `verify`."""
         path = self.path
+        recs = self.archive.records
 
         def read(ranges):
             _C.read_ranges(get_engine(), path, ranges, -1)
 
+        self.host.claim([n for n, _ in self.host_jobs])
+        ranges = [(_as_bytes_tensor(u), recs[n].data_offset) for n, u in self.host_jobs if u.nbytes()]
+        if ranges:
+            read(ranges)
         _staging.load_into_device(read, self.jobs, _C.crc32 if verify else None)
-        recs = self.archive.records
-        if verify and self.jobs and all(recs[j.name].crc == 0 for j in self.jobs):
+        if not verify:
+            return []
+        names = [j.name for j in self.jobs] + [n for n, _ in self.host_jobs] + list(self.host)
+        if names and all(recs[n].crc == 0 for n in names):
             raise FormatError(f"{path}: verify=True, but the file records no checksums "
                               "(saved with torch's compute_crc32 disabled)")
-        return [j.name for j in self.jobs if verify and j.crc != recs[j.name].crc]
+        bad = [j.name for j in self.jobs if j.crc != recs[j.name].crc]
+        bad += [n for n, u in self.host_jobs if _C.crc32(_as_bytes_tensor(u), 0) != recs[n].crc]
+        return bad + [n for n, t in self.host.items() if _C.crc32(t, 0) != recs[n].crc]
 
 
 def _open_for_device(path: str, fh, verify: bool, map_location: MapLocation):
