@@ -571,11 +571,22 @@ def _read_archive(path: str, fh, verify: bool):
     return archive, small, storages, bad
 
 
-def _moves_off_cpu(map_location: MapLocation) -> bool:
+# A short string in a pickle (BINUNICODE with a length < 256, or
+# SHORT_BINUNICODE) that looks like a device location tag ("cuda", "cuda:1").
+_LOCATION_TAG = re.compile(rb"(?:X[\x00-\xff]\x00\x00\x00|\x8c[\x00-\xff])([a-z_]+:[0-9]+|cuda)")
+
+
+def _moves_off_cpu(map_location: MapLocation, fd: int = -1) -> bool:
     """Whether `map_location` may put storages on a device (then load() reads
-    them through the staging pool: :class:`_DeviceRecords`)."""
+    them through the staging pool: :class:`_DeviceRecords`). Without a
+    map_location, whether the start of the file (data.pkl comes first) names
+    a device location that a copier knows: one 64 KiB read."""
     if map_location is None:
-        return False
+        if fd < 0:
+            return False
+        head = os.pread(fd, 64 << 10, 0)
+        tags = {m.group(1).decode("ascii") for m in _LOCATION_TAG.finditer(head)}
+        return any(_staging.copier_for_location(t) is not None for t in tags)
     if callable(map_location):
         return True
     values = map_location.values() if isinstance(map_location, dict) else [map_location]
@@ -615,8 +626,14 @@ class _DeviceRecords(dict):
     def _destination(self, location: str):
         if location not in self._dest:
             ml = self.map_location
-            target = ml.get(location, location) if isinstance(ml, dict) else ml
+            target = ml.get(location, location) if isinstance(ml, dict) else location if ml is None else ml
             self._dest[location] = _staging.copier_for_location(target)
+            if self._dest[location] is None and isinstance(target, (str, torch.device)):
+                try:
+                    if torch.device(target).type == "cpu":
+                        self._dest[location] = "cpu"
+                except (RuntimeError, TypeError, ValueError):
+                    pass
         return self._dest[location]
 
     def restore_location(self, storage, location):
@@ -640,7 +657,11 @@ class _DeviceRecords(dict):
                     u.copy_(self.host.read_late(name, storage=True).untyped_storage())
             return r
         dest = self._destination(location) if isinstance(location, str) else None
-        if dest is None:  # stays on the host (or an unknown place): read now, restore as torch does
+        if dest == "cpu":  # stays on the host: read with the others, in one batch
+            u = torch.UntypedStorage(rec.size)
+            self.host_jobs.append((name, u))
+            return self.restore(u, location)
+        if dest is None:  # an unknown place: read now, restore as torch does
             t = self.host[name] if name in self.host else self.host.read_late(name, storage=True)
             return self.restore(t.untyped_storage(), location)
         copier, device = dest
@@ -809,7 +830,8 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         if pickle_load_args and weights_only:
             warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
         pickle_load_args.setdefault("encoding", "utf-8")  # torch.load's default
-        opened = _open_for_device(path, fh, verify, map_location) if _moves_off_cpu(map_location) else None
+        opened = _open_for_device(path, fh, verify, map_location) if _moves_off_cpu(map_location, fh.fileno()) \
+            else None
         if opened is not None:  # storages go to a device through the staging pool
             (archive, small, storages), bad = opened, []
         else:

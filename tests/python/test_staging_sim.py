@@ -406,3 +406,39 @@ def test_load_to_sim_with_lying_events_is_caught(tmp_path):
         with pytest.raises(StagingViolation):
             fastckpt.load(path, map_location="sim:0")
         assert "reused or released" in sim.violations[0]
+
+
+def _save_with_locations(path, sd, tag_of, monkeypatch):
+    """`sd` saved with the location tag `tag_of(i)` for storage i (as a file
+    saved from those devices would carry)."""
+    tags = {}
+
+    def location_tag(storage):
+        return tags.setdefault(storage._cdata, tag_of(len(tags)))
+    with monkeypatch.context() as m:
+        m.setattr(serialization.ts, "location_tag", location_tag)
+        fastckpt.save(sd, path)
+    return len(tags)
+
+
+def test_load_without_map_location_follows_device_tags(tmp_path, monkeypatch):
+    """No map_location, a file saved from devices: the storages go back to
+    their devices through the pool (mixed with host ones, read in one batch)."""
+    sd = make_state(16, big=1 << 20)
+    path = tmp_path / "c.pt"
+    n = _save_with_locations(path, sd, lambda i: "cpu" if i % 3 == 2 else f"sim:{i % 2}", monkeypatch)
+    assert n >= 6
+    seen = _host_bytes_read(monkeypatch)
+    with SimDevice(seed=16) as sim:
+        got = fastckpt.load(path, verify=True)
+        assert sim.violations == [] and sim.peak_locked_bytes <= POOL
+        where = {k: (sim.device_key(v) if sim.owns(v) else str(v.device)) for k, v in got.items()
+                 if isinstance(v, torch.Tensor) and v.numel()}
+        assert where["emb"] == "sim:0" and "cpu" in where.values() and "sim:1" in where.values(), where
+        assert_same_state(got, sd)
+    assert len(seen) == 1
+    fastckpt.load(tmp_path / "c.pt", map_location="cpu")  # not a device load
+    fastckpt.save(sd, path)
+    with SimDevice(seed=16):
+        assert_same_state(fastckpt.load(path), sd)      # cpu tags: the host path
+    assert len(seen) == 1
