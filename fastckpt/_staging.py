@@ -194,7 +194,7 @@ class CudaCopier(DeviceCopier):
             return None
         cudart = torch.cuda.cudart()
         ptr = t.data_ptr()
-        rc = int(cudart.cudaHostRegister(ptr, t.numel(), 0))
+        rc = int(cudart.cudaHostRegister(ptr, t.numel(), 1))  # cudaHostRegisterPortable
         if rc != 0:  # e.g. RLIMIT_MEMLOCK: pageable memory still works, the copies just do not overlap
             self._register_ok = False
             log.warning("fastckpt: cudaHostRegister of %d bytes failed (cudaError %d); "
