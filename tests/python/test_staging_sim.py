@@ -190,11 +190,11 @@ def test_events_are_per_device_and_stream():
 
 # ---------------------------------------------------------------- FastWriter
 
-def _dcp_save(sd, path, writer_cls=None):
+def _dcp_save(sd, path, writer_cls=None, **kw):
     import torch.distributed.checkpoint as dcp
     from conftest import dcp_unwrapped
     from fastckpt.dcp import FastWriter
-    w = (writer_cls or FastWriter)(path)
+    w = (writer_cls or FastWriter)(path, **kw)
     dcp_unwrapped(dcp.save, sd, storage_writer=w, no_dist=True)
     return w
 
@@ -213,14 +213,16 @@ def _dcp_state(seed):
 
 
 @needs_dist
-@pytest.mark.parametrize("spontaneous", [True, False])
-def test_fastwriter_from_sim_devices_writes_the_cpu_files(tmp_path, spontaneous):
+@pytest.mark.parametrize("spontaneous,threads", [(True, 1), (False, 1), (True, 3)])
+def test_fastwriter_from_sim_devices_writes_the_cpu_files(tmp_path, spontaneous, threads):
+    """threads=3: three files written at once, their pipelines sharing one pool."""
     sd = _dcp_state(8)
-    _dcp_save(sd, tmp_path / "cpu")
+    _dcp_save(sd, tmp_path / "cpu", thread_count=threads)
     with SimDevice(seed=8, spontaneous=spontaneous) as sim:
-        _dcp_save(on_sim(sim, sd), tmp_path / "sim")
-        assert sim.violations == []
+        _dcp_save(on_sim(sim, sd), tmp_path / "sim", thread_count=threads)
+        assert sim.violations == [] and sim.peak_locked_bytes <= POOL
     assert _data_files(tmp_path / "sim") == _data_files(tmp_path / "cpu") != {}
+    assert len(_data_files(tmp_path / "sim")) == threads
 
 
 class WrongStream(SimDevice):
