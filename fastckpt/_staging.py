@@ -363,7 +363,8 @@ class ToHost:
         self._src = iter(items)
         self._tensor_of = tensor_of
         self._chunk = chunk
-        self._jobs: Deque[_Job] = deque()
+        self._jobs: Deque[_Job] = deque()      # pulled, not yet handed to the consumer
+        self._to_copy: Deque[_Job] = deque()   # device jobs not yet copied in full, in order
         self._bufs: List[_Buf] = []  # buffers this pipeline holds
         self._exhausted = False
 
@@ -381,7 +382,10 @@ class ToHost:
         c = copier_for(t) if t is not None else None
         if c is not None and isinstance(t, torch.Tensor) and not t.is_contiguous():
             t = c.contiguous(t)
-        self._jobs.append(_Job(item, t, c))
+        job = _Job(item, t, c)
+        self._jobs.append(job)
+        if c is not None and _nbytes(t):
+            self._to_copy.append(job)
         return True
 
     def _buffer_for(self, job: _Job, block: bool) -> Optional[_Buf]:
@@ -402,15 +406,11 @@ class ToHost:
         """Issue copies ahead while buffers are free; blocks only when `need`
         (the job the consumer waits for) has nothing copied and this pipeline
         holds no buffer of its pool."""
-        i = 0
         while True:
-            while i >= len(self._jobs):
+            while not self._to_copy:
                 if not self._pull():
                     return
-            job = self._jobs[i]
-            if job.copier is None or job.copied >= _nbytes(job.src):
-                i += 1
-                continue
+            job = self._to_copy[0]
             b = self._buffer_for(job, block=job is need and not job.segs)
             if b is None:
                 return
@@ -422,6 +422,8 @@ class ToHost:
             b.pending += 1
             job.copied += n
             b.fill = min(b.pool.chunk, b.fill + n + (-n) % PACK_ALIGN)
+            if job.copied == src.numel():
+                self._to_copy.popleft()
 
     def _pieces(self, job: _Job) -> Iterator[torch.Tensor]:
         n = _nbytes(job.src)
@@ -469,6 +471,7 @@ class ToHost:
         """Wait for every copy in flight and give the buffers back."""
         bufs, self._bufs = self._bufs, []
         self._jobs.clear()
+        self._to_copy.clear()
         error = None
         for b in bufs:
             try:
