@@ -366,12 +366,15 @@ class ToHost:
         self._jobs: Deque[_Job] = deque()      # pulled, not yet handed to the consumer
         self._to_copy: Deque[_Job] = deque()   # device jobs not yet copied in full, in order
         self._bufs: List[_Buf] = []  # buffers this pipeline holds
+        self._host_queued = 0        # host tensors pulled, not yet handed out
         self._exhausted = False
 
     # -- copying ahead
 
     def _pull(self) -> bool:
-        if self._exhausted or len(self._jobs) >= LOOKAHEAD:
+        # Host tensors are not resolved more than one ahead (a planner may
+        # materialize them, e.g. `fastckpt convert`); device ones up to LOOKAHEAD.
+        if self._exhausted or len(self._jobs) >= LOOKAHEAD or self._host_queued >= 2:
             return False
         try:
             item = next(self._src)
@@ -386,6 +389,8 @@ class ToHost:
         self._jobs.append(job)
         if c is not None and _nbytes(t):
             self._to_copy.append(job)
+        elif c is None and t is not None:
+            self._host_queued += 1
         return True
 
     def _buffer_for(self, job: _Job, block: bool) -> Optional[_Buf]:
@@ -458,6 +463,7 @@ class ToHost:
                 continue
             if job.copier is None:
                 self._jobs.popleft()
+                self._host_queued -= 1
                 host = job.src
                 yield job.item, host, [_bytes_view(host.contiguous())] if _nbytes(host) else []
                 continue
@@ -472,6 +478,7 @@ class ToHost:
         bufs, self._bufs = self._bufs, []
         self._jobs.clear()
         self._to_copy.clear()
+        self._host_queued = 0
         error = None
         for b in bufs:
             try:

@@ -772,7 +772,13 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         f: a path (read through the engine: every storage in parallel with
             O_DIRECT), or a readable binary file object (read by torch.load).
         map_location: as for torch.load: a device string, torch.device, dict
-            of location tags, or callable.
+            of location tags, or callable. Storages bound for a device (by
+            map_location, or by their saved location tag when it is None) are
+            read in chunks into the staging pool and copied to the device
+            while the next chunks are read: host memory is the pool, not the
+            checkpoint. A callable is called once per storage, as by torch,
+            with a storage of the right size and location whose bytes are
+            filled after it returns (it must not read them).
         pickle_module: as for torch.load; only without weights-only.
         weights_only: as for torch.load (the same rules, on every path:
             files, file objects, mmap, legacy files): ``None`` (default) and

@@ -444,3 +444,27 @@ def test_load_without_map_location_follows_device_tags(tmp_path, monkeypatch):
     with SimDevice(seed=16):
         assert_same_state(fastckpt.load(path), sd)      # cpu tags: the host path
     assert len(seen) == 1
+
+
+def test_host_tensors_are_resolved_at_most_two_ahead():
+    """A planner may materialize a tensor when it is resolved (fastckpt
+    convert): the pipeline resolves host tensors only just ahead of the
+    writes, while device tensors are copied further ahead."""
+    resolved = []
+
+    def tensor_of(i):
+        resolved.append(i)
+        return torch.full((10,), float(i))
+    pipe = _staging.ToHost(range(100), tensor_of)
+    for i, (item, t, pieces) in enumerate(pipe):
+        assert item == i and torch.equal(t, torch.full((10,), float(i)))
+        assert len(resolved) <= i + 3, (i, len(resolved))
+        list(pieces)
+    pipe.close()
+    with SimDevice(seed=17, spontaneous=False) as sim:
+        dev = [sim.tensor(torch.full((10,), float(i)), 1) for i in range(100)]
+        pipe = _staging.ToHost(dev)
+        it = iter(pipe)
+        next(it)
+        assert sim.copies == 100  # all issued ahead into one packed buffer
+        pipe.close()
