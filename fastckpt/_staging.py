@@ -46,7 +46,7 @@ import torch
 log = logging.getLogger("fastckpt")
 
 __all__ = ["DeviceCopier", "CudaCopier", "HostBuffer", "HostPool", "ToHost", "copier_for", "copier_for_location",
-           "register", "pool_for", "snapshot_into", "load_into_device"]
+           "register", "pool_for", "clear_pools", "snapshot_into", "load_into_device"]
 
 ALIGN = 4096        # host buffers start on a page
 PACK_ALIGN = 64     # small tensors packed into one buffer start on a cache line
@@ -309,6 +309,15 @@ def pool_for(copier: DeviceCopier, chunk: Optional[int] = None, count: Optional[
         if p is None or p.copier is not copier:
             p = _pools[key] = HostPool(copier, chunk, count)
         return p
+
+
+def clear_pools() -> None:
+    """Free the pools' buffers that no save or load holds (page-locked memory
+    is unlocked and returned); the next device save or load makes new ones."""
+    with _pools_lock:
+        pools = list(_pools.values())
+    for p in pools:
+        p.clear()
 
 
 def _after_fork_in_child() -> None:
