@@ -675,15 +675,30 @@ class _DeviceRecords(dict):
         batch); returns the names of records that fail their CRC with `verify`."""
         path = self.path
         recs = self.archive.records
+        if not self.jobs and not self.host_jobs:
+            return []
+        # The file is open again (the unpickler ran after it was closed): it
+        # must be the one the archive was parsed from.
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise FormatError(f"{path}: the file went away while it was being loaded ({e})") from None
+        try:
+            st, now = self.archive.stat, os.fstat(fd)
+            if st is None or (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != \
+                    (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+                raise FormatError(f"{path}: the file was replaced or changed while it was being loaded")
 
-        def read(ranges):
-            _C.read_ranges(get_engine(), path, ranges, -1)
+            def read(ranges):
+                _C.read_ranges(get_engine(), path, ranges, fd)
 
-        self.host.claim([n for n, _ in self.host_jobs])
-        ranges = [(_as_bytes_tensor(u), recs[n].data_offset) for n, u in self.host_jobs if u.nbytes()]
-        if ranges:
-            read(ranges)
-        _staging.load_into_device(read, self.jobs, _C.crc32 if verify else None)
+            self.host.claim([n for n, _ in self.host_jobs])
+            ranges = [(_as_bytes_tensor(u), recs[n].data_offset) for n, u in self.host_jobs if u.nbytes()]
+            if ranges:
+                read(ranges)
+            _staging.load_into_device(read, self.jobs, _C.crc32 if verify else None)
+        finally:
+            os.close(fd)
         if not verify:
             return []
         names = [j.name for j in self.jobs] + [n for n, _ in self.host_jobs] + list(self.host)

@@ -468,3 +468,20 @@ def test_host_tensors_are_resolved_at_most_two_ahead():
         next(it)
         assert sim.copies == 100  # all issued ahead into one packed buffer
         pipe.close()
+
+
+def test_device_load_reads_the_file_it_parsed(tmp_path, monkeypatch):
+    """The storages are read after the unpickler ran: a file replaced
+    meanwhile is an error, never a mix of two checkpoints."""
+    path = tmp_path / "c.pt"
+    fastckpt.save(make_state(18), path)
+    orig = serialization._DeviceRecords.finish
+
+    def finish(self, verify):
+        os.replace(tmp_path / "other.pt", path)
+        return orig(self, verify)
+    fastckpt.save(make_state(19), tmp_path / "other.pt")
+    monkeypatch.setattr(serialization._DeviceRecords, "finish", finish)
+    with SimDevice(seed=18):
+        with pytest.raises(fastckpt.FormatError, match="replaced or changed"):
+            fastckpt.load(path, map_location="sim:0")
