@@ -392,8 +392,6 @@ class ToHost:
             return False
         t = self._tensor_of(item)
         c = copier_for(t) if t is not None else None
-        if c is not None and isinstance(t, torch.Tensor) and not t.is_contiguous():
-            t = c.contiguous(t)
         job = _Job(item, t, c)
         self._jobs.append(job)
         if c is not None and _nbytes(t):
@@ -428,6 +426,8 @@ class ToHost:
             b = self._buffer_for(job, block=job is need and not job.segs)
             if b is None:
                 return
+            if job.copied == 0 and isinstance(job.src, torch.Tensor) and not job.src.is_contiguous():
+                job.src = job.copier.contiguous(job.src)  # a device temporary only once its copy starts
             src = _bytes_view(job.src)
             n = min(src.numel() - job.copied, b.pool.chunk - b.fill)
             dst = b.hb.tensor[b.fill:b.fill + n]
