@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, IO, List, Optional, Tuple, Union
 import torch
 import torch.serialization as ts
 
-from . import _C, _paths, _staging, _torch_rules, _unpickle, _zip, knobs
+from . import _C, _paths, _staging, _torch_rules, _unpickle, _zip
 from .engine import get_engine
 from .errors import FormatError
 
