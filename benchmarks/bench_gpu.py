@@ -1,10 +1,13 @@
 #!/usr/bin/env python3
 """Device-to-disk save and disk-to-device load of a CUDA state dict.
 
-Compares fastckpt.save (pinned staging, D2H overlapped with the writes) with
-torch.save + fsync, and fastckpt.load(map_location="cuda") with torch.load,
-all durable / from a cold page cache where drop_caches is allowed. Reports
-GB/s, the extra host memory (peak RSS growth) and checks the data.
+Compares fastckpt.save (the staging pool: D2H copies overlapped with the
+writes) with torch.save + fsync, and fastckpt.load(map_location="cuda")
+(chunks read into the pool, copied to the device while the next are read)
+with torch.load, all durable / from a cold page cache where drop_caches is
+allowed; then times async_save's blocking part against its snapshot. Reports
+GB/s, the extra host memory (peak anonymous RSS growth, sampled) and checks
+the data.
 Run by benchmarks/gpu_check.sh; needs a CUDA device.
 """
 import argparse
@@ -29,6 +32,40 @@ def drop_caches():
 
 def rss_mb():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _rss_anon_mb():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+class PeakRss:
+    """Peak growth of the process's anonymous RSS (heap, pinned staging)
+    while the block runs, sampled every 5 ms (MB)."""
+
+    def __enter__(self):
+        import threading
+        self.base = self.peak = _rss_anon_mb()
+        self._stop = threading.Event()
+
+        def run():
+            while not self._stop.wait(0.005):
+                self.peak = max(self.peak, _rss_anon_mb())
+        self._t = threading.Thread(target=run, daemon=True)
+        self._t.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._t.join()
+        self.peak = max(self.peak, _rss_anon_mb())
+
+    @property
+    def growth(self):
+        return self.peak - self.base
 
 
 def fsync_path(p):
@@ -66,11 +103,11 @@ def main():
     try:
         p1, p2 = os.path.join(work, "f.pt"), os.path.join(work, "t.pt")
         for rep in range(a.reps):
-            r0 = rss_mb()
             t = time.perf_counter()
-            fastckpt.save(sd, p1)
+            with PeakRss() as rs:
+                fastckpt.save(sd, p1)
             ts = time.perf_counter() - t
-            r1 = rss_mb()
+            r0, r1 = 0, rs.growth
             t = time.perf_counter()
             torch.save(sd, p2)
             fsync_path(p2)
@@ -79,19 +116,28 @@ def main():
                   f"torch.save+fsync {nbytes / tt / 1e9:6.2f} GB/s")
             drop_caches()
             t = time.perf_counter()
-            x = fastckpt.load(p1, map_location="cuda:0")
-            torch.cuda.synchronize()
+            with PeakRss() as rl:
+                x = fastckpt.load(p1, map_location="cuda:0")
+                torch.cuda.synchronize()
             tl = time.perf_counter() - t
             ok = all(torch.equal(x[k], sd[k]) for k in sd)
             del x
             drop_caches()
             t = time.perf_counter()
-            y = torch.load(p2, map_location="cuda:0")
-            torch.cuda.synchronize()
+            with PeakRss() as rt:
+                y = torch.load(p2, map_location="cuda:0")
+                torch.cuda.synchronize()
             tt = time.perf_counter() - t
             del y
-            print(f"rep {rep}: load  fastckpt {nbytes / tl / 1e9:6.2f} GB/s   torch.load {nbytes / tt / 1e9:6.2f} GB/s   "
+            print(f"rep {rep}: load  fastckpt {nbytes / tl / 1e9:6.2f} GB/s (peak RSS +{rl.growth:.0f} MB)   "
+                  f"torch.load {nbytes / tt / 1e9:6.2f} GB/s (peak RSS +{rt.growth:.0f} MB)   "
                   f"data {'equal' if ok else 'DIFFERENT'}")
+            t = time.perf_counter()
+            fut = fastckpt.async_save(sd, p2)
+            tb = time.perf_counter() - t
+            res = fut.result()
+            print(f"rep {rep}: async_save blocked {tb:.2f} s (snapshot {res.snapshot_seconds:.2f} s, "
+                  f"{nbytes / res.snapshot_seconds / 1e9:.1f} GB/s device-to-host), write {res.write_seconds:.2f} s")
             os.unlink(p2)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -6,8 +6,10 @@
 with :func:`fastckpt.save` (same file, same atomic durable commit). The caller
 may modify or free its tensors as soon as ``async_save`` returns.
 
-Staging memory is one contiguous *arena* per snapshot (page-locked when the
-state holds CUDA tensors, so device-to-host copies run at full speed), taken
+Staging memory is one contiguous *arena* per snapshot, exactly the state's
+size rounded up to 1 MiB (page-locked once through :mod:`fastckpt._staging`
+when the state holds CUDA tensors, so device-to-host copies run at full
+speed; never rounded up to a power of two), taken
 from a small pool and given back when the write is done: saving the same
 state again reuses the same arena, nothing is allocated. Host memory is
 bounded by ``async_max_in_flight`` (a :mod:`fastckpt.knobs` knob, default 1)
@@ -57,7 +59,7 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.serialization as _ts
 
-from . import _torch_rules, knobs
+from . import _staging, _torch_rules, knobs
 from . import serialization as _ser
 
 __all__ = ["async_save", "wait_for_saves", "AsyncSaver", "SaveFuture", "SaveResult", "Stager", "default_saver"]
@@ -105,11 +107,16 @@ class SaveFuture(concurrent.futures.Future):
 # ---------------------------------------------------------------- staging
 
 class _Arena:
-    __slots__ = ("buf", "pinned")
+    """One snapshot's host memory: exactly the staged bytes (page-rounded),
+    page-locked through the device's copier when the state holds device
+    storages (``HostBuffer``: no power-of-two rounding, unlocked and freed
+    when the arena is dropped)."""
+    __slots__ = ("buf", "pinned", "host")
 
-    def __init__(self, nbytes: int, pinned: bool):
-        self.buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
-        self.pinned = pinned
+    def __init__(self, nbytes: int, copier: Optional["_staging.DeviceCopier"]):
+        self.host = copier.alloc_host(nbytes) if copier is not None else None
+        self.buf = self.host.tensor if self.host is not None else torch.empty(nbytes, dtype=torch.uint8)
+        self.pinned = copier is not None
 
     @property
     def capacity(self) -> int:
@@ -126,8 +133,11 @@ class Stager:
     ``snapshot(storages)`` returns an arena and one staged ``UntypedStorage``
     per input (a view of the arena, same size); ``release(arena)`` gives the
     arena back. Free arenas are kept for reuse, at most ``keep`` of them
-    (the in-flight limit), and only those large enough for the last snapshot.
-    ``allocations`` and ``allocated_bytes`` count what was ever allocated.
+    (the in-flight limit), and only those large enough for the last snapshot;
+    :meth:`clear` frees them. ``allocations`` and ``allocated_bytes`` count
+    what was ever allocated. Device storages are copied through
+    :mod:`fastckpt._staging` (each copy on its device's copy stream, waited for
+    on its own event before ``snapshot`` returns).
     """
 
     def __init__(self):
@@ -137,7 +147,8 @@ class Stager:
         self.allocations = 0
         self.allocated_bytes = 0
 
-    def _acquire(self, need: int, pinned: bool) -> _Arena:
+    def _acquire(self, need: int, copier) -> _Arena:
+        pinned = copier is not None
         with self._lock:
             self._last_need = need
             fits = [a for a in self._free if a.pinned == pinned and a.capacity >= need]
@@ -148,7 +159,7 @@ class Stager:
             # The state grew (or changed kind): smaller free arenas will not fit it again.
             self._free = [a for a in self._free if a.pinned != pinned or a.capacity >= need]
         size = max(_ARENA_ROUND, (need + _ARENA_ROUND - 1) // _ARENA_ROUND * _ARENA_ROUND)
-        arena = _Arena(size, pinned)
+        arena = _Arena(size, copier)
         with self._lock:
             self.allocations += 1
             self.allocated_bytes += size
@@ -173,8 +184,8 @@ class Stager:
 
     def snapshot(self, storages: List[torch.UntypedStorage]) -> Tuple[_Arena, List[torch.UntypedStorage]]:
         need = sum(_align(s.nbytes()) for s in storages)
-        pinned = any(s.device.type == "cuda" for s in storages) and torch.cuda.is_available()
-        arena = self._acquire(need, pinned)
+        copier = next((c for c in map(_staging.copier_for, storages) if c is not None), None)
+        arena = self._acquire(need, copier)
         try:
             staged = self._copy(arena, storages)
         except BaseException:
@@ -185,9 +196,10 @@ class Stager:
     @staticmethod
     def _copy(arena: _Arena, storages: List[torch.UntypedStorage]) -> List[torch.UntypedStorage]:
         whole = arena.buf.untyped_storage()
+        base = arena.buf.storage_offset()
         staged: List[torch.UntypedStorage] = []
-        cuda_devices = set()
-        off = 0
+        pairs = []
+        off = base
         for src in storages:
             n = src.nbytes()
             if n == 0:
@@ -195,17 +207,9 @@ class Stager:
                 continue
             dst = whole[off:off + n]  # a view of the arena, exactly n bytes
             off += _align(n)
-            d, s = _ser._as_bytes_tensor(dst), _ser._as_bytes_tensor(src)
-            if src.device.type == "cuda":
-                # On the device's current stream: ordered after the kernels that
-                # produced the data; asynchronous into pinned memory.
-                d.copy_(s, non_blocking=arena.pinned)
-                cuda_devices.add(src.device)
-            else:
-                d.copy_(s)
+            pairs.append((_ser._as_bytes_tensor(dst), _ser._as_bytes_tensor(src)))
             staged.append(dst)
-        for dev in cuda_devices:
-            torch.cuda.current_stream(dev).synchronize()
+        _staging.snapshot_into(pairs)  # returns once every copy is complete
         return staged
 
 

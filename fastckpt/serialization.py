@@ -16,7 +16,6 @@ import os
 import pickle
 import re
 import sys
-import threading
 import uuid
 import warnings
 import zlib
@@ -25,7 +24,7 @@ from typing import Any, Callable, Dict, IO, List, Optional, Tuple, Union
 import torch
 import torch.serialization as ts
 
-from . import _C, _paths, _torch_rules, _unpickle, _zip, knobs
+from . import _C, _paths, _staging, _torch_rules, _unpickle, _zip
 from .engine import get_engine
 from .errors import FormatError
 
@@ -169,80 +168,6 @@ class _FileSink:
         pass
 
 
-class _PinnedStager:
-    """Copies CUDA storages to the host through two reused pinned buffers on a
-    side stream, overlapping each device-to-host copy with the disk write of
-    the previous chunk. Host memory used: 2 x chunk per concurrent save,
-    whatever the model size; the pairs are kept and reused across saves."""
-
-    _lock = threading.Lock()
-    _free: Dict[int, List[List[torch.Tensor]]] = {}
-
-    def __init__(self, chunk: int):
-        self.chunk = chunk
-        self.pair: Optional[List[torch.Tensor]] = None
-
-    def release(self) -> None:
-        """Return the buffers for the next save."""
-        if self.pair is not None:
-            with self._lock:
-                self._free.setdefault(self.chunk, []).append(self.pair)
-            self.pair = None
-
-    def _buffers(self) -> List[torch.Tensor]:
-        if self.pair is None:
-            with self._lock:
-                free = self._free.get(self.chunk)
-                self.pair = free.pop() if free else None
-            if self.pair is None:
-                self.pair = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        return self.pair
-
-    def write(self, sink, src: torch.Tensor, crc: int) -> int:
-        device = src.device
-        stream = torch.cuda.Stream(device=device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        bufs = self._buffers()
-        events = [torch.cuda.Event(), torch.cuda.Event()]
-        n = src.numel()
-        pending: Optional[Tuple[int, int]] = None  # (buffer index, length) copied, not yet written
-        try:
-            for i, off in enumerate(range(0, n, self.chunk)):
-                k = min(self.chunk, n - off)
-                b = i % 2  # this buffer's previous chunk was written in the last iteration
-                with torch.cuda.stream(stream):
-                    bufs[b][:k].copy_(src[off:off + k], non_blocking=True)
-                    events[b].record(stream)
-                if pending is not None:
-                    pb, pk = pending
-                    events[pb].synchronize()
-                    crc = sink.write_crc(bufs[pb][:pk], crc)
-                pending = (b, k)
-            if pending is not None:
-                pb, pk = pending
-                events[pb].synchronize()
-                crc = sink.write_crc(bufs[pb][:pk], crc)
-        except BaseException:
-            # A failed write leaves a copy in flight into the other buffer: wait
-            # for it before the pair goes back to the pool for the next save.
-            stream.synchronize()
-            raise
-        return crc
-
-
-def _after_fork_in_child() -> None:
-    # A thread of the parent may have held the pinned-buffer pool's lock at fork().
-    _PinnedStager._lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _cuda_chunk() -> int:
-    return 4 * knobs.config().buffer_size
-
-
 def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
          _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False) -> None:
     """Save an object like :func:`torch.save`, durably and atomically.
@@ -354,7 +279,7 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
     expected = pos + cd_len
 
     path = os.fspath(f) if _is_path(f) else None
-    stager = _PinnedStager(_cuda_chunk())  # pinned buffers only if a CUDA storage comes
+    stager = _staging.DeviceStorages([p[0] for p in plan], skip_data)  # copied ahead through the pool
     sink = None
     try:
         sink = _EngineSink(path, expected, crc_on) if path is not None else _FileSink(f, crc_on)
@@ -367,10 +292,10 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
                 t = _as_bytes_tensor(payload)
                 if entry.size == 0:
                     crc = 0
+                elif stager.owns(payload):  # a device storage: its bytes through the staging pool
+                    crc = stager.write(sink, payload, 0)
                 elif t.device.type == "cpu":
                     crc = sink.write_crc(t, 0)
-                elif t.device.type == "cuda":
-                    crc = stager.write(sink, t, 0)
                 else:  # other accelerators: a plain host copy of this storage
                     crc = sink.write_crc(t.cpu(), 0)
             elif not isinstance(payload, (bytes, bytearray)):  # streamed storage
@@ -703,6 +628,159 @@ def _read_archive(path: str, fh, verify: Optional[bool]):
     return archive, small, storages, storages.bad(list(storages))
 
 
+# A short string in a pickle (BINUNICODE with a length < 256, or
+# SHORT_BINUNICODE) that looks like a device location tag ("cuda", "cuda:1").
+_LOCATION_TAG = re.compile(rb"(?:X[\x00-\xff]\x00\x00\x00|\x8c[\x00-\xff])([a-z_]+:[0-9]+|cuda)")
+
+
+def _moves_off_cpu(map_location: MapLocation, fd: int = -1) -> bool:
+    """Whether `map_location` may put storages on a device (then load() reads
+    them through the staging pool: :class:`_DeviceRecords`). Without a
+    map_location, whether the start of the file (data.pkl comes first) names
+    a device location that a copier knows: one 64 KiB read."""
+    if map_location is None:
+        if fd < 0:
+            return False
+        head = os.pread(fd, 64 << 10, 0)
+        tags = {m.group(1).decode("ascii") for m in _LOCATION_TAG.finditer(head)}
+        return any(_staging.copier_for_location(t) is not None for t in tags)
+    if callable(map_location):
+        return True
+    values = map_location.values() if isinstance(map_location, dict) else [map_location]
+    return any(_staging.copier_for_location(v) is not None for v in values)
+
+
+class _DeviceRecords(dict):
+    """load() with a map_location that moves storages to a device: no storage
+    is read up front. While torch unpickles, each storage's destination is
+    decided from its location tag (string, torch.device and dict map_locations
+    as torch decides them); a storage bound for a device gets an empty device
+    storage now and its bytes in :meth:`finish`,
+    read in chunks into the staging pool and copied to the device while the
+    next chunks are read (host memory: the pool, not the checkpoint). Storages
+    that stay on the host are read as :class:`_Records` reads them. A
+    callable map_location is called once per storage, as by torch, with a
+    storage of the right size whose bytes are filled after it returns (into
+    the device storage it returns, through the pool; or into the host storage
+    it returns): it must not look at the bytes."""
+
+    def __init__(self, path: str, archive: "_zip.Archive", host: "_Records", map_location: MapLocation):
+        super().__init__()
+        self.path, self.archive, self.host, self.map_location = path, archive, host, map_location
+        self.restore = ts._get_restore_location(map_location)
+        self.jobs: List[_staging.LoadJob] = []
+        self.host_jobs: List[Tuple[str, torch.UntypedStorage]] = []
+        self._dest: Dict[str, Any] = {}
+        self._name: Optional[str] = None
+
+    def get(self, name, default=None):
+        rec = self.archive.records.get(name)
+        if rec is None:
+            return default
+        self._name = name  # torch restores the storage it asked for right after
+        return torch.empty(rec.size, dtype=torch.uint8, device="meta")
+
+    def _destination(self, location: str):
+        if location not in self._dest:
+            ml = self.map_location
+            target = ml.get(location, location) if isinstance(ml, dict) else location if ml is None else ml
+            self._dest[location] = _staging.copier_for_location(target)
+            if self._dest[location] is None and isinstance(target, (str, torch.device)):
+                try:
+                    if torch.device(target).type == "cpu":
+                        self._dest[location] = "cpu"
+                except (RuntimeError, TypeError, ValueError):
+                    pass
+        return self._dest[location]
+
+    def restore_location(self, storage, location):
+        name, self._name = self._name, None
+        if name is None:
+            return self.restore(storage, location)
+        rec = self.archive.records[name]
+        if callable(self.map_location):
+            # The callable is called once per storage, as torch calls it, with a
+            # storage of the record's size and location whose bytes are filled
+            # after it returns (through the pool if it moved it to a device).
+            r = self.restore(torch.UntypedStorage(rec.size), location)
+            u = r._untyped_storage if isinstance(r, torch.storage.TypedStorage) else r
+            if isinstance(u, torch.UntypedStorage) and u.nbytes() == rec.size:
+                copier = _staging.copier_for(u)
+                if copier is not None:
+                    self.jobs.append(_staging.LoadJob(name, rec.data_offset, rec.size, u, copier))
+                elif u.device.type == "cpu":
+                    self.host_jobs.append((name, u))
+                else:  # another accelerator: a plain copy of the bytes read now
+                    u.copy_(self.host.read_late(name, storage=True).untyped_storage())
+            return r
+        dest = self._destination(location) if isinstance(location, str) else None
+        if dest == "cpu":  # stays on the host: read with the others, in one batch
+            u = torch.UntypedStorage(rec.size)
+            self.host_jobs.append((name, u))
+            return self.restore(u, location)
+        if dest is None:  # an unknown place: read now, restore as torch does
+            t = self.host[name] if name in self.host else self.host.read_late(name, storage=True)
+            return self.restore(t.untyped_storage(), location)
+        copier, device = dest
+        dst = copier.empty_device(rec.size, device)
+        self.jobs.append(_staging.LoadJob(name, rec.data_offset, rec.size, dst, copier))
+        return dst
+
+    def finish(self, verify: bool) -> List[str]:
+        """Read every deferred storage (device-bound ones through the pool,
+        host ones a callable map_location kept on the host in one parallel
+        batch); returns the names of records that fail their CRC with `verify`."""
+        path = self.path
+        recs = self.archive.records
+        if not self.jobs and not self.host_jobs:
+            return []
+        # The file is open again (the unpickler ran after it was closed): it
+        # must be the one the archive was parsed from.
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise FormatError(f"{path}: the file went away while it was being loaded ({e})") from None
+        try:
+            st, now = self.archive.stat, os.fstat(fd)
+            if st is None or (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != \
+                    (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+                raise FormatError(f"{path}: the file was replaced or changed while it was being loaded")
+
+            def read(ranges):
+                _C.read_ranges(get_engine(), path, ranges, fd)
+
+            self.host.claim([n for n, _ in self.host_jobs])
+            ranges = [(_as_bytes_tensor(u), recs[n].data_offset) for n, u in self.host_jobs if u.nbytes()]
+            if ranges:
+                read(ranges)
+            _staging.load_into_device(read, self.jobs, _C.crc32 if verify else None)
+        finally:
+            os.close(fd)
+        if not verify:
+            return []
+        names = [j.name for j in self.jobs] + [n for n, _ in self.host_jobs] + list(self.host)
+        if names and all(recs[n].crc == 0 for n in names):
+            raise FormatError(f"{path}: verify=True, but the file records no checksums "
+                              "(saved with torch's compute_crc32 disabled)")
+        bad = [j.name for j in self.jobs if j.crc != recs[j.name].crc]
+        bad += [n for n, u in self.host_jobs if _C.crc32(_as_bytes_tensor(u), 0) != recs[n].crc]
+        return bad + [n for n, t in self.host.items() if _C.crc32(t, 0) != recs[n].crc]
+
+
+def _open_for_device(path: str, fh, verify: bool, map_location: MapLocation):
+    """As :func:`_read_archive` for a load onto a device: (archive, small
+    records, _DeviceRecords), or None where the device path does not apply
+    (a file of the other byte order: torch byteswaps the host storages)."""
+    archive = _parse_checkpoint(path, fh)
+    host = _Records(path, archive, fh.fileno(), verify)
+    small = host.read(["data.pkl"], [])
+    small.update(host.read([n for n in _SMALL_RECORDS if n in archive.records], []))
+    host.fd = -1
+    if small.get("byteorder", sys.byteorder.encode()).decode("ascii", "replace") != sys.byteorder:
+        return None
+    return archive, small, _DeviceRecords(path, archive, host, map_location)
+
+
 def _tensor_names_for_records(reader: _Reader, records: List[str], pickle_module, pickle_load_args) -> List[str]:
     """Names (paths in the loaded object) of the tensors stored in `records`."""
     offsets = {reader.get_record_offset(n): n for n in records}
@@ -766,7 +844,13 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         f: a path (read through the engine: every storage in parallel with
             O_DIRECT), or a readable binary file object (read by torch.load).
         map_location: as for torch.load: a device string, torch.device, dict
-            of location tags, or callable.
+            of location tags, or callable. Storages bound for a device (by
+            map_location, or by their saved location tag when it is None) are
+            read in chunks into the staging pool and copied to the device
+            while the next chunks are read: host memory is the pool, not the
+            checkpoint. A callable is called once per storage, as by torch,
+            with a storage of the right size and location whose bytes are
+            filled after it returns (it must not read them).
         pickle_module: as for torch.load; only without weights-only.
         weights_only: as for torch.load (the same rules, on every path:
             files, file objects, mmap, legacy files): ``None`` (default) and
@@ -836,7 +920,12 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         if pickle_load_args and weights_only:
             warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
         pickle_load_args.setdefault("encoding", "utf-8")  # torch.load's default
-        archive, small, storages, bad = _read_archive(path, fh, verify)
+        opened = _open_for_device(path, fh, verify, map_location) if _moves_off_cpu(map_location, fh.fileno()) \
+            else None
+        if opened is not None:  # storages go to a device through the staging pool
+            (archive, small, storages), bad = opened, []
+        else:
+            archive, small, storages, bad = _read_archive(path, fh, verify)
     if weights_only:
         pickle_module = ts._weights_only_unpickler
         # torch's weights-only unpickler is never handed a pickle that nests deep
@@ -850,12 +939,22 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     if bad:
         names = _tensor_names_for_records(reader, bad, pickle_module, pickle_load_args)
         raise FormatError(f"{path}: checksum mismatch (corrupt data) in {', '.join(names)}")
+    restore_arg, done = map_location, (lambda result: result)
+    if isinstance(storages, _DeviceRecords):
+        restore_arg = storages.restore_location
+
+        def done(result):  # the device storages' bytes, through the staging pool
+            bad = storages.finish(verify)
+            if bad:
+                names = _tensor_names_for_records(reader, bad, pickle_module, pickle_load_args)
+                raise FormatError(f"{path}: checksum mismatch (corrupt data) in {', '.join(names)}")
+            return result
     if not weights_only:
-        return ts._load(reader, map_location, pickle_module, **pickle_load_args)
+        return done(ts._load(reader, restore_arg, pickle_module, **pickle_load_args))
     # The restricted unpickler runs no code from the file, so anything it
     # raises, other than a refusal, comes from a damaged pickle; errors of
     # map_location itself are passed through unchanged.
-    restore = ts._get_restore_location(map_location)
+    restore = ts._get_restore_location(restore_arg)
 
     def restore_location(storage, location):
         if not isinstance(location, str):
@@ -870,7 +969,7 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
             raise _MapLocationError(e) from e
 
     try:
-        return ts._load(reader, restore_location, pickle_module, **pickle_load_args)
+        result = ts._load(reader, restore_location, pickle_module, **pickle_load_args)
     except _MapLocationError as e:
         raise e.error from None
     except pickle.UnpicklingError as e:
@@ -880,3 +979,4 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     except Exception as e:
         raise FormatError(f"{path}: data.pkl is damaged and cannot be unpickled "
                           f"({type(e).__name__}: {e})") from e
+    return done(result)

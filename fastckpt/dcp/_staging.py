@@ -22,9 +22,10 @@ save. The save that writes a staged dict finds its slot and generation from
 the tensors it writes (:meth:`Stager.owner_of`), not from state kept on the
 writer, so overlapping or out-of-order saves release exactly what they used.
 
-Buffers for CUDA tensors are pinned (the device-to-host copies are issued
-non-blocking and synchronized once at the end); others are plain memory
-aligned to 4 KiB.
+Buffers for device tensors are exact-size host memory page-locked once
+through :mod:`fastckpt._staging` (the device-to-host copies run on each
+tensor's device's copy stream and ``stage()`` waits for each copy's own
+event); others are plain memory aligned to 4 KiB.
 """
 
 import collections
@@ -37,6 +38,8 @@ import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+
+from .. import _staging as _host_staging
 
 log = logging.getLogger("fastckpt")
 
@@ -56,18 +59,23 @@ def _dtensor_type():
         return None
 
 
-def _aligned_empty(size, dtype: torch.dtype, pin: bool) -> torch.Tensor:
-    if pin:
-        return torch.empty(size, dtype=dtype, pin_memory=True)
+def _aligned_empty(size, dtype: torch.dtype, copier) -> Tuple[torch.Tensor, Any]:
+    """A 4 KiB-aligned host tensor, exactly `size`; page-locked through
+    `copier` (a :class:`fastckpt._staging.HostBuffer`, returned too) when the
+    source lives on a device."""
     nbytes = torch.Size(size).numel() * torch.empty((), dtype=dtype).element_size()
+    if copier is not None:
+        hb = copier.alloc_host(nbytes)
+        return hb.tensor.view(dtype).view(size), hb
     raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
     off = (-raw.data_ptr()) % 4096
-    return raw[off:off + nbytes].view(dtype).view(size)
+    return raw[off:off + nbytes].view(dtype).view(size), None
 
 
 class _Slot:
     def __init__(self):
         self.buffers: Dict[Tuple, torch.Tensor] = {}
+        self.hosts: Dict[Tuple, Any] = {}  # page-locked HostBuffers behind device tensors' buffers
         self.generation = 0   # the stage() that owns the slot while busy
         self.busy = False
 
@@ -169,13 +177,17 @@ class Stager:
         slot = claim.slot
         try:
             used: Dict[Tuple, torch.Tensor] = {}
-            cuda = [False]
+            hosts: Dict[Tuple, Any] = {}
+            copies: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (host bytes, device bytes)
             out = StagedStateDict()
-            for k, v in state_dict.items():
-                out[k] = self._walk(v, (k,), slot, used, cuda)
-            if cuda[0]:
-                torch.cuda.synchronize()
+            try:
+                for k, v in state_dict.items():
+                    out[k] = self._walk(v, (k,), slot, used, (hosts, copies))
+            finally:
+                # every copy on its device's copy stream, each waited for on its own event
+                _host_staging.snapshot_into(copies)
             slot.buffers = used  # buffers of keys no longer in the state dict are dropped
+            slot.hosts = hosts
             with self._lock:
                 for buf in used.values():
                     ptr = _storage_ptr(buf)
@@ -188,33 +200,40 @@ class Stager:
         weakref.finalize(out, self.release, claim)
         return out
 
-    def _buffer(self, path: Tuple, t: torch.Tensor, slot: _Slot, used: Dict[Tuple, torch.Tensor]) -> torch.Tensor:
+    def _buffer(self, path: Tuple, t: torch.Tensor, slot: _Slot, used: Dict[Tuple, torch.Tensor],
+                hosts: Dict[Tuple, Any], copier) -> torch.Tensor:
         buf = slot.buffers.get(path)
-        pin = t.device.type == "cuda"
+        hb = slot.hosts.get(path)
         if (buf is None or buf.shape != t.shape or buf.dtype != t.dtype
-                or (pin and not buf.is_pinned())):
-            buf = _aligned_empty(t.shape, t.dtype, pin)
+                or (hb.copier if hb is not None else None) is not copier):
+            buf, hb = _aligned_empty(t.shape, t.dtype, copier)
             self.allocations += 1
         used[path] = buf
+        if hb is not None:
+            hosts[path] = hb
         return buf
 
-    def _copy(self, path, t: torch.Tensor, slot, used, cuda) -> torch.Tensor:
-        buf = self._buffer(path, t, slot, used)
-        if t.device.type == "cuda":
-            cuda[0] = True
-            buf.copy_(t.detach(), non_blocking=True)
+    def _copy(self, path, t: torch.Tensor, slot, used, pending) -> torch.Tensor:
+        hosts, copies = pending
+        t = t.detach()
+        copier = _host_staging.copier_for(t)
+        buf = self._buffer(path, t, slot, used, hosts, copier)
+        if copier is not None:
+            if t.numel():
+                src = copier.contiguous(t)
+                copies.append((buf.reshape(-1).view(torch.uint8), src.reshape(-1).view(torch.uint8)))
         else:
-            buf.copy_(t.detach())
+            buf.copy_(t)
         return buf
 
-    def _walk(self, obj: Any, path: Tuple, slot: _Slot, used, cuda) -> Any:
+    def _walk(self, obj: Any, path: Tuple, slot: _Slot, used, pending) -> Any:
         DTensor = _dtensor_type()
         if DTensor is not None and isinstance(obj, DTensor):
-            local = self._copy(path, obj._local_tensor, slot, used, cuda)
+            local = self._copy(path, obj._local_tensor, slot, used, pending)
             return DTensor(local, obj._spec, requires_grad=False)
         if isinstance(obj, torch.Tensor):
             if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.layout == torch.strided:
-                return self._copy(path, obj, slot, used, cuda)
+                return self._copy(path, obj, slot, used, pending)
             # ShardedTensor and other tensor types: torch's own staging, no reuse
             from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
             staged = _create_cpu_state_dict({"v": obj})
@@ -222,12 +241,12 @@ class Stager:
         if isinstance(obj, dict):
             out = type(obj)() if type(obj) in (dict, collections.OrderedDict) else {}
             for k, v in obj.items():
-                out[k] = self._walk(v, path + (k,), slot, used, cuda)
+                out[k] = self._walk(v, path + (k,), slot, used, pending)
             return out
         if isinstance(obj, list):
-            return [self._walk(v, path + (i,), slot, used, cuda) for i, v in enumerate(obj)]
+            return [self._walk(v, path + (i,), slot, used, pending) for i, v in enumerate(obj)]
         if isinstance(obj, tuple):
-            vals = [self._walk(v, path + (i,), slot, used, cuda) for i, v in enumerate(obj)]
+            vals = [self._walk(v, path + (i,), slot, used, pending) for i, v in enumerate(obj)]
             return type(obj)(*vals) if hasattr(obj, "_fields") else tuple(vals)
         if isinstance(obj, _IMMUTABLE):
             return obj

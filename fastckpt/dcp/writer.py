@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.futures import Future
 
-from .. import _C
+from .. import _C, _staging
 from .._owner import check_directory_owner
 from .._paths import check_dcp_target
 from .._torch_rules import itemsize
@@ -155,14 +155,15 @@ class _EngineSink(io.RawIOBase):
 TRANSFORM_CHUNK = 4 << 20  # tensor bytes are fed to the stream transforms in pieces this big
 
 
-def _feed_tensor(out, t: torch.Tensor) -> int:
-    """Write the bytes of contiguous CPU tensor `t` to `out`; returns their CRC-32."""
-    flat = t.reshape(-1).view(torch.uint8)
+def _feed_tensor(out, pieces) -> int:
+    """Write the host uint8 views `pieces` (a tensor's bytes, from
+    :func:`_host_tensors`) to `out`; returns their CRC-32."""
     crc = 0
-    for i in range(0, flat.numel(), TRANSFORM_CHUNK):
-        piece = flat[i:i + TRANSFORM_CHUNK]
-        crc = _C.crc32(piece, crc)
-        out.write(memoryview(piece.numpy()))
+    for flat in pieces:
+        for i in range(0, flat.numel(), TRANSFORM_CHUNK):
+            piece = flat[i:i + TRANSFORM_CHUNK]
+            crc = _C.crc32(piece, crc)
+            out.write(memoryview(piece.numpy()))
     return crc
 
 
@@ -195,35 +196,25 @@ def _host_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def _host_tensors(entries: List[_Entry], planner: SavePlanner, on_resolve=None):
-    """(entry, host tensor or None) in order. A device tensor's copy to pinned host
-    memory is started one entry ahead, so that it overlaps the write of the
-    previous one (the stock writer's _OverlappingCpuLoader idea). `on_resolve`
-    sees every tensor the planner resolved, before any copy."""
-    pending = None  # (entry, tensor, event)
-    for e in entries:
+    """(entry, tensor or None, host pieces or None) in order, through the one
+    staging pipeline (:class:`fastckpt._staging.ToHost`): a device tensor's
+    bytes are copied into the bounded staging pool ahead of the writes, on a
+    copy stream of *its own device*, and each piece is handed out only after
+    the event recorded on that stream fired. `on_resolve` sees every tensor
+    the planner resolved, before any copy."""
+    def tensor_of(e: _Entry):
         if e.payload is not None:
-            cur = (e, None, None)
-        else:
-            t = planner.resolve_data(e.item).detach()
-            if on_resolve is not None:
-                on_resolve(t)
-            if t.device.type == "cuda":
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                host.copy_(t, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record()
-                cur = (e, host, ev)
-            else:
-                cur = (e, _host_tensor(t), None)
-        if pending is not None:
-            if pending[2] is not None:
-                pending[2].synchronize()
-            yield pending[0], pending[1]
-        pending = cur
-    if pending is not None:
-        if pending[2] is not None:
-            pending[2].synchronize()
-        yield pending[0], pending[1]
+            return None
+        t = planner.resolve_data(e.item).detach()
+        if on_resolve is not None:
+            on_resolve(t)
+        return t if _staging.copier_for(t) is not None else _host_tensor(t)
+
+    pipe = _staging.ToHost(entries, tensor_of)
+    try:
+        yield from pipe
+    finally:
+        pipe.close()
 
 
 class FastWriter(StorageWriter, AsyncStager):
@@ -489,7 +480,7 @@ class FastWriter(StorageWriter, AsyncStager):
         entries, total = self._layout(items, planner)
         w = _C.Writer(get_engine(), os.path.join(directory, name), total)
         try:
-            for e, t in _host_tensors(entries, planner, on_resolve):
+            for e, t, pieces in _host_tensors(entries, planner, on_resolve):
                 if stop.is_set():
                     raise _Cancelled()
                 if w.position < e.offset:
@@ -503,7 +494,9 @@ class FastWriter(StorageWriter, AsyncStager):
                                      f"of shape {tuple(t.shape)}, the plan says {td.properties.dtype} "
                                      f"{tuple(td.chunk.sizes)}")
                 w.write(e.blob.head)
-                crc = w.write_crc(t, 0) if e.blob.nbytes else 0
+                crc = 0
+                for piece in pieces if e.blob.nbytes else ():
+                    crc = w.write_crc(piece, crc)
                 w.write(e.blob.tail(crc))
             if w.position != total:
                 raise RuntimeError(f"fastckpt.dcp: {name}: wrote {w.position} bytes, planned {total}")
@@ -532,7 +525,7 @@ class FastWriter(StorageWriter, AsyncStager):
         sink = _EngineSink(w)
         results: List[WriteResult] = []
         try:
-            for e, t in _host_tensors(entries, planner, on_resolve):
+            for e, t, pieces in _host_tensors(entries, planner, on_resolve):
                 if stop.is_set():
                     raise _Cancelled()
                 offset = w.position
@@ -548,7 +541,7 @@ class FastWriter(StorageWriter, AsyncStager):
                     # the same torch.save archive as an untransformed record (record-relative layout)
                     blob = _blob.plan_tensor_blob(td.properties.dtype, tuple(td.chunk.sizes), 0)
                     out.write(blob.head)
-                    crc = _feed_tensor(out, t) if blob.nbytes else 0
+                    crc = _feed_tensor(out, pieces) if blob.nbytes else 0
                     out.write(blob.tail(crc))
                 out.close()  # ends the transformed stream (e.g. the zstd frame); the file stays open
                 length = w.position - offset

@@ -766,7 +766,7 @@ _FORK_LOCKS_SCRIPT = textwrap.dedent("""
     writer = FastWriter(os.path.join(d, "dcp"))
     mgr = fastckpt.CheckpointManager(os.path.join(d, "mgr"))
     locks = [A._default_lock, A.default_saver()._cv, A.default_saver().stager._lock, M._exit_lock, mgr._lock,
-             S._PinnedStager._lock, writer._stager._lock]
+             sys.modules["fastckpt._staging"]._pools_lock, writer._stager._lock]
     held, release = threading.Event(), threading.Event()
 
     def hold():  # another thread of the parent holds every lock at fork()

@@ -403,16 +403,17 @@ def test_real_enospc_on_a_full_filesystem(small_tmpfs, backend_name):
 
 def _pinned_state():
     s = torch.cuda.memory.host_memory_stats()
-    from fastckpt.serialization import _PinnedStager
+    from fastckpt import _staging
     return (s.get("allocated_bytes.current", 0), s.get("active_requests.current", 0),
-            sum(len(v) for v in _PinnedStager._free.values()))
+            sum(len(p._free) for p in _staging._pools.values()),
+            sum(p._lent for p in _staging._pools.values()))
 
 
 def test_cuda_faults_leak_no_pinned_memory(tmp_path):
     """Faulted saves of CUDA state (fastckpt.save through the pinned stager,
     async_save through its pinned arena, dcp.save with FastWriter) give the
     injected error and leave the pinned pools as they were: no pinned block
-    allocated or left checked out, the stager's buffer pair back in its pool,
+    allocated or left checked out, the staging pool's buffers all back in it,
     no descriptor or temporary file left; the next saves succeed."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
