@@ -592,6 +592,18 @@ def _check_layout(f: FileLike, weights_only: bool = False) -> None:
         f.seek(pos)
 
 
+def _no_checksums(path: str, verify: Optional[bool]) -> None:
+    """A file whose storages record no checksums (torch's compute_crc32
+    disabled, or skip_data): ``verify=True`` refuses it, the default
+    (``None``) loads it unverified with a warning naming it."""
+    if verify:
+        raise FormatError(f"{path}: verify=True, but the file records no checksums "
+                          "(saved with torch's compute_crc32 disabled)")
+    warnings.warn(f"fastckpt.load: {path} records no checksums (saved with torch's compute_crc32 "
+                  "disabled, or under skip_data): its data cannot be verified; loading it unverified (verify=False "
+                  "silences this, verify=True refuses such files)", stacklevel=4)
+
+
 def _read_archive(path: str, fh, verify: Optional[bool]):
     """Parse and read the archive open as `fh`: every read goes to that one
     file, even if `path` is atomically replaced meanwhile. Reads data.pkl and
@@ -617,12 +629,7 @@ def _read_archive(path: str, fh, verify: Optional[bool]):
         return archive, small, storages, []
     nonempty = [n for n in storages if recs[n].size]
     if nonempty and all(recs[n].crc == 0 for n in nonempty):
-        if verify:
-            raise FormatError(f"{path}: verify=True, but the file records no checksums "
-                              "(saved with torch's compute_crc32 disabled)")
-        warnings.warn(f"fastckpt.load: {path} records no checksums (saved with torch's compute_crc32 "
-                      "disabled, or under skip_data): its data cannot be verified; loading it unverified (verify=False "
-                      "silences this, verify=True refuses such files)", stacklevel=3)
+        _no_checksums(path, verify)
         storages.verify = False  # nor the storages read later
         return archive, small, storages, []
     return archive, small, storages, storages.bad(list(storages))
@@ -726,7 +733,7 @@ class _DeviceRecords(dict):
         self.jobs.append(_staging.LoadJob(name, rec.data_offset, rec.size, dst, copier))
         return dst
 
-    def finish(self, verify: bool) -> List[str]:
+    def finish(self, verify: Optional[bool]) -> List[str]:
         """Read every deferred storage (device-bound ones through the pool,
         host ones a callable map_location kept on the host in one parallel
         batch); returns the names of records that fail their CRC with `verify`."""
@@ -753,21 +760,22 @@ class _DeviceRecords(dict):
             ranges = [(_as_bytes_tensor(u), recs[n].data_offset) for n, u in self.host_jobs if u.nbytes()]
             if ranges:
                 read(ranges)
-            _staging.load_into_device(read, self.jobs, _C.crc32 if verify else None)
+            _staging.load_into_device(read, self.jobs, None if verify is False else _C.crc32)
         finally:
             os.close(fd)
-        if not verify:
+        if verify is False:
             return []
-        names = [j.name for j in self.jobs] + [n for n, _ in self.host_jobs] + list(self.host)
+        names = [n for n in [j.name for j in self.jobs] + [n for n, _ in self.host_jobs] + list(self.host)
+                 if recs[n].size]
         if names and all(recs[n].crc == 0 for n in names):
-            raise FormatError(f"{path}: verify=True, but the file records no checksums "
-                              "(saved with torch's compute_crc32 disabled)")
+            _no_checksums(path, verify)
+            return []
         bad = [j.name for j in self.jobs if j.crc != recs[j.name].crc]
         bad += [n for n, u in self.host_jobs if _C.crc32(_as_bytes_tensor(u), 0) != recs[n].crc]
         return bad + [n for n, t in self.host.items() if _C.crc32(t, 0) != recs[n].crc]
 
 
-def _open_for_device(path: str, fh, verify: bool, map_location: MapLocation):
+def _open_for_device(path: str, fh, verify: Optional[bool], map_location: MapLocation):
     """As :func:`_read_archive` for a load onto a device: (archive, small
     records, _DeviceRecords), or None where the device path does not apply
     (a file of the other byte order: torch byteswaps the host storages)."""

@@ -392,8 +392,29 @@ def test_load_verify_names_the_damaged_tensor_on_the_device_path(tmp_path):
     with SimDevice(seed=14) as sim:
         with pytest.raises(fastckpt.FormatError, match=r"checksum mismatch.*tensor b"):
             fastckpt.load(path, map_location="sim:0", verify=True)
-        got = fastckpt.load(path, map_location="sim:0")  # verify off: loads
+        # verify is on by default (issue 12), on the device path too
+        with pytest.raises(fastckpt.FormatError, match=r"checksum mismatch.*tensor b"):
+            fastckpt.load(path, map_location="sim:0")
+        got = fastckpt.load(path, map_location="sim:0", verify=False)  # opted out: loads
         assert torch.equal(got["a"], sd["a"])
+
+
+def test_device_load_of_a_file_without_checksums_warns_by_default(tmp_path):
+    from torch.utils.serialization import config as torch_config
+    sd = {"a": torch.arange(1 << 14, dtype=torch.float32)}
+    path = tmp_path / "c.pt"
+    old = torch_config.save.compute_crc32
+    torch_config.save.compute_crc32 = False
+    try:
+        fastckpt.save(sd, path)
+    finally:
+        torch_config.save.compute_crc32 = old
+    with SimDevice(seed=16) as sim:
+        with pytest.warns(UserWarning, match="records no checksums"):
+            got = fastckpt.load(path, map_location="sim:0")
+        assert torch.equal(got["a"], sd["a"])
+        with pytest.raises(fastckpt.FormatError, match="records no checksums"):
+            fastckpt.load(path, map_location="sim:0", verify=True)
 
 
 def test_load_to_sim_with_lying_events_is_caught(tmp_path):
