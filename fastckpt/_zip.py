@@ -3,11 +3,14 @@
 docs/FORMAT.md is the specification; this module follows it. Writing mirrors
 what PyTorch's own writer (miniz) produces, so that stock ``torch.load`` and
 its ``calculate_storage_offsets`` mode read fastckpt files, with one
-difference: records are aligned to :data:`ALIGNMENT` (4096) instead of 64.
+difference: storage records of at least :data:`DIRECT_MIN` bytes start on a
+multiple of :data:`ALIGNMENT` (4096), the others are packed at torch's own
+alignment (64 by default); :func:`record_alignment` is the rule.
 Reading is defensive: every offset and size read from disk is checked against
 the file before it is used, and any inconsistency is a :class:`FormatError`.
 """
 
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -15,7 +18,9 @@ from typing import Dict, List, Optional
 
 from .errors import FormatError
 
-ALIGNMENT = 4096
+ALIGNMENT = 4096       # file alignment of large storage records: read with O_DIRECT straight into place
+DIRECT_MIN = 64 << 10  # storage records of at least this many bytes get ALIGNMENT (docs/FORMAT.md 1.3)
+TORCH_ALIGNMENT = 64   # torch.save's default record alignment (config.save.storage_alignment)
 U32_MAX = 0xFFFFFFFF
 U16_MAX = 0xFFFF
 
@@ -48,6 +53,25 @@ _eocd64_loc = struct.Struct("<IIQI")
 
 # ---------------------------------------------------------------- writing
 
+def large_alignment(alignment: int) -> int:
+    """The alignment of large storage records in a file whose records are
+    otherwise aligned to `alignment` (torch's storage_alignment): a multiple of
+    both it and :data:`ALIGNMENT`."""
+    return math.lcm(ALIGNMENT, max(1, alignment))
+
+
+def record_alignment(size: int, alignment: int, direct_min: Optional[int] = DIRECT_MIN) -> int:
+    """Where the data of a storage record of `size` bytes starts: on a multiple
+    of :func:`large_alignment` when it has at least `direct_min` bytes (a read
+    of it then goes straight into place with O_DIRECT, and the padding, under
+    4 KiB, is at most 6% of it), else on a multiple of `alignment`, as
+    torch.save packs it. ``direct_min=None``: `alignment` for every record
+    (torch.save's own layout). docs/FORMAT.md 1.3."""
+    if direct_min is not None and size >= direct_min:
+        return large_alignment(alignment)
+    return alignment
+
+
 def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT, base: int = 0) -> bytes:
     """Local file header for a record of `size` bytes whose header starts at
     `offset` of the archive, padded (PyTorch's "FB" extra field) so that the
@@ -70,6 +94,26 @@ def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT
     return head + name + extra
 
 
+def is_fastckpt_layout(records: Dict[str, "Entry"], alignment: int) -> bool:
+    """Whether the storage records of an archive (``data_offset`` read) whose
+    ``.storage_alignment`` record says `alignment` follow fastckpt's layout
+    (docs/FORMAT.md 1.3): no ``.format_version`` record, every storage on a
+    multiple of `alignment` and those of at least :data:`DIRECT_MIN` bytes on
+    :func:`large_alignment`; or, as fastckpt wrote before packing small records,
+    `alignment` a multiple of :data:`ALIGNMENT` and every storage on it. (A
+    torch.save file of only small storages has the same offsets but a
+    ``.format_version``.)"""
+    if alignment < 1 or ".storage_alignment" not in records:
+        return False
+    data = [e for n, e in records.items() if n.startswith("data/")]
+    if alignment % ALIGNMENT == 0:  # every record on one alignment (older fastckpt files among them)
+        return all(e.data_offset % alignment == 0 for e in data)
+    if ".format_version" in records:
+        return False
+    large = large_alignment(alignment)
+    return all(e.data_offset % (large if e.size >= DIRECT_MIN else alignment) == 0 for e in data)
+
+
 def descriptor(crc: int, size: int, header_offset: int) -> bytes:
     """Data descriptor after a record's data (none for an empty record)."""
     if size == 0:
@@ -88,6 +132,19 @@ class Entry:
     data_offset: int = 0
     method: int = 0  # compression method: fastckpt writes 0 (stored); others are refused on load
     compressed_size: int = -1  # as read from the central directory (-1: same as size)
+
+
+def central_directory_size(entries: List[Entry], cd_offset: int) -> int:
+    """len(central_directory(entries, cd_offset)), without building it."""
+    size = 0
+    for e in entries:
+        size += CENTRAL_HEADER_SIZE + len(e.name.encode("utf-8"))
+        if e.size >= U32_MAX or e.header_offset >= U32_MAX:
+            size += 4 + (16 if e.size >= U32_MAX else 0) + (8 if e.header_offset >= U32_MAX else 0)
+    n = len(entries)
+    if n >= U16_MAX or size >= U32_MAX or cd_offset >= U32_MAX:
+        size += EOCD64_SIZE + EOCD64_LOC_SIZE
+    return size + EOCD_SIZE
 
 
 def central_directory(entries: List[Entry], cd_offset: int) -> bytes:
