@@ -72,14 +72,25 @@ def record_alignment(size: int, alignment: int, direct_min: Optional[int] = DIRE
     return alignment
 
 
+_pad_fields: Dict[int, bytes] = {}  # padding length -> the "FB" extra field
+
+
 def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT, base: int = 0) -> bytes:
     """Local file header for a record of `size` bytes whose header starts at
     `offset` of the archive, padded (PyTorch's "FB" extra field) so that the
     data starts on a multiple of `alignment` of the file, where the archive
     itself starts at file offset `base` (an archive embedded in a bigger file,
     as in DCP data files). Same padding rule as PyTorch's getPadding()."""
-    extra = b""
     start = base + offset + LOCAL_HEADER_SIZE + len(name) + 4
+    if size < U32_MAX and offset < U32_MAX:  # the common case, kept short: saves write one per record
+        pad = (-start) % alignment
+        field = _pad_fields.get(pad)
+        if field is None:
+            field = struct.pack("<HH", PAD_TAG, pad) + b"Z" * pad
+            if len(_pad_fields) < 1024:
+                _pad_fields[pad] = field
+        return _local.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(field)) + name + field
+    extra = b""
     if size >= U32_MAX or offset >= U32_MAX:
         z = b""
         if size >= U32_MAX:
@@ -150,8 +161,14 @@ def central_directory_size(entries: List[Entry], cd_offset: int) -> int:
 def central_directory(entries: List[Entry], cd_offset: int) -> bytes:
     """Central directory + (zip64 end records when needed) + end record."""
     out = []
+    pack = _central.pack
     for e in entries:
         name = e.name.encode("utf-8")
+        if e.size < U32_MAX and e.header_offset < U32_MAX:  # the common case, kept short
+            out.append(pack(CENTRAL_SIG, 20, 20, FLAGS, 0, DOS_TIME, DOS_DATE, e.crc, e.size, e.size, len(name),
+                            0, 0, 0, 0, 0, e.header_offset))
+            out.append(name)
+            continue
         z = b""
         size32 = e.size
         off32 = e.header_offset
