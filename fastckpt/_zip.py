@@ -40,7 +40,9 @@ DOS_TIME, DOS_DATE = 0, (1 << 5) | 1  # 1980-01-01 00:00, fixed: reproducible fi
 ZIP64_TAG = 0x0001
 PAD_TAG = 0x4246  # "FB": PyTorch's padding field
 _BLOCK = 64 << 10  # parsing reads the file in blocks of this size
-_HEADER_BATCH = 4096  # local headers read in one batch
+_HEADER_GAP = 4096  # local headers at most this far apart share one read window ...
+_HEADER_WINDOW = 1 << 20  # ... of at most this many bytes
+_HEADER_BATCH_BYTES = 16 << 20  # windows read in one parallel batch (their buffers, at most)
 
 _local = struct.Struct("<IHHHHHIIIHH")
 _central = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -422,27 +424,52 @@ class Archive:
         entries, cd_off, prefix = parse_directory(tail, size - tail_len, size, read_at, bad)
         # The local headers give where each record's data starts. They lie all
         # over the file (one before each record): read them in parallel batches
-        # through the engine rather than one cold read each (batches of
-        # _HEADER_BATCH records, so that the buffers stay small whatever the count).
+        # through the engine rather than one cold read each. Headers close to
+        # each other (records smaller than _HEADER_GAP) share one read window of
+        # at most _HEADER_WINDOW bytes, parsed in place: 100,000 small records
+        # are a few dozen reads, not 100,000 buffers. (The engine reads aligned
+        # blocks anyway, so a window reads no more of the file than separate
+        # reads would.) Windows go in batches of at most _HEADER_BATCH_BYTES.
         records: Dict[str, Entry] = {}
-        items = list(entries.items())
-        for first in range(0, len(items), _HEADER_BATCH):
-            batch = items[first:first + _HEADER_BATCH]
-            heads = [bytearray(LOCAL_HEADER_SIZE + len(e.name.encode("utf-8"))) for _, e in batch]
+        items = list(entries.items())  # in file order: parse_directory checked it
+        windows = []  # (file offset, length, [(rest, entry, name bytes)])
+        for rest, e in items:
+            raw_name = e.name.encode("utf-8")
+            need = e.header_offset + LOCAL_HEADER_SIZE + len(raw_name)
+            if windows:
+                w_off, w_len, w_items = windows[-1]
+                if (e.header_offset - (w_off + w_len) <= _HEADER_GAP and need - w_off <= _HEADER_WINDOW
+                        and e.header_offset >= w_off):
+                    windows[-1] = (w_off, max(w_len, need - w_off), w_items)
+                    w_items.append((rest, e, raw_name))
+                    continue
+            windows.append((e.header_offset, need - e.header_offset, [(rest, e, raw_name)]))
+        unpack_local = _local.unpack_from
+        first = 0
+        while first < len(windows):
+            last, total = first, 0
+            while last < len(windows) and (last == first or total + windows[last][1] <= _HEADER_BATCH_BYTES):
+                total += windows[last][1]
+                last += 1
+            batch = windows[first:last]
+            first = last
+            bufs = [bytearray(w_len) for _, w_len, _ in batch]
             if read_many is not None:
-                read_many([(h, e.header_offset) for h, (_, e) in zip(heads, batch)])
+                read_many([(b, w_off) for b, (w_off, _, _) in zip(bufs, batch)])
             else:
-                for h, (_, e) in zip(heads, batch):
-                    h[:] = read_at(e.header_offset, len(h))
-            for h, (rest, e) in zip(heads, batch):
-                raw_name = e.name.encode("utf-8")
-                lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = _local.unpack_from(h, 0)
-                if lsig != LOCAL_SIG:
-                    raise bad(f"entry {e.name!r}: no local header at offset {e.header_offset}")
-                if h[LOCAL_HEADER_SIZE:] != raw_name or lname_len != len(raw_name):
-                    raise bad(f"entry {e.name!r}: local header names another record")
-                e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
-                records[rest] = e
+                for b, (w_off, w_len, _) in zip(bufs, batch):
+                    b[:] = read_at(w_off, w_len)
+            for buf, (w_off, _, w_items) in zip(bufs, batch):
+                for rest, e, raw_name in w_items:
+                    q = e.header_offset - w_off
+                    lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = unpack_local(buf, q)
+                    if lsig != LOCAL_SIG:
+                        raise bad(f"entry {e.name!r}: no local header at offset {e.header_offset}")
+                    if lname_len != len(raw_name) or buf[q + LOCAL_HEADER_SIZE:q + LOCAL_HEADER_SIZE + lname_len] \
+                            != raw_name:
+                        raise bad(f"entry {e.name!r}: local header names another record")
+                    e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
+                    records[rest] = e
         # Now with each record's real data offset: in order, disjoint, before the directory.
         data_bytes = check_layout(records.values(), cd_off, bad)
         archive = cls(path, prefix, records, size, data_bytes)
