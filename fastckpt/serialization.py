@@ -20,6 +20,7 @@ import pickle
 import re
 import sys
 import threading
+import types
 import uuid
 import warnings
 import zlib
@@ -53,8 +54,10 @@ def _is_path(f) -> bool:
 # ---------------------------------------------------------------- saving
 
 # Types that are never storages (exact types: a subclass goes through persistent_id).
+# Classes and functions (the rebuild functions, storage classes) are never storages either.
 _PLAIN_TYPES = frozenset([str, int, float, bool, type(None), tuple, list, dict, bytes, torch.Size, torch.dtype,
-                          torch.device, torch.Tensor, torch.nn.Parameter, collections.OrderedDict])
+                          torch.device, torch.Tensor, torch.nn.Parameter, collections.OrderedDict,
+                          type, type(torch.FloatStorage), types.FunctionType, types.BuiltinFunctionType])
 
 
 def _pickle(obj, pickle_module, pickle_protocol, skip_data: bool = False) -> Tuple[bytes, List[torch.UntypedStorage]]:
