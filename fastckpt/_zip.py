@@ -14,7 +14,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .errors import FormatError
 
@@ -74,7 +74,8 @@ def record_alignment(size: int, alignment: int, direct_min: Optional[int] = DIRE
     return alignment
 
 
-_pad_fields: Dict[int, bytes] = {}  # padding length -> the "FB" extra field
+# (name length, padding) -> (local header's fixed part, "FB" padding field)
+_header_parts: Dict[Tuple[int, int], Tuple[bytes, bytes]] = {}
 
 
 def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT, base: int = 0) -> bytes:
@@ -86,12 +87,14 @@ def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT
     start = base + offset + LOCAL_HEADER_SIZE + len(name) + 4
     if size < U32_MAX and offset < U32_MAX:  # the common case, kept short: saves write one per record
         pad = (-start) % alignment
-        field = _pad_fields.get(pad)
-        if field is None:
+        key = (len(name), pad)
+        parts = _header_parts.get(key)
+        if parts is None:  # the fixed fields before the name, and the padding field after it
             field = struct.pack("<HH", PAD_TAG, pad) + b"Z" * pad
-            if len(_pad_fields) < 1024:
-                _pad_fields[pad] = field
-        return _local.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(field)) + name + field
+            parts = (_local.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(field)), field)
+            if len(_header_parts) < 4096:
+                _header_parts[key] = parts
+        return parts[0] + name + parts[1]
     extra = b""
     if size >= U32_MAX or offset >= U32_MAX:
         z = b""
