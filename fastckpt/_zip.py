@@ -1,11 +1,13 @@
 """The zip container of a torch.save archive, as fastckpt writes and reads it.
 
 docs/FORMAT.md is the specification; this module follows it. Writing mirrors
-what PyTorch's own writer (miniz) produces, so that stock ``torch.load`` and
-its ``calculate_storage_offsets`` mode read fastckpt files, with one
-difference: storage records of at least :data:`DIRECT_MIN` bytes start on a
-multiple of :data:`ALIGNMENT` (4096), the others are packed at torch's own
-alignment (64 by default); :func:`record_alignment` is the rule.
+what PyTorch's own writer (miniz) produces, so that stock ``torch.load`` reads
+fastckpt files, with one difference: storage records of at least
+:data:`DIRECT_MIN` bytes start on a multiple of :data:`ALIGNMENT` (4096), the
+others are packed at torch's own alignment (64 by default);
+:func:`record_alignment` is the rule. (Hence fastckpt files have no
+``.format_version`` record: with it torch would compute offsets from sizes and
+one alignment; without it, it reads them from the local headers.)
 Reading is defensive: every offset and size read from disk is checked against
 the file before it is used, and any inconsistency is a :class:`FormatError`.
 """

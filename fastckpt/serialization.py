@@ -383,9 +383,8 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
     # Layout pass: every offset is known before the first byte is written.
     # (One plain loop: it runs once per record, 100,000 times for 100,000 scalars.)
     records = [(name, payload, len(payload), alignment) for name, payload in head]
-    large = _zip.large_alignment(alignment)
-    big = direct_min if direct_min is not None else 1 << 64
-    records += [(f"data/{i}", s, n, large if n >= big else alignment)
+    align_of = _zip.record_alignment
+    records += [(f"data/{i}", s, n, align_of(n, alignment, direct_min))
                 for i, s, n in ((i, s, s.nbytes()) for i, s in enumerate(storages))]
     records += [(name, payload, len(payload), alignment) for name, payload in tail]
     plan = []  # (payload bytes or storage, header, entry)

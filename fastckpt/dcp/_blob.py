@@ -42,7 +42,7 @@ __all__ = ["ALIGN", "ALIGN_MIN", "RECORD_ALIGN", "TensorBlob", "plan_tensor_blob
 # and so is the rule of which tensors get 4 KiB alignment (1.3).
 from .._zip import (  # noqa: E402
     ALIGNMENT, DIRECT_MIN, LOCAL_HEADER_SIZE, LOCAL_SIG, TORCH_ALIGNMENT, Entry, NeedMore, _local,
-    central_directory, descriptor, local_header, parse_directory,
+    central_directory, descriptor, local_header, parse_directory, record_alignment,
 )
 
 ALIGN = ALIGNMENT           # file alignment of tensor bytes
@@ -161,7 +161,7 @@ def plan_tensor_blob(dtype: torch.dtype, size: Tuple[int, ...], file_offset: int
         small(name, payload, parts)
     full = f"{ARCHIVE}/data/0".encode()
     data_rec = Entry(full.decode(), nbytes, 0, rel)
-    h = local_header(full, nbytes, rel, ALIGN if nbytes >= ALIGN_MIN else RECORD_ALIGN, base=file_offset)
+    h = local_header(full, nbytes, rel, record_alignment(nbytes, RECORD_ALIGN), base=file_offset)
     parts.append(h)
     rel += len(h)
     head = b"".join(parts)
