@@ -153,12 +153,17 @@ def pickle_tree(tree: Any, source: Source, progress: Progress = None) -> Tuple[b
     return buf.getvalue(), order
 
 
-def write_file(source: Source, dst: str, alignment: int, progress: Progress = None) -> Dict[str, Any]:
-    """A torch.save archive (fastckpt layout at alignment 4096, torch.save's at 64)."""
+def write_file(source: Source, dst: str, torch_layout: bool = False, progress: Progress = None) -> Dict[str, Any]:
+    """A torch.save archive: fastckpt's layout (docs/FORMAT.md 1.3: large storage
+    records 4 KiB-aligned, the others packed at torch's alignment), or with
+    `torch_layout` torch.save's own (every record 64-byte aligned)."""
     from .serialization import _write_archive
     tree = source.tree(values=True)
     data_pkl, storages = pickle_tree(tree, source, progress)
-    _write_archive(dst, data_pkl, storages, alignment=alignment)
+    if torch_layout:
+        _write_archive(dst, data_pkl, storages, alignment=_zip.TORCH_ALIGNMENT, direct_min=None)
+    else:
+        _write_archive(dst, data_pkl, storages)
     return {"storages": len(storages), "bytes": sum(s.nbytes() for s in storages)}
 
 
@@ -393,9 +398,9 @@ def convert(source: Source, dst: str, to: str, drop_non_tensors: bool = False,
                     getattr(source, "why", source.kind))
     with engine_for_streaming():
         if to == "fastckpt":
-            return write_file(source, dst, _zip.ALIGNMENT, progress)
+            return write_file(source, dst, False, progress)
         if to == "torch":
-            return write_file(source, dst, 64, progress)
+            return write_file(source, dst, True, progress)
         if to == "safetensors":
             return write_safetensors(source, dst, drop_non_tensors, progress)
         if to == "dcp":

@@ -23,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _C
+from . import _C, _zip
 from ._sources import (
     DcpSource, LazyValue, SafetensorsSource, Source, ZipSource, _holds_structure, dtype_name, is_dcp_dir,
     open_source, sniff, storage_of, walk,
@@ -159,7 +159,9 @@ def inspect_data(source: Source) -> Dict[str, Any]:
         report["file_size"] = os.path.getsize(source.path)
     if isinstance(source, ZipSource):
         unused = [n for n in source.storages if n not in source._used]
-        report["archive"] = {"alignment": source.alignment, "records": len(source.archive.records),
+        report["archive"] = {"alignment": source.alignment, "large_alignment": source.large_alignment,
+                             "large_min": _zip.DIRECT_MIN if source.kind == "fastckpt" else None,
+                             "records": len(source.archive.records),
                              "top_folder": source.archive.prefix, "byteorder": source.byteorder,
                              "unreferenced_records": unused}
     elif isinstance(source, SafetensorsSource):

@@ -329,17 +329,21 @@ class ZipSource(_FileSource):
                 from None
         self.storages: Dict[str, Storage] = {
             n: Storage(n, e.size, torch.uint8, crc=e.crc) for n, e in recs.items() if n.startswith("data/")}
-        data = [recs[n] for n in self.storages]
-        self.kind = "fastckpt" if self.alignment == _zip.ALIGNMENT and all(
-            e.data_offset % _zip.ALIGNMENT == 0 for e in data) else "torch"
+        self.kind = "fastckpt" if _zip.is_fastckpt_layout(recs, self.alignment) else "torch"
+        # storage records of at least DIRECT_MIN bytes start on this (fastckpt files)
+        self.large_alignment = _zip.large_alignment(self.alignment) if self.kind == "fastckpt" else self.alignment
         self._tree = None
         self._used: Dict[str, Storage] = {}
 
     def description(self) -> str:
         n = len(self.storages)
-        what = ("fastckpt checkpoint (torch.save zip archive, records aligned to 4096 bytes)"
-                if self.kind == "fastckpt" else
-                f"torch.save checkpoint (zip archive, records aligned to {self.alignment} bytes)")
+        if self.kind != "fastckpt":
+            what = f"torch.save checkpoint (zip archive, records aligned to {self.alignment} bytes)"
+        elif self.large_alignment == self.alignment:
+            what = f"fastckpt checkpoint (torch.save zip archive, records aligned to {self.alignment} bytes)"
+        else:
+            what = (f"fastckpt checkpoint (torch.save zip archive, storage records of {_zip.DIRECT_MIN >> 10} KiB "
+                    f"or more aligned to {self.large_alignment} bytes, the others to {self.alignment})")
         return f"{what}, {n} storage record{'s' if n != 1 else ''}"
 
     def check_small(self) -> None:

@@ -10,7 +10,6 @@ called, and tests/python/test_torch_semantics.py checks the result against
 torch's own functions.
 """
 
-import math
 import os
 import pickle
 import warnings
@@ -75,10 +74,11 @@ def reads_no_data(map_location: Any) -> bool:
 
 
 def storage_alignment() -> int:
-    """Record alignment of a new file: 4096, or a multiple of torch's
-    ``config.save.storage_alignment`` where that is not a divisor of 4096."""
+    """torch's ``config.save.storage_alignment`` (64 by default): the alignment
+    of a new file's records; its large storage records are aligned to a
+    multiple of it and of 4096 (:func:`fastckpt._zip.record_alignment`)."""
     get = getattr(ts, "_get_storage_alignment", None)
-    return math.lcm(_zip.ALIGNMENT, max(1, int(get())) if get else 1)
+    return max(1, int(get())) if get else _zip.TORCH_ALIGNMENT
 
 
 def compute_crc32() -> bool:

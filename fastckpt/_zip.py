@@ -1,21 +1,28 @@
 """The zip container of a torch.save archive, as fastckpt writes and reads it.
 
 docs/FORMAT.md is the specification; this module follows it. Writing mirrors
-what PyTorch's own writer (miniz) produces, so that stock ``torch.load`` and
-its ``calculate_storage_offsets`` mode read fastckpt files, with one
-difference: records are aligned to :data:`ALIGNMENT` (4096) instead of 64.
+what PyTorch's own writer (miniz) produces, so that stock ``torch.load`` reads
+fastckpt files, with one difference: storage records of at least
+:data:`DIRECT_MIN` bytes start on a multiple of :data:`ALIGNMENT` (4096), the
+others are packed at torch's own alignment (64 by default);
+:func:`record_alignment` is the rule. (Hence fastckpt files have no
+``.format_version`` record: with it torch would compute offsets from sizes and
+one alignment; without it, it reads them from the local headers.)
 Reading is defensive: every offset and size read from disk is checked against
 the file before it is used, and any inconsistency is a :class:`FormatError`.
 """
 
+import math
 import os
 import struct
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from .errors import FormatError
 
-ALIGNMENT = 4096
+ALIGNMENT = 4096       # file alignment of large storage records: read with O_DIRECT straight into place
+DIRECT_MIN = 64 << 10  # storage records of at least this many bytes get ALIGNMENT (docs/FORMAT.md 1.3)
+TORCH_ALIGNMENT = 64   # torch.save's default record alignment (config.save.storage_alignment)
 U32_MAX = 0xFFFFFFFF
 U16_MAX = 0xFFFF
 
@@ -35,7 +42,9 @@ DOS_TIME, DOS_DATE = 0, (1 << 5) | 1  # 1980-01-01 00:00, fixed: reproducible fi
 ZIP64_TAG = 0x0001
 PAD_TAG = 0x4246  # "FB": PyTorch's padding field
 _BLOCK = 64 << 10  # parsing reads the file in blocks of this size
-_HEADER_BATCH = 4096  # local headers read in one batch
+_HEADER_GAP = 4096  # local headers at most this far apart share one read window ...
+_HEADER_WINDOW = 1 << 20  # ... of at most this many bytes
+_HEADER_BATCH_BYTES = 16 << 20  # windows read in one parallel batch (their buffers, at most)
 
 _local = struct.Struct("<IHHHHHIIIHH")
 _central = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -48,14 +57,47 @@ _eocd64_loc = struct.Struct("<IIQI")
 
 # ---------------------------------------------------------------- writing
 
+def large_alignment(alignment: int) -> int:
+    """The alignment of large storage records in a file whose records are
+    otherwise aligned to `alignment` (torch's storage_alignment): a multiple of
+    both it and :data:`ALIGNMENT`."""
+    return math.lcm(ALIGNMENT, max(1, alignment))
+
+
+def record_alignment(size: int, alignment: int, direct_min: Optional[int] = DIRECT_MIN) -> int:
+    """Where the data of a storage record of `size` bytes starts: on a multiple
+    of :func:`large_alignment` when it has at least `direct_min` bytes (a read
+    of it then goes straight into place with O_DIRECT, and the padding, under
+    4 KiB, is at most 6% of it), else on a multiple of `alignment`, as
+    torch.save packs it. ``direct_min=None``: `alignment` for every record
+    (torch.save's own layout). docs/FORMAT.md 1.3."""
+    if direct_min is not None and size >= direct_min:
+        return large_alignment(alignment)
+    return alignment
+
+
+# (name length, padding) -> (local header's fixed part, "FB" padding field)
+_header_parts: Dict[Tuple[int, int], Tuple[bytes, bytes]] = {}
+
+
 def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT, base: int = 0) -> bytes:
     """Local file header for a record of `size` bytes whose header starts at
     `offset` of the archive, padded (PyTorch's "FB" extra field) so that the
     data starts on a multiple of `alignment` of the file, where the archive
     itself starts at file offset `base` (an archive embedded in a bigger file,
     as in DCP data files). Same padding rule as PyTorch's getPadding()."""
-    extra = b""
     start = base + offset + LOCAL_HEADER_SIZE + len(name) + 4
+    if size < U32_MAX and offset < U32_MAX:  # the common case, kept short: saves write one per record
+        pad = (-start) % alignment
+        key = (len(name), pad)
+        parts = _header_parts.get(key)
+        if parts is None:  # the fixed fields before the name, and the padding field after it
+            field = struct.pack("<HH", PAD_TAG, pad) + b"Z" * pad
+            parts = (_local.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(field)), field)
+            if len(_header_parts) < 4096:
+                _header_parts[key] = parts
+        return parts[0] + name + parts[1]
+    extra = b""
     if size >= U32_MAX or offset >= U32_MAX:
         z = b""
         if size >= U32_MAX:
@@ -68,6 +110,26 @@ def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT
     extra += struct.pack("<HH", PAD_TAG, pad) + b"Z" * pad
     head = _local.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(extra))
     return head + name + extra
+
+
+def is_fastckpt_layout(records: Dict[str, "Entry"], alignment: int) -> bool:
+    """Whether the storage records of an archive (``data_offset`` read) whose
+    ``.storage_alignment`` record says `alignment` follow fastckpt's layout
+    (docs/FORMAT.md 1.3): no ``.format_version`` record, every storage on a
+    multiple of `alignment` and those of at least :data:`DIRECT_MIN` bytes on
+    :func:`large_alignment`; or, as fastckpt wrote before packing small records,
+    `alignment` a multiple of :data:`ALIGNMENT` and every storage on it. (A
+    torch.save file of only small storages has the same offsets but a
+    ``.format_version``.)"""
+    if alignment < 1 or ".storage_alignment" not in records:
+        return False
+    data = [e for n, e in records.items() if n.startswith("data/")]
+    if alignment % ALIGNMENT == 0:  # every record on one alignment (older fastckpt files among them)
+        return all(e.data_offset % alignment == 0 for e in data)
+    if ".format_version" in records:
+        return False
+    large = large_alignment(alignment)
+    return all(e.data_offset % (large if e.size >= DIRECT_MIN else alignment) == 0 for e in data)
 
 
 def descriptor(crc: int, size: int, header_offset: int) -> bytes:
@@ -90,11 +152,30 @@ class Entry:
     compressed_size: int = -1  # as read from the central directory (-1: same as size)
 
 
+def central_directory_size(entries: List[Entry], cd_offset: int) -> int:
+    """len(central_directory(entries, cd_offset)), without building it."""
+    size = 0
+    for e in entries:
+        size += CENTRAL_HEADER_SIZE + len(e.name.encode("utf-8"))
+        if e.size >= U32_MAX or e.header_offset >= U32_MAX:
+            size += 4 + (16 if e.size >= U32_MAX else 0) + (8 if e.header_offset >= U32_MAX else 0)
+    n = len(entries)
+    if n >= U16_MAX or size >= U32_MAX or cd_offset >= U32_MAX:
+        size += EOCD64_SIZE + EOCD64_LOC_SIZE
+    return size + EOCD_SIZE
+
+
 def central_directory(entries: List[Entry], cd_offset: int) -> bytes:
     """Central directory + (zip64 end records when needed) + end record."""
     out = []
+    pack = _central.pack
     for e in entries:
         name = e.name.encode("utf-8")
+        if e.size < U32_MAX and e.header_offset < U32_MAX:  # the common case, kept short
+            out.append(pack(CENTRAL_SIG, 20, 20, FLAGS, 0, DOS_TIME, DOS_DATE, e.crc, e.size, e.size, len(name),
+                            0, 0, 0, 0, 0, e.header_offset))
+            out.append(name)
+            continue
         z = b""
         size32 = e.size
         off32 = e.header_offset
@@ -348,27 +429,52 @@ class Archive:
         entries, cd_off, prefix = parse_directory(tail, size - tail_len, size, read_at, bad)
         # The local headers give where each record's data starts. They lie all
         # over the file (one before each record): read them in parallel batches
-        # through the engine rather than one cold read each (batches of
-        # _HEADER_BATCH records, so that the buffers stay small whatever the count).
+        # through the engine rather than one cold read each. Headers close to
+        # each other (records smaller than _HEADER_GAP) share one read window of
+        # at most _HEADER_WINDOW bytes, parsed in place: 100,000 small records
+        # are a few dozen reads, not 100,000 buffers. (The engine reads aligned
+        # blocks anyway, so a window reads no more of the file than separate
+        # reads would.) Windows go in batches of at most _HEADER_BATCH_BYTES.
         records: Dict[str, Entry] = {}
-        items = list(entries.items())
-        for first in range(0, len(items), _HEADER_BATCH):
-            batch = items[first:first + _HEADER_BATCH]
-            heads = [bytearray(LOCAL_HEADER_SIZE + len(e.name.encode("utf-8"))) for _, e in batch]
+        items = list(entries.items())  # in file order: parse_directory checked it
+        windows = []  # (file offset, length, [(rest, entry, name bytes)])
+        for rest, e in items:
+            raw_name = e.name.encode("utf-8")
+            need = e.header_offset + LOCAL_HEADER_SIZE + len(raw_name)
+            if windows:
+                w_off, w_len, w_items = windows[-1]
+                if (e.header_offset - (w_off + w_len) <= _HEADER_GAP and need - w_off <= _HEADER_WINDOW
+                        and e.header_offset >= w_off):
+                    windows[-1] = (w_off, max(w_len, need - w_off), w_items)
+                    w_items.append((rest, e, raw_name))
+                    continue
+            windows.append((e.header_offset, need - e.header_offset, [(rest, e, raw_name)]))
+        unpack_local = _local.unpack_from
+        first = 0
+        while first < len(windows):
+            last, total = first, 0
+            while last < len(windows) and (last == first or total + windows[last][1] <= _HEADER_BATCH_BYTES):
+                total += windows[last][1]
+                last += 1
+            batch = windows[first:last]
+            first = last
+            bufs = [bytearray(w_len) for _, w_len, _ in batch]
             if read_many is not None:
-                read_many([(h, e.header_offset) for h, (_, e) in zip(heads, batch)])
+                read_many([(b, w_off) for b, (w_off, _, _) in zip(bufs, batch)])
             else:
-                for h, (_, e) in zip(heads, batch):
-                    h[:] = read_at(e.header_offset, len(h))
-            for h, (rest, e) in zip(heads, batch):
-                raw_name = e.name.encode("utf-8")
-                lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = _local.unpack_from(h, 0)
-                if lsig != LOCAL_SIG:
-                    raise bad(f"entry {e.name!r}: no local header at offset {e.header_offset}")
-                if h[LOCAL_HEADER_SIZE:] != raw_name or lname_len != len(raw_name):
-                    raise bad(f"entry {e.name!r}: local header names another record")
-                e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
-                records[rest] = e
+                for b, (w_off, w_len, _) in zip(bufs, batch):
+                    b[:] = read_at(w_off, w_len)
+            for buf, (w_off, _, w_items) in zip(bufs, batch):
+                for rest, e, raw_name in w_items:
+                    q = e.header_offset - w_off
+                    lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = unpack_local(buf, q)
+                    if lsig != LOCAL_SIG:
+                        raise bad(f"entry {e.name!r}: no local header at offset {e.header_offset}")
+                    if lname_len != len(raw_name) or buf[q + LOCAL_HEADER_SIZE:q + LOCAL_HEADER_SIZE + lname_len] \
+                            != raw_name:
+                        raise bad(f"entry {e.name!r}: local header names another record")
+                    e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
+                    records[rest] = e
         # Now with each record's real data offset: in order, disjoint, before the directory.
         data_bytes = check_layout(records.values(), cd_off, bad)
         archive = cls(path, prefix, records, size, data_bytes)

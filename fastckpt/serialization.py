@@ -1,8 +1,9 @@
 """fastckpt.save / fastckpt.load: torch.save and torch.load at disk speed.
 
 The file is a standard torch.save zip archive (stock ``torch.load`` reads it,
-with ``mmap=True`` too) whose records start on 4 KiB boundaries; see
-docs/FORMAT.md. Saving to a path streams every storage through the C++
+with ``mmap=True`` too) whose storage records of 64 KiB or more start on 4 KiB
+boundaries and whose other records are packed as torch.save packs them; see
+docs/FORMAT.md 1.3. Saving to a path streams every storage through the C++
 engine (O_DIRECT, io_uring, staging buffers reused across saves) into a
 temporary file that is made durable and renamed over the target: a crash
 leaves the previous file or the complete new one. Loading from a path reads
@@ -10,12 +11,15 @@ all storages in parallel through the engine, then unpickles with PyTorch's
 own loader (and its ``weights_only`` unpickler).
 """
 
+import collections
+import ctypes
 import io
 import logging
 import os
 import pickle
 import re
 import sys
+import types
 import uuid
 import warnings
 import zlib
@@ -47,6 +51,13 @@ def _is_path(f) -> bool:
 
 
 # ---------------------------------------------------------------- saving
+
+# Types that are never storages (exact types: a subclass goes through persistent_id).
+# Classes and functions (the rebuild functions, storage classes) are never storages either.
+_PLAIN_TYPES = frozenset([str, int, float, bool, type(None), tuple, list, dict, bytes, torch.Size, torch.dtype,
+                          torch.device, torch.Tensor, torch.nn.Parameter, collections.OrderedDict,
+                          type, type(torch.FloatStorage), types.FunctionType, types.BuiltinFunctionType])
+
 
 def _pickle(obj, pickle_module, pickle_protocol, skip_data: bool = False) -> Tuple[bytes, List[torch.UntypedStorage]]:
     """Pickle `obj` the way torch.save does: storages become persistent ids
@@ -81,9 +92,13 @@ def _pickle(obj, pickle_module, pickle_protocol, skip_data: bool = False) -> Tup
             return ("storage", storage_type, key, location, numel)
         return None
 
+    plain = _PLAIN_TYPES
+
     class Pickler(pickle_module.Pickler):  # type: ignore[name-defined]
         def persistent_id(self, o):
-            return persistent_id(o)
+            # called for every object pickled (17 times a tensor): the common
+            # types, which are never storages, answered without a call
+            return None if type(o) in plain else persistent_id(o)
 
     buf = io.BytesIO()
     Pickler(buf, protocol=pickle_protocol).dump(obj)
@@ -119,6 +134,11 @@ class _EngineSink:
     def write_zeros(self, n: int) -> None:
         self.w.write_zeros(n)
 
+    def write_parts(self, parts: List[Any]) -> None:
+        """Append several buffers in one engine call."""
+        if parts:
+            self.w.write_many(parts)
+
     def flush(self) -> None:  # torch's legacy writer flushes; the commit makes it durable
         pass
 
@@ -140,6 +160,10 @@ class _FileSink:
 
     def write(self, b) -> None:
         self.f.write(b)
+
+    def write_parts(self, parts: List[Any]) -> None:
+        if parts:
+            self.f.write(b"".join(parts))
 
     def write_crc(self, t: torch.Tensor, crc: int) -> int:
         mv = memoryview(t.numpy()) if t.numel() else memoryview(b"")
@@ -190,9 +214,9 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
     with CRC 0; ``materialize_fake_tensors`` lets fake tensors be saved), and
     ``torch.utils.serialization.config.save``: ``compute_crc32=False`` records
     CRC 0 (``fastckpt.load`` then loads the file unverified, with a warning;
-    ``verify=True`` refuses it),
-    ``storage_alignment`` aligns records to a multiple of it as well as to
-    4096. ``use_pinned_memory_for_d2h`` does not change the file (fastckpt
+    ``verify=True`` refuses it), ``storage_alignment`` aligns every record to
+    it (storages of 64 KiB or more to a multiple of it and of 4096).
+    ``use_pinned_memory_for_d2h`` does not change the file (fastckpt
     always copies CUDA storages through pinned buffers).
 
     Raises:
@@ -243,69 +267,105 @@ def _save_legacy(obj: Any, f: FileLike, pickle_module: Any, pickle_protocol: int
         raise
 
 
+# Storage records below this size are copied, with their local headers and
+# descriptors, into a list of parts that one engine call writes (about every
+# _PARTS_BYTES): no engine call per record, which dominated saves of many small
+# tensors. Larger ones are copied into the staging buffers by the engine.
+_PACK_BYTES = 64 << 10
+_PARTS_BYTES = 4 << 20
+
+
 def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: Optional[int] = None,
-                   byteorder: bool = True, skip_data: bool = False, compute_crc32: Optional[bool] = None) -> None:
+                   byteorder: bool = True, skip_data: bool = False, compute_crc32: Optional[bool] = None,
+                   direct_min: Optional[int] = _zip.DIRECT_MIN) -> None:
     """Write the archive of a pickle made by :func:`_pickle` whose storage i is
     ``storages[i]`` (the storages may be copies of the pickled object's, as
     async_save's snapshots are). A storage may also be any object with
     ``nbytes()`` and ``write_into(sink) -> crc`` that streams its bytes through
-    ``sink.write_crc`` (``fastckpt convert``). ``alignment`` is 4096 (or a
-    multiple of torch's configured storage alignment) by default; 64 writes
-    torch.save's own layout. ``byteorder=False`` leaves out the byteorder
-    record; ``skip_data`` writes no storage bytes (zero-filled records, CRC
-    0); ``compute_crc32`` defaults to torch's setting (False: every CRC is 0).
+    ``sink.write_crc`` (``fastckpt convert``).
+
+    Layout (docs/FORMAT.md 1.3): every record starts on a multiple of
+    ``alignment`` (torch's configured storage_alignment, 64 by default), and
+    storage records of at least ``direct_min`` bytes on a multiple of it and of
+    4096; ``direct_min=None`` writes torch.save's own layout (every record on
+    ``alignment``, with a ``.format_version`` record, whose presence lets torch
+    predict record offsets from sizes alone: a fastckpt layout leaves it out).
+    ``byteorder=False`` leaves out the byteorder record; ``skip_data`` writes no
+    storage bytes (zero-filled records, CRC 0); ``compute_crc32`` defaults to
+    torch's setting (False: every CRC is 0).
     Engine errors name ``f`` (see :func:`fastckpt._paths.raise_named_after_target`)."""
     if alignment is None:
         alignment = _torch_rules.storage_alignment()
     crc_on = _torch_rules.compute_crc32() if compute_crc32 is None else compute_crc32
     serialization_id = f"{uuid.uuid4().int:040d}"[:40].encode()
-    head = [("data.pkl", data_pkl), (".format_version", b"1"),
-            (".storage_alignment", str(alignment).encode())]
+    head = [("data.pkl", data_pkl)]
+    if direct_min is None:
+        head.append((".format_version", b"1"))
+    head.append((".storage_alignment", str(alignment).encode()))
     if byteorder:
         head.append(("byteorder", sys.byteorder.encode()))
     tail = [("version", FORMAT_VERSION), (".data/serialization_id", serialization_id)]
 
     # Layout pass: every offset is known before the first byte is written.
-    plan = []  # (name, payload bytes or storage, header, entry)
+    # (One plain loop: it runs once per record, 100,000 times for 100,000 scalars.)
+    records = [(name, payload, len(payload), alignment) for name, payload in head]
+    align_of = _zip.record_alignment
+    records += [(f"data/{i}", s, n, align_of(n, alignment, direct_min))
+                for i, s, n in ((i, s, s.nbytes()) for i, s in enumerate(storages))]
+    records += [(name, payload, len(payload), alignment) for name, payload in tail]
+    plan = []  # (payload bytes or storage, header, entry)
+    entries = []
     pos = 0
-    for name, payload in head + [(f"data/{i}", s) for i, s in enumerate(storages)] + tail:
-        full = f"{ARCHIVE_NAME}/{name}".encode()
-        size = len(payload) if isinstance(payload, (bytes, bytearray)) else payload.nbytes()
-        header = _zip.local_header(full, size, pos, alignment)
-        entry = _zip.Entry(full.decode(), size, 0, pos, pos + len(header))
-        pos += len(header) + size + len(_zip.descriptor(0, size, pos))
+    u32 = _zip.U32_MAX
+    local_header, Entry = _zip.local_header, _zip.Entry
+    for name, payload, size, align in records:
+        full = f"{ARCHIVE_NAME}/{name}"
+        header = local_header(full.encode(), size, pos, align)
+        entry = Entry(full, size, 0, pos, pos + len(header))
+        pos += len(header) + size + (0 if size == 0 else 24 if size >= u32 or entry.header_offset >= u32 else 16)
         plan.append((payload, header, entry))
-    cd_len = len(_zip.central_directory([p[2] for p in plan], pos))
-    expected = pos + cd_len
+        entries.append(entry)
+    expected = pos + _zip.central_directory_size(entries, pos)
 
     path = os.fspath(f) if _is_path(f) else None
     stager = _staging.DeviceStorages([p[0] for p in plan], skip_data)  # copied ahead through the pool
+    owns = stager.owns
     sink = None
+    descriptor, desc32 = _zip.descriptor, _zip._descriptor32.pack
+    crc32 = zlib.crc32
+    string_at = ctypes.string_at
     try:
         sink = _EngineSink(path, expected, crc_on) if path is not None else _FileSink(f, crc_on)
+        parts: List[Any] = []  # headers, small records' bytes and descriptors, written in one call
+        parts_bytes = 0
         for payload, header, entry in plan:
-            sink.write(header)
-            if not isinstance(payload, (bytes, bytearray)) and skip_data:
-                sink.write_zeros(entry.size)  # torch writes the record's metadata only
-                crc = 0
-            elif isinstance(payload, torch.UntypedStorage):
-                t = _as_bytes_tensor(payload)
-                if entry.size == 0:
-                    crc = 0
-                elif stager.owns(payload):  # a device storage: its bytes through the staging pool
-                    crc = stager.write(sink, payload, 0)
-                elif t.device.type == "cpu":
-                    crc = sink.write_crc(t, 0)
-                else:  # other accelerators: a plain host copy of this storage
-                    crc = sink.write_crc(t.cpu(), 0)
-            elif not isinstance(payload, (bytes, bytearray)):  # streamed storage
-                crc = payload.write_into(sink) if entry.size else 0
+            size = entry.size
+            if isinstance(payload, (bytes, bytearray)):
+                crc = crc32(payload) if crc_on else 0
+                parts += (header, payload)
+                parts_bytes += size
+            elif (size < _PACK_BYTES and not skip_data and type(payload) is torch.UntypedStorage
+                  and payload.device.type == "cpu" and not owns(payload)):
+                # A small CPU storage: its bytes copied here (no engine call for it).
+                data = string_at(payload.data_ptr(), size) if size else b""
+                crc = crc32(data) if crc_on and size else 0
+                parts += (header, data)
+                parts_bytes += size
             else:
-                crc = zlib.crc32(payload) if crc_on else 0
-                sink.write(payload)
+                parts.append(header)
+                sink.write_parts(parts)
+                parts, parts_bytes = [], 0
+                crc = _write_storage(sink, stager, payload, size, skip_data)
             entry.crc = crc
-            sink.write(_zip.descriptor(crc, entry.size, entry.header_offset))
-        sink.write(_zip.central_directory([p[2] for p in plan], pos))
+            if 0 < size < u32 and entry.header_offset < u32:
+                parts.append(desc32(_zip.DESCRIPTOR_SIG, crc, size, size))
+            else:
+                parts.append(descriptor(crc, size, entry.header_offset))
+            if parts_bytes >= _PARTS_BYTES or len(parts) >= 3 * 8192:
+                sink.write_parts(parts)
+                parts, parts_bytes = [], 0
+        parts.append(_zip.central_directory(entries, pos))
+        sink.write_parts(parts)
         sink.commit()
     except BaseException as e:
         if sink is not None:
@@ -315,6 +375,23 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
         raise
     finally:
         stager.release()
+
+
+def _write_storage(sink, stager: "_staging.DeviceStorages", payload, size: int, skip_data: bool) -> int:
+    """Write the bytes of one storage record through `sink`; returns its CRC."""
+    if skip_data:
+        sink.write_zeros(size)  # torch writes the record's metadata only
+        return 0
+    if isinstance(payload, torch.UntypedStorage):
+        if size == 0:
+            return 0
+        if stager.owns(payload):  # a device storage: its bytes through the staging pool
+            return stager.write(sink, payload, 0)
+        t = _as_bytes_tensor(payload)
+        if t.device.type == "cpu":
+            return sink.write_crc(t, 0)
+        return sink.write_crc(t.cpu(), 0)  # other accelerators: a plain host copy of this storage
+    return payload.write_into(sink) if size else 0  # streamed storage
 
 
 # ---------------------------------------------------------------- loading

@@ -38,16 +38,17 @@ from ..errors import FormatError
 __all__ = ["ALIGN", "ALIGN_MIN", "RECORD_ALIGN", "TensorBlob", "plan_tensor_blob", "ZipIndex",
            "parse_tail", "TAIL_READ", "local_data_offset", "TensorLayout", "parse_pickle", "Unsupported"]
 
-ALIGN = 4096          # file alignment of tensor bytes
-ALIGN_MIN = 64 << 10  # tensors smaller than this are only 64-byte aligned (no 4 KiB hole for a bias)
-RECORD_ALIGN = 64     # torch.save's own record alignment; every blob starts on a multiple of it
-TAIL_READ = 4096      # bytes read from the end of a record to find its central directory
-
-# The zip container is the one of single-file checkpoints (docs/FORMAT.md 1.1).
+# The zip container is the one of single-file checkpoints (docs/FORMAT.md 1.1),
+# and so is the rule of which tensors get 4 KiB alignment (1.3).
 from .._zip import (  # noqa: E402
-    LOCAL_HEADER_SIZE, LOCAL_SIG, Entry, NeedMore, _local, central_directory, descriptor, local_header,
-    parse_directory,
+    ALIGNMENT, DIRECT_MIN, LOCAL_HEADER_SIZE, LOCAL_SIG, TORCH_ALIGNMENT, Entry, NeedMore, _local,
+    central_directory, descriptor, local_header, parse_directory, record_alignment,
 )
+
+ALIGN = ALIGNMENT           # file alignment of tensor bytes
+ALIGN_MIN = DIRECT_MIN      # tensors smaller than this are only 64-byte aligned (no 4 KiB hole for a bias)
+RECORD_ALIGN = TORCH_ALIGNMENT  # torch.save's own record alignment; every blob starts on a multiple of it
+TAIL_READ = 4096            # bytes read from the end of a record to find its central directory
 
 ARCHIVE = "archive"   # the top folder torch.save uses for a file object without a name
 
@@ -160,7 +161,7 @@ def plan_tensor_blob(dtype: torch.dtype, size: Tuple[int, ...], file_offset: int
         small(name, payload, parts)
     full = f"{ARCHIVE}/data/0".encode()
     data_rec = Entry(full.decode(), nbytes, 0, rel)
-    h = local_header(full, nbytes, rel, ALIGN if nbytes >= ALIGN_MIN else RECORD_ALIGN, base=file_offset)
+    h = local_header(full, nbytes, rel, record_alignment(nbytes, RECORD_ALIGN), base=file_offset)
     parts.append(h)
     rel += len(h)
     head = b"".join(parts)

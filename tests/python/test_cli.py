@@ -196,7 +196,8 @@ def test_inspect_fastckpt_text_and_json(tmp_path, capsys, monkeypatch):
     rc, out, err = run(capsys, "inspect", "--json", p)
     assert rc == 0, err
     rep = json.loads(out)
-    assert rep["format"] == "fastckpt" and rep["archive"]["alignment"] == 4096
+    assert rep["format"] == "fastckpt" and rep["archive"]["alignment"] == 64
+    assert rep["archive"]["large_alignment"] == 4096 and rep["archive"]["large_min"] == 65536
     e = _entries(rep)
     assert e["model.view.t"]["shape"] == [6, 4] and e["model.view.t"]["stride"] == [1, 8]
     assert e["model.view.t"]["storage_offset"] == 10 and e["model.view.t"]["storage"] == e["model.view.row"]["storage"]
@@ -689,8 +690,10 @@ def test_convert_round_trip(tmp_path, capsys, src_kind, dst_kind):
         assert got["model"]["embed.weight"] is got["model"]["head.weight"]
     if dst_kind in ("fastckpt", "torch"):
         arch = _zip.Archive.open(str(dst))
-        align = 4096 if dst_kind == "fastckpt" else 64
-        assert all(e.data_offset % align == 0 for e in arch.records.values())
+        assert all(e.data_offset % 64 == 0 for e in arch.records.values())
+        # fastckpt's layout (storages of 64 KiB or more 4 KiB-aligned, no .format_version) or torch.save's
+        assert _zip.is_fastckpt_layout(arch.records, 64) == (dst_kind == "fastckpt")
+        assert (".format_version" in arch.records) == (dst_kind == "torch")
         assert fastckpt.load(dst, verify=True) is not None
 
 

@@ -369,6 +369,20 @@ def record_layout(path):
     return out
 
 
+def assert_fastckpt_layout(path, alignment=64):
+    """docs/FORMAT.md 1.3: every record starts on a multiple of `alignment`
+    (torch's storage_alignment), storage records of 64 KiB or more on a multiple
+    of it and of 4096 (O_DIRECT), and there is no .format_version record (torch
+    would predict offsets from one alignment). Returns record_layout(path)."""
+    layout = record_layout(path)
+    assert ".format_version" not in layout
+    large = math.lcm(4096, alignment)
+    for n, (off, size, _) in layout.items():
+        want = large if n.startswith("data/") and size >= 65536 else alignment
+        assert off % want == 0, f"{n} ({size} bytes) starts at {off}, not on a multiple of {want}"
+    return layout
+
+
 def flip_byte(path, offset):
     with open(path, "r+b") as f:
         f.seek(offset)
@@ -642,8 +656,8 @@ def test_destinations_and_sources(tmp_path, kind):
         if hasattr(src, "close"):
             src.close()
     assert_same(ref, fastckpt.load(path))
-    # a file written to a file object has the same aligned layout
-    assert all(off % 4096 == 0 for off, _, _ in record_layout(path).values())
+    # a file written to a file object has the same layout
+    assert_fastckpt_layout(path)
     assert zipfile.ZipFile(path).testzip() is None
     # torch.save to a file object -> fastckpt.load of a file object
     buf = io.BytesIO()
@@ -715,8 +729,7 @@ def test_archive_is_standard_and_aligned(tmp_path, name):
     data = sorted((n for n in layout if n.startswith("data/")), key=lambda n: int(n.split("/")[1]))
     assert "data.pkl" in layout and data == [f"data/{i}" for i in range(len(data))]
     assert len(data) > 0
-    for n in data:
-        assert layout[n][0] % 4096 == 0, f"{n} starts at {layout[n][0]}"
+    assert_fastckpt_layout(path)
     raw = path.read_bytes()
     for n, (off, size, crc) in layout.items():
         assert zlib.crc32(raw[off:off + size]) == crc, n
@@ -849,7 +862,7 @@ def test_cuda_tensors_through_the_pinned_stager(tmp_path):
     torch.save(obj, tmp_path / "ref.pt")
     fastckpt.save(obj, path)
     assert zipfile.ZipFile(path).testzip() is None
-    assert all(off % 4096 == 0 for n, (off, _, _) in record_layout(path).items() if n.startswith("data/"))
+    assert_fastckpt_layout(path)
     ref_cpu = torch_load(tmp_path / "ref.pt", map_location="cpu")
     assert_same(ref_cpu, torch_load(path, map_location="cpu"))
     assert_same(ref_cpu, fastckpt.load(path, map_location="cpu", verify=True))
@@ -1400,7 +1413,7 @@ def test_large_tensor_and_many_small(tmp_path):
         got = fastckpt.load(path, verify=True)
     assert_same(sd, got)
     assert_same(sd, torch_load(path))
-    assert all(off % 4096 == 0 for n, (off, _, _) in record_layout(path).items() if n.startswith("data/"))
+    assert_fastckpt_layout(path)
     torch.save(sd, tmp_path / "ref.pt")
     with fastckpt.knobs.override(buffer_size=1 << 20):
         assert_same(sd, fastckpt.load(tmp_path / "ref.pt", verify=True))

@@ -301,11 +301,29 @@ def test_larger_storage_alignment_is_honoured(tmp_path, alignment):
             assert all(torch.equal(got[k], sd[k]) for k in sd)
 
 
-def test_default_alignment_stays_4096(tmp_path):
-    with torch_config.patch({"save.storage_alignment": 64}):
-        fastckpt.save({"w": torch.ones(3)}, tmp_path / "f.pt")
+@pytest.mark.parametrize("alignment", [64, 128, 1024])
+def test_small_alignment_packs_small_records(tmp_path, alignment):
+    """config.save.storage_alignment below 4096 (64 by default): records start
+    on a multiple of it, as torch.save packs them, and storage records of 64 KiB
+    or more on a multiple of 4096 too; .storage_alignment records torch's value."""
+    sd = {"w": torch.ones(3), "big": torch.ones(1 << 14), "b": torch.ones(5, dtype=torch.int8)}
+    with torch_config.patch({"save.storage_alignment": alignment}):
+        fastckpt.save(sd, tmp_path / "f.pt")
     z = zipfile.ZipFile(tmp_path / "f.pt")
-    assert z.read(next(n for n in z.namelist() if n.endswith(".storage_alignment"))) == b"4096"
+    assert z.read(next(n for n in z.namelist() if n.endswith(".storage_alignment"))) == str(alignment).encode()
+    starts = {}
+    with open(tmp_path / "f.pt", "rb") as fh:
+        for info in z.infolist():
+            fh.seek(info.header_offset + 26)
+            n, m = int.from_bytes(fh.read(2), "little"), int.from_bytes(fh.read(2), "little")
+            starts[info.filename.split("/", 1)[1]] = (info.header_offset + 30 + n + m, info.file_size)
+    assert all(off % alignment == 0 for off, _ in starts.values()), starts
+    assert starts["data/1"][1] == 1 << 16 and starts["data/1"][0] % 4096 == 0
+    assert any(off % 4096 for n, (off, _) in starts.items() if n != "data/1"), "nothing was packed"
+    for kw in ({}, {"mmap": True}):
+        for load in (torch.load, fastckpt.load):
+            got = load(tmp_path / "f.pt", **kw)
+            assert all(torch.equal(got[k], sd[k]) for k in sd)
 
 
 def test_save_refuses_what_torch_refuses(tmp_path):
