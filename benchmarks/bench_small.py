@@ -36,6 +36,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
+# "fastckpt.load" is verify=False, "fastckpt.load(verify)" the default (verify on)
 OPS = ["fastckpt.save", "torch.save", "fastckpt.load", "fastckpt.load(verify)", "torch.load", "torch.load(mmap)"]
 
 _CHILD = r'''
@@ -71,8 +72,8 @@ elif op == "torch.save":
     dfd = os.open(os.path.dirname(path), os.O_RDONLY)
     os.fsync(dfd)
     os.close(dfd)
-elif op == "fastckpt.load":
-    out = fastckpt.load(path)
+elif op == "fastckpt.load":  # verify off (the default verifies since issue 12)
+    out = fastckpt.load(path, verify=False)
 elif op == "fastckpt.load(verify)":
     out = fastckpt.load(path, verify=True)
 elif op == "torch.load":
@@ -138,14 +139,47 @@ def table(res: dict) -> str:
     return "\n".join(lines)
 
 
+def report(results: list) -> dict:
+    """benchmarks/report.py's STANDALONE contract: one table and the issue's targets
+    (save, load and verify at least as fast as torch.save / torch.load; file <= 1.3x)."""
+    rows, targets = [], []
+    ref = {"fastckpt.save": "torch.save", "fastckpt.load": "torch.load", "fastckpt.load(verify)": "torch.load"}
+    for res in results:
+        s, c, b = res["seconds"], res["cpu_seconds"], res["bytes"]
+        for op in OPS:
+            speed = round(s[ref[op]] / s[op], 2) if op in ref and s[op] > 0 else ""
+            rows.append([res["case"], op, round(s[op], 3), round(c[op], 3), speed])
+        rows.append([res["case"], "file size (MB): fastckpt / torch.save",
+                     round(b["fastckpt"] / 1e6, 1), round(b["torch"] / 1e6, 1), round(b["fastckpt"] / b["torch"], 2)])
+        if res["case"] == "scalars":
+            for op in ref:
+                x = s[ref[op]] / s[op] if s[op] > 0 else None
+                targets.append({"target": f"{res['n']} scalars: {op} at least as fast as {ref[op]}",
+                                "measured": None if x is None else round(x, 2), "unit": "x",
+                                "met": None if x is None else x >= 1.0})
+            ratio = b["fastckpt"] / b["torch"]
+            targets.append({"target": f"{res['n']} scalars: file within 1.3x of torch.save's",
+                            "measured": round(ratio, 2), "unit": "x", "met": ratio <= 1.3})
+    cold = all(r["cold_cache"] for r in results)
+    return {"title": "Many small tensors: save, load and verify against torch (fresh process per operation)",
+            "columns": ["case", "operation", "seconds", "CPU s", "speed vs torch"],
+            "rows": rows, "targets": targets,
+            "notes": [f"medians of {results[0]['rounds'] if results else 0} round(s); "
+                      f"{'cold' if cold else 'warm (drop_caches not permitted)'} page cache before each load"],
+            "errors": [], "raw": results}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--case", choices=["scalars", "model", "all"], default="all")
     ap.add_argument("--n", type=int, default=100_000, help="scalar tensors (model: about n/10 small params)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temporary one)")
-    ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--json", default=None, help="also write the results here (benchmarks/report.py's format)")
+    ap.add_argument("--quick", action="store_true", help="10,000 scalars and the model case, one round")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.n, a.rounds = min(a.n, 10_000), 1
     cases = ["scalars", "model"] if a.case == "all" else [a.case]
     results = []
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="bench_small.") as d:
@@ -156,7 +190,7 @@ def main(argv=None) -> int:
             print()
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+            json.dump(report(results), f, indent=1)
     return 0
 
 
