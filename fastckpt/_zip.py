@@ -36,6 +36,10 @@ ZIP64_TAG = 0x0001
 PAD_TAG = 0x4246  # "FB": PyTorch's padding field
 _BLOCK = 64 << 10  # parsing reads the file in blocks of this size
 _HEADER_BATCH = 4096  # local headers read in one batch
+# A file up to this size is read whole by one pread (page cache or one disk
+# round trip) and parsed from memory, instead of a block at its start, its tail
+# and a batch of local headers, one read after the other.
+_WHOLE_FILE = 1 << 20
 
 _local = struct.Struct("<IHHHHHIIIHH")
 _central = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -319,10 +323,16 @@ class Archive:
             return FormatError(f"{path}: {what}")
 
         blocks: Dict[int, bytes] = {}  # small reads (local headers) share 64 KiB blocks
+        whole = pread(size, 0) if fd >= 0 and size <= _WHOLE_FILE else None
 
         def read_at(off: int, n: int) -> bytes:
             if off < 0 or n < 0 or off + n > size:
                 raise bad(f"truncated: needs bytes {off}..{off + n} of a {size}-byte file")
+            if whole is not None:
+                b = whole[off:off + n]
+                if len(b) != n:  # the file shrank since fstat
+                    raise bad(f"truncated while reading {n} bytes at offset {off}")
+                return b
             first, last = off // _BLOCK, (off + n - 1) // _BLOCK if n else off // _BLOCK
             if n > _BLOCK or last - first > 1:
                 b = pread(n, off)
@@ -355,7 +365,7 @@ class Archive:
         for first in range(0, len(items), _HEADER_BATCH):
             batch = items[first:first + _HEADER_BATCH]
             heads = [bytearray(LOCAL_HEADER_SIZE + len(e.name.encode("utf-8"))) for _, e in batch]
-            if read_many is not None:
+            if read_many is not None and whole is None:
                 read_many([(h, e.header_offset) for h, (_, e) in zip(heads, batch)])
             else:
                 for h, (_, e) in zip(heads, batch):

@@ -207,3 +207,33 @@ def test_import_fastckpt_leaves_the_manager_and_dcp_for_later():
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines == ["", "ok"], lines
+
+
+def test_parsing_a_small_checkpoint_reads_it_once(tmp_path, monkeypatch):
+    """The zip directory of a small file (<= 1 MiB) is parsed from one read of
+    the whole file, not a block, the tail and a batch of local headers one after
+    the other; a larger file still reads its local headers in a batch."""
+    from fastckpt import _zip
+    small, large = tmp_path / "small.pt", tmp_path / "large.pt"
+    fastckpt.save(_small_state(), small)
+    fastckpt.save({"big": torch.zeros(600_000), **_small_state()}, large)
+    assert os.path.getsize(small) <= _zip._WHOLE_FILE < os.path.getsize(large)
+    preads, batches = [], []
+    real_pread = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, off: preads.append((n, off)) or real_pread(fd, n, off))
+
+    def read_many(items):
+        batches.append(len(items))
+        for buf, off in items:
+            buf[:] = real_pread(fd, len(buf), off)
+
+    with open(small, "rb") as f:
+        fd = f.fileno()
+        a = _zip.Archive.parse(f, str(small), read_many)
+    assert preads == [(os.path.getsize(small), 0)] and batches == []
+    assert sorted(a.records) == sorted(_zip.Archive.open(str(small)).records)
+    preads.clear()
+    with open(large, "rb") as f:
+        fd = f.fileno()
+        a = _zip.Archive.parse(f, str(large), read_many)
+    assert len(batches) == 1 and len(a.records) == len(_zip.Archive.open(str(large)).records)
