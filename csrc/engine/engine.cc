@@ -536,11 +536,23 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
       if (direct) sys::set_direct(fd, false, path);
       for (; first_left < sorted.size(); ++first_left) {
         ReadRange& r = sorted[first_left];
-        const int64_t k = sys::pread_cached(fd, r.dst, r.len, static_cast<int64_t>(r.off), path);
-        if (k <= 0) break;  // not cached, or RWF_NOWAIT refused (-1): the normal path
-        const uint64_t got = static_cast<uint64_t>(k);
+        // With a CRC: in kCrcPiece steps, each checksummed right after its copy
+        // (still in the CPU cache), as the staged pieces below.
+        const uint64_t step = r.crc ? kCrcPiece : r.len;
+        uint64_t got = 0;
+        uint32_t crc = 0;
+        while (got < r.len) {
+          const uint64_t want = r.len - got < step ? r.len - got : step;
+          char* at = static_cast<char*>(r.dst) + got;
+          const int64_t k = sys::pread_cached(fd, at, want, static_cast<int64_t>(r.off + got), path);
+          if (k <= 0) break;  // not cached, or RWF_NOWAIT refused (-1): the normal path
+          if (r.crc) crc = crc32(crc, at, static_cast<uint64_t>(k));
+          got += static_cast<uint64_t>(k);
+          if (static_cast<uint64_t>(k) < want) break;
+        }
+        if (got == 0) break;
         st.cached_bytes += got;
-        if (r.crc) *r.crc = crc32(0, r.dst, got);
+        if (r.crc) *r.crc = crc;
         if (got < r.len) {
           r.dst = static_cast<char*>(r.dst) + got;
           r.off += got;

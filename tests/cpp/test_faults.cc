@@ -442,6 +442,9 @@ TEST(file_shrinking_during_read_is_truncated_error, ALL) {
   save(eng, path, data);
   evict(path);  // the disk path: read_ranges copies cached bytes from the page cache
   const size_t fds = count_fds();
+  // Every page-cache read misses, whatever DONTNEED left cached: the disk path
+  // (a cached read treats a zero-length transfer as a retry, as pread_full).
+  fault::arm(rule(Op::ReadCached, 1, EAGAIN, 0));
   fault::arm(short_rule(Op::Read, 2, 0, 1));
   std::string out(300000, '\0');
   TruncatedError e = CHECK_THROWS(
