@@ -45,6 +45,10 @@ _BLOCK = 64 << 10  # parsing reads the file in blocks of this size
 _HEADER_GAP = 4096  # local headers at most this far apart share one read window ...
 _HEADER_WINDOW = 1 << 20  # ... of at most this many bytes
 _HEADER_BATCH_BYTES = 16 << 20  # windows read in one parallel batch (their buffers, at most)
+# A file up to this size is read whole by one pread (page cache or one disk
+# round trip) and parsed from memory, instead of a block at its start, its tail
+# and a batch of local headers, one read after the other.
+_WHOLE_FILE = 1 << 20
 
 _local = struct.Struct("<IHHHHHIIIHH")
 _central = struct.Struct("<IHHHHHHIIIHHHHHII")
@@ -400,10 +404,16 @@ class Archive:
             return FormatError(f"{path}: {what}")
 
         blocks: Dict[int, bytes] = {}  # small reads (local headers) share 64 KiB blocks
+        whole = pread(size, 0) if fd >= 0 and size <= _WHOLE_FILE else None
 
         def read_at(off: int, n: int) -> bytes:
             if off < 0 or n < 0 or off + n > size:
                 raise bad(f"truncated: needs bytes {off}..{off + n} of a {size}-byte file")
+            if whole is not None:
+                b = whole[off:off + n]
+                if len(b) != n:  # the file shrank since fstat
+                    raise bad(f"truncated while reading {n} bytes at offset {off}")
+                return b
             first, last = off // _BLOCK, (off + n - 1) // _BLOCK if n else off // _BLOCK
             if n > _BLOCK or last - first > 1:
                 b = pread(n, off)
@@ -459,7 +469,7 @@ class Archive:
             batch = windows[first:last]
             first = last
             bufs = [bytearray(w_len) for _, w_len, _ in batch]
-            if read_many is not None:
+            if read_many is not None and whole is None:
                 read_many([(b, w_off) for b, (w_off, _, _) in zip(bufs, batch)])
             else:
                 for b, (w_off, w_len, _) in zip(bufs, batch):

@@ -27,10 +27,14 @@ __all__ = ["get_engine", "reset_engine", "fsync_dir"]
 log = logging.getLogger("fastckpt")
 _lock = threading.Lock()
 _engines: Dict[Tuple, "_C.Engine"] = {}
+_logged: set = set()  # engines whose backend choice was logged
 
 
 def get_engine() -> "_C.Engine":
-    """The engine for the current knobs, created on first use."""
+    """The engine for the current knobs, created on first use. Its backend (an
+    io_uring ring or a thread pool) is made by the first I/O that needs one
+    (a read served from the page cache needs none); an io_uring refusal is
+    logged by the first call after it happened."""
     cfg = knobs.config()
     key = tuple(sorted(knobs.as_dict(cfg).items()))
     with _lock:
@@ -38,11 +42,13 @@ def get_engine() -> "_C.Engine":
         if eng is None:
             eng = _C.Engine(cfg)
             _engines[key] = eng
-            backend = eng.backend
+            log.debug("fastckpt: engine %r", cfg)
+        elif key not in _logged and eng.backends_created:
+            _logged.add(key)
             if eng.uring_refusal:
-                log.warning("fastckpt: io_uring refused (%s); using the %s backend", eng.uring_refusal, backend)
+                log.warning("fastckpt: io_uring refused (%s); using the %s backend", eng.uring_refusal, eng.backend)
             else:
-                log.debug("fastckpt: engine %r uses the %s backend", cfg, backend)
+                log.debug("fastckpt: engine %r uses the %s backend", cfg, eng.backend)
         return eng
 
 
@@ -50,6 +56,7 @@ def reset_engine() -> None:
     """Drop cached engines (their buffers are freed once no writer uses them)."""
     with _lock:
         _engines.clear()
+        _logged.clear()
 
 
 def fsync_dir(path) -> None:
@@ -64,9 +71,10 @@ def _after_fork_in_child() -> None:
     # Another thread of the parent may have held _lock at fork(): a new lock,
     # and no engine of the parent's (the C++ engine refuses to run in another
     # process and never joins the parent's threads when it is destroyed).
-    global _lock, _engines
+    global _lock, _engines, _logged
     _lock = threading.Lock()
     _engines = {}
+    _logged = set()
 
 
 if hasattr(os, "register_at_fork"):

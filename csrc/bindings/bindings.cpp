@@ -81,6 +81,7 @@ py::dict read_stats_dict(const ReadStats& s) {
   d["bytes_read"] = s.bytes_read;
   d["requests"] = s.requests;
   d["direct_requests"] = s.direct_requests;
+  d["cached_bytes"] = s.cached_bytes;
   d["seconds"] = s.seconds;
   d["direct"] = s.direct;
   d["backend"] = s.backend;
@@ -154,6 +155,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return e.backend_name();
       })
       .def_property_readonly("uring_refusal", &Engine::uring_refusal)
+      .def_property_readonly("backends_created", &Engine::backends_created,
+                             "I/O backends (io_uring rings, thread pools) this engine has made so far; a "
+                             "read served wholly from the page cache makes none.")
       .def_property_readonly("buffers_available", [](Engine& e) { return e.pool().available(); })
       .def_property_readonly("buffers_quarantined", [](Engine& e) { return e.pool().quarantined(); },
                              "Staging buffers taken out of use because the kernel may still access them.")

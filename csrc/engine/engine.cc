@@ -59,6 +59,7 @@ std::unique_ptr<Backend> Engine::create_backend() {
   bool try_uring;
   {
     std::lock_guard<std::mutex> lk(mu_);
+    ++created_;
     try_uring = cfg_.backend == BackendKind::Uring || (cfg_.backend == BackendKind::Auto && !uring_refused_);
   }
   if (try_uring) {
@@ -104,6 +105,11 @@ std::string Engine::backend_name() {
   }
   BackendLease l = lease();
   return l.get().name();
+}
+
+uint64_t Engine::backends_created() {
+  std::lock_guard<std::mutex> lk(mu_);
+  return created_;
 }
 
 std::string Engine::uring_refusal() {
@@ -471,8 +477,6 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
   const uint64_t bs = pool.buffer_size();
   ReadStats st;
 
-  BackendLease lease = engine.lease();
-  st.backend = lease.get().name();
   // A new descriptor (O_DIRECT is per open file), on the caller's file if given.
   const std::string open_path = same_file_fd >= 0 ? "/proc/self/fd/" + std::to_string(same_file_fd) : path;
   int fd = -1;
@@ -486,6 +490,7 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
     }
   }
   if (fd < 0) fd = sys::open(open_path, O_RDONLY, 0, &path);
+  std::unique_ptr<BackendLease> lease;  // only when something is left for the disk
   std::vector<int> held, free_bufs;
   std::unique_ptr<IoQueue> q;
   auto cleanup = [&]() noexcept {
@@ -493,29 +498,20 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
     if (q) {
       q->drain();
       unreaped = q->unreaped_buffers();
-      if (q->broken()) lease.discard();
+      if (q->broken() && lease) lease->discard();
     }
     for (int b : held) {
       if (std::find(unreaped.begin(), unreaped.end(), b) != unreaped.end()) pool.quarantine(b);
       else pool.release(b);
     }
     held.clear();
+    q.reset();
+    lease.reset();
     sys::close_quiet(fd);
   };
 
   try {
     const uint64_t fsize = sys::file_size(fd, path);
-    uint64_t a = 1, mem_a = 1;
-    if (direct) {
-      sys::DioAlign al = sys::dio_alignment(fd, path);
-      if (al.mem > 4096 || al.offset > bs || bs % al.offset != 0) {
-        sys::set_direct(fd, false, path);
-        direct = false;
-      } else {
-        a = al.offset;
-        mem_a = al.mem;
-      }
-    }
 
     std::vector<ReadRange> sorted;
     sorted.reserve(ranges.size());
@@ -528,6 +524,76 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
       st.bytes += r.len;
     }
     std::sort(sorted.begin(), sorted.end(), [](const ReadRange& x, const ReadRange& y) { return x.off < y.off; });
+
+    // Page cache first. The first range not wholly cached ends this phase
+    // (what follows it was most likely not read lately either, and each miss
+    // costs a syscall); it and the ones after go to the disk. A range whose
+    // cached prefix was read continues from there (`cont`), its CRC so far
+    // already in *crc.
+    std::vector<char> cont(sorted.size(), 0);
+    size_t first_left = 0;
+    if (!sorted.empty()) {
+      if (direct) sys::set_direct(fd, false, path);
+      for (; first_left < sorted.size(); ++first_left) {
+        ReadRange& r = sorted[first_left];
+        // With a CRC: in kCrcPiece steps, each checksummed right after its copy
+        // (still in the CPU cache), as the staged pieces below.
+        const uint64_t step = r.crc ? kCrcPiece : r.len;
+        uint64_t got = 0;
+        uint32_t crc = 0;
+        while (got < r.len) {
+          const uint64_t want = r.len - got < step ? r.len - got : step;
+          char* at = static_cast<char*>(r.dst) + got;
+          const int64_t k = sys::pread_cached(fd, at, want, static_cast<int64_t>(r.off + got), path);
+          if (k <= 0) break;  // not cached, or RWF_NOWAIT refused (-1): the normal path
+          if (r.crc) crc = crc32(crc, at, static_cast<uint64_t>(k));
+          got += static_cast<uint64_t>(k);
+          if (static_cast<uint64_t>(k) < want) break;
+        }
+        if (got == 0) break;
+        st.cached_bytes += got;
+        if (r.crc) *r.crc = crc;
+        if (got < r.len) {
+          r.dst = static_cast<char*>(r.dst) + got;
+          r.off += got;
+          r.len -= got;
+          cont[first_left] = 1;
+          break;
+        }
+      }
+      st.bytes_read += st.cached_bytes;
+      sorted.erase(sorted.begin(), sorted.begin() + static_cast<std::ptrdiff_t>(first_left));
+      cont.erase(cont.begin(), cont.begin() + static_cast<std::ptrdiff_t>(first_left));
+    }
+    if (sorted.empty()) {
+      cleanup();
+      st.seconds = now_seconds() - t0;
+      st.direct = false;
+      st.backend = "page cache";
+      return st;
+    }
+
+    if (direct) {
+      try {
+        sys::set_direct(fd, true, path);
+      } catch (const IoError& e) {
+        if (e.err() != EINVAL) throw;
+        direct = false;
+      }
+    }
+    lease.reset(new BackendLease(engine.lease()));
+    st.backend = lease->get().name();
+    uint64_t a = 1, mem_a = 1;
+    if (direct) {
+      sys::DioAlign al = sys::dio_alignment(fd, path);
+      if (al.mem > 4096 || al.offset > bs || bs % al.offset != 0) {
+        sys::set_direct(fd, false, path);
+        direct = false;
+      } else {
+        a = al.offset;
+        mem_a = al.mem;
+      }
+    }
 
     // Plan: direct jobs for aligned ranges, staging windows for the rest.
     std::vector<Job> jobs;
@@ -548,7 +614,9 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
       j.part_end = parts.size();
       open_window = false;
     };
-    for (const ReadRange& r : sorted) {
+    for (size_t ri = 0; ri < sorted.size(); ++ri) {
+      const ReadRange& r = sorted[ri];
+      const bool starts = !cont[ri];  // the range's first byte is read here (not from the cache)
       char* dst = static_cast<char*>(r.dst);
       // The aligned body of a range with an aligned destination and offset
       // is read straight into the destination; the rest goes through staging.
@@ -561,7 +629,7 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
           j.off = r.off + done;
           j.len = j.need = body - done < bs ? body - done : bs;
           j.direct_dst = dst + done;
-          j.piece = new_piece(r, j.len, done == 0);
+          j.piece = new_piece(r, j.len, starts && done == 0);
           jobs.push_back(j);
         }
       }
@@ -586,7 +654,7 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
         Job& j = jobs.back();
         uint64_t room = j.off + bs - off;
         uint64_t take = left < room ? left : room;
-        parts.push_back(Part{dst, off, take, new_piece(r, take, off == r.off)});
+        parts.push_back(Part{dst, off, take, new_piece(r, take, starts && off == r.off)});
         if (off + take > win_end) win_end = off + take;
         dst += take;
         off += take;
@@ -596,7 +664,7 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
     }
     close_window();
 
-    q.reset(new IoQueue(lease.get(), cfg.queue_depth));
+    q.reset(new IoQueue(lease->get(), cfg.queue_depth));
     size_t next = 0, finished = 0;
     while (finished < jobs.size()) {
       while (next < jobs.size() && !q->full()) {

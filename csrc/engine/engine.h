@@ -58,6 +58,8 @@ class Engine {
   std::string backend_name();
   // Why io_uring is not used (empty when it is, or was never tried).
   std::string uring_refusal();
+  // How many backends (rings, thread pools) this engine has made so far.
+  uint64_t backends_created();
   // Throws UsageError in a process other than the one that made this engine
   // (after fork(): the parent's I/O threads do not exist in the child, and an
   // io_uring ring must not be shared with it).
@@ -75,6 +77,7 @@ class Engine {
   bool uring_refused_ = false;
   std::string refusal_;
   std::string resolved_;
+  uint64_t created_ = 0;
   int pid_;  // the process that made this engine
 };
 
@@ -180,13 +183,18 @@ struct ReadStats {
   uint64_t bytes_read = 0;   // bytes read from the file (incl. alignment/coalescing)
   uint64_t requests = 0;
   uint64_t direct_requests = 0;  // read straight into caller memory (no copy)
+  uint64_t cached_bytes = 0;     // of bytes_read, served from the page cache (no request, no staging)
   double seconds = 0;
   bool direct = false;
   std::string backend;
 };
 
-// Fills caller memory from byte ranges of one file with parallel reads:
-// O_DIRECT straight into the destination where it is aligned, otherwise
+// Fills caller memory from byte ranges of one file. First from the page
+// cache: in file order, each range's cached prefix is copied by the calling
+// thread (sys::pread_cached, RWF_NOWAIT: never waits for the disk) until the
+// first range that is not wholly cached; when everything was cached, no
+// backend is leased and no staging buffer is touched. The rest with parallel
+// reads: O_DIRECT straight into the destination where it is aligned, otherwise
 // through staging buffers (coalescing nearby ranges). Throws TruncatedError if
 // a range lies beyond the end of the file, IoError on an I/O failure.
 // With `same_file_fd` >= 0 (a descriptor the caller holds open on `path`), the

@@ -27,6 +27,10 @@ enum class Op : int {
   UringWait,   // io_uring_wait_cqe fails (completions can no longer be reaped)
   UringRegister, // a ring's (sparse) buffer table at its creation, then each buffer's registration at its
                  // first use on that ring: refused, the I/O goes through plain reads and writes
+  ReadCached,    // read_ranges' page-cache read (preadv2 RWF_NOWAIT) of a range: EAGAIN = not cached,
+                 // EOPNOTSUPP/EINVAL = refused by the kernel (both: the range goes through the normal
+                 // path), short_len = only that many bytes cached; any other errno fails the read.
+                 // The read then also counts as an Op::Read, like any read of file data.
   kCount
 };
 

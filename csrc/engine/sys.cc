@@ -5,6 +5,7 @@
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/uio.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -107,6 +108,56 @@ uint64_t pread_full(int fd, void* buf, uint64_t len, int64_t off, const std::str
     done += r;
   }
   return done;
+}
+
+int64_t pread_cached(int fd, void* buf, uint64_t len, int64_t off, const std::string& path) {
+#ifdef RWF_NOWAIT
+  char* p = static_cast<char*>(buf);
+  uint64_t done = 0;
+  int tries = 0;
+  auto refused = [](int e) { return e == EOPNOTSUPP || e == EINVAL || e == ENOSYS; };
+  while (done < len) {
+    uint64_t want = len - done;
+    bool last = false;  // the injected cache ends after this transfer
+    fault::Action c = fault::on(Op::ReadCached, path);
+    if (c.err == EAGAIN) break;
+    if (refused(c.err)) return -1;
+    if (c.err == EINTR && ++tries < kMaxRetries) continue;
+    if (c.err) throw_io(c.err, "preadv2", path, off + done, want);
+    if (c.short_len >= 0 && static_cast<uint64_t>(c.short_len) < want) {
+      if (c.short_len == 0) break;
+      want = c.short_len;
+      last = true;
+    }
+    struct iovec iov = {p + done, want};
+    ssize_t r = ::preadv2(fd, &iov, 1, off + static_cast<int64_t>(done), RWF_NOWAIT);
+    if (r < 0) {
+      const int e = errno;
+      if (e == EINTR && ++tries < kMaxRetries) continue;
+      if (e == EAGAIN) break;  // the next byte is not in the page cache
+      if (refused(e)) return done ? static_cast<int64_t>(done) : -1;
+      throw_io(e, "preadv2", path, off + done, want);
+    }
+    if (r == 0) break;  // end of file
+    // Data came back: now it counts as a read of file data (Op::Read), as
+    // from the disk; a miss above did not.
+    fault::Action a = fault::on(Op::Read, path);
+    if (a.err && !(retryable(a.err) && ++tries < kMaxRetries)) throw_io(a.err, "pread", path, off + done, want);
+    if (a.err) continue;
+    bool again = false;  // an injected short transfer: ask for the rest
+    if (a.short_len >= 0 && a.short_len < r) {
+      r = a.short_len;
+      again = true;
+    }
+    done += static_cast<uint64_t>(r);
+    // Short: the next page is not cached (asking again would only return EAGAIN).
+    if (last || (static_cast<uint64_t>(r) < want && !again)) break;
+  }
+  return static_cast<int64_t>(done);
+#else
+  (void)fd, (void)buf, (void)len, (void)off, (void)path;
+  return -1;
+#endif
 }
 
 namespace {

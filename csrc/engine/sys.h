@@ -27,6 +27,14 @@ int64_t pread_raw(int fd, void* buf, uint64_t len, int64_t off) noexcept;
 // the number of bytes read, which is less than len only at end of file.
 void pwrite_full(int fd, const void* buf, uint64_t len, int64_t off, const std::string& path);
 uint64_t pread_full(int fd, void* buf, uint64_t len, int64_t off, const std::string& path);
+// Reads [off, off+len) from the page cache only: preadv2(RWF_NOWAIT) on a
+// buffered descriptor, which never waits for the disk. Returns the number of
+// bytes read, from `off` on, before the first byte that is not cached (or end
+// of file): 0 .. len. Returns -1 when the kernel or the filesystem refuses
+// RWF_NOWAIT (EOPNOTSUPP, EINVAL, ENOSYS): the caller reads normally. EAGAIN
+// is not an error (not cached); any other failure throws IoError. Fault hook:
+// Op::ReadCached, then Op::Read (fault.h).
+int64_t pread_cached(int fd, void* buf, uint64_t len, int64_t off, const std::string& path);
 
 void fdatasync(int fd, const std::string& path);
 // fdatasync without throwing: 0 or -errno (used by the thread backend).

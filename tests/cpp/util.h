@@ -175,6 +175,18 @@ inline void write_file_plain(const std::string& path, const std::string& data) {
   ::close(fd);
 }
 
+// Evicts a file's pages (or [off, off+len) of them) from the page cache, so
+// that the engine's next read of them goes to the disk (read_ranges copies
+// cached bytes first). Dirty pages are written back first.
+inline void evict(const std::string& path, off_t off = 0, off_t len = 0) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(__FILE__, __LINE__, "open " + path + ": " + std::strerror(errno));
+  ::fsync(fd);
+  int r = ::posix_fadvise(fd, off, len, POSIX_FADV_DONTNEED);
+  ::close(fd);
+  if (r != 0) fail(__FILE__, __LINE__, "posix_fadvise " + path + ": " + std::strerror(r));
+}
+
 // ------------------------------------------------------------ data
 
 inline std::string random_bytes(size_t n, uint64_t seed) {

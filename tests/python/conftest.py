@@ -18,6 +18,18 @@ def temp_files(directory):
     return sorted(n for n in os.listdir(directory) if ".fastckpt-tmp." in n)
 
 
+def drop_page_cache(path, offset=0, length=0):
+    """Evicts `path`'s pages (a range of them with offset/length) from the page
+    cache, so that the engine's next read of them goes to the disk (read_ranges
+    serves cached bytes first). Written pages are made clean first."""
+    fd = os.open(os.fspath(path), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def make_config(**kw):
     cfg = _C.EngineConfig()
     for k, v in kw.items():

@@ -15,7 +15,7 @@ import torch
 
 import fastckpt
 from fastckpt import _C
-from conftest import fd_count, make_config, temp_files, uring_refusal
+from conftest import drop_page_cache, fd_count, make_config, temp_files, uring_refusal
 
 SIZES = [0, 1, 4095, 4096, 4097, 3 * (64 << 10) + 5, (5 << 20) + 123]
 
@@ -112,6 +112,7 @@ def test_read_aligned_destination_goes_direct(small_engine, tmp_path):
     data = random_bytes(n, 9)
     save(small_engine, tmp_path / "f.bin", data)
     buf = mmap.mmap(-1, n)  # page-aligned, writable
+    drop_page_cache(tmp_path / "f.bin")  # cached bytes would be copied from the page cache instead
     st = _C.read_ranges(small_engine, str(tmp_path / "f.bin"), [(buf, 0)])
     if not st["direct"]:
         pytest.skip("this filesystem refused O_DIRECT")
@@ -119,6 +120,7 @@ def test_read_aligned_destination_goes_direct(small_engine, tmp_path):
     assert bytes(buf) == data.numpy().tobytes()
     # An unaligned length: the aligned body still goes direct, the tail through staging.
     buf2 = mmap.mmap(-1, n)
+    drop_page_cache(tmp_path / "f.bin")  # the first read's cache miss may have started readahead
     st = _C.read_ranges(small_engine, str(tmp_path / "f.bin"), [(memoryview(buf2)[:n - 3], 0)])
     assert st["direct_requests"] > 0 and st["requests"] > st["direct_requests"]
     assert bytes(buf2)[:n - 3] == data.numpy().tobytes()[:n - 3] and bytes(buf2)[n - 3:] == bytes(3)
@@ -409,6 +411,7 @@ def test_reading_while_this_thread_holds_every_buffer_raises_instead_of_hanging(
     src = tmp_path / "src.bin"
     data = os.urandom(100000)
     src.write_bytes(data)
+    drop_page_cache(src)  # from the page cache, the read would need no staging buffer
     w = _C.Writer(small_engine, str(tmp_path / "w.bin"), -1)
     w.write(torch.frombuffer(bytearray(os.urandom(1 << 20)), dtype=torch.uint8))  # holds all 4 buffers
     dst = torch.empty(len(data) + 1, dtype=torch.uint8)[1:]  # misaligned: needs staging buffers

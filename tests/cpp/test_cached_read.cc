@@ -1,0 +1,165 @@
+// read_ranges serves cached bytes first (sys::pread_cached: preadv2 with
+// RWF_NOWAIT on a buffered descriptor), the rest from the disk: same bytes and
+// the same per-range CRC-32 either way or mixed; a wholly cached read makes no
+// backend and touches no staging buffer; a kernel refusing RWF_NOWAIT (or a
+// miss) falls back to the normal path.
+#include <zlib.h>
+
+#include "util.h"
+
+using namespace fct;
+using fault::Op;
+
+namespace {
+
+uint32_t zcrc(const std::string& s, size_t off, size_t n) {
+  return static_cast<uint32_t>(::crc32_z(0, reinterpret_cast<const Bytef*>(s.data() + off), n));
+}
+
+struct Want {
+  uint64_t off, len;
+};
+
+// Reads `want` (in the given order) with a CRC for each; checks bytes and CRCs
+// against `data`, returns the stats.
+ReadStats read_and_check(Engine& eng, const std::string& path, const std::string& data, const std::vector<Want>& want,
+                         const char* what) {
+  std::vector<std::string> out;
+  std::vector<uint32_t> crcs(want.size(), 0xdeadbeef);
+  out.reserve(want.size());
+  std::vector<ReadRange> rs;
+  for (size_t i = 0; i < want.size(); ++i) {
+    out.emplace_back(want[i].len, '\x55');
+    rs.push_back(ReadRange{&out.back()[0], want[i].len, want[i].off, &crcs[i]});
+  }
+  ReadStats st = fastckpt::read_ranges(eng, path, rs);
+  for (size_t i = 0; i < want.size(); ++i) {
+    CHECK_BYTES(out[i], data.substr(want[i].off, want[i].len));
+    CHECK_MSG(crcs[i] == zcrc(data, want[i].off, want[i].len), std::string(what) + ": CRC of range " +
+                                                                    std::to_string(i));
+  }
+  CHECK_POOL_FULL(eng);
+  return st;
+}
+
+const std::vector<Want> kRanges = {{0, 100000}, {123457, 300001}, {4096, 8192}, {700001, 99}, {800000, 248576 + 77}};
+const size_t kSize = (1u << 20) + 77;
+
+}  // namespace
+
+TEST(cached_file_reads_from_the_page_cache_with_the_same_bytes_and_crcs, ALL) {
+  TempDir dir;
+  const std::string path = dir.file("c.bin");
+  const std::string data = random_bytes(kSize, 31);
+  write_file_plain(path, data);  // buffered: in the page cache
+  (void)read_file(path);
+  Engine eng(config());
+  ReadStats st = read_and_check(eng, path, data, kRanges, "cached");
+  uint64_t total = 0;
+  for (const Want& w : kRanges) total += w.len;
+  CHECK_EQ(st.cached_bytes, total);
+  CHECK_EQ(st.bytes_read, total);
+  CHECK_EQ(st.requests, 0u);
+  CHECK_EQ(eng.backends_created(), 0u);  // no ring, no thread pool
+  CHECK_EQ(eng.pool().touched(), 0u);    // no staging buffer
+  // The same ranges from the disk: same bytes, same CRCs.
+  evict(path);
+  st = read_and_check(eng, path, data, kRanges, "disk");
+  CHECK_EQ(st.cached_bytes, 0u);  // the first range's first page missed: all from the disk
+  CHECK(st.requests > 0);
+  CHECK_EQ(eng.backends_created(), 1u);
+  if (variant().direct) CHECK(st.direct);
+}
+
+TEST(partly_cached_file_mixes_cached_and_disk_pieces, ALL) {
+  // The page cache may hold the file in large folios (up to 2 MiB), evicted
+  // whole: the file and the evicted hole are multiples of that.
+  constexpr size_t M = 1u << 20;
+  TempDir dir;
+  const std::string path = dir.file("p.bin");
+  const std::string data = random_bytes(8 * M + 77, 32);
+  write_file_plain(path, data);
+  (void)read_file(path);
+  evict(path, 2 * M, 2 * M);  // [2 MiB, 4 MiB) back to the disk only
+  Engine eng(config());
+  // One whole-file range: its cached prefix (at most 2 MiB), the rest from the disk.
+  ReadStats st = read_and_check(eng, path, data, {{0, data.size()}}, "whole");
+  if (st.cached_bytes == data.size()) SKIP("posix_fadvise(DONTNEED) evicted nothing here");
+  CHECK(st.cached_bytes > 0);
+  CHECK(st.cached_bytes <= 2 * M);
+  CHECK(st.requests > 0);
+  // Several ranges: the first wholly cached, the second cached up to where the
+  // hole starts (or less), the rest from the disk.
+  (void)read_file(path);
+  evict(path, 2 * M, 2 * M);
+  const std::vector<Want> rs = {{5, 100000}, {M + 3, 2 * M}, {1000, 3000}, {5 * M + 1, M}, {7 * M, M + 77}};
+  st = read_and_check(eng, path, data, rs, "ranges");
+  CHECK(st.cached_bytes >= 100000 + 3000);
+  CHECK(st.cached_bytes <= 100000 + 3000 + M);
+  CHECK(st.requests > 0);
+}
+
+TEST(injected_short_cache_splits_a_range_at_any_byte, ALL) {
+  TempDir dir;
+  const std::string path = dir.file("s.bin");
+  const std::string data = random_bytes(kSize, 33);
+  write_file_plain(path, data);
+  (void)read_file(path);
+  Engine eng(config());
+  for (int64_t cut : {1, 1000, 4096, 65537, 99999}) {
+    fault::clear();
+    fault::arm(short_rule(Op::ReadCached, 1, cut, 1));  // the first range: only `cut` bytes cached
+    ReadStats st = read_and_check(eng, path, data, {{5, 100000}, {200000, 5000}}, "short");
+    CHECK_EQ(fault::fired(), 1u);
+    CHECK_EQ(st.cached_bytes, static_cast<uint64_t>(cut));  // then the disk, for the rest of the call
+    CHECK(st.requests > 0);
+  }
+}
+
+TEST(rwf_nowait_refused_falls_back_to_the_normal_path, ALL) {
+  TempDir dir;
+  const std::string path = dir.file("r.bin");
+  const std::string data = random_bytes(kSize, 34);
+  write_file_plain(path, data);
+  (void)read_file(path);
+  for (int err : {EOPNOTSUPP, EINVAL, EAGAIN}) {
+    Engine eng(config());
+    fault::clear();
+    fault::arm(rule(Op::ReadCached, 1, err, 0));
+    ReadStats st = read_and_check(eng, path, data, kRanges, std::strerror(err));
+    CHECK_EQ(fault::fired(), 1u);  // one try per call
+    CHECK_EQ(st.cached_bytes, 0u);
+    CHECK(st.requests > 0);
+    CHECK_EQ(eng.backends_created(), 1u);
+  }
+}
+
+TEST(a_failing_cached_read_is_an_io_error_naming_the_file, ONCE) {
+  TempDir dir;
+  const std::string path = dir.file("e.bin");
+  const std::string data = random_bytes(100000, 35);
+  write_file_plain(path, data);
+  (void)read_file(path);
+  Engine eng(config());
+  const size_t fds = count_fds();
+  for (Op op : {Op::ReadCached, Op::Read}) {
+    fault::clear();
+    fault::arm(rule(op, 1, EIO));
+    std::string out(data.size(), '\0');
+    bool threw = false;
+    try {
+      fastckpt::read_ranges(eng, path, {{&out[0], out.size(), 0}});
+    } catch (const IoError& e) {
+      threw = true;
+      CHECK_EQ(e.err(), EIO);
+      CHECK_CONTAINS(std::string(e.what()), path);
+    }
+    CHECK(threw);
+    CHECK_EQ(fault::fired(), 1u);
+    CHECK_EQ(count_fds(), fds);
+  }
+  fault::clear();
+  CHECK_BYTES(load(eng, path, data.size()), data);  // and the next read works
+}
+
+FCT_MAIN()
