@@ -44,11 +44,12 @@ refusal, says that nothing from the file was run.
 import io
 import pickle
 import pickletools
+import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
 from .errors import FormatError
 
-__all__ = ["loads", "check", "Refused", "dcp_metadata_class", "MAX_DEPTH", "MAX_OBJECT_DEPTH", "MAX_RATIO", "MIN_BUDGET"]
+__all__ = ["loads", "check", "check_reference", "Refused", "dcp_metadata_class", "MAX_DEPTH", "MAX_OBJECT_DEPTH", "MAX_RATIO", "MIN_BUDGET"]
 
 MAX_DEPTH = 100          # containers nested deeper are refused (DCP metadata nests about 10 deep)
 # For the user's own objects (check(): torch.save's data.pkl, DCP values): pickle itself cannot write
@@ -415,8 +416,37 @@ def check(data: bytes, where: str, *, persistent: bool = True, max_depth: int = 
     judge class by class, so that it is not handed a pickle that would allocate
     far more than its size or nest deep enough to overflow the C stack when a
     key is hashed. Returns the estimated bytes; raises FormatError or Refused
-    (an opcode that torch.save never writes)."""
+    (an opcode that torch.save never writes).
+
+    The walk runs in C++ (``_C.pickle_check``, csrc/engine/pickle_scan.cc,
+    without the GIL): the same verdicts and messages as :func:`check_reference`,
+    the Python walk, which stays the reference (tests/python/test_pickle_walk.py
+    runs both on the same inputs)."""
+    n = len(data)
+    if n >= 1 << 32:  # the C++ walk numbers its values in 32 bits
+        return check_reference(data, where, persistent=persistent, max_depth=max_depth)
+    from . import _C
+    kind, msg, pos, cost = _C.pickle_check(data, persistent, max_depth, MAX_RATIO, MIN_BUDGET, _max_str_digits())
+    if kind == 0:
+        return cost
+    if kind == 1:
+        raise FormatError(f"{where}: {msg} at byte {pos} of the {n}-byte pickle (damaged or crafted; refused "
+                          f"before unpickling, {NOTHING_RUN})")
+    if kind == 2:
+        raise Refused(f"{where}: refused to unpickle: {msg} at byte {pos}; {NOTHING_RUN}")
+    raise FormatError(f"{where}: damaged pickle ({msg}); refused before unpickling, {NOTHING_RUN}")
+
+
+def check_reference(data: bytes, where: str, *, persistent: bool = True, max_depth: int = MAX_OBJECT_DEPTH) -> int:
+    """:func:`check` by the Python walk (pickletools.genops), the reference
+    implementation of the C++ one."""
     return _walk(bytes(data), where, _any_global, persistent, max_depth)
+
+
+def _max_str_digits() -> int:
+    """Python's limit on the digits of a decimal int (int() refuses longer arguments in the walk too)."""
+    get = getattr(sys, "get_int_max_str_digits", None)
+    return get() if get is not None else 0
 
 
 # ---------------------------------------------------------------- the DCP metadata policy

@@ -15,6 +15,7 @@
 #include "../engine/engine.h"
 #include "../engine/error.h"
 #include "../engine/fault.h"
+#include "../engine/pickle_scan.h"
 #include "../engine/sys.h"
 #include "../engine/temp_file.h"
 
@@ -332,6 +333,23 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("data"), py::arg("crc") = 0,
         "Zip CRC-32 of a CPU tensor or buffer, continued from `crc` (equal to zlib.crc32; the GIL is released "
         "for inputs of 64 KiB and more).");
+  m.def("pickle_check",
+        [](py::handle data, bool persistent, int64_t max_depth, uint64_t max_ratio, uint64_t min_budget,
+           int64_t int_max_str_digits) {
+          Span s(data, false);
+          fastckpt::PickleVerdict v;
+          {
+            py::gil_scoped_release nogil;
+            v = fastckpt::pickle_check(s.ptr(), s.len(), persistent, max_depth, max_ratio, min_budget,
+                                       int_max_str_digits);
+          }
+          return py::make_tuple(static_cast<int>(v.kind), v.message, v.pos, v.cost);
+        },
+        py::arg("data"), py::arg("persistent"), py::arg("max_depth"), py::arg("max_ratio"), py::arg("min_budget"),
+        py::arg("int_max_str_digits") = 4300,
+        "The safety walk of a pickle (fastckpt._unpickle.check's verdicts, in C++; the GIL is released): "
+        "(kind, message, pos, cost) with kind 0 accepted (cost: the estimated bytes), 1 damaged or crafted at "
+        "byte pos, 2 refused at byte pos, 3 damaged (what pickletools.genops refuses).");
   m.def("crc32_combine", &fastckpt::crc32_combine, py::arg("crc1"), py::arg("crc2"), py::arg("len2"),
         "The CRC-32 of a followed by b, from crc32(a), crc32(b) and len(b) (zlib's crc32_combine).");
   m.def("crc32_impl", []() { return std::string(fastckpt::crc32_impl()); },

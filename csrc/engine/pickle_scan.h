@@ -1,0 +1,43 @@
+// The safety walk of a pickle's opcodes (protocols 0-5), in C++: the same
+// verdicts as fastckpt/_unpickle.py's `_walk` with every global accepted (its
+// `check()`), which stays the reference implementation. Nothing is built and
+// nothing is imported: the walk follows the unpickler's stack and refuses a
+// pickle whose opcodes or arguments are damaged (what pickletools.genops
+// refuses), that uses an opcode torch.save never writes, a persistent id where
+// none are allowed, a call of anything but a global, a memo index beyond the
+// entries stored so far, a FRAME longer than the bytes that follow, containers
+// nested more than `max_depth` deep as they are built, or whose objects would
+// take more than max(min_budget, max_ratio * size) bytes (the estimate of
+// _unpickle.py).
+//
+// Iterative (hostile inputs nest a million deep) and with memory proportional
+// to the input's size only (one small record per opcode at most). Pure C++:
+// no torch, no Python.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace fastckpt {
+
+struct PickleVerdict {
+  enum Kind : int {
+    kAccepted = 0,
+    kBad = 1,       // FormatError "... at byte POS of the N-byte pickle (damaged or crafted; ...)"
+    kRefused = 2,   // Refused "refused to unpickle: ... at byte POS"
+    kDamaged = 3,   // FormatError "damaged pickle (MESSAGE)": what pickletools.genops raises on
+  };
+  Kind kind = kAccepted;
+  std::string message;  // without the caller's path and without the position
+  uint64_t pos = 0;     // the opcode's offset (kBad, kRefused)
+  uint64_t cost = 0;    // the estimated bytes (kAccepted)
+};
+
+// `int_max_str_digits`: Python's limit on the digits of a decimal int
+// (sys.get_int_max_str_digits(); 0 = none); a longer INT/LONG/GET/PUT argument
+// is damaged, as int() refuses it.
+PickleVerdict pickle_check(const char* data, size_t n, bool persistent, int64_t max_depth, uint64_t max_ratio,
+                           uint64_t min_budget, int64_t int_max_str_digits = 4300);
+
+}  // namespace fastckpt
