@@ -28,23 +28,27 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 ROOT = os.path.dirname(os.path.abspath(__file__))
 
 
+def _links(src: str, lib: str) -> bool:
+    """Whether the C program `src` compiles and links with -l`lib` (the probe of an optional library)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        return False
+    with tempfile.TemporaryDirectory() as d:
+        c = os.path.join(d, "t.c")
+        with open(c, "w") as f:
+            f.write(src)
+        return subprocess.run([cc, c, "-o", os.path.join(d, "t"), "-l" + lib], capture_output=True).returncode == 0
+
+
 def _find_liburing():
     """Return True when a tiny program using liburing compiles and links."""
     if os.environ.get("FASTCKPT_NO_URING") == "1":
         print("fastckpt: FASTCKPT_NO_URING=1, building without io_uring", file=sys.stderr)
         return False
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        return False
     # liburing >= 2.2 (io_uring_sqe_set_data64); an older one counts as absent.
     src = ("#include <liburing.h>\nint main(void){struct io_uring r; struct io_uring_sqe* s = 0;\n"
            "if (s) io_uring_sqe_set_data64(s, 1); return io_uring_queue_init(1,&r,0) < -1000;}\n")
-    with tempfile.TemporaryDirectory() as d:
-        c = os.path.join(d, "t.c")
-        with open(c, "w") as f:
-            f.write(src)
-        r = subprocess.run([cc, c, "-o", os.path.join(d, "t"), "-luring"], capture_output=True)
-    if r.returncode != 0:
+    if not _links(src, "uring"):
         print("fastckpt: liburing >= 2.2 not found (install liburing-dev): building with the thread backend only",
               file=sys.stderr)
         return False
@@ -56,17 +60,9 @@ def _find_isal():
     if os.environ.get("FASTCKPT_NO_ISAL") == "1":
         print("fastckpt: FASTCKPT_NO_ISAL=1, CRC-32 from zlib", file=sys.stderr)
         return False
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        return False
     src = ("#include <isa-l/crc.h>\nint main(void){static const unsigned char b[1];\n"
            "return (int)(crc32_gzip_refl(0, b, 0) & 1);}\n")
-    with tempfile.TemporaryDirectory() as d:
-        c = os.path.join(d, "t.c")
-        with open(c, "w") as f:
-            f.write(src)
-        r = subprocess.run([cc, c, "-o", os.path.join(d, "t"), "-lisal"], capture_output=True)
-    if r.returncode != 0:
+    if not _links(src, "isal"):
         print("fastckpt: ISA-L not found (install libisal-dev): CRC-32 from zlib", file=sys.stderr)
         return False
     return True
