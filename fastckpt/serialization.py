@@ -12,6 +12,7 @@ own loader (and its ``weights_only`` unpickler).
 """
 
 import collections
+import contextlib
 import ctypes
 import io
 import logging
@@ -23,7 +24,7 @@ import types
 import uuid
 import warnings
 import zlib
-from typing import Any, Callable, Dict, IO, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, IO, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.serialization as ts
@@ -495,10 +496,11 @@ class _Records(dict):
         self.update(tensors)
         return {n: bytes(b) for n, b in bufs.items()}
 
-    def read_late(self, name: str, storage: bool):
-        """A record that was not read up front (data.pkl names a storage in a way
-        _referenced_storages does not see, or torch asks for another record):
-        read from the same file, opened again and checked to be the same one."""
+    @contextlib.contextmanager
+    def reopened(self) -> Iterator[int]:
+        """The file opened again after the descriptor it was parsed from was
+        closed, checked to be that same file (device, inode, size, mtime):
+        reads in the block go to it (``fd``)."""
         st = self.archive.stat
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
@@ -510,10 +512,17 @@ class _Records(dict):
                     (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
                 raise FormatError(f"{self.path}: the file was replaced or changed while it was being loaded")
             self.fd = fd
-            small = self.read([] if storage else [name], [name] if storage else [])
+            yield fd
         finally:
             self.fd = -1
             os.close(fd)
+
+    def read_late(self, name: str, storage: bool):
+        """A record that was not read up front (data.pkl names a storage in a way
+        _referenced_storages does not see, or torch asks for another record):
+        read from the same file, opened again and checked to be the same one."""
+        with self.reopened():
+            small = self.read([] if storage else [name], [name] if storage else [])
         if not storage:
             return small.get(name, b"")
         if self.bad([name]):
@@ -820,26 +829,15 @@ class _DeviceRecords(dict):
             return []
         # The file is open again (the unpickler ran after it was closed): it
         # must be the one the archive was parsed from.
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as e:
-            raise FormatError(f"{path}: the file went away while it was being loaded ({e})") from None
-        try:
-            st, now = self.archive.stat, os.fstat(fd)
-            if st is None or (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != \
-                    (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
-                raise FormatError(f"{path}: the file was replaced or changed while it was being loaded")
-
+        with self.host.reopened() as fd:
             def read(ranges):
                 _C.read_ranges(get_engine(), path, ranges, fd)
 
             self.host.claim([n for n, _ in self.host_jobs])
-            ranges = [(_as_bytes_tensor(u), recs[n].data_offset) for n, u in self.host_jobs if u.nbytes()]
-            if ranges:
-                read(ranges)
+            # host-bound storages: one batch, CRC-32s computed by the engine during the reads
+            host_crcs = self.host.read_into([(n, 0, _as_bytes_tensor(u), verify is not False)
+                                             for n, u in self.host_jobs])
             _staging.load_into_device(read, self.jobs, None if verify is False else _C.crc32)
-        finally:
-            os.close(fd)
         if verify is False:
             return []
         names = [n for n in [j.name for j in self.jobs] + [n for n, _ in self.host_jobs] + list(self.host)
@@ -848,8 +846,8 @@ class _DeviceRecords(dict):
             _no_checksums(path, verify)
             return []
         bad = [j.name for j in self.jobs if j.crc != recs[j.name].crc]
-        bad += [n for n, u in self.host_jobs if _C.crc32(_as_bytes_tensor(u), 0) != recs[n].crc]
-        return bad + [n for n, t in self.host.items() if _C.crc32(t, 0) != recs[n].crc]
+        bad += [n for (n, _), crc in zip(self.host_jobs, host_crcs) if (crc or 0) != recs[n].crc]
+        return bad + self.host.bad(list(self.host))
 
 
 def _open_for_device(path: str, fh, verify: Optional[bool], map_location: MapLocation):

@@ -399,6 +399,32 @@ def test_load_verify_names_the_damaged_tensor_on_the_device_path(tmp_path):
         assert torch.equal(got["a"], sd["a"])
 
 
+def test_callable_that_keeps_some_storages_on_the_host_verifies_them(tmp_path):
+    # a callable map_location sends one storage to the device and keeps the other
+    # on the host: the host-kept one is read in the deferred batch and checked too
+    sd = {"a": torch.zeros(1 << 16), "b": torch.ones(1 << 16)}
+    path = tmp_path / "c.pt"
+    fastckpt.save(sd, path)
+    from fastckpt import _zip
+    with open(path, "rb") as fh:
+        rec = _zip.Archive.parse(fh, str(path)).records["data/1"]
+    with SimDevice(seed=17) as sim:
+        def first_to_device(calls=[]):  # the first storage (tensor a) to sim:0, the others stay
+            def ml(s, loc):
+                calls.append(loc)
+                return sim.to_device(s, 0) if len(calls) == 1 else s
+            return ml
+
+        got = fastckpt.load(path, map_location=first_to_device([]))
+        assert sim.device_key(got["a"]) == "sim:0" and torch.equal(got["b"], sd["b"])
+        with open(path, "r+b") as fh:
+            fh.seek(rec.data_offset + 1000)
+            fh.write(b"\x42")
+        with pytest.raises(fastckpt.FormatError, match=r"checksum mismatch.*tensor b"):
+            fastckpt.load(path, map_location=first_to_device([]))
+        assert sim.violations == []
+
+
 def test_device_load_of_a_file_without_checksums_warns_by_default(tmp_path):
     from torch.utils.serialization import config as torch_config
     sd = {"a": torch.arange(1 << 14, dtype=torch.float32)}
