@@ -119,9 +119,7 @@ def is_dense(t: torch.Tensor) -> bool:
 
 def aligned_buffer(n: int) -> torch.Tensor:
     """n bytes starting on an ALIGN boundary, so that aligned reads go straight in (O_DIRECT)."""
-    raw = torch.empty(n + ALIGN, dtype=torch.uint8)
-    off = (-raw.data_ptr()) % ALIGN
-    return raw[off:off + n]
+    return _C.empty_aligned(n, ALIGN)
 
 
 class LazyValue:

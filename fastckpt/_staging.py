@@ -43,6 +43,8 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 import torch
 
+from . import _C
+
 log = logging.getLogger("fastckpt")
 
 __all__ = ["DeviceCopier", "CudaCopier", "HostBuffer", "HostPool", "ToHost", "copier_for", "copier_for_location",
@@ -74,9 +76,7 @@ class HostBuffer:
     __slots__ = ("tensor", "nbytes", "copier", "_fin", "__weakref__")
 
     def __init__(self, nbytes: int, copier: "DeviceCopier"):
-        raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-        off = (-raw.data_ptr()) % ALIGN
-        self.tensor = raw[off:off + nbytes]
+        self.tensor = _C.empty_aligned(nbytes, ALIGN)
         self.nbytes = nbytes
         self.copier = copier
         unpin = copier._lock_pages(self.tensor)

@@ -18,11 +18,12 @@ backend              FASTCKPT_BACKEND              auto | uring | threads
 direct               FASTCKPT_DIRECT               0 disables O_DIRECT
 flush_interval       FASTCKPT_FLUSH_INTERVAL       async fdatasync every N bytes (0 = at the end)
 preallocate          FASTCKPT_PREALLOCATE          fallocate when the final size is known
+prefault             FASTCKPT_PREFAULT             0: no helper thread faulting in a load's memory ahead of its reads
 async_max_in_flight  FASTCKPT_ASYNC_MAX_IN_FLIGHT  async saves in flight, each holding a host snapshot (1)
 allow_foreign_owner  FASTCKPT_ALLOW_FOREIGN_OWNER  1: use checkpoint directories another user owns or can write (0)
 ===================  ============================  =======================================================
 
-The first eight configure the C++ engine (:func:`config`); the others are read
+The first nine configure the C++ engine (:func:`config`); the others are read
 by the Python side with :func:`get`.
 """
 
@@ -36,7 +37,7 @@ from . import _C
 __all__ = ["NAMES", "PY_NAMES", "config", "get", "override", "as_dict"]
 
 NAMES = ("buffer_size", "buffer_count", "queue_depth", "io_threads", "backend", "direct",
-         "flush_interval", "preallocate")
+         "flush_interval", "preallocate", "prefault")
 
 # Knobs of the Python side: name -> (environment variable, default, smallest allowed value). Integers.
 PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),

@@ -135,13 +135,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("direct", &EngineConfig::direct)
       .def_readwrite("flush_interval", &EngineConfig::flush_interval)
       .def_readwrite("preallocate", &EngineConfig::preallocate)
+      .def_readwrite("prefault", &EngineConfig::prefault)
       .def("validate", &EngineConfig::validate)
       .def("__repr__", [](const EngineConfig& c) {
         return "EngineConfig(buffer_size=" + std::to_string(c.buffer_size) +
                ", buffer_count=" + std::to_string(c.buffer_count) + ", queue_depth=" + std::to_string(c.queue_depth) +
                ", io_threads=" + std::to_string(c.io_threads) + ", backend='" + backend_kind_name(c.backend) +
                "', direct=" + (c.direct ? "True" : "False") + ", flush_interval=" + std::to_string(c.flush_interval) +
-               ", preallocate=" + (c.preallocate ? "True" : "False") + ")";
+               ", preallocate=" + (c.preallocate ? "True" : "False") +
+               ", prefault=" + (c.prefault ? "True" : "False") + ")";
       });
 
   py::class_<Engine, std::shared_ptr<Engine>>(m, "Engine")
@@ -306,6 +308,26 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "With crc=True (every item) or an item (destination, offset, True), the engine also computes the zip "
         "CRC-32 of each such destination's bytes as they land, in parallel with the reads: the returned dict's "
         "'crcs' holds one per item (None for items that did not ask).");
+
+  m.def("empty_aligned", [](int64_t nbytes, int64_t alignment) {
+          // A uint8 CPU tensor whose data starts on a multiple of `alignment`
+          // (torch's allocator gives 64), so that the engine can read O_DIRECT
+          // straight into it. The storage stays resizable: a resize allocates
+          // through torch's CPU allocator and frees this block with free().
+          if (nbytes < 0) throw py::value_error("empty_aligned: negative size");
+          if (alignment < 64 || (alignment & (alignment - 1)) != 0)
+            throw py::value_error("empty_aligned: alignment must be a power of two >= 64");
+          void* p = nullptr;
+          const size_t n = nbytes > 0 ? static_cast<size_t>(nbytes) : 1;
+          if (posix_memalign(&p, static_cast<size_t>(alignment), n) != 0) throw std::bad_alloc();
+          c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes),
+                               at::DataPtr(p, p, &std::free, at::Device(at::kCPU)), c10::GetAllocator(at::kCPU),
+                               /*resizable=*/true);
+          return at::empty({0}, at::TensorOptions().dtype(at::kByte)).set_(storage, 0, {nbytes}, {1});
+        },
+        py::arg("nbytes"), py::arg("alignment") = 4096,
+        "An uninitialized uint8 CPU tensor of nbytes whose data is aligned to `alignment` bytes (for reads "
+        "straight into it with O_DIRECT); its storage is resizable like torch.empty's.");
 
   m.def("dio_alignment", [](const std::string& path) {
     int fd = sys::open(path, O_RDONLY);

@@ -76,6 +76,7 @@ EngineConfig EngineConfig::from_env(EngineConfig c) {
   if (const char* v = get("FASTCKPT_DIRECT")) c.direct = parse_bool(v, "FASTCKPT_DIRECT");
   if (const char* v = get("FASTCKPT_FLUSH_INTERVAL")) c.flush_interval = parse_size(v, "FASTCKPT_FLUSH_INTERVAL");
   if (const char* v = get("FASTCKPT_PREALLOCATE")) c.preallocate = parse_bool(v, "FASTCKPT_PREALLOCATE");
+  if (const char* v = get("FASTCKPT_PREFAULT")) c.prefault = parse_bool(v, "FASTCKPT_PREFAULT");
   c.validate();
   return c;
 }

@@ -30,6 +30,10 @@ struct EngineConfig {
   // final flush has less left to do. 0 = only the final fdatasync.
   uint64_t flush_interval = 0;     // FASTCKPT_FLUSH_INTERVAL
   bool preallocate = true;         // FASTCKPT_PREALLOCATE: fallocate when the size is known
+  // A load's destinations that are read straight from the disk (O_DIRECT) are
+  // faulted in ahead of the reads by a helper thread (madvise
+  // MADV_POPULATE_WRITE), instead of page by page inside the submitting thread.
+  bool prefault = true;            // FASTCKPT_PREFAULT
 
   // `base` overridden by whatever FASTCKPT_* variables are set. Throws
   // UsageError on a malformed, negative or too large value, naming the

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <linux/stat.h>
 #include <sys/file.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/uio.h>
@@ -108,6 +109,21 @@ uint64_t pread_full(int fd, void* buf, uint64_t len, int64_t off, const std::str
     done += r;
   }
   return done;
+}
+
+int populate_write_raw(void* p, uint64_t len) noexcept {
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+  const uintptr_t page = 4096;
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + len) & ~(page - 1);
+  if (e <= a) return 0;
+  int r;
+  do {
+    r = ::madvise(reinterpret_cast<void*>(a), e - a, MADV_POPULATE_WRITE);
+  } while (r < 0 && errno == EINTR);
+  return r < 0 ? -errno : 0;
 }
 
 int64_t pread_cached(int fd, void* buf, uint64_t len, int64_t off, const std::string& path) {

@@ -48,6 +48,11 @@ void ftruncate(int fd, uint64_t len, const std::string& path);
 uint64_t file_size(int fd, const std::string& path);
 // flock(LOCK_EX|LOCK_NB), errors ignored: whether the lock was taken.
 bool try_lock_exclusive(int fd) noexcept;
+// Faults in [p, p+len) for writing (madvise MADV_POPULATE_WRITE on the whole
+// pages inside it): memory that a read will fill, so that the read does not
+// fault it in page by page. Advisory: 0 or -errno (EINVAL on kernels before
+// 5.14); a real problem with the memory surfaces in the read itself.
+int populate_write_raw(void* p, uint64_t len) noexcept;
 // Clears or sets O_DIRECT on an open descriptor.
 void set_direct(int fd, bool on, const std::string& path);
 

@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .. import _C
 from .. import _staging as _host_staging
 
 log = logging.getLogger("fastckpt")
@@ -67,9 +68,7 @@ def _aligned_empty(size, dtype: torch.dtype, copier) -> Tuple[torch.Tensor, Any]
     if copier is not None:
         hb = copier.alloc_host(nbytes)
         return hb.tensor.view(dtype).view(size), hb
-    raw = torch.empty(nbytes + 4096, dtype=torch.uint8)
-    off = (-raw.data_ptr()) % 4096
-    return raw[off:off + nbytes].view(dtype).view(size), None
+    return _C.empty_aligned(nbytes, 4096).view(dtype).view(size), None
 
 
 class _Slot:

@@ -3,6 +3,7 @@
 // the same per-range CRC-32 either way or mixed; a wholly cached read makes no
 // backend and touches no staging buffer; a kernel refusing RWF_NOWAIT (or a
 // miss) falls back to the normal path.
+#include <sys/mman.h>
 #include <zlib.h>
 
 #include "util.h"
@@ -160,6 +161,52 @@ TEST(a_failing_cached_read_is_an_io_error_naming_the_file, ONCE) {
   }
   fault::clear();
   CHECK_BYTES(load(eng, path, data.size()), data);  // and the next read works
+}
+
+// Destinations read straight from the disk (O_DIRECT, page-aligned, fresh
+// memory) are faulted in ahead of the reads by a helper thread (config
+// prefault): the same bytes and CRCs with it and without it, and a read that
+// fails part way stops and joins the helper before read_ranges returns (the
+// caller may free the memory at once).
+TEST(prefaulted_direct_destinations_read_the_same_bytes_and_fail_cleanly, ALL) {
+  TempDir dir;
+  const std::string path = dir.file("p.bin");
+  const size_t n = (40u << 20) + 4096;  // above the helper's threshold (16 MiB of direct reads)
+  const std::string data = random_bytes(n, 37);
+  write_file_plain(path, data);
+  for (bool prefault : {true, false}) {
+    EngineConfig cfg = config(1u << 20, 4, 4);
+    cfg.prefault = prefault;
+    Engine eng(cfg);
+    evict(path);
+    void* mem = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(mem != MAP_FAILED);
+    uint32_t crc = 0;
+    ReadStats st = fastckpt::read_ranges(eng, path, {{mem, n, 0, &crc}});
+    CHECK_BYTES(std::string(static_cast<char*>(mem), n), data);
+    CHECK_MSG(crc == zcrc(data, 0, n), prefault ? "CRC with prefault" : "CRC without prefault");
+    if (variant().direct) CHECK(st.direct_requests > 0);
+    ::munmap(mem, n);
+    CHECK_POOL_FULL(eng);
+
+    // A disk read failing part way: an IoError, then the memory goes away at once.
+    evict(path);
+    mem = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(mem != MAP_FAILED);
+    fault::clear();
+    fault::arm(rule(Op::Read, 3, EIO));
+    bool threw = false;
+    try {
+      fastckpt::read_ranges(eng, path, {{mem, n, 0}});
+    } catch (const IoError& e) {
+      threw = true;
+      CHECK_EQ(e.err(), EIO);
+    }
+    fault::clear();
+    CHECK(threw);
+    ::munmap(mem, n);
+    CHECK_POOL_FULL(eng);
+  }
 }
 
 FCT_MAIN()

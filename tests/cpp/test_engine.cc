@@ -255,14 +255,17 @@ TEST(config_validation, ONCE) {
 
 TEST(config_from_environment, ONCE) {
   const char* names[] = {"FASTCKPT_BUFFER_SIZE", "FASTCKPT_BUFFER_COUNT", "FASTCKPT_QUEUE_DEPTH",
-                         "FASTCKPT_BACKEND", "FASTCKPT_DIRECT", "FASTCKPT_FLUSH_INTERVAL"};
+                         "FASTCKPT_BACKEND", "FASTCKPT_DIRECT", "FASTCKPT_FLUSH_INTERVAL", "FASTCKPT_PREFAULT"};
   for (const char* n : names) ::unsetenv(n);
   ::setenv("FASTCKPT_BUFFER_SIZE", "128K", 1);
   ::setenv("FASTCKPT_BUFFER_COUNT", "3", 1);
   ::setenv("FASTCKPT_BACKEND", "threads", 1);
   ::setenv("FASTCKPT_DIRECT", "0", 1);
   ::setenv("FASTCKPT_FLUSH_INTERVAL", "1M", 1);
+  CHECK(EngineConfig::from_env().prefault);  // on by default
+  ::setenv("FASTCKPT_PREFAULT", "0", 1);
   EngineConfig c = EngineConfig::from_env();
+  CHECK(!c.prefault);
   CHECK_EQ(c.buffer_size, static_cast<size_t>(128u << 10));
   CHECK_EQ(c.buffer_count, static_cast<size_t>(3));
   CHECK(c.backend == BackendKind::Threads);

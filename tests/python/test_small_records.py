@@ -232,3 +232,63 @@ def test_torch_layout_keeps_format_version(tmp_path):
     finally:
         del os.environ["TORCH_SERIALIZATION_DEBUG"]
     assert not _zip.is_fastckpt_layout(_zip.Archive.open(str(p)).records, 64)
+
+
+# ------------------------------------------------- memory the loaded storages get
+
+def test_large_storages_load_into_aligned_resizable_memory_of_their_own(tmp_path):
+    """Storages of DIRECT_MIN bytes or more are read O_DIRECT straight into
+    4 KiB-aligned memory (no copy out of staging); each is a storage of its own,
+    exactly its size and resizable as torch.load's; small ones take torch's
+    allocator (no page per scalar)."""
+    path = str(tmp_path / "m.pt")
+    big = torch.arange(300_000, dtype=torch.float32)           # 1.2 MB
+    mid = torch.arange(DIRECT_MIN // 8, dtype=torch.float64)   # exactly DIRECT_MIN bytes
+    small = torch.arange(10, dtype=torch.int64)
+    view = big[1000:2000]                                      # shares big's storage
+    fastckpt.save({"big": big, "mid": mid, "small": small, "view": view}, path)
+    for verify in (None, False):
+        got = fastckpt.load(path, verify=verify)
+        for k in ("big", "mid", "small", "view"):
+            assert torch.equal(got[k], {"big": big, "mid": mid, "small": small, "view": view}[k]), k
+        for k in ("big", "mid"):
+            st = got[k].untyped_storage()
+            assert st.data_ptr() % 4096 == 0, k
+            assert st.nbytes() == got[k].nbytes, k
+            assert st.resizable(), k
+        # the view shares the loaded storage, as with torch.load
+        assert got["view"].untyped_storage().data_ptr() == got["big"].untyped_storage().data_ptr()
+        assert got["small"].untyped_storage().nbytes() == 80
+        # resizing works (torch's allocator takes over) and keeps the bytes
+        t = got["mid"]
+        t.resize_(t.numel() * 2)
+        assert torch.equal(t[:mid.numel()], mid)
+        # the memory is writable and independent of the other storages
+        got["big"].zero_()
+        assert torch.equal(got["view"], torch.zeros(1000))
+        assert torch.equal(got["mid"][:mid.numel()], mid)
+
+
+@pytest.mark.parametrize("prefault", [True, False])
+def test_load_same_with_and_without_the_prefault_helper(tmp_path, prefault):
+    """knob prefault (FASTCKPT_PREFAULT): the helper thread that faults a load's
+    memory in ahead of its O_DIRECT reads changes no byte and no check."""
+    path = str(tmp_path / "p.pt")
+    sd = {f"w{i}": torch.randn(1 << 20) for i in range(6)}  # 24 MiB: above the helper's 16 MiB
+    fastckpt.save(sd, path)
+    with fastckpt.knobs.override(prefault=prefault):
+        assert fastckpt.knobs.config().prefault is prefault
+        got = fastckpt.load(path)
+        for k, v in sd.items():
+            assert torch.equal(got[k], v), k
+        # and a damaged byte is still found
+        raw = bytearray(open(path, "rb").read())
+        with zipfile.ZipFile(path) as z:
+            info = [i for i in z.infolist() if i.filename.endswith("data/3")][0]
+        lay = layout(path)
+        start = lay[info.filename.split("/", 1)[1]][0]
+        raw[start + 12345] ^= 1
+        bad = str(tmp_path / "bad.pt")
+        open(bad, "wb").write(bytes(raw))
+        with pytest.raises(fastckpt.FormatError, match="checksum"):
+            fastckpt.load(bad)
