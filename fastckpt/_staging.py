@@ -573,16 +573,17 @@ class LoadJob:
         self.crc = 0
 
 
-def load_into_device(read: Callable[[List[Tuple[torch.Tensor, int]]], Any], jobs: List[LoadJob],
-                     crc32: Optional[Callable[[torch.Tensor, int], int]] = None,
-                     chunk: Optional[int] = None) -> None:
-    """Fill every job's device storage from the file: ``read(ranges)`` reads
-    (host view, file offset) ranges into pool buffers (one buffer's worth per
-    call, small records packed into one buffer); each piece is then copied to
-    its device asynchronously while the next buffer is read. A buffer is read
-    into again only after its copies' events fired. With ``crc32``, each job's
-    ``crc`` is the CRC-32 of its bytes (computed on the host copy). Host memory:
-    the pool's buffers, whatever the file's size."""
+def load_into_device(read: Callable[[List[Tuple[torch.Tensor, int]], bool], Optional[List[int]]],
+                     jobs: List[LoadJob], crc: bool = False, chunk: Optional[int] = None) -> None:
+    """Fill every job's device storage from the file: ``read(ranges, crc)``
+    reads (host view, file offset) ranges into pool buffers (one buffer's worth
+    per call, small records packed into one buffer) and, with `crc`, returns
+    the CRC-32 of each range (the engine computes them during the reads, on
+    its thread); each piece is then copied to its device asynchronously while
+    the next buffer is read. A buffer is read into again only after its copies'
+    events fired. With `crc`, each job's ``crc`` is the CRC-32 of its bytes
+    (its pieces' CRCs combined). Host memory: the pool's buffers, whatever the
+    file's size."""
     jobs = sorted((j for j in jobs if j.nbytes), key=lambda j: j.offset)
     if not jobs:
         return
@@ -619,10 +620,10 @@ def load_into_device(read: Callable[[List[Tuple[torch.Tensor, int]]], Any], jobs
                 pos += n
                 if pos == j.nbytes:
                     ji, pos = ji + 1, 0
-            read([(v, off) for v, off, _, _ in pieces])
-            for v, _, j, at in pieces:
-                if crc32 is not None:
-                    j.crc = crc32(v, j.crc)
+            crcs = read([(v, off) for v, off, _, _ in pieces], crc)
+            for i, (v, _, j, at) in enumerate(pieces):
+                if crc:
+                    j.crc = crcs[i] if at == 0 else _C.crc32_combine(j.crc, crcs[i], v.numel())
                 dst = _bytes_view(j.dst)[at:at + v.numel()]
                 b.events.append(j.copier.to_device_async(dst, v))
     finally:

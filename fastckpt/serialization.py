@@ -839,14 +839,14 @@ class _DeviceRecords(dict):
         # The file is open again (the unpickler ran after it was closed): it
         # must be the one the archive was parsed from.
         with self.host.reopened() as fd:
-            def read(ranges):
-                _C.read_ranges(get_engine(), path, ranges, fd)
+            def read(ranges, crc):
+                return _C.read_ranges(get_engine(), path, ranges, fd, crc).get("crcs")
 
             self.host.claim([n for n, _ in self.host_jobs])
             # host-bound storages: one batch, CRC-32s computed by the engine during the reads
             host_crcs = self.host.read_into([(n, 0, _as_bytes_tensor(u), verify is not False)
                                              for n, u in self.host_jobs])
-            _staging.load_into_device(read, self.jobs, None if verify is False else _C.crc32)
+            _staging.load_into_device(read, self.jobs, verify is not False)
         if verify is False:
             return []
         names = [n for n in [j.name for j in self.jobs] + [n for n, _ in self.host_jobs] + list(self.host)
