@@ -111,6 +111,24 @@ uint64_t pread_full(int fd, void* buf, uint64_t len, int64_t off, const std::str
   return done;
 }
 
+int64_t cached_pages_raw(int fd, uint64_t off, uint64_t len) noexcept {
+#ifndef __NR_cachestat
+#define __NR_cachestat 451  // the same number on every architecture (the generic table)
+#endif
+  struct {
+    uint64_t off, len;
+  } range = {off, len};
+  struct {
+    uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
+  } cs = {};
+  if (len == 0) return 0;  // cachestat's len 0 means "to the end of the file"
+  long r;
+  do {
+    r = ::syscall(__NR_cachestat, fd, &range, &cs, 0);
+  } while (r < 0 && errno == EINTR);
+  return r < 0 ? -errno : static_cast<int64_t>(cs.nr_cache);
+}
+
 int populate_write_raw(void* p, uint64_t len) noexcept {
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23

@@ -3,7 +3,9 @@
 // the same per-range CRC-32 either way or mixed; a wholly cached read makes no
 // backend and touches no staging buffer; a kernel refusing RWF_NOWAIT (or a
 // miss) falls back to the normal path.
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include "util.h"
@@ -163,50 +165,82 @@ TEST(a_failing_cached_read_is_an_io_error_naming_the_file, ONCE) {
   CHECK_BYTES(load(eng, path, data.size()), data);  // and the next read works
 }
 
-// Destinations read straight from the disk (O_DIRECT, page-aligned, fresh
-// memory) are faulted in ahead of the reads by a helper thread (config
-// prefault): the same bytes and CRCs with it and without it, and a read that
-// fails part way stops and joins the helper before read_ranges returns (the
-// caller may free the memory at once).
-TEST(prefaulted_direct_destinations_read_the_same_bytes_and_fail_cleanly, ALL) {
+// Destinations (fresh memory) are faulted in ahead of the reads by a helper
+// thread (config prefault): those read straight from the disk (O_DIRECT,
+// page-aligned) and those copied out of staging (a destination the disk cannot
+// write to directly, `shift` bytes off a page). The same bytes and CRCs with it
+// and without it, and a read that fails part way stops and joins the helper
+// before read_ranges returns (the caller may free the memory at once).
+TEST(prefaulted_destinations_read_the_same_bytes_and_fail_cleanly, ALL) {
   TempDir dir;
   const std::string path = dir.file("p.bin");
-  const size_t n = (40u << 20) + 4096;  // above the helper's threshold (16 MiB of direct reads)
+  const size_t n = (40u << 20) + 4096;  // above the helper's threshold (16 MiB)
   const std::string data = random_bytes(n, 37);
   write_file_plain(path, data);
+  for (size_t shift : {size_t(0), size_t(64)})
   for (bool prefault : {true, false}) {
     EngineConfig cfg = config(1u << 20, 4, 4);
     cfg.prefault = prefault;
     Engine eng(cfg);
     evict(path);
-    void* mem = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    void* mem = ::mmap(nullptr, n + shift, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     CHECK(mem != MAP_FAILED);
+    char* dst = static_cast<char*>(mem) + shift;
     uint32_t crc = 0;
-    ReadStats st = fastckpt::read_ranges(eng, path, {{mem, n, 0, &crc}});
-    CHECK_BYTES(std::string(static_cast<char*>(mem), n), data);
+    ReadStats st = fastckpt::read_ranges(eng, path, {{dst, n, 0, &crc}});
+    CHECK_BYTES(std::string(dst, n), data);
     CHECK_MSG(crc == zcrc(data, 0, n), prefault ? "CRC with prefault" : "CRC without prefault");
-    if (variant().direct) CHECK(st.direct_requests > 0);
-    ::munmap(mem, n);
+    if (variant().direct) CHECK_EQ(st.direct_requests > 0, shift == 0);
+    ::munmap(mem, n + shift);
     CHECK_POOL_FULL(eng);
 
     // A disk read failing part way: an IoError, then the memory goes away at once.
     evict(path);
-    mem = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    mem = ::mmap(nullptr, n + shift, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     CHECK(mem != MAP_FAILED);
     fault::clear();
     fault::arm(rule(Op::Read, 3, EIO));
     bool threw = false;
     try {
-      fastckpt::read_ranges(eng, path, {{mem, n, 0}});
+      fastckpt::read_ranges(eng, path, {{static_cast<char*>(mem) + shift, n, 0}});
     } catch (const IoError& e) {
       threw = true;
       CHECK_EQ(e.err(), EIO);
     }
     fault::clear();
     CHECK(threw);
-    ::munmap(mem, n);
+    ::munmap(mem, n + shift);
     CHECK_POOL_FULL(eng);
   }
+}
+
+// A file of which nothing is cached goes straight to the disk path: no
+// RWF_NOWAIT try, whose miss would start the kernel's readahead (up to
+// read_ahead_kb of the file read into the page cache for nothing).
+TEST(an_uncached_file_starts_no_readahead, ALL) {
+  TempDir dir;
+  const std::string path = dir.file("u.bin");
+  const size_t n = 4u << 20;
+  const std::string data = random_bytes(n, 38);
+  write_file_plain(path, data);
+  const int probe = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  CHECK(probe >= 0);
+  if (fastckpt::sys::cached_pages_raw(probe, 0, n) < 0) {
+    ::close(probe);
+    SKIP("cachestat(2) is not available on this kernel");
+  }
+  evict(path);
+  if (fastckpt::sys::cached_pages_raw(probe, 0, n) != 0) {
+    ::close(probe);
+    SKIP("posix_fadvise(DONTNEED) evicted nothing here");
+  }
+  Engine eng(config());
+  ReadStats st = read_and_check(eng, path, data, {{0, 100000}, {200000, 5000}, {3000000, 1000000}}, "uncached");
+  CHECK_EQ(st.cached_bytes, 0u);
+  CHECK(st.requests > 0);
+  const int64_t after = fastckpt::sys::cached_pages_raw(probe, 0, n);
+  ::close(probe);
+  if (variant().direct) CHECK_EQ(after, 0);  // buffered reads fill the cache themselves
 }
 
 FCT_MAIN()
