@@ -20,6 +20,7 @@ import os
 import pickle
 import re
 import sys
+import threading
 import types
 import uuid
 import warnings
@@ -430,6 +431,7 @@ class _Records(dict):
         self.allocated = 0  # bytes of records read so far, small ones included
         self.small_read: set = set()
         self.crcs: Dict[str, int] = {}  # storage record -> CRC-32 of the bytes read (unless verify=False)
+        self._pending: Optional[Tuple[threading.Thread, Dict[str, Any], List[str]]] = None  # read_behind's
 
     def bad(self, names) -> List[str]:
         """Those of storages `names` whose bytes do not match their recorded
@@ -448,11 +450,12 @@ class _Records(dict):
                               f"{self.allocated + n} bytes for a {self.archive.file_size}-byte file")
         self.allocated += n
 
-    def read_into(self, items: List[Tuple[str, int, Any, bool]]) -> List[Optional[int]]:
+    def read_into(self, items: List[Tuple[str, int, Any, bool]], fd: Optional[int] = None) -> List[Optional[int]]:
         """Fill each (record, offset in the record, destination, crc) with
-        that record's bytes, in one parallel batch of engine reads; returns per
-        item the CRC-32 of the bytes read when `crc` (computed by the engine
-        during the reads), else None. A destination must lie inside its record."""
+        that record's bytes, in one parallel batch of engine reads (from `fd`,
+        by default :attr:`fd`: the file parsed); returns per item the CRC-32 of
+        the bytes read when `crc` (computed by the engine during the reads),
+        else None. A destination must lie inside its record."""
         recs = self.archive.records
         ranges = []
         for name, off, dest, crc in items:
@@ -465,10 +468,65 @@ class _Records(dict):
         keep = [i for i, (dest, *_) in enumerate(ranges)
                 if (dest.numel() if isinstance(dest, torch.Tensor) else len(dest))]
         if keep:
-            st = _C.read_ranges(get_engine(), self.path, [ranges[i] for i in keep], self.fd)
+            st = _C.read_ranges(get_engine(), self.path, [ranges[i] for i in keep], self.fd if fd is None else fd)
             for i, c in zip(keep, st.get("crcs") or []):
                 out[i] = c
         return out
+
+    def read_behind(self, storages: List[str]) -> None:
+        """Allocate storages `storages` (they are in this dict at once) and fill
+        them on a background thread, from a duplicate of :attr:`fd`, while the
+        caller unpickles; :meth:`wait` must follow (it joins the thread, also
+        after an error). Only for pickles whose unpickling reads no storage
+        bytes (:func:`_unpickling_reads_no_data`)."""
+        storages = [n for n in dict.fromkeys(storages) if n not in self]
+        self.claim(storages)
+        recs = self.archive.records
+        tensors = {n: _host_storage(recs[n].size) for n in storages}
+        items = [(n, 0, t, self.verify is not False) for n, t in tensors.items()]
+        self.update(tensors)
+        # The thread reads through a duplicate of the descriptor: the caller
+        # closes its own when the archive has been read.
+        fd = os.dup(self.fd)
+        box: Dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["crcs"] = self.read_into(items, fd)
+            except BaseException as e:  # noqa: BLE001 (re-raised by wait())
+                box["error"] = e
+            finally:
+                os.close(fd)
+
+        t = threading.Thread(target=run, name="fastckpt-load", daemon=True)
+        self._pending = (t, box, [n for n, *_ in items])
+        try:
+            t.start()
+        except BaseException:
+            self._pending = None
+            os.close(fd)
+            raise
+
+    @property
+    def pending(self) -> bool:
+        """A :meth:`read_behind` not yet waited for."""
+        return self._pending is not None
+
+    def wait(self, quiet: bool = False) -> None:
+        """Join :meth:`read_behind`'s thread: raise what the read raised (not
+        with `quiet`: another error is on its way), else record the CRC-32s the
+        engine computed."""
+        if self._pending is None:
+            return
+        t, box, names = self._pending
+        t.join()
+        self._pending = None
+        if "error" in box:
+            if quiet:
+                return
+            raise box["error"]
+        if self.verify is not False:
+            self.crcs.update((n, c or 0) for n, c in zip(names, box["crcs"]))
 
     def read(self, small: List[str], storages: List[str], bad_small: Optional[List[str]] = None) -> Dict[str, bytes]:
         """Read records `small` (returned as bytes, CRC-checked) and `storages`
@@ -699,35 +757,85 @@ def _no_checksums(path: str, verify: Optional[bool]) -> None:
                   "silences this, verify=True refuses such files)", stacklevel=4)
 
 
-def _read_archive(path: str, fh, verify: Optional[bool]):
+def _read_archive(path: str, fh, verify: Optional[bool], behind: Optional[Callable[[bytes], bool]] = None):
     """Parse and read the archive open as `fh`: every read goes to that one
     file, even if `path` is atomically replaced meanwhile. Reads data.pkl and
     the few small records torch reads, then, in one parallel batch, the storages
     data.pkl refers to; no other record. The engine computes the storages'
     CRC-32s during those reads (unless ``verify=False``). Returns (archive,
-    small records, storages (a _Records that reads any other storage on
-    demand), names of storages that fail their CRC check).
+    small records, storages: a _Records that reads any other storage on
+    demand); :func:`_check_storages` then says which fail their CRC check.
 
-    A file whose storages all record CRC 0 (saved with torch's compute_crc32
-    disabled) cannot be verified: FormatError with ``verify=True``, a warning
-    naming the file under the default (``verify=None``), which loads it."""
+    When ``behind(data.pkl)`` says so, the storages are read on a background
+    thread (:meth:`_Records.read_behind`) while the caller unpickles; the
+    caller must call ``storages.wait()`` before anything reads their bytes."""
     archive = _parse_checkpoint(path, fh)
     recs = archive.records
     storages = _Records(path, archive, fh.fileno(), verify)
     small = storages.read(["data.pkl"], [])
     wanted = _referenced_storages(small["data.pkl"], recs)
-    small.update(storages.read([n for n in _SMALL_RECORDS if n in recs], wanted))
+    if behind is not None and behind(small["data.pkl"]):
+        small.update(storages.read([n for n in _SMALL_RECORDS if n in recs], []))
+        storages.read_behind(wanted)
+    else:
+        small.update(storages.read([n for n in _SMALL_RECORDS if n in recs], wanted))
     storages.fd = -1  # `fh` is closed after this: later reads open the file again
     if storages.allocated > archive.file_size:  # the bound, checked again where it is promised
+        storages.wait()
         raise FormatError(f"{path}: {storages.allocated} bytes read from a {archive.file_size}-byte file")
+    return archive, small, storages
+
+
+def _check_storages(path: str, archive: "_zip.Archive", storages: "_Records", verify: Optional[bool]) -> List[str]:
+    """The storages read so far that fail their CRC-32 check (none with
+    ``verify=False``). A file whose storages all record CRC 0 (saved with
+    torch's compute_crc32 disabled) cannot be verified: FormatError with
+    ``verify=True``, a warning naming the file under the default
+    (``verify=None``), which loads it."""
     if verify is False:
-        return archive, small, storages, []
+        return []
+    recs = archive.records
     nonempty = [n for n in storages if recs[n].size]
     if nonempty and all(recs[n].crc == 0 for n in nonempty):
         _no_checksums(path, verify)
         storages.verify = False  # nor the storages read later
-        return archive, small, storages, []
-    return archive, small, storages, storages.bad(list(storages))
+        return []
+    return storages.bad(list(storages))
+
+
+# Globals (module, name) whose calls during torch's weights-only unpickling
+# read no storage bytes: what a state dict of plain tensors, parameters,
+# optimizer and scheduler state pickles to (storage types and dtypes are
+# matched by name below). A pickle naming any other global is unpickled only
+# after its storages have been read.
+_DATA_BLIND_GLOBALS = frozenset([
+    ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_parameter"),
+    ("torch._utils", "_rebuild_parameter_with_state"), ("torch", "Size"), ("torch", "device"),
+    ("__builtin__", "set"), ("__builtin__", "frozenset"), ("builtins", "set"), ("builtins", "frozenset"),
+    ("_codecs", "encode"),
+])
+_PICKLE_GLOBAL = re.compile(rb"c([A-Za-z_][\w.]*)\n([A-Za-z_][\w.]*)\n")
+
+
+def _unpickling_reads_no_data(pkl: bytes) -> bool:
+    """Whether torch's weights-only unpickler can run on `pkl` before the
+    storages' bytes are in (they are read meanwhile): a pickle of protocol 3
+    or less (torch.save writes 2; STACK_GLOBAL exists from 4 on) whose every
+    GLOBAL is data-blind (_DATA_BLIND_GLOBALS, torch dtypes, torch storage
+    types). Conservative: bytes inside strings that look like a GLOBAL only
+    make it say no. (A crafted pickle that hides a global from this scan still
+    meets torch's weights-only allowlist; the worst it can do is build a value
+    from bytes not yet read, in memory of the right size.)"""
+    if len(pkl) < 2 or pkl[0] != 0x80 or pkl[1] > 3:
+        return False
+    for mod, name in set(_PICKLE_GLOBAL.findall(pkl)):
+        m, n = mod.decode(), name.decode()
+        if (m, n) in _DATA_BLIND_GLOBALS:
+            continue
+        if m == "torch" and (n.endswith("Storage") or isinstance(getattr(torch, n, None), torch.dtype)):
+            continue
+        return False
+    return True
 
 
 # A short string in a pickle (BINUNICODE with a length < 256, or
@@ -1017,7 +1125,44 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         if opened is not None:  # storages go to a device through the staging pool
             (archive, small, storages), bad = opened, []
         else:
-            archive, small, storages, bad = _read_archive(path, fh, verify)
+            # Torch's weights-only unpickler on a plain state dict reads no
+            # storage bytes: it runs while the storages are read.
+            behind = _unpickling_reads_no_data if weights_only and _is_plain_cpu(map_location) else None
+            archive, small, storages = _read_archive(path, fh, verify, behind)
+            bad = [] if storages.pending else _check_storages(path, archive, storages, verify)
+    if isinstance(storages, _Records) and storages.pending:
+        try:
+            result = _load_weights_only(path, small, archive, storages, map_location, pickle_load_args)
+        except BaseException:
+            storages.wait(quiet=True)
+            raise
+        storages.wait()
+        bad = _check_storages(path, archive, storages, verify)
+        if bad:
+            names = _tensor_names_for_records(_Reader(archive, small, storages), bad, ts._weights_only_unpickler,
+                                              pickle_load_args)
+            raise FormatError(f"{path}: checksum mismatch (corrupt data) in {', '.join(names)}")
+        return result
+    return _load_read(path, small, archive, storages, bad, map_location, weights_only, pickle_module,
+                      verify, pickle_load_args)
+
+
+def _is_plain_cpu(map_location: MapLocation) -> bool:
+    """map_location leaves every storage where it is, on the CPU, without a call of the user's."""
+    return map_location is None or (isinstance(map_location, (str, torch.device))
+                                    and torch.device(map_location).type == "cpu" and
+                                    torch.device(map_location).index is None)
+
+
+def _load_weights_only(path: str, small, archive, storages, map_location, pickle_load_args):
+    """load()'s unpickling while read_behind fills the storages (weights-only, CPU)."""
+    return _load_read(path, small, archive, storages, [], map_location, True, ts._weights_only_unpickler, None,
+                      pickle_load_args)
+
+
+def _load_read(path: str, small, archive, storages, bad, map_location, weights_only: bool, pickle_module,
+               verify: Optional[bool], pickle_load_args):
+    """The unpickling half of :func:`load`, over records read (or being read)."""
     if weights_only:
         pickle_module = ts._weights_only_unpickler
         # torch's weights-only unpickler is never handed a pickle that nests deep

@@ -433,7 +433,7 @@ def test_load_and_verify_read_records_through_one_reader(tmp_path, capsys, monke
     seen = []
     real = serialization._Records.read_into
     monkeypatch.setattr(serialization._Records, "read_into",
-                        lambda self, items: seen.extend(n for n, *_ in items) or real(self, items))
+                        lambda self, items, fd=None: seen.extend(n for n, *_ in items) or real(self, items, fd))
     fastckpt.load(p)
     assert "data.pkl" in seen and any(n.startswith("data/") for n in seen)
     seen.clear()

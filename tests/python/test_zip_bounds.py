@@ -294,8 +294,8 @@ def test_storage_read_on_demand_is_checked_and_from_the_same_file(tmp_path, monk
 
     real = ser._read_archive
 
-    def then_replace(p, fh, verify):  # another save renames a new file over it mid-load
-        out = real(p, fh, verify)
+    def then_replace(p, fh, verify, behind=None):  # another save renames a new file over it mid-load
+        out = real(p, fh, verify, behind)
         fastckpt.save({"t": torch.zeros(3)}, p)
         return out
 
