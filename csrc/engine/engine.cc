@@ -13,6 +13,7 @@
 #include <chrono>
 #include <climits>
 #include <cstring>
+#include <system_error>
 #include <thread>
 
 #include "error.h"
@@ -696,14 +697,19 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
         if (parts[p].len >= kPrefaultPart) fault_bytes += parts[p].len;
     }
     if (cfg.prefault && fault_bytes >= kPrefaultMin) {
-      prefaulter = std::thread([&jobs, &parts, &stop_prefault]() {
-        for (const Job& j : jobs) {
-          if (stop_prefault.load(std::memory_order_relaxed)) return;
-          if (j.direct_dst && sys::populate_write_raw(j.direct_dst, j.len) < 0) return;  // unsupported: stop
-          for (size_t p = j.part_begin; p < j.part_end; ++p)
-            if (parts[p].len >= kPrefaultPart && sys::populate_write_raw(parts[p].dst, parts[p].len) < 0) return;
-        }
-      });
+      try {
+        prefaulter = std::thread([&jobs, &parts, &stop_prefault]() {
+          for (const Job& j : jobs) {
+            if (stop_prefault.load(std::memory_order_relaxed)) return;
+            if (j.direct_dst && sys::populate_write_raw(j.direct_dst, j.len) < 0) return;  // unsupported: stop
+            for (size_t p = j.part_begin; p < j.part_end; ++p)
+              if (parts[p].len >= kPrefaultPart && sys::populate_write_raw(parts[p].dst, parts[p].len) < 0) return;
+          }
+        });
+      } catch (const std::system_error&) {
+        // No thread to be had (a process at its thread limit): the reads fault
+        // their pages themselves, as with prefault off.
+      }
     }
 
     q.reset(new IoQueue(lease->get(), cfg.queue_depth));
