@@ -512,6 +512,12 @@ class _Records(dict):
         """A :meth:`read_behind` not yet waited for."""
         return self._pending is not None
 
+    def join(self) -> None:
+        """Wait until :meth:`read_behind`'s thread is done (its error, if any,
+        is kept for :meth:`wait`)."""
+        if self._pending is not None:
+            self._pending[0].join()
+
     def wait(self, quiet: bool = False) -> None:
         """Join :meth:`read_behind`'s thread: raise what the read raised (not
         with `quiet`: another error is on its way), else record the CRC-32s the
@@ -766,19 +772,19 @@ def _read_archive(path: str, fh, verify: Optional[bool], behind: Optional[Callab
     small records, storages: a _Records that reads any other storage on
     demand); :func:`_check_storages` then says which fail their CRC check.
 
-    When ``behind(data.pkl)`` says so, the storages are read on a background
-    thread (:meth:`_Records.read_behind`) while the caller unpickles; the
-    caller must call ``storages.wait()`` before anything reads their bytes."""
+    When ``behind(small records)`` says so, the storages are read on a
+    background thread (:meth:`_Records.read_behind`) while the caller
+    unpickles; the caller must call ``storages.wait()`` before anything reads
+    their bytes."""
     archive = _parse_checkpoint(path, fh)
     recs = archive.records
     storages = _Records(path, archive, fh.fileno(), verify)
-    small = storages.read(["data.pkl"], [])
+    small = storages.read([n for n in _SMALL_RECORDS if n in recs], [])
     wanted = _referenced_storages(small["data.pkl"], recs)
-    if behind is not None and behind(small["data.pkl"]):
-        small.update(storages.read([n for n in _SMALL_RECORDS if n in recs], []))
+    if behind is not None and behind(small):
         storages.read_behind(wanted)
     else:
-        small.update(storages.read([n for n in _SMALL_RECORDS if n in recs], wanted))
+        storages.read([], wanted)
     storages.fd = -1  # `fh` is closed after this: later reads open the file again
     if storages.allocated > archive.file_size:  # the bound, checked again where it is promised
         storages.wait()
@@ -817,15 +823,22 @@ _DATA_BLIND_GLOBALS = frozenset([
 _PICKLE_GLOBAL = re.compile(rb"c([A-Za-z_][\w.]*)\n([A-Za-z_][\w.]*)\n")
 
 
-def _unpickling_reads_no_data(pkl: bytes) -> bool:
-    """Whether torch's weights-only unpickler can run on `pkl` before the
-    storages' bytes are in (they are read meanwhile): a pickle of protocol 3
-    or less (torch.save writes 2; STACK_GLOBAL exists from 4 on) whose every
-    GLOBAL is data-blind (_DATA_BLIND_GLOBALS, torch dtypes, torch storage
-    types). Conservative: bytes inside strings that look like a GLOBAL only
-    make it say no. (A crafted pickle that hides a global from this scan still
-    meets torch's weights-only allowlist; the worst it can do is build a value
-    from bytes not yet read, in memory of the right size.)"""
+def _unpickling_reads_no_data(small: Dict[str, bytes]) -> bool:
+    """Whether torch.serialization._load with the weights-only unpickler can
+    run on the archive whose small records are `small` before the storages'
+    bytes are in (they are read meanwhile): the file's byte order is this
+    machine's (else torch byteswaps each storage as it is unpickled), and
+    data.pkl is a pickle of protocol 3 or less (torch.save writes 2;
+    STACK_GLOBAL exists from 4 on) whose every GLOBAL is data-blind
+    (_DATA_BLIND_GLOBALS, torch dtypes, torch storage types). Conservative:
+    bytes inside strings that look like a GLOBAL only make it say no. (A
+    crafted pickle that hides a global from this scan still meets torch's
+    weights-only allowlist; the worst it can do is build a value from bytes
+    not yet read, in memory of the right size.) Restoring a storage to a
+    location other than the CPU waits for the reads (see load)."""
+    if small.get("byteorder") != sys.byteorder.encode():
+        return False
+    pkl = small.get("data.pkl", b"")
     if len(pkl) < 2 or pkl[0] != 0x80 or pkl[1] > 3:
         return False
     for mod, name in set(_PICKLE_GLOBAL.findall(pkl)):
@@ -1155,9 +1168,25 @@ def _is_plain_cpu(map_location: MapLocation) -> bool:
 
 
 def _load_weights_only(path: str, small, archive, storages, map_location, pickle_load_args):
-    """load()'s unpickling while read_behind fills the storages (weights-only, CPU)."""
-    return _load_read(path, small, archive, storages, [], map_location, True, ts._weights_only_unpickler, None,
-                      pickle_load_args)
+    """load()'s unpickling while read_behind fills the storages (weights-only,
+    map_location None or the CPU). A storage tagged with another location
+    (restored there by torch's rules, copying its bytes) waits for the reads."""
+    return _load_read(path, small, archive, storages, [], _restore_behind(storages, map_location), True,
+                      ts._weights_only_unpickler, None, pickle_load_args)
+
+
+def _restore_behind(storages: "_Records", map_location: MapLocation):
+    """torch's restore for map_location None or the CPU, for storages still
+    being read: one bound for a location other than the CPU (its bytes are
+    copied there) waits for the reads first."""
+    cpu = map_location is not None
+
+    def restore(storage, location):
+        target = "cpu" if cpu else location
+        if target != "cpu":
+            storages.join()
+        return ts.default_restore_location(storage, target)
+    return restore
 
 
 def _load_read(path: str, small, archive, storages, bad, map_location, weights_only: bool, pickle_module,

@@ -174,17 +174,58 @@ def test_pickles_that_may_read_data_wait_for_their_storages(tmp_path, behind_cal
 
 
 def test_the_scan_is_conservative():
-    """_unpickling_reads_no_data: only protocols <= 3 and only data-blind globals."""
-    def pkl_of(obj, protocol=2):
+    """_unpickling_reads_no_data: this machine's byte order, protocols <= 3
+    and only data-blind globals."""
+    import sys
+    native = sys.byteorder.encode()
+
+    def small(obj, protocol=2, byteorder=native):
         b = io.BytesIO()
         torch.save(obj, b, pickle_protocol=protocol)
         with zipfile.ZipFile(b) as z:
-            return z.read(next(n for n in z.namelist() if n.endswith("data.pkl")))
-    assert ser._unpickling_reads_no_data(pkl_of(_plain_state()))
-    assert not ser._unpickling_reads_no_data(pkl_of({"s": _sparse()}))
-    assert not ser._unpickling_reads_no_data(pkl_of({"w": torch.ones(2)}, protocol=4))
-    assert not ser._unpickling_reads_no_data(pkl_of({"n": __import__("numpy").arange(3)}))
+            return {"data.pkl": z.read(next(n for n in z.namelist() if n.endswith("data.pkl"))),
+                    "byteorder": byteorder}
+    ok = ser._unpickling_reads_no_data
+    assert ok(small(_plain_state()))
+    assert not ok(small(_plain_state(), byteorder=b"big" if native == b"little" else b"little"))
+    assert not ok({"data.pkl": small(_plain_state())["data.pkl"]})  # no byteorder record: torch's config decides
+    assert not ok(small({"s": _sparse()}))
+    assert not ok(small({"w": torch.ones(2)}, protocol=4))
+    assert not ok(small({"n": __import__("numpy").arange(3)}))
     # a string that looks like a GLOBAL of something else only makes it say no
-    assert not ser._unpickling_reads_no_data(pkl_of({"k": "x\ncos\nsystem\n"}))
-    assert not ser._unpickling_reads_no_data(b"")
-    assert not ser._unpickling_reads_no_data(pickle.dumps({"a": 1}, protocol=5))
+    assert not ok(small({"k": "x\ncos\nsystem\n"}))
+    assert not ok({"data.pkl": b"", "byteorder": native})
+    assert not ok({"data.pkl": pickle.dumps({"a": 1}, protocol=5), "byteorder": native})
+
+
+def test_a_storage_restored_off_the_cpu_waits_for_the_reads():
+    """A location tag other than "cpu" (map_location None: torch copies the
+    storage there) joins the background read first; "cpu" does not."""
+    class Records:
+        joins = 0
+
+        def join(self):
+            self.joins += 1
+    recs = Records()
+    restore = ser._restore_behind(recs, None)
+    s = torch.UntypedStorage(8)
+    assert restore(s, "cpu") is s and recs.joins == 0
+    assert restore(s, "meta").device.type == "meta" and recs.joins == 1
+    restore_cpu = ser._restore_behind(recs, "cpu")
+    assert restore_cpu(s, "meta") is s and recs.joins == 1  # map_location="cpu": everything stays
+
+
+def test_a_foreign_byte_order_is_swapped_after_the_reads(tmp_path, behind_calls, monkeypatch):
+    """A file of the other byte order is byteswapped by torch as each storage is
+    unpickled: it waits for its storages, and loads as torch.load loads it."""
+    import types
+    other = "big" if ser.sys.byteorder == "little" else "little"
+    p = tmp_path / "be.pt"
+    sd = {"w": torch.arange(1 << 14, dtype=torch.int32)}
+    monkeypatch.setattr(ser, "sys", types.SimpleNamespace(**{**vars(__import__("sys")), "byteorder": other}))
+    fastckpt.save(sd, p)
+    monkeypatch.undo()
+    got = fastckpt.load(p)
+    assert behind_calls == []
+    assert torch.equal(got["w"], torch.load(p)["w"])
+    assert torch.equal(got["w"].view(torch.uint8).view(-1, 4).flip(1).reshape(-1).view(torch.int32), sd["w"])
