@@ -138,7 +138,15 @@ class _Group:
         when any rank failed: the local error itself on the rank that had it."""
         out: List[Any] = [None] * self.world
         payload = (_describe(local_error) if local_error is not None else None, mine)
-        self.dist.all_gather_object(out, payload, group=self.group)
+        try:
+            self.dist.all_gather_object(out, payload, group=self.group)
+        except Exception as e:
+            if local_error is not None:
+                raise local_error
+            # A rank died, or did not arrive within the group's timeout.
+            raise OSError(errno.EIO, f"cannot save to {self.path!r}: the group's collective after a rank's attempt "
+                                     f"{what} failed ({type(e).__name__}: {e}); nothing was committed",
+                          self.path) from e
         if local_error is not None:
             raise local_error
         for r, (err, _) in enumerate(out):

@@ -80,6 +80,32 @@ TEST(regions_fill_one_file, ALL) {
   }
 }
 
+// O_DIRECT accepted at open and refused (EINVAL) at the first direct write,
+// as some filesystems do: that piece and every later one go buffered.
+TEST(direct_refused_at_first_write, DIRECT) {
+  TempDir dir;
+  const std::string path = dir.file("ckpt.pt");
+  const std::string data = random_bytes(4096 + 40960 * 3 + 4096 * 20 + 500, 12);
+  auto parts = split(data.size());
+  Engine e0(config()), e1(config());
+  RegionWriter w0(e0, path, "", true, data.size());
+  RegionWriter w1(e1, path, w0.tmp_path(), false, 0);
+  if (!w1.direct()) SKIP("this filesystem refuses O_DIRECT at open");
+  fault::arm(rule(Op::Write, 1, EINVAL));
+  for (const Region& g : parts[1]) w1.write_at(data.data() + g.off, g.len, g.off);
+  CHECK_EQ(fault::fired(), 1u);
+  fault::clear();
+  RegionStats st = w1.finish();
+  CHECK(!st.direct);
+  CHECK_EQ(st.fallback, std::string("write(O_DIRECT): EINVAL"));
+  CHECK_EQ(st.direct_requests, 0u);
+  for (const Region& g : parts[2]) w0.write_at(data.data() + g.off, g.len, g.off);
+  for (const Region& g : parts[0]) w0.write_at(data.data() + g.off, g.len, g.off);
+  w0.commit();
+  CHECK_BYTES(read_file(path), data);
+  CHECK_NO_TEMP_FILES(dir.path());
+}
+
 // A rank's write fails: it throws an IoError naming the operation, the
 // temporary file, the offset and the user's target; the creator's abort
 // removes the temporary file and the previous file stays.

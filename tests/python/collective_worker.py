@@ -6,7 +6,7 @@ Joins a gloo group through a FileStore, saves build(CASE) to PATH with
 group=, prints "OK" or "ERR <type>: <message>" on its last line. MODE: ok,
 differ_data / differ_sampled (rank 1 changes
 one value of a large storage, in / outside a sampled block), differ_pickle
-(rank 1 adds a key), fault (rank 1's engine writes fail with EIO), kill
+(rank 1 adds a key), settings (torch_settings), fault (rank 1's engine writes fail with EIO), kill
 (rank 1 SIGKILLs itself after writing its share, before the collective that
 reports it).
 """
@@ -19,6 +19,13 @@ import sys
 import torch
 
 SID = b"1234567890" * 4  # the serialization id every save of these tests uses
+
+
+def torch_settings(on: bool):
+    """torch's save settings that change the file: no CRCs, 8 KiB record alignment."""
+    from torch.utils.serialization import config
+    config.save.compute_crc32 = not on
+    config.save.storage_alignment = 8192 if on else 64
 
 
 def build(case: str):
@@ -67,6 +74,8 @@ def main() -> int:
     serialization._new_serialization_id = lambda: SID
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=30))
+    if mode == "settings":
+        torch_settings(True)
     obj = build(case)
     if rank == 1 and mode == "differ_data":  # not in a sampled block: found by the share check
         obj["big"][200_000] += 1.0

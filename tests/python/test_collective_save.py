@@ -39,14 +39,17 @@ def last_line(out: str) -> str:
     return lines[-1] if lines else ""
 
 
-def reference_bytes(tmp_path: Path, case: str) -> bytes:
+def reference_bytes(tmp_path: Path, case: str, settings: bool = False) -> bytes:
     ref = tmp_path / f"ref_{case}.pt"
     orig = serialization._new_serialization_id
     serialization._new_serialization_id = lambda: worker.SID
     try:
+        if settings:
+            worker.torch_settings(True)
         fastckpt.save(worker.build(case), ref)
     finally:
         serialization._new_serialization_id = orig
+        worker.torch_settings(False)
     return ref.read_bytes()
 
 
@@ -87,6 +90,19 @@ def test_collective_save_is_byte_identical(tmp_path, world, case):
     assert loaded["big_view"].untyped_storage().data_ptr() == loaded["big"].untyped_storage().data_ptr() \
         if case == "mixed" else True
     assert_equal_objects(worker.build(case), fastckpt.load(path, verify=True))
+
+
+def test_torch_save_settings_give_the_same_file(tmp_path):
+    """compute_crc32=False (CRC 0 everywhere) and storage_alignment=8192."""
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "ckpt.pt"
+    res = run_ranks(tmp_path, 3, path, "mixed", "settings")
+    for r, (rc, text) in enumerate(res):
+        assert rc == 0 and last_line(text) == "OK", f"rank {r}: {text}"
+    got = path.read_bytes()
+    assert got == reference_bytes(tmp_path, "mixed", settings=True)
+    assert_equal_objects(worker.build("mixed"), torch.load(path, weights_only=True))
 
 
 @pytest.mark.parametrize("mode,expect", [("differ_sampled", "ranks hold different data: storage data/0 of rank 1 "
@@ -136,7 +152,8 @@ def test_killed_rank_fails_the_survivors(tmp_path):
     for r in (0, 2):
         rc, text = res[r]
         line = last_line(text)
-        assert rc == 0 and line.startswith("ERR "), f"rank {r}: {text}"
+        assert rc == 0 and line.startswith("ERR OSError: "), f"rank {r}: {text}"
+        assert str(path) in line and "nothing was committed" in line, line
     assert path.read_bytes() == b"previous"
     assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]
 
