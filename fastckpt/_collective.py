@@ -144,8 +144,9 @@ class _Group:
             if local_error is not None:
                 raise local_error
             # A rank died, or did not arrive within the group's timeout.
-            raise OSError(errno.EIO, f"cannot save to {self.path!r}: the group's collective after a rank's attempt "
-                                     f"{what} failed ({type(e).__name__}: {e}); nothing was committed",
+            raise OSError(errno.EIO, f"cannot save to {self.path!r}: a rank died or did not answer in time (the "
+                                     f"group's exchange after each rank's attempt {what} failed: "
+                                     f"{type(e).__name__}: {e}); nothing was committed",
                           self.path) from e
         if local_error is not None:
             raise local_error

@@ -63,6 +63,19 @@ def build(case: str):
     return obj
 
 
+def engine_fds(directory: str) -> int:
+    """Descriptors on files in the checkpoint's directory and io_uring rings
+    (not the FileStore's, which gloo opens and closes from its own threads)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        n += target.startswith(directory + "/") or "io_uring" in target
+    return n
+
+
 def main() -> int:
     store, rank, world, path, case, mode = sys.argv[1:7]
     rank, world = int(rank), int(world)
@@ -77,6 +90,9 @@ def main() -> int:
     if mode == "settings":
         torch_settings(True)
     obj = build(case)
+    # The engine's backend made before counting descriptors (it stays cached).
+    fastckpt.save({"warm": torch.zeros(1)}, store + ".warm")
+    fds = engine_fds(os.path.dirname(os.path.abspath(path)))
     if rank == 1 and mode == "differ_data":  # not in a sampled block: found by the share check
         obj["big"][200_000] += 1.0
     if rank == 1 and mode == "differ_sampled":  # in the first block, sampled
@@ -96,8 +112,10 @@ def main() -> int:
         _collective._Group.exchange = dying
     try:
         fastckpt.save(obj, path, group=dist.group.WORLD)
+        print("FDS", fds, engine_fds(os.path.dirname(os.path.abspath(path))), flush=True)
         print("OK", flush=True)
     except Exception as e:
+        print("FDS", fds, engine_fds(os.path.dirname(os.path.abspath(path))), flush=True)
         print(f"ERR {type(e).__name__}: {e}", flush=True)
     finally:
         _C.fault_clear()

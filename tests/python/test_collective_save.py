@@ -69,6 +69,12 @@ def assert_equal_objects(a, b):
         assert a == b
 
 
+def assert_no_fd_leak(text: str):
+    line = [x for x in text.splitlines() if x.startswith("FDS ")][-1]
+    before, after = map(int, line.split()[1:])
+    assert before == after, f"descriptors leaked: {line}"
+
+
 def leftovers(d: Path):
     return [p.name for p in d.iterdir() if ".fastckpt-tmp." in p.name]
 
@@ -82,6 +88,7 @@ def test_collective_save_is_byte_identical(tmp_path, world, case):
     res = run_ranks(tmp_path, world, path, case)
     for r, (rc, text) in enumerate(res):
         assert rc == 0 and last_line(text) == "OK", f"rank {r}: {text}"
+        assert_no_fd_leak(text)
     got = path.read_bytes()
     assert got == reference_bytes(tmp_path, case)
     assert leftovers(out) == []
@@ -119,6 +126,7 @@ def test_ranks_with_different_objects_raise_on_every_rank(tmp_path, mode, expect
         line = last_line(text)
         assert rc == 0 and line.startswith("ERR ValueError: "), f"rank {r}: {text}"
         assert expect in line and str(path) in line
+        assert_no_fd_leak(text)
     assert path.read_bytes() == b"previous"
     assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]
 
@@ -131,6 +139,8 @@ def test_engine_fault_on_one_rank_fails_every_rank(tmp_path):
     res = run_ranks(tmp_path, 3, path, "mixed", "fault")
     lines = [last_line(text) for _, text in res]
     assert all(rc == 0 for rc, _ in res), res
+    for _, text in res:
+        assert_no_fd_leak(text)
     # The failing rank raises its own error (EIO, naming the user's path) ...
     assert lines[1].startswith("ERR OSError: ") and str(path) in lines[1], lines
     assert "Input/output error" in lines[1], lines
