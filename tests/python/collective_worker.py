@@ -86,7 +86,7 @@ def main() -> int:
 
     serialization._new_serialization_id = lambda: SID
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=30))
+                            timeout=datetime.timedelta(seconds=180))  # slow starts on a loaded machine
     if mode == "settings":
         torch_settings(True)
     obj = build(case)

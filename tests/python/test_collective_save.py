@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 
-def run_ranks(tmp_path: Path, world: int, path: Path, case: str, mode: str = "ok", timeout: float = 120):
+def run_ranks(tmp_path: Path, world: int, path: Path, case: str, mode: str = "ok", timeout: float = 400):
     store = tmp_path / f"store.{os.urandom(4).hex()}"
     env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, str(HERE / "collective_worker.py"), str(store), str(r), str(world),
@@ -157,7 +157,7 @@ def test_killed_rank_fails_the_survivors(tmp_path):
     out.mkdir()
     path = out / "ckpt.pt"
     path.write_bytes(b"previous")
-    res = run_ranks(tmp_path, 3, path, "mixed", "kill", timeout=150)
+    res = run_ranks(tmp_path, 3, path, "mixed", "kill")
     assert res[1][0] == -9, res[1]
     for r in (0, 2):
         rc, text = res[r]
