@@ -164,8 +164,12 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
     from . import serialization as ser
     import torch.serialization as ts
 
-    path = os.fsdecode(os.fspath(f)) if isinstance(f, (str, os.PathLike)) else None
-    g = _Group(group, path if path is not None else repr(f))
+    if not isinstance(f, (str, os.PathLike)):
+        # The same mistake on every rank: raised before any collective.
+        raise ValueError("fastckpt.save(..., group=...) needs a path that every rank can write "
+                         "(a shared filesystem), not a file object")
+    path = os.fsdecode(os.fspath(f))
+    g = _Group(group, path)
     writer = None
     committed = False
     try:
@@ -173,9 +177,6 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
         err: Optional[BaseException] = None
         mine: Any = None
         try:
-            if path is None:
-                raise ValueError("fastckpt.save(..., group=...) needs a path that every rank can write "
-                                 "(a shared filesystem), not a file object")
             path = _paths.check_save_target(path)
             if ts._serialization_tls.skip_data:
                 raise ValueError(f"cannot save to {path!r} with group=: torch.serialization.skip_data "
@@ -255,7 +256,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
     except BaseException as e:
         if writer is not None and not committed:
             writer.abort()  # rank 0: removes the temporary file
-        if path is not None and isinstance(e, OSError):
+        if isinstance(e, OSError):
             _paths.raise_named_after_target(e, path)
         raise
 

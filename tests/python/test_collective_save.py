@@ -28,9 +28,15 @@ def run_ranks(tmp_path: Path, world: int, path: Path, case: str, mode: str = "ok
                                str(path), case, mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env=env) for r in range(world)]
     outs = []
-    for p in procs:
-        out, _ = p.communicate(timeout=timeout)
-        outs.append((p.returncode, out))
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out))
+    finally:
+        for p in procs:  # none left behind when a rank hangs
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     return outs
 
 
@@ -181,7 +187,10 @@ def test_group_none_is_the_single_process_save(tmp_path):
     assert a.read_bytes() == b.read_bytes()
 
 
-def test_group_needs_a_path():
+def test_group_needs_a_path_and_the_zip_format(tmp_path):
     import io
+    with pytest.raises(ValueError, match="needs a path that every rank can write"):
+        fastckpt.save({}, io.BytesIO(), group=object())
     with pytest.raises(ValueError, match="zip format"):
-        fastckpt.save({}, "x.pt", _use_new_zipfile_serialization=False, group=object())
+        fastckpt.save({}, tmp_path / "x.pt", _use_new_zipfile_serialization=False, group=object())
+    assert list(tmp_path.iterdir()) == []
