@@ -191,7 +191,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
                     ser._new_serialization_id() if g.rank == 0 else None)
         except Exception as e:
             err = e
-        agreed = g.exchange(mine, err, "to pickle the object")
+        agreed = g.exchange(mine, err, "to prepare (check the path, pickle the object)")
         for r in range(1, g.world):
             if agreed[r][0] != agreed[0][0]:
                 raise ValueError(f"cannot save to {path!r}: ranks hold different objects: the pickle or the "
