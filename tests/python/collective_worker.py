@@ -8,7 +8,7 @@ differ_data / differ_sampled (rank 1 changes
 one value of a large storage, in / outside a sampled block), differ_pickle
 (rank 1 adds a key), settings (torch_settings), fault (rank 1's engine writes fail with EIO), kill
 (rank 1 SIGKILLs itself after writing its share, before the collective that
-reports it).
+reports it), kill0 (the same on rank 0, the temporary file's creator).
 """
 import datetime
 import errno
@@ -101,7 +101,7 @@ def main() -> int:
         obj["extra"] = 1
     if rank == 1 and mode == "fault":
         _C.fault_inject("write", errno=errno.EIO, times=0)
-    if rank == 1 and mode == "kill":
+    if (rank == 1 and mode == "kill") or (rank == 0 and mode == "kill0"):
         exchange = _collective._Group.exchange
 
         def dying(self, mine, err, what):

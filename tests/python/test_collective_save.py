@@ -174,6 +174,25 @@ def test_killed_rank_fails_the_survivors(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]
 
 
+def test_killed_creator_leaves_a_temp_that_the_next_save_removes(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "ckpt.pt"
+    path.write_bytes(b"previous")
+    res = run_ranks(tmp_path, 2, path, "mixed", "kill0")
+    assert res[0][0] == -9, res[0]
+    line = last_line(res[1][1])
+    assert res[1][0] == 0 and line.startswith("ERR OSError: ") and str(path) in line, res[1]
+    assert path.read_bytes() == b"previous"
+    assert len(leftovers(out)) == 1  # rank 0 died holding it
+    # The next collective save (its rank 0 makes the temporary file) removes it.
+    res = run_ranks(tmp_path, 2, path, "mixed")
+    for r, (rc, text) in enumerate(res):
+        assert rc == 0 and last_line(text) == "OK", f"rank {r}: {text}"
+    assert leftovers(out) == []
+    assert path.read_bytes() == reference_bytes(tmp_path, "mixed")
+
+
 def test_group_none_is_the_single_process_save(tmp_path):
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
     orig = serialization._new_serialization_id
