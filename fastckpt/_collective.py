@@ -7,8 +7,9 @@ serialization id), so stock ``torch.load`` and ``fastckpt verify`` read it.
 Who writes what. Every rank pickles ``obj`` and plans the layout
 (serialization._plan_archive) with rank 0's serialization id. The 4 KiB-aligned
 bodies of the large storage records (records of _zip.DIRECT_MIN bytes or more
-start on 4 KiB) are concatenated in file order and cut into ``world`` balanced,
-4 KiB-aligned contiguous shares; rank r writes share r (O_DIRECT from the
+start on 4 KiB) are concatenated in file order and cut into ``world``
+4 KiB-aligned contiguous shares, balanced so that every rank writes about the
+same number of bytes (rank 0's share is smaller by what it writes besides); rank r writes share r (O_DIRECT from the
 engine's staging where the filesystem allows) and computes each piece's CRC-32
 while copying it. Rank 0 writes everything else: local headers, small records,
 the record tails under 4 KiB, data descriptors and the central directory, once
@@ -83,9 +84,10 @@ def _sample_crcs(tensors: List[torch.Tensor]) -> List[int]:
     return out
 
 
-def _shares(plan, world: int) -> Tuple[Dict[int, int], List[List[Tuple[int, int, int, int]]]]:
+def _shares(plan, world: int, plan_size: int) -> Tuple[Dict[int, int], List[List[Tuple[int, int, int, int]]]]:
     """The aligned bodies and their split: ({plan index: body length},
-    per rank [(plan index, offset in the record's data, length, file offset)])."""
+    per rank [(plan index, offset in the record's data, length, file offset)]).
+    `plan_size` is the file's size."""
     bodies = []  # (plan index, body length)
     for i, (payload, _header, entry) in enumerate(plan):
         if isinstance(payload, (bytes, bytearray)) or entry.size < _zip.DIRECT_MIN:
@@ -97,7 +99,15 @@ def _shares(plan, world: int) -> Tuple[Dict[int, int], List[List[Tuple[int, int,
             bodies.append((i, body))
     total = sum(b for _, b in bodies)
     blocks = total // _BODY_ALIGN
-    bounds = [blocks * r // world * _BODY_ALIGN for r in range(world + 1)]
+    if world == 1:
+        bounds = [0, total]
+    else:
+        # Rank 0 also writes everything outside the bodies (`rest` bytes): its
+        # share of the bodies is smaller by that much, so that every rank
+        # writes about the same number of bytes.
+        rest = plan_size - total
+        first = max(0, min(blocks, ((total + rest) // world - rest) // _BODY_ALIGN))
+        bounds = [0] + [(first + (blocks - first) * r // (world - 1)) * _BODY_ALIGN for r in range(world)]
     shares: List[List[Tuple[int, int, int, int]]] = [[] for _ in range(world)]
     start = 0  # of the current body in the concatenation
     for i, body in bodies:
@@ -202,7 +212,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
                                  f"of rank {r} differs from rank 0's (sampled CRC-32); nothing was written")
         plan, entries, cd_offset, size = ser._plan_archive(data_pkl, storages, alignment, byteorder,
                                                            serialization_id=agreed[0][2])
-        bodies, shares = _shares(plan, g.world)
+        bodies, shares = _shares(plan, g.world, size)
 
         # 2. rank 0 creates the temporary file.
         err, tmp = None, None
