@@ -195,7 +195,8 @@ class _FileSink:
 
 
 def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
-         _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False) -> None:
+         _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False, *,
+         group: Any = None) -> None:
     """Save an object like :func:`torch.save`, durably and atomically.
 
     Args:
@@ -209,6 +210,14 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
             torch's legacy (pre-1.6) format with torch's own writer, to a path
             still through the engine's temporary file, fdatasync and rename.
         _disable_byteorder_record: as for torch.save: no ``byteorder`` record.
+        group: a ``torch.distributed`` process group whose every rank calls
+            save with the same object and the same path on a filesystem they
+            share (collective save, see :mod:`fastckpt._collective`): each rank
+            writes a balanced share of the storages' bytes into one temporary
+            file, rank 0 the rest and the commit; every rank returns after the
+            commit or raises (ValueError when the ranks' objects differ,
+            OSError naming ``f`` when any rank fails). The file is the one a
+            single-process save writes. ``None``: this process writes alone.
 
     torch's settings are honoured as torch.save honours them:
     ``torch.serialization.skip_data()`` (storages' bytes are not written:
@@ -239,6 +248,12 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
     """
     ts._check_dill_version(pickle_module)
     ts._check_save_filelike(f)
+    if group is not None:
+        if not _use_new_zipfile_serialization:
+            raise ValueError("fastckpt.save: group= writes the zip format only (_use_new_zipfile_serialization=True)")
+        from . import _collective
+        _collective.save(obj, f, group, pickle_module, pickle_protocol, byteorder=not _disable_byteorder_record)
+        return
     if _is_path(f):
         f = _paths.check_save_target(f)
     if not _use_new_zipfile_serialization:
@@ -277,6 +292,50 @@ _PACK_BYTES = 64 << 10
 _PARTS_BYTES = 4 << 20
 
 
+def _new_serialization_id() -> bytes:
+    """The archive's .data/serialization_id record: 40 random decimal digits, as torch writes."""
+    return f"{uuid.uuid4().int:040d}"[:40].encode()
+
+
+def _plan_archive(data_pkl: bytes, storages: List[Any], alignment: int, byteorder: bool = True,
+                  direct_min: Optional[int] = _zip.DIRECT_MIN, serialization_id: Optional[bytes] = None):
+    """The layout of the archive :func:`_write_archive` writes (docs/FORMAT.md 1.3):
+    every offset is known before the first byte is written. Returns (plan,
+    entries, cd_offset, file_size): plan[i] = (payload bytes or storage, local
+    header bytes, its _zip.Entry) in file order, the storages' records being
+    "data/<i>"; the central directory starts at cd_offset. Each record is
+    followed by its data descriptor (none for empty ones)."""
+    if serialization_id is None:
+        serialization_id = _new_serialization_id()
+    head = [("data.pkl", data_pkl)]
+    if direct_min is None:
+        head.append((".format_version", b"1"))
+    head.append((".storage_alignment", str(alignment).encode()))
+    if byteorder:
+        head.append(("byteorder", sys.byteorder.encode()))
+    tail = [("version", FORMAT_VERSION), (".data/serialization_id", serialization_id)]
+
+    # (One plain loop: it runs once per record, 100,000 times for 100,000 scalars.)
+    records = [(name, payload, len(payload), alignment) for name, payload in head]
+    align_of = _zip.record_alignment
+    records += [(f"data/{i}", s, n, align_of(n, alignment, direct_min))
+                for i, s, n in ((i, s, s.nbytes()) for i, s in enumerate(storages))]
+    records += [(name, payload, len(payload), alignment) for name, payload in tail]
+    plan = []  # (payload bytes or storage, header, entry)
+    entries = []
+    pos = 0
+    u32 = _zip.U32_MAX
+    local_header, Entry = _zip.local_header, _zip.Entry
+    for name, payload, size, align in records:
+        full = f"{ARCHIVE_NAME}/{name}"
+        header = local_header(full.encode(), size, pos, align)
+        entry = Entry(full, size, 0, pos, pos + len(header))
+        pos += len(header) + size + (0 if size == 0 else 24 if size >= u32 or entry.header_offset >= u32 else 16)
+        plan.append((payload, header, entry))
+        entries.append(entry)
+    return plan, entries, pos, pos + _zip.central_directory_size(entries, pos)
+
+
 def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: Optional[int] = None,
                    byteorder: bool = True, skip_data: bool = False, compute_crc32: Optional[bool] = None,
                    direct_min: Optional[int] = _zip.DIRECT_MIN) -> None:
@@ -299,35 +358,8 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
     if alignment is None:
         alignment = _torch_rules.storage_alignment()
     crc_on = _torch_rules.compute_crc32() if compute_crc32 is None else compute_crc32
-    serialization_id = f"{uuid.uuid4().int:040d}"[:40].encode()
-    head = [("data.pkl", data_pkl)]
-    if direct_min is None:
-        head.append((".format_version", b"1"))
-    head.append((".storage_alignment", str(alignment).encode()))
-    if byteorder:
-        head.append(("byteorder", sys.byteorder.encode()))
-    tail = [("version", FORMAT_VERSION), (".data/serialization_id", serialization_id)]
-
-    # Layout pass: every offset is known before the first byte is written.
-    # (One plain loop: it runs once per record, 100,000 times for 100,000 scalars.)
-    records = [(name, payload, len(payload), alignment) for name, payload in head]
-    align_of = _zip.record_alignment
-    records += [(f"data/{i}", s, n, align_of(n, alignment, direct_min))
-                for i, s, n in ((i, s, s.nbytes()) for i, s in enumerate(storages))]
-    records += [(name, payload, len(payload), alignment) for name, payload in tail]
-    plan = []  # (payload bytes or storage, header, entry)
-    entries = []
-    pos = 0
+    plan, entries, pos, expected = _plan_archive(data_pkl, storages, alignment, byteorder, direct_min)
     u32 = _zip.U32_MAX
-    local_header, Entry = _zip.local_header, _zip.Entry
-    for name, payload, size, align in records:
-        full = f"{ARCHIVE_NAME}/{name}"
-        header = local_header(full.encode(), size, pos, align)
-        entry = Entry(full, size, 0, pos, pos + len(header))
-        pos += len(header) + size + (0 if size == 0 else 24 if size >= u32 or entry.header_offset >= u32 else 16)
-        plan.append((payload, header, entry))
-        entries.append(entry)
-    expected = pos + _zip.central_directory_size(entries, pos)
 
     path = os.fspath(f) if _is_path(f) else None
     stager = _staging.DeviceStorages([p[0] for p in plan], skip_data)  # copied ahead through the pool

@@ -15,6 +15,7 @@
 #include "../engine/engine.h"
 #include "../engine/error.h"
 #include "../engine/fault.h"
+#include "../engine/region_writer.h"
 #include "../engine/pickle_scan.h"
 #include "../engine/sys.h"
 #include "../engine/temp_file.h"
@@ -88,6 +89,29 @@ py::dict read_stats_dict(const ReadStats& s) {
   d["backend"] = s.backend;
   return d;
 }
+
+py::dict region_stats_dict(const RegionStats& s) {
+  py::dict d;
+  d["bytes"] = s.bytes;
+  d["requests"] = s.requests;
+  d["direct_requests"] = s.direct_requests;
+  d["requeued"] = s.requeued;
+  d["seconds"] = s.seconds;
+  d["direct"] = s.direct;
+  d["backend"] = s.backend;
+  d["alignment"] = s.alignment;
+  d["fallback"] = s.fallback;
+  d["leftovers_removed"] = s.leftovers_removed;
+  return d;
+}
+
+struct PyRegionWriter {
+  std::unique_ptr<RegionWriter> w;
+  RegionWriter& get() {
+    if (!w) throw py::value_error("RegionWriter is closed");
+    return *w;
+  }
+};
 
 // The Python Writer owns the engine Writer; the Engine object is kept alive by
 // pybind11's keep_alive.
@@ -264,6 +288,62 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         w.w->abort();  // a Writer left without commit() is discarded
         return false;
       });
+
+  py::class_<PyRegionWriter>(m, "RegionWriter")
+      .def(py::init([](std::shared_ptr<Engine> eng, const std::string& target, const std::string& tmp, bool create,
+                       uint64_t size) {
+             py::gil_scoped_release nogil;
+             return PyRegionWriter{std::unique_ptr<RegionWriter>(new RegionWriter(*eng, target, tmp, create, size))};
+           }),
+           py::arg("engine"), py::arg("target"), py::arg("tmp") = "", py::arg("create") = false, py::arg("size") = 0,
+           py::keep_alive<1, 2>(),
+           "One process's part of a file written by several (region_writer.h): create=True makes the temporary "
+           "file of `target`, `size` bytes long (tmp_path names it); otherwise opens the existing temporary file "
+           "`tmp`.")
+      .def("write_at", [](PyRegionWriter& w, py::handle obj, uint64_t off, bool crc) -> py::object {
+             Span s(obj, false);
+             RegionWriter& wr = w.get();
+             uint32_t c = 0;
+             {
+               py::gil_scoped_release nogil;
+               wr.write_at(s.ptr(), s.len(), off, crc ? &c : nullptr);
+             }
+             if (!crc) return py::none();
+             return py::int_(c);
+           },
+           py::arg("data"), py::arg("offset"), py::arg("crc") = false,
+           "Write the bytes of a contiguous CPU tensor or buffer at `offset`; with crc=True return their zip CRC-32.")
+      .def("finish", [](PyRegionWriter& w) {
+             RegionWriter& wr = w.get();
+             RegionStats st;
+             {
+               py::gil_scoped_release nogil;
+               st = wr.finish();
+             }
+             return region_stats_dict(st);
+           },
+           "Reap every write and fdatasync the file.")
+      .def("commit", [](PyRegionWriter& w) {
+             RegionWriter& wr = w.get();
+             RegionStats st;
+             {
+               py::gil_scoped_release nogil;
+               st = wr.commit();
+             }
+             return region_stats_dict(st);
+           },
+           "The creator only: finish(), rename over the target, fsync the directory.")
+      .def("abort", [](PyRegionWriter& w) {
+             if (!w.w) return;
+             py::gil_scoped_release nogil;
+             w.w->abort();
+           },
+           "Stop: reap what is in flight; the creator removes the temporary file.")
+      .def_property_readonly("tmp_path", [](PyRegionWriter& w) { return w.get().tmp_path(); })
+      .def_property_readonly("target", [](PyRegionWriter& w) { return w.get().target(); })
+      .def_property_readonly("owner", [](PyRegionWriter& w) { return w.get().owner(); })
+      .def_property_readonly("direct", [](PyRegionWriter& w) { return w.get().direct(); })
+      .def_property_readonly("backend", [](PyRegionWriter& w) { return w.get().backend_name(); });
 
   m.def("read_ranges", [](std::shared_ptr<Engine> eng, const std::string& path, py::sequence items, int fd,
                           bool crc) {

@@ -1,0 +1,108 @@
+// RegionWriter: several processes (the ranks of a collective save) fill one
+// temporary file together, each writing its own regions at absolute offsets.
+//
+// The creating process (the owner: `create` = true) removes the leftovers of
+// crashed saves of the target, creates the temporary file with the Writer's
+// name and rules (temp_file.h: O_CREAT|O_EXCL|O_NOFOLLOW, flock()ed until the
+// rename) and sizes it to its final length (ftruncate: a sparse file that the
+// regions fill). The others open that existing file by name (no O_CREAT, no
+// O_NOFOLLOW-defeating links) and write only their regions.
+//
+// Each region is copied into the engine's staging buffers (optionally folding
+// its bytes into a zip CRC-32 while they are hot in the cache) and written by
+// the engine's backend (io_uring or the thread pool): O_DIRECT where a piece's
+// offset and length are multiples of the file's direct-I/O alignment, through
+// a second, buffered descriptor otherwise. A filesystem that refuses O_DIRECT
+// (EINVAL at open or at the first direct write, which is done synchronously as
+// a probe with the real data) gets every piece buffered; fallback() says why.
+//
+// finish() reaps every write and fdatasyncs the file: this process's regions
+// are durable. Only the owner renames: commit() = finish() + rename over the
+// target + directory fsync. abort() (or destruction before finish/commit, or
+// any error) reaps everything in flight before freeing a buffer or closing a
+// descriptor; the owner also removes the temporary file. Errors are IoErrors
+// naming the operation, the temporary file, offset, length, errno and the
+// user's target (IoError::target()). Not thread-safe: one thread per object.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+
+namespace fastckpt {
+
+struct RegionStats {
+  uint64_t bytes = 0;           // bytes of the regions written by this process
+  uint64_t requests = 0;        // write requests issued (excluding requeues)
+  uint64_t direct_requests = 0; // of those, O_DIRECT
+  uint64_t requeued = 0;
+  double seconds = 0;           // open to finish/commit
+  bool direct = false;          // O_DIRECT was available for aligned pieces
+  std::string backend;
+  uint32_t alignment = 0;       // direct-I/O offset alignment (0: buffered only)
+  std::string fallback;         // why O_DIRECT was not used, if it was not
+  std::vector<std::string> leftovers_removed;  // owner only
+};
+
+class RegionWriter {
+ public:
+  // create = true: make the temporary file for `target`, `size` bytes long
+  // (tmp is ignored; tmp_path() names it). create = false: open the existing
+  // temporary file `tmp` of `target` (size is ignored).
+  RegionWriter(Engine& engine, const std::string& target, const std::string& tmp, bool create, uint64_t size);
+  ~RegionWriter();
+  RegionWriter(const RegionWriter&) = delete;
+  RegionWriter& operator=(const RegionWriter&) = delete;
+
+  // Writes n bytes at file offset `off` (copied before return; regions may
+  // come in any order but must not overlap another process's). With `crc`,
+  // the zip CRC-32 of the bytes is folded into *crc (zlib's convention).
+  void write_at(const void* src, uint64_t n, uint64_t off, uint32_t* crc = nullptr);
+  // Every write done and the file fdatasync'ed; the descriptors are closed,
+  // except the owner's locked one (kept until commit/abort).
+  RegionStats finish();
+  // Owner only: finish(), then rename over the target and fsync the directory.
+  RegionStats commit();
+  void abort() noexcept;
+
+  bool owner() const { return owner_; }
+  bool direct() const { return direct_; }
+  const std::string& target() const { return target_; }
+  const std::string& tmp_path() const { return tmp_; }
+  const std::string& backend_name() const { return backend_; }
+
+ private:
+  void open_create(uint64_t size);
+  void open_existing();
+  void open_direct();
+  void submit(int buf, uint64_t len, uint64_t off);
+  int take_buffer();
+  void reap_one();
+  void release_buffers(const std::vector<int>& unreaped = {}) noexcept;
+  void ensure_open() const;
+  template <class F>
+  auto guarded(F&& f) -> decltype(f());
+
+  Engine& eng_;
+  const EngineConfig& cfg_;
+  std::string target_, dir_, tmp_, backend_;
+  BackendLease lease_;
+  std::unique_ptr<IoQueue> q_;
+  int fd_ = -1;         // buffered descriptor (the owner's holds the lock)
+  int fdd_ = -1;        // O_DIRECT descriptor, or -1
+  bool owner_ = false;
+  enum class State { Open, Finished, Committed, Aborted } state_ = State::Open;
+  bool direct_ = false;
+  bool probed_ = false;
+  uint32_t align_ = 0;
+  std::string fallback_;
+  std::vector<std::string> leftovers_;
+  std::vector<int> held_, free_;
+  RegionStats st_;
+  double t0_ = 0;
+};
+
+}  // namespace fastckpt

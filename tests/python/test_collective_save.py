@@ -1,0 +1,215 @@
+"""fastckpt.save(obj, path, group=pg): every rank of a gloo group writes its
+share of one file (fastckpt/_collective.py). Each rank is a subprocess
+(tests/python/collective_worker.py) joined through a FileStore."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastckpt
+from fastckpt import serialization
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import collective_worker as worker  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+
+def run_ranks(tmp_path: Path, world: int, path: Path, case: str, mode: str = "ok", timeout: float = 400):
+    store = tmp_path / f"store.{os.urandom(4).hex()}"
+    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, str(HERE / "collective_worker.py"), str(store), str(r), str(world),
+                               str(path), case, mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=env) for r in range(world)]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            outs.append((p.returncode, out))
+    finally:
+        for p in procs:  # none left behind when a rank hangs
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return outs
+
+
+def last_line(out: str) -> str:
+    lines = out.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+def reference_bytes(tmp_path: Path, case: str, settings: bool = False) -> bytes:
+    ref = tmp_path / f"ref_{case}.pt"
+    orig = serialization._new_serialization_id
+    serialization._new_serialization_id = lambda: worker.SID
+    try:
+        if settings:
+            worker.torch_settings(True)
+        fastckpt.save(worker.build(case), ref)
+    finally:
+        serialization._new_serialization_id = orig
+        worker.torch_settings(False)
+    return ref.read_bytes()
+
+
+def assert_equal_objects(a, b):
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for k in a:
+            assert_equal_objects(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_equal_objects(x, y)
+    else:
+        assert a == b
+
+
+def assert_no_fd_leak(text: str):
+    line = [x for x in text.splitlines() if x.startswith("FDS ")][-1]
+    before, after = map(int, line.split()[1:])
+    assert before == after, f"descriptors leaked: {line}"
+
+
+def leftovers(d: Path):
+    return [p.name for p in d.iterdir() if ".fastckpt-tmp." in p.name]
+
+
+@pytest.mark.parametrize("world,case", [(1, "mixed"), (2, "mixed"), (3, "mixed"), (4, "mixed"), (3, "few"),
+                                        (4, "none"), (3, "one_big")])
+def test_collective_save_is_byte_identical(tmp_path, world, case):
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "ckpt.pt"
+    res = run_ranks(tmp_path, world, path, case)
+    for r, (rc, text) in enumerate(res):
+        assert rc == 0 and last_line(text) == "OK", f"rank {r}: {text}"
+        assert_no_fd_leak(text)
+    got = path.read_bytes()
+    assert got == reference_bytes(tmp_path, case)
+    assert leftovers(out) == []
+    loaded = torch.load(path, weights_only=True)  # stock torch reads it
+    assert_equal_objects(worker.build(case), loaded)
+    assert loaded["big_view"].untyped_storage().data_ptr() == loaded["big"].untyped_storage().data_ptr() \
+        if case == "mixed" else True
+    assert_equal_objects(worker.build(case), fastckpt.load(path, verify=True))
+
+
+def test_torch_save_settings_give_the_same_file(tmp_path):
+    """compute_crc32=False (CRC 0 everywhere) and storage_alignment=8192."""
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "ckpt.pt"
+    res = run_ranks(tmp_path, 3, path, "mixed", "settings")
+    for r, (rc, text) in enumerate(res):
+        assert rc == 0 and last_line(text) == "OK", f"rank {r}: {text}"
+    got = path.read_bytes()
+    assert got == reference_bytes(tmp_path, "mixed", settings=True)
+    assert_equal_objects(worker.build("mixed"), torch.load(path, weights_only=True))
+
+
+@pytest.mark.parametrize("mode,expect", [("differ_sampled", "ranks hold different data: storage data/0 of rank 1 "
+                                                            "differs from rank 0's (sampled CRC-32)"),
+                                         ("differ_data", "ranks hold different data: archive/data/0 of rank "),
+                                         ("differ_pickle", "ranks hold different objects")])
+def test_ranks_with_different_objects_raise_on_every_rank(tmp_path, mode, expect):
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "ckpt.pt"
+    path.write_bytes(b"previous")
+    res = run_ranks(tmp_path, 2, path, "mixed", mode)
+    for r, (rc, text) in enumerate(res):
+        line = last_line(text)
+        assert rc == 0 and line.startswith("ERR ValueError: "), f"rank {r}: {text}"
+        assert expect in line and str(path) in line
+        assert_no_fd_leak(text)
+    assert path.read_bytes() == b"previous"
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]
+
+
+def test_engine_fault_on_one_rank_fails_every_rank(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "ckpt.pt"
+    path.write_bytes(b"previous")
+    res = run_ranks(tmp_path, 3, path, "mixed", "fault")
+    lines = [last_line(text) for _, text in res]
+    assert all(rc == 0 for rc, _ in res), res
+    for _, text in res:
+        assert_no_fd_leak(text)
+    # The failing rank raises its own error (EIO, naming the user's path) ...
+    assert lines[1].startswith("ERR OSError: ") and str(path) in lines[1], lines
+    assert "Input/output error" in lines[1], lines
+    # ... the others an OSError saying which rank failed.
+    for r in (0, 2):
+        assert lines[r].startswith("ERR OSError: "), lines
+        assert "rank 1 of the group failed to write its share" in lines[r] and str(path) in lines[r], lines
+    assert path.read_bytes() == b"previous"
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]
+
+
+def test_killed_rank_fails_the_survivors(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "ckpt.pt"
+    path.write_bytes(b"previous")
+    res = run_ranks(tmp_path, 3, path, "mixed", "kill")
+    assert res[1][0] == -9, res[1]
+    for r in (0, 2):
+        rc, text = res[r]
+        line = last_line(text)
+        assert rc == 0 and line.startswith("ERR OSError: "), f"rank {r}: {text}"
+        assert str(path) in line and "nothing was committed" in line, line
+    assert path.read_bytes() == b"previous"
+    assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]
+
+
+def test_killed_creator_leaves_a_temp_that_the_next_save_removes(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "ckpt.pt"
+    path.write_bytes(b"previous")
+    res = run_ranks(tmp_path, 2, path, "mixed", "kill0")
+    assert res[0][0] == -9, res[0]
+    line = last_line(res[1][1])
+    assert res[1][0] == 0 and line.startswith("ERR OSError: ") and str(path) in line, res[1]
+    assert path.read_bytes() == b"previous"
+    assert len(leftovers(out)) == 1  # rank 0 died holding it
+    # The next collective save (its rank 0 makes the temporary file) removes it.
+    res = run_ranks(tmp_path, 2, path, "mixed")
+    for r, (rc, text) in enumerate(res):
+        assert rc == 0 and last_line(text) == "OK", f"rank {r}: {text}"
+    assert leftovers(out) == []
+    assert path.read_bytes() == reference_bytes(tmp_path, "mixed")
+
+
+def test_group_none_is_the_single_process_save(tmp_path):
+    a, b = tmp_path / "a.pt", tmp_path / "b.pt"
+    orig = serialization._new_serialization_id
+    serialization._new_serialization_id = lambda: worker.SID
+    try:
+        obj = worker.build("mixed")
+        fastckpt.save(obj, a)
+        fastckpt.save(obj, b, group=None)
+    finally:
+        serialization._new_serialization_id = orig
+    assert a.read_bytes() == b.read_bytes()
+
+
+def test_group_needs_a_path_and_the_zip_format(tmp_path):
+    import io
+    with pytest.raises(ValueError, match="needs a path that every rank can write"):
+        fastckpt.save({}, io.BytesIO(), group=object())
+    with pytest.raises(ValueError, match="zip format"):
+        fastckpt.save({}, tmp_path / "x.pt", _use_new_zipfile_serialization=False, group=object())
+    assert list(tmp_path.iterdir()) == []
