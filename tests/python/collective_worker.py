@@ -127,4 +127,17 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        code = main()
+    except BaseException:  # noqa: BLE001 (the test shows it: the verdict line is missing)
+        import traceback
+        traceback.print_exc()
+        code = 3
+    # The verdict is printed. Leave without the interpreter's teardown: gloo's
+    # threads may abort the process there when a peer has already gone, which
+    # is not what these tests check. (One CI run under load saw a rank of the
+    # fault test exit non-zero after the verdicts were right; its output was not
+    # captured. The tests now print each rank's exit status and output.)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -93,7 +93,7 @@ def test_collective_save_is_byte_identical(tmp_path, world, case):
     path = out / "ckpt.pt"
     res = run_ranks(tmp_path, world, path, case)
     for r, (rc, text) in enumerate(res):
-        assert rc == 0 and last_line(text) == "OK", f"rank {r}: {text}"
+        assert rc == 0 and last_line(text) == "OK", f"rank {r} (exit {rc}): {text}"
         assert_no_fd_leak(text)
     got = path.read_bytes()
     assert got == reference_bytes(tmp_path, case)
@@ -112,7 +112,7 @@ def test_torch_save_settings_give_the_same_file(tmp_path):
     path = out / "ckpt.pt"
     res = run_ranks(tmp_path, 3, path, "mixed", "settings")
     for r, (rc, text) in enumerate(res):
-        assert rc == 0 and last_line(text) == "OK", f"rank {r}: {text}"
+        assert rc == 0 and last_line(text) == "OK", f"rank {r} (exit {rc}): {text}"
     got = path.read_bytes()
     assert got == reference_bytes(tmp_path, "mixed", settings=True)
     assert_equal_objects(worker.build("mixed"), torch.load(path, weights_only=True))
@@ -130,7 +130,7 @@ def test_ranks_with_different_objects_raise_on_every_rank(tmp_path, mode, expect
     res = run_ranks(tmp_path, 2, path, "mixed", mode)
     for r, (rc, text) in enumerate(res):
         line = last_line(text)
-        assert rc == 0 and line.startswith("ERR ValueError: "), f"rank {r}: {text}"
+        assert rc == 0 and line.startswith("ERR ValueError: "), f"rank {r} (exit {rc}): {text}"
         assert expect in line and str(path) in line
         assert_no_fd_leak(text)
     assert path.read_bytes() == b"previous"
@@ -144,7 +144,8 @@ def test_engine_fault_on_one_rank_fails_every_rank(tmp_path):
     path.write_bytes(b"previous")
     res = run_ranks(tmp_path, 3, path, "mixed", "fault")
     lines = [last_line(text) for _, text in res]
-    assert all(rc == 0 for rc, _ in res), res
+    for r, (rc, text) in enumerate(res):
+        assert rc == 0, f"rank {r} exited with {rc}:\n{text}"
     for _, text in res:
         assert_no_fd_leak(text)
     # The failing rank raises its own error (EIO, naming the user's path) ...
@@ -168,7 +169,7 @@ def test_killed_rank_fails_the_survivors(tmp_path):
     for r in (0, 2):
         rc, text = res[r]
         line = last_line(text)
-        assert rc == 0 and line.startswith("ERR OSError: "), f"rank {r}: {text}"
+        assert rc == 0 and line.startswith("ERR OSError: "), f"rank {r} (exit {rc}): {text}"
         assert str(path) in line and "nothing was committed" in line, line
     assert path.read_bytes() == b"previous"
     assert sorted(p.name for p in out.iterdir()) == ["ckpt.pt"]
@@ -188,7 +189,7 @@ def test_killed_creator_leaves_a_temp_that_the_next_save_removes(tmp_path):
     # The next collective save (its rank 0 makes the temporary file) removes it.
     res = run_ranks(tmp_path, 2, path, "mixed")
     for r, (rc, text) in enumerate(res):
-        assert rc == 0 and last_line(text) == "OK", f"rank {r}: {text}"
+        assert rc == 0 and last_line(text) == "OK", f"rank {r} (exit {rc}): {text}"
     assert leftovers(out) == []
     assert path.read_bytes() == reference_bytes(tmp_path, "mixed")
 
