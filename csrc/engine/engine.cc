@@ -121,8 +121,7 @@ std::string Engine::uring_refusal() {
 
 // ---------------------------------------------------------------- Writer
 
-// Leases a backend for a Writer of `path`; a refusal names the user's file.
-static BackendLease lease_for(Engine& engine, const std::string& path) {
+BackendLease lease_for(Engine& engine, const std::string& path) {
   try {
     return engine.lease();
   } catch (const IoError& e) {
@@ -178,40 +177,13 @@ Writer::Writer(Engine& engine, const std::string& path, int64_t expected_size)
   }
 }
 
-// Creates the temporary file: always O_CREAT|O_EXCL|O_NOFOLLOW (never opens
-// a file or follows a link that someone else put under the name), O_DIRECT
-// when configured and accepted. Sets tmp_ only once the file is ours.
+// Creates the temporary file (temp_file.h create_temp_file: O_EXCL, no
+// links followed, locked until the rename), O_DIRECT when configured and
+// accepted. Sets tmp_ only once the file is ours.
 void Writer::open_temp() {
-  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW;
   direct_ = cfg_.direct;
   if (!direct_) fallback_ = "disabled by configuration";
-  for (int attempt = 1;; ++attempt) {
-    const std::string name = temp_path_for(path_);
-    try {
-      if (direct_) {
-        try {
-          fd_ = sys::open(name, flags | O_DIRECT);
-        } catch (const IoError& e) {
-          if (e.err() != EINVAL) throw;
-          // Some filesystems create the file, then refuse O_DIRECT: the name
-          // was free a moment ago, so what is there now is that empty file.
-          sys::unlink_quiet(name);
-          direct_ = false;
-          fallback_ = "open(O_DIRECT): EINVAL";
-        }
-      }
-      if (fd_ < 0) fd_ = sys::open(name, flags);
-    } catch (const IoError& e) {
-      // The name is taken (planted, or left by an earlier process with this
-      // pid): take another one.
-      if (e.err() == EEXIST && attempt < 16) continue;
-      throw;
-    }
-    tmp_ = name;
-    break;
-  }
-  // Held until the rename: tells remove_leftovers() that a live process owns it.
-  sys::try_lock_exclusive(fd_);
+  fd_ = create_temp_file(path_, &tmp_, &direct_, &fallback_);
 }
 
 Writer::~Writer() {
@@ -223,24 +195,7 @@ void Writer::ensure_open() const {
     throw UsageError("Writer for " + path_ + " is already " + (state_ == State::Committed ? "committed" : "aborted"));
 }
 
-int Writer::take_buffer() {
-  BufferPool& pool = eng_.pool();
-  for (;;) {
-    if (!free_.empty()) {
-      int b = free_.back();
-      free_.pop_back();
-      return b;
-    }
-    if (held_.size() < cfg_.queue_depth) {
-      int b = held_.empty() || q_->inflight() == 0 ? pool.acquire() : pool.try_acquire();
-      if (b >= 0) {
-        held_.push_back(b);
-        return b;
-      }
-    }
-    reap_one();  // some of our buffers are in flight: wait for one
-  }
-}
+int Writer::take_buffer() { return bufs_.take(eng_.pool(), *q_, cfg_.queue_depth, [this] { reap_one(); }); }
 
 void Writer::reap_one() {
   Reaped r = q_->reap();
@@ -249,7 +204,7 @@ void Writer::reap_one() {
     return;
   }
   done_bytes_ += r.bytes;
-  free_.push_back(static_cast<int>(r.tag));
+  bufs_.put_back(static_cast<int>(r.tag));
   if (cfg_.flush_interval && !flush_inflight_ && done_bytes_ >= next_flush_ && !q_->full()) {
     IoRequest f;
     f.kind = IoRequest::Fsync;
@@ -404,15 +359,17 @@ WriteStats Writer::commit() {
   return st;
 }
 
-void Writer::release_buffers(const std::vector<int>& unreaped) noexcept {
-  // A buffer the kernel may still be reading (its request was never reaped)
-  // never goes back to the pool.
+void HeldBuffers::release(BufferPool& pool, const std::vector<int>& unreaped) noexcept {
   for (int b : held_) {
-    if (std::find(unreaped.begin(), unreaped.end(), b) != unreaped.end()) eng_.pool().quarantine(b);
-    else eng_.pool().release(b);
+    if (std::find(unreaped.begin(), unreaped.end(), b) != unreaped.end()) pool.quarantine(b);
+    else pool.release(b);
   }
   held_.clear();
   free_.clear();
+}
+
+void Writer::release_buffers(const std::vector<int>& unreaped) noexcept {
+  bufs_.release(eng_.pool(), unreaped);
   cur_ = -1;
 }
 
@@ -495,7 +452,7 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
   }
   if (fd < 0) fd = sys::open(open_path, O_RDONLY, 0, &path);
   std::unique_ptr<BackendLease> lease;  // only when something is left for the disk
-  std::vector<int> held, free_bufs;
+  HeldBuffers bufs;
   std::unique_ptr<IoQueue> q;
   std::thread prefaulter;
   std::atomic<bool> stop_prefault{false};
@@ -508,11 +465,7 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
       unreaped = q->unreaped_buffers();
       if (q->broken() && lease) lease->discard();
     }
-    for (int b : held) {
-      if (std::find(unreaped.begin(), unreaped.end(), b) != unreaped.end()) pool.quarantine(b);
-      else pool.release(b);
-    }
-    held.clear();
+    bufs.release(pool, unreaped);
     q.reset();
     lease.reset();
     sys::close_quiet(fd);
@@ -727,14 +680,7 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
           req.buf = j.direct_dst;
           ++st.direct_requests;
         } else {
-          int b = -1;
-          if (!free_bufs.empty()) {
-            b = free_bufs.back();
-            free_bufs.pop_back();
-          } else if (held.size() < cfg.queue_depth) {
-            b = held.empty() || q->inflight() == 0 ? pool.acquire() : pool.try_acquire();
-            if (b >= 0) held.push_back(b);
-          }
+          const int b = bufs.try_take(pool, *q, cfg.queue_depth);
           if (b < 0) break;  // wait for one of ours to come back
           j.buf = b;
           req.buf = pool.data(b);
@@ -768,7 +714,7 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
           }
           pieces[part.piece].crc = crc;
         }
-        free_bufs.push_back(j.buf);
+        bufs.put_back(j.buf);
         j.buf = -1;
       }
       ++finished;

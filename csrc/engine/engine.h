@@ -96,6 +96,48 @@ struct WriteStats {
   std::vector<std::string> leftovers_removed;
 };
 
+// Leases a backend for a writer of `target`; a refusal names the user's file.
+BackendLease lease_for(Engine& engine, const std::string& target);
+
+// The staging buffers one writer or reader holds: at most `limit` taken from
+// the pool, those not in flight kept for reuse (put_back).
+class HeldBuffers {
+ public:
+  // A buffer not in flight, or a new one from the pool while fewer than
+  // `limit` are held (blocking for it only when none of ours is in flight on
+  // `q`, which could give one back); -1 when the caller must reap first.
+  int try_take(BufferPool& pool, const IoQueue& q, size_t limit) {
+    if (!free_.empty()) {
+      int b = free_.back();
+      free_.pop_back();
+      return b;
+    }
+    if (held_.size() < limit) {
+      int b = held_.empty() || q.inflight() == 0 ? pool.acquire() : pool.try_acquire();
+      if (b >= 0) held_.push_back(b);
+      return b;
+    }
+    return -1;
+  }
+  // try_take, reaping (which put_back()s what completed) until one is free.
+  template <class Reap>
+  int take(BufferPool& pool, const IoQueue& q, size_t limit, Reap reap) {
+    for (;;) {
+      int b = try_take(pool, q, limit);
+      if (b >= 0) return b;
+      reap();  // some of our buffers are in flight: wait for one
+    }
+  }
+  void put_back(int b) { free_.push_back(b); }
+  // Every held buffer back to the pool, except one the kernel may still be
+  // reading (its request was never reaped: `unreaped`), which is quarantined.
+  void release(BufferPool& pool, const std::vector<int>& unreaped) noexcept;
+
+ private:
+  std::vector<int> held_;  // taken from the pool
+  std::vector<int> free_;  // of those, the ones not in flight
+};
+
 // Writes one file durably and atomically. Data goes to a temporary file in the
 // target's directory ("." + name + ".fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>",
 // created with O_EXCL|O_NOFOLLOW and flock()ed; see temp_file.h); commit()
@@ -151,8 +193,7 @@ class Writer {
   uint32_t align_ = 1;
   std::string fallback_;
   std::vector<std::string> leftovers_;
-  std::vector<int> held_;       // buffers taken from the pool
-  std::vector<int> free_;       // of those, the ones not in flight
+  HeldBuffers bufs_;            // staging buffers taken from the pool
   int cur_ = -1;                // buffer being filled
   uint64_t fill_ = 0;           // bytes in cur_
   uint64_t buf_off_ = 0;        // file offset of cur_'s first byte

@@ -13,18 +13,6 @@
 
 namespace fastckpt {
 
-namespace {
-
-BackendLease lease_for(Engine& engine, const std::string& target) {
-  try {
-    return engine.lease();
-  } catch (const IoError& e) {
-    throw e.saving(target);
-  }
-}
-
-}  // namespace
-
 // Runs f; on any error aborts this writer and rethrows (an IoError naming the target).
 template <class F>
 auto RegionWriter::guarded(F&& f) -> decltype(f()) {
@@ -60,20 +48,9 @@ RegionWriter::RegionWriter(Engine& engine, const std::string& target, const std:
 }
 
 void RegionWriter::open_create(uint64_t size) {
-  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW;
-  for (int attempt = 1;; ++attempt) {
-    const std::string name = temp_path_for(target_);
-    try {
-      fd_ = sys::open(name, flags);
-    } catch (const IoError& e) {
-      if (e.err() == EEXIST && attempt < 16) continue;  // taken: another name
-      throw;
-    }
-    tmp_ = name;
-    break;
-  }
-  // Held until the rename: remove_leftovers() never takes a live save's file.
-  sys::try_lock_exclusive(fd_);
+  bool direct = false;  // this descriptor stays buffered; open_direct() makes the O_DIRECT one
+  std::string unused;
+  fd_ = create_temp_file(target_, &tmp_, &direct, &unused);
   if (size > 0) sys::ftruncate(fd_, size, tmp_);
 }
 
@@ -114,28 +91,10 @@ void RegionWriter::ensure_open() const {
 }
 
 int RegionWriter::take_buffer() {
-  BufferPool& pool = eng_.pool();
-  for (;;) {
-    if (!free_.empty()) {
-      int b = free_.back();
-      free_.pop_back();
-      return b;
-    }
-    if (held_.size() < cfg_.queue_depth) {
-      int b = held_.empty() || q_->inflight() == 0 ? pool.acquire() : pool.try_acquire();
-      if (b >= 0) {
-        held_.push_back(b);
-        return b;
-      }
-    }
-    reap_one();
-  }
+  return bufs_.take(eng_.pool(), *q_, cfg_.queue_depth, [this] { reap_one(); });
 }
 
-void RegionWriter::reap_one() {
-  Reaped r = q_->reap();
-  free_.push_back(static_cast<int>(r.tag));
-}
+void RegionWriter::reap_one() { bufs_.put_back(static_cast<int>(q_->reap().tag)); }
 
 void RegionWriter::submit(int buf, uint64_t len, uint64_t off) {
   char* data = eng_.pool().data(buf);
@@ -148,7 +107,7 @@ void RegionWriter::submit(int buf, uint64_t len, uint64_t off) {
       sys::pwrite_full(fdd_, data, len, static_cast<int64_t>(off), tmp_);
       ++st_.requests;
       ++st_.direct_requests;
-      free_.push_back(buf);
+      bufs_.put_back(buf);
       return;
     } catch (const IoError& e) {
       if (e.err() != EINVAL) throw;
@@ -246,12 +205,7 @@ RegionStats RegionWriter::commit() {
 }
 
 void RegionWriter::release_buffers(const std::vector<int>& unreaped) noexcept {
-  for (int b : held_) {
-    if (std::find(unreaped.begin(), unreaped.end(), b) != unreaped.end()) eng_.pool().quarantine(b);
-    else eng_.pool().release(b);
-  }
-  held_.clear();
-  free_.clear();
+  bufs_.release(eng_.pool(), unreaped);
 }
 
 void RegionWriter::abort() noexcept {

@@ -100,7 +100,7 @@ class RegionWriter {
   uint32_t align_ = 0;
   std::string fallback_;
   std::vector<std::string> leftovers_;
-  std::vector<int> held_, free_;
+  HeldBuffers bufs_;
   RegionStats st_;
   double t0_ = 0;
 };

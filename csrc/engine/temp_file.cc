@@ -16,6 +16,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "error.h"
 #include "sys.h"
 
 namespace fastckpt {
@@ -156,6 +157,38 @@ bool temp_writer_gone(const TempNameInfo& info) {
 }
 
 static void remove_leftovers_into(const std::string& path, std::vector<std::string>& removed);
+
+int create_temp_file(const std::string& target, std::string* name, bool* direct, std::string* fallback) {
+  const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW;
+  int fd = -1;
+  for (int attempt = 1;; ++attempt) {
+    const std::string candidate = temp_path_for(target);
+    try {
+      if (*direct) {
+        try {
+          fd = sys::open(candidate, flags | O_DIRECT);
+        } catch (const IoError& e) {
+          if (e.err() != EINVAL) throw;
+          // Some filesystems create the file, then refuse O_DIRECT: the name
+          // was free a moment ago, so what is there now is that empty file.
+          sys::unlink_quiet(candidate);
+          *direct = false;
+          *fallback = "open(O_DIRECT): EINVAL";
+        }
+      }
+      if (fd < 0) fd = sys::open(candidate, flags);
+    } catch (const IoError& e) {
+      // The name is taken (planted, or left by an earlier process with this
+      // pid): take another one.
+      if (e.err() == EEXIST && attempt < 16) continue;
+      throw;
+    }
+    *name = candidate;
+    break;
+  }
+  sys::try_lock_exclusive(fd);
+  return fd;
+}
 
 std::vector<std::string> remove_leftovers(const std::string& path) {
   std::vector<std::string> removed;

@@ -53,4 +53,14 @@ bool temp_writer_gone(const TempNameInfo& info);
 // file that cannot be checked, is left alone.
 std::vector<std::string> remove_leftovers(const std::string& path);
 
+// Creates a new temporary file for `target` (temp_path_for's name) with
+// O_WRONLY|O_CREAT|O_EXCL|O_NOFOLLOW: never opens a file or follows a link that
+// someone else put under the name (a taken name: another one, up to 16 tries).
+// With *direct, tries O_DIRECT first; a filesystem that creates the file and
+// then refuses O_DIRECT (EINVAL) gets that empty file removed and a buffered
+// one, *direct = false and *fallback saying why. The file is flock()ed until
+// the descriptor is closed (after the rename): remove_leftovers() never takes a
+// live save's file. Returns the descriptor; *name is set once the file is ours.
+int create_temp_file(const std::string& target, std::string* name, bool* direct, std::string* fallback);
+
 }  // namespace fastckpt
