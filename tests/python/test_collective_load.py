@@ -4,7 +4,6 @@ Each rank is a subprocess (tests/python/collective_load_worker.py) joined
 through a FileStore."""
 import io
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,33 +17,15 @@ from fastckpt import _zip
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import collective_worker as worker  # noqa: E402
+from test_collective_save import last_line  # noqa: E402
+from test_collective_save import run_ranks as _run_ranks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
 
-def run_ranks(tmp_path: Path, world: int, path: Path, case: str, mode: str = "ok", timeout: float = 400):
-    store = tmp_path / f"store.{os.urandom(4).hex()}"
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(HERE / "collective_load_worker.py"), str(store), str(r),
-                               str(world), str(path), case, mode], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, env=env) for r in range(world)]
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append((p.returncode, out))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return outs
-
-
-def last_line(out: str) -> str:
-    lines = out.strip().splitlines()
-    return lines[-1] if lines else ""
+def run_ranks(tmp_path: Path, world: int, path: Path, case: str, mode: str = "ok"):
+    return _run_ranks(tmp_path, world, path, case, mode, worker_script="collective_load_worker.py")
 
 
 def bytes_read(out: str) -> int:
