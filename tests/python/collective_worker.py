@@ -9,7 +9,8 @@ one value of a large storage, in / outside a sampled block), differ_pickle
 (rank 1 adds a key), settings (torch_settings), fault (rank 1's engine writes fail with EIO), kill
 (rank 1 SIGKILLs itself after writing its share, before the collective that
 reports it), kill0 (the same on rank 0, the temporary file's creator),
-rename_fault (rank 1's renames fail with EIO).
+rename_fault (rank 1's renames fail with EIO), kill_commit (rank 1 SIGKILLs
+itself when the outcomes of the renames are gathered, its own rename done).
 PLACEMENT: passed as save's placement= (the node: $FASTCKPT_NODE); with it,
 the rank also prints "REGIONS [(offset, length), ...]": what its
 RegionWriters were asked to write.
@@ -137,11 +138,11 @@ def main() -> int:
     if placement:
         kwargs["placement"] = placement
         _collective._C = _CountingC(_C, regions)
-    if (rank == 1 and mode == "kill") or (rank == 0 and mode == "kill0"):
+    if (rank == 1 and mode in ("kill", "kill_commit")) or (rank == 0 and mode == "kill0"):
         exchange = _collective._Group.exchange
 
         def dying(self, mine, err, what):
-            if what == "to write its share":
+            if what == ("to commit" if mode == "kill_commit" else "to write its share"):
                 os.kill(os.getpid(), signal.SIGKILL)
             return exchange(self, mine, err, what)
 

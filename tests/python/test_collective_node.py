@@ -233,3 +233,62 @@ def test_placement_is_checked_before_any_collective(tmp_path):
     with pytest.raises(ValueError, match="needs a path on each node's disk"):
         fastckpt.save({}, io.BytesIO(), group=object(), placement="node")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_node_local_copies_with_one_missing_load_on_every_rank(tmp_path):
+    """Saved with placement="node" on 2 nodes, node b's copy then lost: a
+    collective load gives every rank the state; node b's ranks read nothing
+    from disk (they get everything from node a's), the file's storages are
+    read once in total."""
+    from test_collective_load import bytes_read, storage_bytes
+    nodes = ["a", "b", "a", "b"]
+    dirs = node_dirs(tmp_path, nodes)
+    paths = [dirs[n] / "ckpt.pt" for n in nodes]
+    res = run_nodes(tmp_path, nodes, paths, "mixed")
+    for r, (rc, text) in enumerate(res):
+        assert rc == 0 and last_line(text) == "OK", f"rank {r} (exit {rc}): {text}"
+    (dirs["b"] / "ckpt.pt").unlink()
+    store = tmp_path / f"store.{os.urandom(4).hex()}"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "collective_load_worker.py"), str(store), str(r),
+                               str(len(nodes)), str(paths[r]), "mixed", "ok"], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True,
+                              env=dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1",
+                                       FASTCKPT_NODE=nodes[r])) for r in range(len(nodes))]
+    outs = []
+    try:
+        for p in procs:
+            out, _ = p.communicate(timeout=400)
+            outs.append((p.returncode, out))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for r, (rc, text) in enumerate(outs):
+        assert rc == 0 and last_line(text) == "OK", f"rank {r} (exit {rc}): {text}"
+    reads = [bytes_read(text) for _, text in outs]
+    assert reads[1] == reads[3] == 0, reads
+    assert reads[0] > 0 and reads[2] > 0 and sum(reads) == storage_bytes(paths[0]), reads
+
+
+def test_rank_killed_while_the_nodes_rename_is_a_partial_commit_for_the_survivors(tmp_path):
+    """Rank 1 (node b's lead) dies after its rename, when the outcomes are
+    gathered: the survivors cannot know every node's outcome and say so; every
+    node holds a complete file (here the new one: both renames were done)."""
+    nodes = ["a", "b", "a"]
+    dirs = node_dirs(tmp_path, nodes)
+    paths = [dirs[n] / "ckpt.pt" for n in nodes]
+    for d in dirs.values():
+        (d / "ckpt.pt").write_bytes(b"previous")
+    res = run_nodes(tmp_path, nodes, paths, "mixed", "kill_commit")
+    assert res[1][0] == -9, res[1]
+    for r, state in ((0, "renamed its copy"), (2, "unknown to this rank")):
+        rc, text = res[r]
+        line = last_line(text)
+        assert rc == 0 and line.startswith("ERR OSError: "), f"rank {r} (exit {rc}): {text}"
+        assert "partial commit: a rank died" in line and f"this rank's node 'a': {state}" in line, line
+        assert str(paths[r]) in line
+    ref = reference_bytes(tmp_path, "mixed")
+    for d in dirs.values():
+        assert (d / "ckpt.pt").read_bytes() == ref
+        assert leftovers(d) == []
