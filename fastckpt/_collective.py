@@ -30,11 +30,34 @@ Flow (each step a collective over ``pg``, so a failure anywhere reaches every ra
 On any error every rank raises, rank 0 removes the temporary file, and the
 previous file at ``path`` is untouched. A rank that dies makes the others'
 next collective fail (the group's timeout at the latest).
+
+placement="node" (node-local disks, no shared filesystem): every node writes
+one complete copy of the file to its own ``path`` (ranks may pass different
+paths; the ranks of one node must pass the same one). A rank's node is
+$FASTCKPT_NODE, else its host name; the ranks learn each other's in step 1.
+Each node's ranks split its copy exactly as the shared placement splits the
+file among all ranks (``_shares`` over the node's ranks), and the node's
+lowest rank plays rank 0's part for that copy: it creates the temporary file,
+writes the rest. Every copy is the same file (rank 0's serialization id), the
+single-process save's bytes. Step 3 also compares the copies: each record's
+CRC-32, combined from its node's piece CRCs, must be the same on every node
+(ValueError otherwise). With more than one node, step 4 is two-phase:
+4a. every node's lead writes the rest and fdatasyncs its temporary file (not
+    renamed); all_gather: any failure raises on every rank, every lead removes
+    its temporary file, and NO node's file has changed.
+4b. only then every lead renames and fsyncs its directory; all_gather of the
+    outcomes. All renamed: every rank returns. A lead whose rename (or
+    directory fsync) fails, or a rank that dies in 4b, is a partial commit:
+    every surviving rank raises OSError saying which nodes committed (the
+    error's ``committed_nodes``); a node that did not commit keeps its
+    previous file (if only its directory fsync failed, the rename may have
+    happened), the others hold the new file, complete and durable.
 """
 
 import errno
 import hashlib
 import os
+import socket
 import struct
 import sys
 from typing import Any, Dict, List, Optional, Tuple
@@ -53,6 +76,35 @@ _SAMPLE_BLOCKS = 16
 _BODY_ALIGN = 4096
 # Rank 0's writes of small pieces are coalesced into runs of about this size.
 _RUN_BYTES = 4 << 20
+# Where the copies go: "shared" (one file on a filesystem every rank shares)
+# or "node" (one copy per node on its local disk).
+PLACEMENTS = ("shared", "node")
+
+
+def node_name() -> str:
+    """This process's node for placement="node": $FASTCKPT_NODE, else the host name."""
+    return os.environ.get("FASTCKPT_NODE") or socket.gethostname()
+
+
+class _Copies:
+    """Which ranks write which copy of the file: one copy written by every
+    rank ("shared": every rank's node is ""), or one per node. Copies are
+    ordered by their lowest rank, their lead (copy 0: rank 0's)."""
+
+    def __init__(self, rank: int, nodes: List[str]):
+        self.names: List[str] = []
+        self.members: List[List[int]] = []  # per copy, its ranks ascending
+        index: Dict[str, int] = {}
+        for r, n in enumerate(nodes):
+            if n not in index:
+                index[n] = len(self.names)
+                self.names.append(n)
+                self.members.append([])
+            self.members[index[n]].append(r)
+        self.mine = index[nodes[rank]]
+        self.ranks = self.members[self.mine]
+        self.local = self.ranks.index(rank)  # this rank's share of its copy
+        self.lead = self.local == 0
 
 
 class _RemoteError(Exception):
@@ -173,21 +225,27 @@ class _Group:
                                   f"({during} failed: {type(e).__name__}: {e}); {self.outcome}", self.path)
 
 
-def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: bool = True) -> None:
+def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: bool = True,
+         placement: str = "shared") -> None:
     """serialization.save with ``group`` (see the module's docstring)."""
     from . import serialization as ser
     import torch.serialization as ts
 
+    if placement not in PLACEMENTS:
+        raise ValueError(f"fastckpt.save: placement={placement!r} is not one of {PLACEMENTS}")
     if not isinstance(f, (str, os.PathLike)):
         # The same mistake on every rank: raised before any collective.
         raise ValueError("fastckpt.save(..., group=...) needs a path that every rank can write "
-                         "(a shared filesystem), not a file object")
+                         "(a shared filesystem), not a file object" if placement == "shared" else
+                         "fastckpt.save(..., group=..., placement='node') needs a path on each node's disk, "
+                         "not a file object")
     path = os.fsdecode(os.fspath(f))
     g = _Group(group, path)
+    node = node_name() if placement == "node" else ""
     writer = None
     committed = False
     try:
-        # 1. pickle, plan, agree.
+        # 1. pickle, plan, agree (and learn every rank's node and path).
         err: Optional[BaseException] = None
         mine: Any = None
         try:
@@ -202,10 +260,18 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
             crc_on = bool(_torch_rules.compute_crc32())
             settings = (alignment, crc_on, byteorder, sys.byteorder)
             mine = (_digest(data_pkl, [t.numel() for t in tensors], settings), _sample_crcs(tensors),
-                    ser._new_serialization_id() if g.rank == 0 else None)
+                    ser._new_serialization_id() if g.rank == 0 else None, node, os.path.abspath(path))
         except Exception as e:
             err = e
         agreed = g.exchange(mine, err, "to prepare (check the path, pickle the object)")
+        copies = _Copies(g.rank, [a[3] for a in agreed])
+        for c, ranks in enumerate(copies.members if placement == "node" else []):
+            for r in ranks[1:]:
+                if agreed[r][4] != agreed[ranks[0]][4]:
+                    raise ValueError(f"cannot save to {path!r} with placement='node': ranks {ranks[0]} and {r} "
+                                     f"of node {copies.names[c]!r} pass different paths ({agreed[ranks[0]][4]!r} "
+                                     f"and {agreed[r][4]!r}); the ranks of one node must pass the same path; "
+                                     "nothing was written")
         for r in range(1, g.world):
             if agreed[r][0] != agreed[0][0]:
                 raise ValueError(f"cannot save to {path!r}: ranks hold different objects: the pickle or the "
@@ -216,17 +282,21 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
                                  f"of rank {r} differs from rank 0's (sampled CRC-32); nothing was written")
         plan, entries, cd_offset, size = ser._plan_archive(data_pkl, storages, alignment, byteorder,
                                                            serialization_id=agreed[0][2])
-        bodies, shares = _shares(plan, g.world, size)
+        split: Dict[int, Any] = {}  # ranks per copy -> (bodies, shares)
+        for ranks in copies.members:
+            if len(ranks) not in split:
+                split[len(ranks)] = _shares(plan, len(ranks), size)
+        bodies, shares = split[len(copies.ranks)]
 
-        # 2. rank 0 creates the temporary file.
+        # 2. each copy's lead (rank 0 for the shared file) creates its temporary file.
         err, tmp = None, None
-        if g.rank == 0:
+        if copies.lead:
             try:
                 writer = _C.RegionWriter(get_engine(), path, create=True, size=size)
-                tmp = writer.tmp_path
+                tmp = os.path.abspath(writer.tmp_path)
             except Exception as e:
                 err = e
-        tmp = g.exchange(tmp, err, "to create the temporary file")[0]
+        tmp = g.exchange(tmp, err, "to create the temporary file")[copies.ranks[0]]
 
         # 3. every rank writes its share and makes it durable; it also checksums
         # the next rank's share (read only), so that a rank whose data differs
@@ -235,54 +305,133 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
         try:
             if writer is None:
                 writer = _C.RegionWriter(get_engine(), path, tmp)
-            for i, start, n, off in shares[g.rank]:
+            for i, start, n, off in shares[copies.local]:
                 crcs.append(writer.write_at(_record_bytes(tensors, plan, i)[start:start + n], off, True))
-            if g.rank != 0:
+            if not copies.lead:
                 writer.finish()
-            if g.world > 1:
-                for i, start, n, _off in shares[(g.rank + 1) % g.world]:
+            if len(copies.ranks) > 1:
+                for i, start, n, _off in shares[(copies.local + 1) % len(copies.ranks)]:
                     check.append(_C.crc32(_record_bytes(tensors, plan, i)[start:start + n]))
         except Exception as e:
             err = e
             if writer is not None:
                 writer.abort()
         written = g.exchange((crcs, check), err, "to write its share")
-        all_crcs = [w[0] for w in written]
-        for s in range(g.world):
-            v = (s - 1) % g.world
-            if v != s and written[v][1] != all_crcs[s]:
-                bad = next(k for k, (a, b) in enumerate(zip(written[v][1], all_crcs[s])) if a != b)
-                i = shares[s][bad][0]
-                raise ValueError(f"cannot save to {path!r}: ranks hold different data: {plan[i][2].name} "
-                                 f"of rank {s} differs from rank {v}'s (CRC-32 of the share rank {s} wrote); "
-                                 "nothing was committed")
+        _check_shares(path, plan, copies, split, written)
+        all_crcs = [written[r][0] for r in copies.ranks]
 
-        # 4. rank 0 writes the rest and commits.
+        # 4. each lead writes the rest and commits (two-phase with several copies).
+        many = len(copies.members) > 1
         err = None
-        if g.rank == 0:
+        if copies.lead:
             try:
                 _write_rest(writer, plan, entries, cd_offset, tensors, bodies, shares, all_crcs, crc_on)
-                writer.commit()
-                committed = True
+                if many:
+                    writer.finish()
+                else:
+                    writer.commit()
+                    committed = True
             except Exception as e:
                 err = e
-        g.exchange(None, err, "to commit")
+        if not many:
+            g.exchange(None, err, "to commit")
+            return
+        g.exchange(None, err, "to write the rest of its node's copy and make it durable")
+        status: Any = None
+        if copies.lead:
+            try:
+                writer.commit()
+                committed = True
+                status = True
+            except Exception as e:
+                status = _describe(e)
+        _check_commits(g, copies, path, status, committed)
     except BaseException as e:
         if writer is not None and not committed:
-            writer.abort()  # rank 0: removes the temporary file
+            writer.abort()  # a lead: removes the temporary file
         if isinstance(e, OSError):
             _paths.raise_named_after_target(e, path)
         raise
+
+
+def _check_shares(path: str, plan, copies: _Copies, split, written) -> None:
+    """Step 3's checks: within each copy, a share's CRCs from its writer and
+    from its checker; across copies, each record's body CRC."""
+    for ranks in copies.members:
+        m = len(ranks)
+        for s in range(m):
+            v = (s - 1) % m
+            if v != s and written[ranks[v]][1] != written[ranks[s]][0]:
+                bad = next(k for k, (a, b) in enumerate(zip(written[ranks[v]][1], written[ranks[s]][0])) if a != b)
+                i = split[m][1][s][bad][0]
+                raise ValueError(f"cannot save to {path!r}: ranks hold different data: {plan[i][2].name} "
+                                 f"of rank {ranks[s]} differs from rank {ranks[v]}'s (CRC-32 of the share rank "
+                                 f"{ranks[s]} wrote); nothing was committed")
+    if len(copies.members) < 2:
+        return
+    first = None
+    for c, ranks in enumerate(copies.members):
+        body = _body_crcs(split[len(ranks)][1], [written[r][0] for r in ranks])
+        if first is None:
+            first = body
+            continue
+        for i in sorted(first):
+            if body.get(i) != first[i]:
+                raise ValueError(f"cannot save to {path!r}: ranks hold different data: {plan[i][2].name} of "
+                                 f"node {copies.names[c]!r} (ranks {ranks}) differs from that of node "
+                                 f"{copies.names[0]!r} (ranks {copies.members[0]}) (CRC-32 of the copies); "
+                                 "nothing was committed")
+
+
+def _check_commits(g: _Group, copies: _Copies, path: str, status: Any, committed: bool) -> None:
+    """Step 4b's outcome: every lead's (True | error description) gathered;
+    returns when every node renamed, else raises OSError naming the nodes
+    that hold the new file (``committed_nodes``)."""
+    here = copies.names[copies.mine]
+    try:
+        results = g.exchange(status, None, "to commit")
+    except OSError as e:
+        state = "renamed its copy" if committed else "did not rename its copy" if copies.lead else \
+            "unknown to this rank"
+        raise OSError(errno.EIO, f"cannot save to {path!r}: partial commit: a rank died or did not answer in "
+                                 f"time while the nodes renamed their durable copies ({e.__cause__}); each node's "
+                                 f"path holds either the new or its previous file (this rank's node {here!r}: "
+                                 f"{state})", path) from e
+    done = [copies.names[c] for c, ranks in enumerate(copies.members) if results[ranks[0]] is True]
+    failed = [(copies.names[c], ranks[0], results[ranks[0]]) for c, ranks in enumerate(copies.members)
+              if results[ranks[0]] is not True]
+    if not failed:
+        return
+    why = "; ".join(f"node {n!r} (rank {r}): {msg}" for n, r, (_code, msg) in failed)
+    e = OSError(failed[0][2][0] or errno.EIO,
+                f"cannot save to {path!r}: partial commit: every node's copy was durable, but renaming it "
+                f"failed on {why}; those nodes keep their previous file (unless the rename was done and only the "
+                f"directory fsync failed); nodes {done} hold the new file", path)
+    e.committed_nodes = done
+    raise e
+
+
+def _body_crcs(shares, all_crcs) -> Dict[int, int]:
+    """{plan index: CRC-32 of the record's aligned body}, combined from the
+    pieces' CRCs (``all_crcs[r]``: those of ``shares[r]``)."""
+    pieces: Dict[int, List[Tuple[int, int, int]]] = {}  # plan index -> [(start, len, crc)]
+    for r, share in enumerate(shares):
+        for (i, start, n, _off), c in zip(share, all_crcs[r]):
+            pieces.setdefault(i, []).append((start, n, c))
+    out = {}
+    for i, ps in pieces.items():
+        crc = 0
+        for start, n, c in sorted(ps):
+            crc = _C.crc32_combine(crc, c, n) if start else c
+        out[i] = crc
+    return out
 
 
 def _write_rest(writer, plan, entries, cd_offset: int, tensors, bodies: Dict[int, int], shares, all_crcs,
                 crc_on: bool) -> None:
     """Rank 0's part: every byte outside the shares, with each record's CRC
     combined from the ranks' piece CRCs."""
-    piece_crcs: Dict[int, List[Tuple[int, int, int]]] = {}  # plan index -> [(start, len, crc)]
-    for r, pieces in enumerate(shares):
-        for (i, start, n, _off), c in zip(pieces, all_crcs[r]):
-            piece_crcs.setdefault(i, []).append((start, n, c))
+    body_crcs = _body_crcs(shares, all_crcs) if crc_on else {}
     run: List[bytes] = []
     run_off = 0
     run_len = 0
@@ -309,10 +458,8 @@ def _write_rest(writer, plan, entries, cd_offset: int, tensors, bodies: Dict[int
             tail = t[body:].numpy().tobytes() if size > body else b""
             if tail:
                 put(entry.data_offset + body, tail)
-            crc = 0
+            crc = body_crcs.get(i, 0)
             if crc_on:
-                for start, n, c in sorted(piece_crcs.get(i, [])):
-                    crc = _C.crc32_combine(crc, c, n) if start else c
                 if tail:
                     crc = _C.crc32_combine(crc, _C.crc32(tail), len(tail)) if body else _C.crc32(tail)
         entry.crc = crc

@@ -196,7 +196,7 @@ class _FileSink:
 
 def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
          _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False, *,
-         group: Any = None) -> None:
+         group: Any = None, placement: str = "shared") -> None:
     """Save an object like :func:`torch.save`, durably and atomically.
 
     Args:
@@ -218,6 +218,17 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
             commit or raises (ValueError when the ranks' objects differ,
             OSError naming ``f`` when any rank fails). The file is the one a
             single-process save writes. ``None``: this process writes alone.
+        placement: with ``group``: ``"shared"`` (the default: one file on a
+            filesystem every rank shares, as above) or ``"node"`` (node-local
+            disks: every node writes one complete copy to its own ``f``, its
+            ranks splitting that copy as "shared" splits the file; a rank's
+            node is ``$FASTCKPT_NODE``, else its host name; the ranks of one
+            node must pass the same ``f``). Every copy is the single-process
+            save's file; a failure before the nodes rename leaves every node's
+            previous file; a rename that fails on some node raises a "partial
+            commit" OSError on every rank whose ``committed_nodes`` lists the
+            nodes holding the new file (see :mod:`fastckpt._collective`).
+            ``"node"`` without ``group`` is a ValueError.
 
     torch's settings are honoured as torch.save honours them:
     ``torch.serialization.skip_data()`` (storages' bytes are not written:
@@ -248,11 +259,16 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
     """
     ts._check_dill_version(pickle_module)
     ts._check_save_filelike(f)
+    if placement not in ("shared", "node"):
+        raise ValueError(f"fastckpt.save: placement={placement!r} is not 'shared' or 'node'")
+    if placement != "shared" and group is None:
+        raise ValueError(f"fastckpt.save: placement={placement!r} needs group= (a process group)")
     if group is not None:
         if not _use_new_zipfile_serialization:
             raise ValueError("fastckpt.save: group= writes the zip format only (_use_new_zipfile_serialization=True)")
         from . import _collective
-        _collective.save(obj, f, group, pickle_module, pickle_protocol, byteorder=not _disable_byteorder_record)
+        _collective.save(obj, f, group, pickle_module, pickle_protocol, byteorder=not _disable_byteorder_record,
+                         placement=placement)
         return
     if _is_path(f):
         f = _paths.check_save_target(f)

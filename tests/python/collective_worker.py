@@ -1,6 +1,6 @@
 """One rank of a collective save (tests/python/test_collective_save.py).
 
-    python collective_worker.py STORE RANK WORLD PATH CASE MODE
+    python collective_worker.py STORE RANK WORLD PATH CASE MODE [PLACEMENT]
 
 Joins a gloo group through a FileStore, saves build(CASE) to PATH with
 group=, prints "OK" or "ERR <type>: <message>" on its last line. MODE: ok,
@@ -8,7 +8,12 @@ differ_data / differ_sampled (rank 1 changes
 one value of a large storage, in / outside a sampled block), differ_pickle
 (rank 1 adds a key), settings (torch_settings), fault (rank 1's engine writes fail with EIO), kill
 (rank 1 SIGKILLs itself after writing its share, before the collective that
-reports it), kill0 (the same on rank 0, the temporary file's creator).
+reports it), kill0 (the same on rank 0, the temporary file's creator),
+rename_fault (rank 1's renames fail with EIO), kill_commit (rank 1 SIGKILLs
+itself when the outcomes of the renames are gathered, its own rename done).
+PLACEMENT: passed as save's placement= (the node: $FASTCKPT_NODE); with it,
+the rank also prints "REGIONS [(offset, length), ...]": what its
+RegionWriters were asked to write.
 """
 import datetime
 import errno
@@ -76,8 +81,33 @@ def engine_fds(directory: str) -> int:
     return n
 
 
+class _CountingC:
+    """fastckpt._C for _collective, whose RegionWriters record every write_at."""
+
+    def __init__(self, real, regions):
+        self._real, self._regions = real, regions
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def RegionWriter(self, *args, **kwargs):
+        w = self._real.RegionWriter(*args, **kwargs)
+        regions = self._regions
+
+        class Counted:
+            def __getattr__(self, name):
+                return getattr(w, name)
+
+            def write_at(self, data, offset, crc=False):
+                regions.append((offset, len(data) if isinstance(data, (bytes, bytearray)) else data.numel()))
+                return w.write_at(data, offset, crc)
+
+        return Counted()
+
+
 def main() -> int:
     store, rank, world, path, case, mode = sys.argv[1:7]
+    placement = sys.argv[7] if len(sys.argv) > 7 else None
     rank, world = int(rank), int(world)
     import torch.distributed as dist
 
@@ -101,24 +131,37 @@ def main() -> int:
         obj["extra"] = 1
     if rank == 1 and mode == "fault":
         _C.fault_inject("write", errno=errno.EIO, times=0)
-    if (rank == 1 and mode == "kill") or (rank == 0 and mode == "kill0"):
+    if rank == 1 and mode == "rename_fault":
+        _C.fault_inject("rename", errno=errno.EIO, times=0)
+    regions = []
+    kwargs = {}
+    if placement:
+        kwargs["placement"] = placement
+        _collective._C = _CountingC(_C, regions)
+    if (rank == 1 and mode in ("kill", "kill_commit")) or (rank == 0 and mode == "kill0"):
         exchange = _collective._Group.exchange
 
         def dying(self, mine, err, what):
-            if what == "to write its share":
+            if what == ("to commit" if mode == "kill_commit" else "to write its share"):
                 os.kill(os.getpid(), signal.SIGKILL)
             return exchange(self, mine, err, what)
 
         _collective._Group.exchange = dying
     try:
-        fastckpt.save(obj, path, group=dist.group.WORLD)
+        fastckpt.save(obj, path, group=dist.group.WORLD, **kwargs)
         print("FDS", fds, engine_fds(os.path.dirname(os.path.abspath(path))), flush=True)
+        if placement:
+            print("REGIONS", regions, flush=True)
         print("OK", flush=True)
     except Exception as e:
         print("FDS", fds, engine_fds(os.path.dirname(os.path.abspath(path))), flush=True)
+        if placement:
+            print("REGIONS", regions, flush=True)
+            print("COMMITTED", getattr(e, "committed_nodes", None), flush=True)
         print(f"ERR {type(e).__name__}: {e}", flush=True)
     finally:
         _C.fault_clear()
+        _collective._C = _C
     try:
         dist.destroy_process_group()
     except Exception:
