@@ -156,7 +156,7 @@ class _Group:
             # A rank died, or did not arrive within the group's timeout.
             raise OSError(errno.EIO, f"cannot save to {self.path!r}: a rank died or did not answer in time (the "
                                      f"group's exchange after each rank's attempt {what} failed: "
-                                     f"{type(e).__name__}: {e}); nothing was committed",
+                                     f"{type(e).__name__}: {e}); {self._outcome(what)}",
                           self.path) from e
         if local_error is not None:
             raise local_error
@@ -167,6 +167,23 @@ class _Group:
                               f"cannot save to {self.path!r}: rank {r} of the group failed {what} "
                               f"({msg}); nothing was committed", self.path)
         return [m for _, m in out]
+
+    def _outcome(self, what: str) -> str:
+        """What this rank can say about the file when the exchange after `what`
+        broke (a rank died or timed out) and this rank had no error of its own.
+        Rank 0 commits after the exchange "to write its share" and before the
+        one "to commit": there, without an error, it has committed. Another rank
+        that loses the group in either of those two exchanges cannot know
+        whether rank 0 got that far; before them, rank 0 cannot have."""
+        if what == "to commit" and self.rank == 0:
+            return f"the new checkpoint at {self.path!r} was committed (complete and durable) before that"
+        if what == "to commit" and self.rank != 0:
+            return (f"{self.path!r} holds either the previous checkpoint or the complete new one (rank 0 may "
+                    "have committed before the group broke)")
+        if what == "to write its share" and self.rank != 0:
+            return (f"nothing was committed unless rank 0 had every rank's share result before the group broke "
+                    f"({self.path!r} holds the previous checkpoint or, if rank 0 committed, the complete new one)")
+        return "nothing was committed"
 
 
 def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: bool = True) -> None:

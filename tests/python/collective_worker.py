@@ -8,7 +8,9 @@ differ_data / differ_sampled (rank 1 changes
 one value of a large storage, in / outside a sampled block), differ_pickle
 (rank 1 adds a key), settings (torch_settings), fault (rank 1's engine writes fail with EIO), kill
 (rank 1 SIGKILLs itself after writing its share, before the collective that
-reports it), kill0 (the same on rank 0, the temporary file's creator).
+reports it), kill0 (the same on rank 0, the temporary file's creator),
+kill_commit (rank 1 SIGKILLs itself entering the last collective, while rank 0
+commits).
 """
 import datetime
 import errno
@@ -101,11 +103,12 @@ def main() -> int:
         obj["extra"] = 1
     if rank == 1 and mode == "fault":
         _C.fault_inject("write", errno=errno.EIO, times=0)
-    if (rank == 1 and mode == "kill") or (rank == 0 and mode == "kill0"):
+    if (rank == 1 and mode in ("kill", "kill_commit")) or (rank == 0 and mode == "kill0"):
         exchange = _collective._Group.exchange
+        stage = "to commit" if mode == "kill_commit" else "to write its share"
 
         def dying(self, mine, err, what):
-            if what == "to write its share":
+            if what == stage:
                 os.kill(os.getpid(), signal.SIGKILL)
             return exchange(self, mine, err, what)
 
