@@ -137,9 +137,10 @@ class _Group:
     """The collectives of one save; every exchange is an all_gather_object,
     so every rank learns every other rank's failure."""
 
-    def __init__(self, group, path: str):
+    def __init__(self, group, path: str, action: str = "save to", outcome: str = "nothing was committed"):
         import torch.distributed as dist
         self.dist, self.group, self.path = dist, group, path
+        self.action, self.outcome = action, outcome  # for the messages: "cannot <action> <path>: ...; <outcome>"
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
 
@@ -154,27 +155,33 @@ class _Group:
             if local_error is not None:
                 raise local_error
             # A rank died, or did not arrive within the group's timeout.
-            raise OSError(errno.EIO, f"cannot save to {self.path!r}: a rank died or did not answer in time (the "
-                                     f"group's exchange after each rank's attempt {what} failed: "
-                                     f"{type(e).__name__}: {e}); {self._outcome(what)}",
-                          self.path) from e
+            raise self.lost(e, f"the group's exchange after each rank's attempt {what}", what) from e
         if local_error is not None:
             raise local_error
         for r, (err, _) in enumerate(out):
             if err is not None:
                 code, msg = err
                 raise OSError(code if code else errno.EIO,
-                              f"cannot save to {self.path!r}: rank {r} of the group failed {what} "
-                              f"({msg}); nothing was committed", self.path)
+                              f"cannot {self.action} {self.path!r}: rank {r} of the group failed {what} "
+                              f"({msg}); {self.outcome}", self.path)
         return [m for _, m in out]
 
-    def _outcome(self, what: str) -> str:
-        """What this rank can say about the file when the exchange after `what`
-        broke (a rank died or timed out) and this rank had no error of its own.
-        Rank 0 commits after the exchange "to write its share" and before the
-        one "to commit": there, without an error, it has committed. Another rank
-        that loses the group in either of those two exchanges cannot know
-        whether rank 0 got that far; before them, rank 0 cannot have."""
+    def lost(self, e: BaseException, during: str, what: Optional[str] = None) -> OSError:
+        """The error for a collective that failed: a rank died, or did not
+        arrive within the group's timeout (in the exchange after `what`, if given)."""
+        return OSError(errno.EIO, f"cannot {self.action} {self.path!r}: a rank died or did not answer in time "
+                                  f"({during} failed: {type(e).__name__}: {e}); {self._outcome(what)}", self.path)
+
+    def _outcome(self, what: Optional[str]) -> str:
+        """What this rank can say about the file when the group broke (a rank
+        died or timed out) in the save's exchange after `what` and this rank had
+        no error of its own. Rank 0 commits after the exchange "to write its
+        share" and before the one "to commit": there, without an error, it has
+        committed. Another rank that loses the group in either of those two
+        exchanges cannot know whether rank 0 got that far; before them, rank 0
+        cannot have. (Loads, and other stages: self.outcome.)"""
+        if self.action != "save to":
+            return self.outcome
         if what == "to commit" and self.rank == 0:
             return f"the new checkpoint at {self.path!r} was committed (complete and durable) before that"
         if what == "to commit" and self.rank != 0:
@@ -183,7 +190,7 @@ class _Group:
         if what == "to write its share" and self.rank != 0:
             return (f"nothing was committed unless rank 0 had every rank's share result before the group broke "
                     f"({self.path!r} holds the previous checkpoint or, if rank 0 committed, the complete new one)")
-        return "nothing was committed"
+        return self.outcome
 
 
 def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: bool = True) -> None:
