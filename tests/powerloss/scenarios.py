@@ -148,10 +148,11 @@ CHECKS = {
     "dcp": [("dcp", "dcp", "d", probe_dcp)],
     "manager_sharded": [("latest", "latest", "s", probe_latest_dir)],
     "collective": [("col.pt", "col.pt", "col.pt", probe_file)],
+    "manager_collective": [("latest", "latest", "mc", probe_latest), ("load_latest", "latest", "mc", probe_load_latest)],
 }
 # Scenarios whose processes write one file together: checked under crashfs's per-client model
 # (a process's writes are durable only once it fsyncs the file itself, as on a shared filesystem).
-PER_CLIENT = {"collective"}
+PER_CLIENT = {"collective", "manager_collective"}
 
 
 # ---------------------------------------------------------------- the saves (in the child)
@@ -287,10 +288,40 @@ def run_collective_rank(mnt, p):
         dist.destroy_process_group()
 
 
+def run_manager_collective(mnt, p):
+    _spawn_ranks(mnt, p, "manager_collective_rank", world=3)
+
+
+def run_manager_collective_rank(mnt, p):
+    """CheckpointManager in replicated mode at world size 3: each checkpoint a collective save
+    (every rank its share), then `latest` and retention; saves, then async_saves."""
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    try:
+        n = p["saves"]
+        with fastckpt.CheckpointManager(os.path.join(mnt, "mc"), keep_last=2) as mgr:
+            for step in range(1, 2 * n + 1):
+                dist.barrier()
+                if rank == 0:
+                    mark(mnt, "begin", "latest", step)
+                dist.barrier()
+                if step <= n:
+                    mgr.save(step, make_state(step, p["numel"]))
+                else:
+                    mgr.async_save(step, make_state(step, p["numel"]))
+                    mgr.wait()  # collective: durable and `latest` names it on return
+                if rank == 0:
+                    mark(mnt, "end", "latest", step)
+    finally:
+        dist.destroy_process_group()
+
+
 RUN = {"save": run_save, "async_save": run_async_save, "manager": run_manager, "dcp": run_dcp,
        "dcp_rank": run_dcp_rank, "manager_sharded": run_manager_sharded,
        "manager_sharded_rank": run_manager_sharded_rank, "collective": run_collective,
-       "collective_rank": run_collective_rank}
+       "collective_rank": run_collective_rank, "manager_collective": run_manager_collective,
+       "manager_collective_rank": run_manager_collective_rank}
 
 if __name__ == "__main__":
     import ctypes

@@ -6,7 +6,10 @@ in flight at once too); ``CheckpointManager`` save and async_save with its ``lat
 retention, replicated and sharded (world size 2); DCP ``FastWriter`` at world size 2 (gloo, two
 processes; ``dcp.save`` and ``dcp.async_save``); the collective ``fastckpt.save(obj, path, group=pg)``
 at world size 3 (three processes writing their shares of one temporary file through the mount,
-each fdatasyncing its own, rank 0 the rest, the rename and the directory fsync). Each test runs one scenario in a child process on crashfs,
+each fdatasyncing its own, rank 0 the rest, the rename and the directory fsync), and
+``CheckpointManager`` in replicated mode at world size 3 (its saves collective, its async_saves
+from rank 0). Those two are checked under crashfs's per-client model (a process's writes are
+durable only once that process fsyncs the file, as on a shared filesystem: scenarios.PER_CLIENT). Each test runs one scenario in a child process on crashfs,
 an in-memory FUSE filesystem that records every operation (crashfs.py), then replays the record
 and checks, at every point between two operations, the states a power cut may leave there
 (synced only; names persisted but unsynced data lost; unsynced data persisted but names not;
@@ -52,7 +55,7 @@ if LONG:
         "threads": {"FASTCKPT_BACKEND": "threads"},
         "flushes": {"FASTCKPT_FLUSH_INTERVAL": "1M", "FASTCKPT_BUFFER_SIZE": "256K"},
     })
-SCENARIOS = ["save", "async_save", "manager", "dcp", "manager_sharded", "collective"]
+SCENARIOS = ["save", "async_save", "manager", "dcp", "manager_sharded", "collective", "manager_collective"]
 
 REPORTS = []
 
@@ -83,7 +86,7 @@ def test_power_cut_leaves_old_or_new(scenario, config, tmp_path):
         assert "absent" in seen and max(v for v in seen if isinstance(v, int)) >= PARAMS["saves"], (check, seen)
 
 
-@pytest.mark.parametrize("scenario", ["save", "manager"] + (["dcp", "manager_sharded", "collective"] if LONG else []))
+@pytest.mark.parametrize("scenario", ["save", "manager"] + (["dcp", "manager_sharded", "collective", "manager_collective"] if LONG else []))
 @pytest.mark.parametrize("skip", ["data", "dir"])
 def test_simulator_finds_a_missing_sync(skip, scenario, tmp_path):
     rep = harness.run(scenario, SHORT_PARAMS, str(tmp_path), env={"FASTCKPT_TEST_SKIP_SYNC": skip})
