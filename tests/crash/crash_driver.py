@@ -58,6 +58,10 @@ the end of the save too). Then the parent checks:
   step is bitwise untouched; a manager start removes the leftovers
   (temporary step directories, `.del` directories of an interrupted
   retention, `latest`'s temporary) and its load_latest gives an exact step;
+* stalled peer (collective3, once per run; --no-stall skips it): one rank
+  (0, 1 or 2) is stopped with SIGSTOP at a random moment of a collective
+  save with slow writes; the other two must fail within a few times the
+  process group's timeout, with errors that name the path and match the file;
 * a manager start removes every `.fastckpt-tmp.` leftover, and the next save
   succeeds.
 
@@ -233,7 +237,7 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
             import datetime
             import torch.distributed as dist
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
-                                    timeout=datetime.timedelta(seconds=PG_TIMEOUT))
+                                    timeout=datetime.timedelta(seconds=STALL_TIMEOUT if stall else PG_TIMEOUT))
             state = collective_state(gen)
             conn.send("started")
             fastckpt.save(state, os.path.join(directory, "ckpt.pt"), group=dist.group.WORLD)
@@ -863,6 +867,83 @@ class Driver:
         except Exception as e:  # noqa: BLE001
             self.fail(kind, "stall", f"check raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
 
+    def collective_stall_check(self):
+        """collective3, once: one rank (0, 1 or 2) stops responding (SIGSTOP) at a random
+        moment of a collective save (slow writes, process group timeout STALL_TIMEOUT). The
+        other two must end by themselves within a few times that timeout (a stopped peer keeps
+        its connections open: only the timeout tells), with errors that name the path and
+        match the file; then the stopped rank is killed and the round checked like a kill's."""
+        kind = "collective3"
+        if kind not in self.prev:
+            self.establish(kind)
+        old_gen = self.prev[kind][0]
+        d = os.path.join(self.root, kind)
+        victim = self.rng.randrange(3)
+        port = _free_port()
+        procs, conns = [], []
+        for r in range(3):
+            a, b = self.ctx.Pipe(duplex=False)
+            p = self.ctx.Process(target=_child, args=(kind, d, old_gen + 1, "stall", b, r, port), daemon=True)
+            p.start()
+            b.close()
+            procs.append(p)
+            conns.append(a)
+        limit = 4 * STALL_TIMEOUT + 5
+        msgs = [[], [], []]
+
+        def drain(r):
+            try:
+                while conns[r].poll(0):
+                    msgs[r].append(conns[r].recv())
+            except (EOFError, OSError):
+                pass
+
+        try:
+            for r in range(3):
+                if not conns[r].poll(120):
+                    raise RuntimeError(f"rank {r} never started")
+                msgs[r].append(conns[r].recv())
+            time.sleep(self.rng.uniform(0, 0.8 * max(0.4, self.base.get(kind, 0.4))))
+            os.kill(procs[victim].pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            took = 0.0
+            self.last_survivors = {}
+            for r in range(3):
+                if r == victim:
+                    continue
+                procs[r].join(timeout=max(0.0, t0 + limit - time.monotonic()))
+                drain(r)
+                if procs[r].is_alive():
+                    print(f"rank {r} hangs beside a stopped rank {victim}; its threads:", file=sys.stderr, flush=True)
+                    os.kill(procs[r].pid, signal.SIGUSR1)
+                    time.sleep(1.0)
+                    self.fail(kind, "stall", f"rank {r} still waits {limit:.0f} s after rank {victim} stopped "
+                              f"responding (process group timeout {STALL_TIMEOUT:.0f} s)")
+                    self.counts[(kind, "stall_hung")] += 1
+                else:
+                    took = max(took, time.monotonic() - t0)
+                    self.last_survivors[r] = (procs[r].exitcode, list(msgs[r]))
+            self.counts[(kind, "stall_failed_in")] = max(self.counts[(kind, "stall_failed_in")], took)
+            if self.verbose:
+                print(f"    stall: rank {victim} stopped; the others ended within {took:.1f} s: "
+                      f"{[m[-1:] for m in msgs]}", flush=True)
+        except (RuntimeError, EOFError, OSError) as e:
+            self.fail(kind, "stall", f"stall check could not run: {e!r}\n{traceback.format_exc()}")
+            return
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)  # a stopped process dies too
+                    p.join()
+            for c in conns:
+                c.close()
+        try:
+            outcome = self.check_collective3(kind, old_gen, old_gen + 1, killed=True)
+            self.counts[(kind, "stall_checks")] += 1
+            self.counts[(kind, "stall", outcome)] += 1
+        except Exception as e:  # noqa: BLE001
+            self.fail(kind, "stall", f"check raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
+
     def final_saves(self, kinds):
         """After all the kills: one uninterrupted save per kind succeeds."""
         for kind in kinds:
@@ -895,6 +976,9 @@ class Driver:
                 extra += f" new_file_latest_old={self.counts[(kind, 'new_file_latest_old')]}"
             if kind == "collective3":
                 extra += f" cleanup_saves={self.counts[(kind, 'cleanup_save_ok')]}"
+                if self.counts[(kind, "stall_checks")] or self.counts[(kind, "stall_hung")]:
+                    extra += (f" stalled_peer: survivors failed within {self.counts[(kind, 'stall_failed_in')]:.1f} s"
+                              if not self.counts[(kind, "stall_hung")] else " stalled_peer: a survivor HUNG")
             if kind == "sharded2":
                 extra += f" leftover_retention={self.counts[(kind, 'leftover_retention')]}"
                 if self.counts[(kind, "stall_checks")] or self.counts[(kind, "stall_hung")]:
@@ -922,7 +1006,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="work directory (default: a fresh temporary one, removed on success)")
     ap.add_argument("--verbose", "-v", action="store_true")
     ap.add_argument("--child", choices=KINDS, help="run one save in the foreground (fault plan from $" + ENV + ")")
-    ap.add_argument("--no-stall", action="store_true", help="skip the stalled-peer check of sharded2 (Driver.stall_check)")
+    ap.add_argument("--no-stall", action="store_true", help="skip the stalled-peer checks of sharded2 and collective3 (Driver.stall_check, "
+                    "Driver.collective_stall_check)")
     ap.add_argument("--gen", type=int, default=1)
     ap.add_argument("--rank", type=int, default=0, help="with --child, world size 2 and 3 kinds: this process's "
                     "rank (start every rank with the same --port)")
@@ -955,6 +1040,10 @@ def main(argv=None) -> int:
         t = time.monotonic()
         drv.stall_check()
         drv.seconds["sharded2"] += time.monotonic() - t
+    if "collective3" in kinds and not args.no_stall:
+        t = time.monotonic()
+        drv.collective_stall_check()
+        drv.seconds["collective3"] += time.monotonic() - t
     drv.final_saves(kinds)
     drv.report(kinds, time.monotonic() - t0)
     if drv.violations:

@@ -10,7 +10,8 @@ a rank stopped (SIGSTOP) in the middle of a sharded asynchronous save, and
 the other rank must fail within its process group's timeout. A second, separate
 driver run kills collective saves at world size 3 (``collective3``: one rank or
 all three killed; survivors end on their own with an error naming the path;
-leftovers removed by the next collective save). The full runs:
+leftovers removed by the next collective save; and one rank stopped with
+SIGSTOP: the other two fail within a few times the group's timeout). The full runs:
 ``python tests/crash/crash_driver.py --kills 300 --seed 7`` and
 ``python tests/crash/crash_driver.py --kinds collective3 --kills 100 --seed 1``."""
 import os
@@ -59,11 +60,14 @@ def collective_run(tmp_path_factory):
 
 
 def test_crash_short_collective_world_size_3(collective_run):
-    """fastckpt.save(group=) at world size 3: no violation, and no survivor hung."""
+    """fastckpt.save(group=) at world size 3: no violation, no survivor hung, and beside a
+    stopped rank the others failed (within a few times the group's timeout)."""
     m = re.search(rf"^  collective3 +[0-9.]+ s kills= *{COLLECTIVE_KILLS} .*survivor finished/failed/hung: "
                   r"(\d+)/(\d+)/(\d+)\]", collective_run, re.M)
     assert m, collective_run
     assert int(m.group(3)) == 0 and int(m.group(1)) + int(m.group(2)) > 0, collective_run
+    assert re.search(r"^  collective3 .*stalled_peer: survivors failed within [0-9.]+ s", collective_run, re.M), \
+        collective_run
 
 
 def _assert_kinds(out, kinds):
