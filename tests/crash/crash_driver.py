@@ -43,7 +43,8 @@ the end of the save too). Then the parent checks:
 * collective3: a round kills all three ranks, or one of them (0, 1 or 2);
   the final name holds the previous checkpoint bitwise or the complete new one
   (loads with verify=True, equals the new state), nothing else sits beside it
-  but temporaries; every survivor ends on its own within SURVIVOR_WAIT, either
+  but temporaries, and none when rank 0 survived (it removes its temporary
+  file on any failure); every survivor ends on its own within SURVIVOR_WAIT, either
   done (then the new checkpoint is under the final name) or with an error that
   names the user's path and does not claim "nothing was committed" when the
   new checkpoint was committed; a round that leaves temporaries is followed by
@@ -640,6 +641,9 @@ class Driver:
             elif outcome == "old_intact" and "was committed (complete" in last:
                 raise AssertionError(f"survivor rank {r}'s error says the new checkpoint was committed, but "
                                      f"{path} holds the previous one: {last}")
+        if tmps and 0 in self.last_survivors:
+            raise AssertionError(f"rank 0 survived the round (it created the temporary file and removes it on "
+                                 f"any failure) but {tmps} remain")
         if tmps:
             self.counts[(kind, "leftover_tmp")] += 1
             self._collective_cleanup_save(kind, path, tmps)

@@ -158,14 +158,14 @@ def _planted_temp(d, live: bool) -> str:
 
 @pytest.mark.parametrize("damage", [None, "old_changed", "torn", "other_state", "stray_name", "survivor_silent",
                                     "survivor_no_path", "survivor_says_nothing", "survivor_says_committed",
-                                    "survivor_returned"])
+                                    "survivor_returned", "rank0_left_temp"])
 def test_driver_can_fail_collective(tmp_path, damage):
     """check_collective3 bites: the previous checkpoint changed, a torn file or another
     state under the final name, a stray name beside it, and survivors whose ending does
     not match the file (ended without an error, an error that does not name the path,
     one that says nothing was committed when the new checkpoint is there or the
     reverse, one that returned while the previous checkpoint stayed). Undamaged, the
-    same round passes."""
+    same round passes. And rank 0 survived while a temporary file remains."""
     import fastckpt
     cd = _driver()
     drv = cd.Driver(str(tmp_path), seed=0)
@@ -185,6 +185,8 @@ def test_driver_can_fail_collective(tmp_path, damage):
         path.write_bytes(data[:len(data) // 2])
     elif damage == "stray_name":
         (d / "ckpt.pt.part").write_bytes(b"x")
+    elif damage == "rank0_left_temp":  # rank 0 survived, yet a temporary file remains
+        _planted_temp(d, live=False)
     p = str(path)
     err = {None: f"error OSError: [Errno 5] cannot save to {p!r}: ...; the new checkpoint at {p!r} was committed",
            "survivor_silent": "nothing (exit code 3)",
@@ -195,6 +197,8 @@ def test_driver_can_fail_collective(tmp_path, damage):
            "survivor_returned": "done"}
     msg = err.get(damage, err[None])
     drv.last_survivors = {1: (3, [msg] if msg.startswith(("error", "done")) else [])}
+    if damage == "rank0_left_temp":
+        drv.last_survivors[0] = (3, [err[None]])
     if damage is None:
         assert drv.check_collective3("collective3", 1, 2, killed=True) == "new_complete"
     else:
@@ -203,7 +207,7 @@ def test_driver_can_fail_collective(tmp_path, damage):
                "stray_name": "unexpected names", "survivor_silent": "ended without raising",
                "survivor_no_path": "does not name", "survivor_says_nothing": "says nothing was committed",
                "survivor_says_committed": "says the new checkpoint was committed",
-               "survivor_returned": "returned from the save"}[damage]
+               "survivor_returned": "returned from the save", "rank0_left_temp": "rank 0 survived"}[damage]
         with pytest.raises(AssertionError, match=why):
             drv.check_collective3("collective3", 1, 2, killed=True)
 
