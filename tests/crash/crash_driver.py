@@ -12,9 +12,9 @@ temporary name and renamed, then `latest`; odd steps with async_save),
 ``dcp_async2`` (torch.distributed.checkpoint.async_save with FastWriter,
 world size 2), ``collective3`` (fastckpt.save(obj, path, group=pg) of a
 replicated state of several MB at world size 3: every rank writes its share of
-one temporary file, rank 0 the rest and the commit). Where a save is asynchronous at world size 2, the source
-tensors are overwritten as soon as the call returns: that must not reach the
-checkpoint.
+one temporary file, rank 0 the rest and the commit). Where a save is
+asynchronous at world size 2, the source tensors are overwritten as soon as the
+call returns: that must not reach the checkpoint.
 
 Each round: a good previous checkpoint exists and its bytes are remembered; a
 child process saves a fresh, different checkpoint over it (or, for DCP, into
