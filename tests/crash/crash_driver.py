@@ -111,6 +111,9 @@ PLANS = {
     "retention": "retention:{D}",                  # sharded2: between renaming an old step aside and removing it
 }
 ENV = "FASTCKPT_CRASH_FAULTS"
+# Test-only, for the driver's own tests (test_crash_short.py): a deliberately broken collective
+# save the checks must catch. "leave_temp": a failing rank 0 does not remove its temporary file.
+BREAK_ENV = "FASTCKPT_CRASH_BREAK"
 
 
 # ---------------------------------------------------------------- shared by parent and children
@@ -240,6 +243,8 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
                                     timeout=datetime.timedelta(seconds=STALL_TIMEOUT if stall else PG_TIMEOUT))
             state = collective_state(gen)
+            if os.environ.get(BREAK_ENV) == "leave_temp":
+                fastckpt._C.RegionWriter.abort = lambda self: None  # the process leaves by os._exit
             conn.send("started")
             fastckpt.save(state, os.path.join(directory, "ckpt.pt"), group=dist.group.WORLD)
             conn.send("saved")
