@@ -163,7 +163,7 @@ class _Group:
                 code, msg = err
                 raise OSError(code if code else errno.EIO,
                               f"cannot {self.action} {self.path!r}: rank {r} of the group failed {what} "
-                              f"({msg}); {self.outcome}", self.path)
+                              f"({msg}); {self._failed_outcome(what)}", self.path)
         return [m for _, m in out]
 
     def lost(self, e: BaseException, during: str, what: Optional[str] = None) -> OSError:
@@ -171,6 +171,16 @@ class _Group:
         arrive within the group's timeout (in the exchange after `what`, if given)."""
         return OSError(errno.EIO, f"cannot {self.action} {self.path!r}: a rank died or did not answer in time "
                                   f"({during} failed: {type(e).__name__}: {e}); {self._outcome(what)}", self.path)
+
+    def _failed_outcome(self, what: str) -> str:
+        """What every rank can say when a rank reported a failure in the step
+        before the exchange after `what`: rank 0's commit may fail after its
+        rename (the directory fsync), the new file then in place, as with a
+        single-process save (docs/ENGINE.md)."""
+        if self.action == "save to" and what == "to commit":
+            return (f"{self.path!r} holds the previous checkpoint, or the complete new one if rank 0 failed after "
+                    "its rename (in the directory fsync)")
+        return self.outcome
 
     def _outcome(self, what: Optional[str]) -> str:
         """What this rank can say about the file when the group broke (a rank

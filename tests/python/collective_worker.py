@@ -10,7 +10,7 @@ one value of a large storage, in / outside a sampled block), differ_pickle
 (rank 1 SIGKILLs itself after writing its share, before the collective that
 reports it), kill0 (the same on rank 0, the temporary file's creator),
 kill_commit (rank 1 SIGKILLs itself entering the last collective, while rank 0
-commits).
+commits), fault_dirsync (rank 0's directory fsync after its rename fails with EIO).
 """
 import datetime
 import errno
@@ -103,6 +103,8 @@ def main() -> int:
         obj["extra"] = 1
     if rank == 1 and mode == "fault":
         _C.fault_inject("write", errno=errno.EIO, times=0)
+    if rank == 0 and mode == "fault_dirsync":  # rank 0's 1st fsync: the file's, at commit; 2nd: the directory's
+        _C.fault_inject("fsync", nth=2, errno=errno.EIO)
     if (rank == 1 and mode in ("kill", "kill_commit")) or (rank == 0 and mode == "kill0"):
         exchange = _collective._Group.exchange
         stage = "to commit" if mode == "kill_commit" else "to write its share"

@@ -43,6 +43,26 @@ def test_rank_killed_after_rank0_committed(tmp_path):
     assert leftovers(out) == []
 
 
+
+def test_directory_fsync_failure_after_the_rename(tmp_path):
+    """Rank 0's directory fsync after its rename fails (EIO): every rank raises, and
+    the complete new file is under the final name (as with a single-process save,
+    docs/ENGINE.md); the other ranks' errors must not say "nothing was committed"."""
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "ckpt.pt"
+    path.write_bytes(b"previous")
+    res = run_ranks(tmp_path, 3, path, "mixed", "fault_dirsync")
+    for r in range(3):
+        rc, text = res[r]
+        line = last_line(text)
+        assert rc == 0 and line.startswith("ERR OSError: ") and str(path) in line, f"rank {r}: {text}"
+        assert "nothing was committed" not in line, f"rank {r}: {line}"
+    for r in (1, 2):
+        assert "or the complete new one if rank 0 failed after its rename" in last_line(res[r][1]), res[r]
+    assert path.read_bytes() == reference_bytes(tmp_path, "mixed")
+    assert leftovers(out) == []
+
 PG_TIMEOUT = 30  # s: the workers' gloo timeout
 SURVIVOR_WAIT = PG_TIMEOUT + 30  # s after the kill: a survivor still running by then hangs
 
