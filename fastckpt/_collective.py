@@ -207,7 +207,7 @@ class _Group:
             if local_error is not None:
                 raise local_error
             # A rank died, or did not arrive within the group's timeout.
-            raise self.lost(e, f"the group's exchange after each rank's attempt {what}") from e
+            raise self.lost(e, f"the group's exchange after each rank's attempt {what}", what) from e
         if local_error is not None:
             raise local_error
         for r, (err, _) in enumerate(out):
@@ -215,14 +215,44 @@ class _Group:
                 code, msg = err
                 raise OSError(code if code else errno.EIO,
                               f"cannot {self.action} {self.path!r}: rank {r} of the group failed {what} "
-                              f"({msg}); {self.outcome}", self.path)
+                              f"({msg}); {self._failed_outcome(what)}", self.path)
         return [m for _, m in out]
 
-    def lost(self, e: BaseException, during: str) -> OSError:
+    def lost(self, e: BaseException, during: str, what: Optional[str] = None) -> OSError:
         """The error for a collective that failed: a rank died, or did not
-        arrive within the group's timeout."""
+        arrive within the group's timeout (in the exchange after `what`, if given)."""
         return OSError(errno.EIO, f"cannot {self.action} {self.path!r}: a rank died or did not answer in time "
-                                  f"({during} failed: {type(e).__name__}: {e}); {self.outcome}", self.path)
+                                  f"({during} failed: {type(e).__name__}: {e}); {self._outcome(what)}", self.path)
+
+    def _failed_outcome(self, what: str) -> str:
+        """What every rank can say when a rank reported a failure in the step
+        before the exchange after `what`: rank 0's commit may fail after its
+        rename (the directory fsync), the new file then in place, as with a
+        single-process save (docs/ENGINE.md)."""
+        if self.action == "save to" and what == "to commit":
+            return (f"{self.path!r} holds the previous checkpoint, or the complete new one if rank 0 failed after "
+                    "its rename (in the directory fsync)")
+        return self.outcome
+
+    def _outcome(self, what: Optional[str]) -> str:
+        """What this rank can say about the file when the group broke (a rank
+        died or timed out) in the save's exchange after `what` and this rank had
+        no error of its own. Rank 0 commits after the exchange "to write its
+        share" and before the one "to commit": there, without an error, it has
+        committed. Another rank that loses the group in either of those two
+        exchanges cannot know whether rank 0 got that far; before them, rank 0
+        cannot have. (Loads, and other stages: self.outcome.)"""
+        if self.action != "save to":
+            return self.outcome
+        if what == "to commit" and self.rank == 0:
+            return f"the new checkpoint at {self.path!r} was committed (complete and durable) before that"
+        if what == "to commit" and self.rank != 0:
+            return (f"{self.path!r} holds either the previous checkpoint or the complete new one (rank 0 may "
+                    "have committed before the group broke)")
+        if what == "to write its share" and self.rank != 0:
+            return (f"nothing was committed unless rank 0 had every rank's share result before the group broke "
+                    f"({self.path!r} holds the previous checkpoint or, if rank 0 committed, the complete new one)")
+        return self.outcome
 
 
 def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: bool = True,

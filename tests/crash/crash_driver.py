@@ -10,9 +10,11 @@ Kinds: ``save`` (fastckpt.save), ``async_save`` (fastckpt.async_save),
 sharded mode, world size 2: a DCP directory per step, written under a
 temporary name and renamed, then `latest`; odd steps with async_save),
 ``dcp_async2`` (torch.distributed.checkpoint.async_save with FastWriter,
-world size 2). Where a save is asynchronous at world size 2, the source
-tensors are overwritten as soon as the call returns: that must not reach the
-checkpoint.
+world size 2), ``collective3`` (fastckpt.save(obj, path, group=pg) of a
+replicated state of several MB at world size 3: every rank writes its share of
+one temporary file, rank 0 the rest and the commit). Where a save is
+asynchronous at world size 2, the source tensors are overwritten as soon as the
+call returns: that must not reach the checkpoint.
 
 Each round: a good previous checkpoint exists and its bytes are remembered; a
 child process saves a fresh, different checkpoint over it (or, for DCP, into
@@ -38,6 +40,17 @@ the end of the save too). Then the parent checks:
   1; the survivor must then fail (or finish) on its own (gloo notices a dead
   peer at once; SURVIVOR_WAIT is the limit), and what it leaves is checked
   the same way;
+* collective3: a round kills all three ranks, or one of them (0, 1 or 2);
+  the final name holds the previous checkpoint bitwise or the complete new one
+  (loads with verify=True, equals the new state), nothing else sits beside it
+  but temporaries, and none when rank 0 survived (it removes its temporary
+  file on any failure); every survivor ends on its own within SURVIVOR_WAIT, either
+  done (then the new checkpoint is under the final name) or with an error that
+  names the user's path and does not claim "nothing was committed" when the
+  new checkpoint was committed; a round that leaves temporaries is followed by
+  an uninterrupted collective save (3 fresh ranks) that must succeed and
+  remove them (rank 0's temporary-file creation removes the leftovers of dead
+  processes of the same target: no manager start needed);
 * stalled peer (sharded2, once per run; --no-stall skips it): rank 1 is
   stopped with SIGSTOP right after an asynchronous save staged; rank 0 must
   fail within a few times the process group's timeout, not wait on;
@@ -46,6 +59,10 @@ the end of the save too). Then the parent checks:
   step is bitwise untouched; a manager start removes the leftovers
   (temporary step directories, `.del` directories of an interrupted
   retention, `latest`'s temporary) and its load_latest gives an exact step;
+* stalled peer (collective3, once per run; --no-stall skips it): one rank
+  (0, 1 or 2) is stopped with SIGSTOP at a random moment of a collective
+  save with slow writes; the other two must fail within a few times the
+  process group's timeout, with errors that name the path and match the file;
 * a manager start removes every `.fastckpt-tmp.` leftover, and the next save
   succeeds.
 
@@ -53,7 +70,8 @@ Children are forked from a multiprocessing forkserver that has torch and
 fastckpt imported already (a kill round then costs milliseconds, not an
 interpreter start). `--child KIND` runs one save in the foreground, for
 reproducing a round by hand with FASTCKPT_CRASH_FAULTS set (world size 2
-kinds: start it twice, with --rank 0 and --rank 1 and the same --port).
+kinds: start it twice, with --rank 0 and --rank 1 and the same --port;
+collective3: three times, --rank 0, 1 and 2).
 
 Prints counts per kind, per fault plan and per outcome; exits 1 on any violation.
 """
@@ -73,8 +91,9 @@ import time
 import traceback
 
 TMP_MARK = ".fastckpt-tmp."
-KINDS = ("save", "async_save", "dcp2", "manager", "sharded2", "dcp_async2")
+KINDS = ("save", "async_save", "dcp2", "manager", "sharded2", "dcp_async2", "collective3")
 TWO_RANK = ("dcp2", "sharded2", "dcp_async2")
+WORLD = {"dcp2": 2, "sharded2": 2, "dcp_async2": 2, "collective3": 3}  # kinds with several ranks
 MANAGED = ("manager", "sharded2")     # kinds whose saves end with the `latest` update
 CHECKS = {"save": "file", "async_save": "file", "dcp_async2": "dcp2"}  # kind -> its check_ method
 PG_TIMEOUT = 10.0     # s: the children's process group timeout (the manager's own group takes it too)
@@ -92,6 +111,9 @@ PLANS = {
     "retention": "retention:{D}",                  # sharded2: between renaming an old step aside and removing it
 }
 ENV = "FASTCKPT_CRASH_FAULTS"
+# Test-only, for the driver's own tests (test_crash_short.py): a deliberately broken collective
+# save the checks must catch. "leave_temp": a failing rank 0 does not remove its temporary file.
+BREAK_ENV = "FASTCKPT_CRASH_BREAK"
 
 
 # ---------------------------------------------------------------- shared by parent and children
@@ -109,11 +131,36 @@ def make_state(gen: int, rank: int = 0):
     }
 
 
+def collective_state(gen: int):
+    """collective3's replicated state (every rank builds the same): about 5 MB in
+    many dtypes, so that each of the 3 ranks writes a share of many 64 KiB
+    writes; views and shared storages, odd lengths, empty tensors, non-tensors."""
+    import torch
+    g = torch.Generator().manual_seed(7000 + gen)
+    big = torch.randn(600_000, generator=g)  # 2.4 MB: crosses share boundaries
+    shared = torch.randn(50_000, generator=g, dtype=torch.float64)
+    return {
+        "gen": gen,
+        "big": big, "big_view": big[1000:300_000],
+        "f64": shared, "f64_2d": shared.view(500, 100),
+        "bf16": torch.randn(300_001, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(123_457, generator=g).half(),
+        "i8": torch.randint(-128, 127, (200_003,), generator=g, dtype=torch.int8),
+        "i32": torch.randint(0, 1 << 30, (100_000,), generator=g, dtype=torch.int32),
+        "i64": torch.randint(0, 1 << 62, (40_000,), generator=g, dtype=torch.int64),
+        "bool": torch.rand(70_001, generator=g) > 0.5,
+        "c64": torch.randn(20_000, generator=g, dtype=torch.complex64),
+        "empty": torch.empty(0), "tiny": torch.tensor(float(gen)),
+        "meta": {"name": f"gen{gen}", "lr": 0.1 * gen, "list": [1, "a", None]},
+    }
+
+
 def same(a, b) -> bool:
     import torch
     if isinstance(a, torch.Tensor):
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-                and torch.equal(a.view(torch.uint8) if a.numel() else a, b.view(torch.uint8) if b.numel() else b))
+                and torch.equal(a.reshape(-1).view(torch.uint8) if a.numel() else a,
+                                b.reshape(-1).view(torch.uint8) if b.numel() else b))
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     return type(a) is type(b) and a == b
@@ -171,7 +218,7 @@ def _child(kind: str, directory: str, gen: int, plan: str, conn, rank: int = 0, 
         if isinstance(conn, _Stdout):
             raise
         try:
-            conn.send(f"error {type(e).__name__}: {str(e)[:500]}")
+            conn.send(f"error {type(e).__name__}: {str(e)[:2000]}")
         except OSError:
             pass
         sys.stderr.flush()
@@ -190,6 +237,19 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
         os.environ[ENV] = plan
     arm_faults(os.environ.get(ENV, ""))
     with fastckpt.knobs.override(buffer_size=64 << 10, buffer_count=4, queue_depth=4):
+        if kind == "collective3":
+            import datetime
+            import torch.distributed as dist
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
+                                    timeout=datetime.timedelta(seconds=STALL_TIMEOUT if stall else PG_TIMEOUT))
+            state = collective_state(gen)
+            if os.environ.get(BREAK_ENV) == "leave_temp":
+                fastckpt._C.RegionWriter.abort = lambda self: None  # the process leaves by os._exit
+            conn.send("started")
+            fastckpt.save(state, os.path.join(directory, "ckpt.pt"), group=dist.group.WORLD)
+            conn.send("saved")
+            dist.destroy_process_group()
+            return
         if kind in TWO_RANK:
             import datetime
             import gc
@@ -335,6 +395,9 @@ class Driver:
         elif kind == "manager":
             fastckpt.CheckpointManager(d, keep_last=2).save(g, make_state(g))
             self.prev[kind] = (g, _sha(os.path.join(d, f"step_{g:08d}.pt")))
+        elif kind == "collective3":  # written here by a (non-killed) 3-rank run
+            _, self.base[kind] = self._run_children(kind, g, "", kill_at=None)
+            self.prev[kind] = (g, _sha(os.path.join(d, "ckpt.pt")))
         else:  # a complete step directory, written here by a (non-killed) 2-rank run
             _, self.base[kind] = self._run_children(kind, g, "", kill_at=None)
             sd = self._step_dir(kind, d, g)
@@ -344,17 +407,21 @@ class Driver:
                     if n != os.path.basename(sd):
                         shutil.rmtree(os.path.join(d, n))
 
-    def _run_children(self, kind, gen, plan, kill_at, victims=(0, 1)):
+    def _run_children(self, kind, gen, plan, kill_at, victims=None):
         """Start the child(ren); SIGKILL the ranks in ``victims`` that have not
         finished saving ``kill_at`` seconds after they all started (None: let
         them finish). A round in which every rank reported its save done
         before ``kill_at`` kills nobody (what is left is tearing down the
         process group). A rank that was spared while its peer was killed must
         end by itself within SURVIVOR_WAIT seconds (how it ended is counted).
-        Returns (killed, seconds the save took, or ran until the kill)."""
+        Returns (killed, seconds the save took, or ran until the kill);
+        self.last_survivors: {spared rank: (exit code, its messages)} of a
+        round that killed someone."""
         d = os.path.join(self.root, kind)
-        ranks = (0, 1) if kind in TWO_RANK else (0,)
-        port = _free_port() if kind in TWO_RANK else 0
+        ranks = tuple(range(WORLD.get(kind, 1)))
+        victims = ranks if victims is None else victims
+        port = _free_port() if kind in WORLD else 0
+        self.last_survivors = {}
         procs, conns = [], []
         t_start = time.monotonic()
         for r in ranks:
@@ -430,6 +497,7 @@ class Driver:
                 else:
                     fine = msgs[r][-1:] == ["done"]
                     self.counts[(kind, "survivor_finished" if fine else "survivor_failed")] += 1
+                    self.last_survivors[r] = (p.exitcode, list(msgs[r]))
                     if self.verbose:
                         print(f"    rank {r} survived the kill of its peer: exit {p.exitcode}, {msgs[r][-1:]}", flush=True)
             return True, took
@@ -453,10 +521,13 @@ class Driver:
                  + (["retention"] if kind == "sharded2" else []))
         plan_name = self.rng.choice(plans)
         plan = PLANS[plan_name].format(d=self.rng.randint(5, 40), D=self.rng.randint(100, 400))
-        # world size 2: kill both ranks (half the rounds), or only one of them
-        victims = (0, 1)
+        # world size 2: kill both ranks (half the rounds), or only one of them;
+        # world size 3: all three (a quarter of the rounds), or one of them
+        victims = tuple(range(WORLD.get(kind, 1)))
         if kind in TWO_RANK:
             victims = self.rng.choice([(0, 1), (0, 1), (0,), (1,)])
+        elif kind in WORLD:
+            victims = self.rng.choice([victims] + [(r,) for r in victims])
         if kind not in self.prev:
             self.establish(kind)
         old_gen = self.prev[kind][0]
@@ -475,8 +546,9 @@ class Driver:
         elif kill_at > 0.9 * est:
             self.est[(kind, plan_name)] = 1.5 * est
         self.counts[(kind, "killed" if killed else "finished")] += 1
-        if killed and kind in TWO_RANK:
-            self.counts[(kind, "killed_" + ("both" if len(victims) == 2 else f"rank{victims[0]}"))] += 1
+        if killed and kind in WORLD:
+            self.counts[(kind, "killed_" + (("both" if len(victims) == 2 else "all") if len(victims) > 1
+                                            else f"rank{victims[0]}"))] += 1
         try:
             outcome = getattr(self, "check_" + CHECKS.get(kind, kind))(kind, old_gen, new_gen, killed)
         except Exception as e:  # noqa: BLE001
@@ -542,6 +614,75 @@ class Driver:
             self.counts[(kind, "leftover_tmp")] += 1
             self._cleanup_with_manager(d)
         return outcome
+
+    def check_collective3(self, kind, old_gen, new_gen, killed):
+        """The final name holds the old checkpoint bitwise or the new one complete (check_file);
+        each survivor of the round ended as the final name says; leftovers go with the next
+        collective save."""
+        d = os.path.join(self.root, kind)
+        path = os.path.join(d, "ckpt.pt")
+        names = os.listdir(d)
+        tmps = [n for n in names if TMP_MARK in n]
+        others = [n for n in names if TMP_MARK not in n and n != "ckpt.pt"]
+        if others:
+            raise AssertionError(f"unexpected names {others}")
+        if not killed and tmps:
+            raise AssertionError(f"a completed save left {tmps}")
+        outcome = self._old_or_new(kind, path, old_gen, new_gen, collective_state)
+        for r, (code, msgs) in sorted(self.last_survivors.items()):
+            last = msgs[-1] if msgs else f"nothing (exit code {code})"
+            if last == "done":
+                if outcome != "new_complete":
+                    raise AssertionError(f"survivor rank {r} returned from the save, but {path} holds the "
+                                         "previous checkpoint")
+            elif not last.startswith("error "):
+                raise AssertionError(f"survivor rank {r} ended without raising: {last}")
+            elif path not in last:
+                raise AssertionError(f"survivor rank {r}'s error does not name {path}: {last}")
+            elif (outcome == "new_complete" and "nothing was committed" in last
+                  and "nothing was committed unless" not in last):
+                raise AssertionError(f"survivor rank {r}'s error says nothing was committed, but {path} holds "
+                                     f"the new checkpoint: {last}")
+            elif outcome == "old_intact" and "was committed (complete" in last:
+                raise AssertionError(f"survivor rank {r}'s error says the new checkpoint was committed, but "
+                                     f"{path} holds the previous one: {last}")
+        if tmps and 0 in self.last_survivors:
+            raise AssertionError(f"rank 0 survived the round (it created the temporary file and removes it on "
+                                 f"any failure) but {tmps} remain")
+        if tmps:
+            self.counts[(kind, "leftover_tmp")] += 1
+            self._collective_cleanup_save(kind, path, tmps)
+        return outcome
+
+    def _collective_cleanup_save(self, kind, path, tmps):
+        """After a round that left temporaries: an uninterrupted collective save by 3 fresh
+        ranks succeeds and removes them (no manager start)."""
+        g = self.prev[kind][0] + 1
+        self._run_children(kind, g, "", kill_at=None)
+        left = [n for n in os.listdir(os.path.dirname(path)) if TMP_MARK in n]
+        if left:
+            raise AssertionError(f"the next collective save left temporaries {left} (before it: {tmps})")
+        self._old_or_new(kind, path, g, g, collective_state, must_be_new=True)
+        self.counts[(kind, "cleanup_save_ok")] += 1
+
+    def _old_or_new(self, kind, path, old_gen, new_gen, state_of, must_be_new=False):
+        """Whether ``path`` holds the previous checkpoint bitwise ("old_intact") or the
+        new one complete and exact ("new_complete"); anything else raises."""
+        import fastckpt
+        if not must_be_new and _sha(path) == self.prev[kind][1]:
+            if not same(fastckpt.load(path, verify=True), state_of(old_gen)):
+                raise AssertionError("old checkpoint loads but differs from what was saved")
+            return "old_intact"
+        try:
+            got = fastckpt.load(path, verify=True)
+        except Exception as e:  # noqa: BLE001
+            raise AssertionError(f"{path} is neither the previous checkpoint nor a complete one: "
+                                 f"{type(e).__name__}: {e}") from e
+        if not same(got, state_of(new_gen)):
+            raise AssertionError("final name holds neither the old nor the new checkpoint")
+        self.prev[kind] = (new_gen, _sha(path))
+        self.gen[kind] = new_gen
+        return "new_complete"
 
     def check_manager(self, kind, old_gen, new_gen, killed):
         import fastckpt
@@ -735,6 +876,83 @@ class Driver:
         except Exception as e:  # noqa: BLE001
             self.fail(kind, "stall", f"check raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
 
+    def collective_stall_check(self):
+        """collective3, once: one rank (0, 1 or 2) stops responding (SIGSTOP) at a random
+        moment of a collective save (slow writes, process group timeout STALL_TIMEOUT). The
+        other two must end by themselves within a few times that timeout (a stopped peer keeps
+        its connections open: only the timeout tells), with errors that name the path and
+        match the file; then the stopped rank is killed and the round checked like a kill's."""
+        kind = "collective3"
+        if kind not in self.prev:
+            self.establish(kind)
+        old_gen = self.prev[kind][0]
+        d = os.path.join(self.root, kind)
+        victim = self.rng.randrange(3)
+        port = _free_port()
+        procs, conns = [], []
+        for r in range(3):
+            a, b = self.ctx.Pipe(duplex=False)
+            p = self.ctx.Process(target=_child, args=(kind, d, old_gen + 1, "stall", b, r, port), daemon=True)
+            p.start()
+            b.close()
+            procs.append(p)
+            conns.append(a)
+        limit = 4 * STALL_TIMEOUT + 5
+        msgs = [[], [], []]
+
+        def drain(r):
+            try:
+                while conns[r].poll(0):
+                    msgs[r].append(conns[r].recv())
+            except (EOFError, OSError):
+                pass
+
+        try:
+            for r in range(3):
+                if not conns[r].poll(120):
+                    raise RuntimeError(f"rank {r} never started")
+                msgs[r].append(conns[r].recv())
+            time.sleep(self.rng.uniform(0, 0.8 * max(0.4, self.base.get(kind, 0.4))))
+            os.kill(procs[victim].pid, signal.SIGSTOP)
+            t0 = time.monotonic()
+            took = 0.0
+            self.last_survivors = {}
+            for r in range(3):
+                if r == victim:
+                    continue
+                procs[r].join(timeout=max(0.0, t0 + limit - time.monotonic()))
+                drain(r)
+                if procs[r].is_alive():
+                    print(f"rank {r} hangs beside a stopped rank {victim}; its threads:", file=sys.stderr, flush=True)
+                    os.kill(procs[r].pid, signal.SIGUSR1)
+                    time.sleep(1.0)
+                    self.fail(kind, "stall", f"rank {r} still waits {limit:.0f} s after rank {victim} stopped "
+                              f"responding (process group timeout {STALL_TIMEOUT:.0f} s)")
+                    self.counts[(kind, "stall_hung")] += 1
+                else:
+                    took = max(took, time.monotonic() - t0)
+                    self.last_survivors[r] = (procs[r].exitcode, list(msgs[r]))
+            self.counts[(kind, "stall_failed_in")] = max(self.counts[(kind, "stall_failed_in")], took)
+            if self.verbose:
+                print(f"    stall: rank {victim} stopped; the others ended within {took:.1f} s: "
+                      f"{[m[-1:] for m in msgs]}", flush=True)
+        except (RuntimeError, EOFError, OSError) as e:
+            self.fail(kind, "stall", f"stall check could not run: {e!r}\n{traceback.format_exc()}")
+            return
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)  # a stopped process dies too
+                    p.join()
+            for c in conns:
+                c.close()
+        try:
+            outcome = self.check_collective3(kind, old_gen, old_gen + 1, killed=True)
+            self.counts[(kind, "stall_checks")] += 1
+            self.counts[(kind, "stall", outcome)] += 1
+        except Exception as e:  # noqa: BLE001
+            self.fail(kind, "stall", f"check raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
+
     def final_saves(self, kinds):
         """After all the kills: one uninterrupted save per kind succeeds."""
         for kind in kinds:
@@ -765,14 +983,20 @@ class Driver:
             extra = ""
             if kind in MANAGED:
                 extra += f" new_file_latest_old={self.counts[(kind, 'new_file_latest_old')]}"
+            if kind == "collective3":
+                extra += f" cleanup_saves={self.counts[(kind, 'cleanup_save_ok')]}"
+                if self.counts[(kind, "stall_checks")] or self.counts[(kind, "stall_hung")]:
+                    extra += (f" stalled_peer: survivors failed within {self.counts[(kind, 'stall_failed_in')]:.1f} s"
+                              if not self.counts[(kind, "stall_hung")] else " stalled_peer: a survivor HUNG")
             if kind == "sharded2":
                 extra += f" leftover_retention={self.counts[(kind, 'leftover_retention')]}"
                 if self.counts[(kind, "stall_checks")] or self.counts[(kind, "stall_hung")]:
                     extra += (f" stalled_peer: rank 0 failed after {self.counts[(kind, 'stall_failed_in')]:.1f} s"
                               if not self.counts[(kind, "stall_hung")] else " stalled_peer: rank 0 HUNG")
-            if kind in TWO_RANK:
-                extra += ("  [killed both/rank0/rank1: " + "/".join(
-                    str(self.counts[(kind, "killed_" + v)]) for v in ("both", "rank0", "rank1"))
+            if kind in WORLD:
+                who = ("both" if WORLD[kind] == 2 else "all",) + tuple(f"rank{r}" for r in range(WORLD[kind]))
+                extra += (f"  [killed {'/'.join(who)}: " + "/".join(
+                    str(self.counts[(kind, "killed_" + v)]) for v in who)
                     + f"; survivor finished/failed/hung: {self.counts[(kind, 'survivor_finished')]}/"
                     f"{self.counts[(kind, 'survivor_failed')]}/{self.counts[(kind, 'survivor_hung')]}]")
             print(f"  {kind:10s} {self.seconds[kind]:6.1f} s kills={k:4d} finished={f:3d}  old_intact={self.counts[(kind, 'old_intact')]:4d} "
@@ -791,10 +1015,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="work directory (default: a fresh temporary one, removed on success)")
     ap.add_argument("--verbose", "-v", action="store_true")
     ap.add_argument("--child", choices=KINDS, help="run one save in the foreground (fault plan from $" + ENV + ")")
-    ap.add_argument("--no-stall", action="store_true", help="skip the stalled-peer check of sharded2 (Driver.stall_check)")
+    ap.add_argument("--no-stall", action="store_true", help="skip the stalled-peer checks of sharded2 and collective3 (Driver.stall_check, "
+                    "Driver.collective_stall_check)")
     ap.add_argument("--gen", type=int, default=1)
-    ap.add_argument("--rank", type=int, default=0, help="with --child, world size 2 kinds: this process's rank "
-                    "(start rank 0 and rank 1 with the same --port)")
+    ap.add_argument("--rank", type=int, default=0, help="with --child, world size 2 and 3 kinds: this process's "
+                    "rank (start every rank with the same --port)")
     ap.add_argument("--port", type=int, default=29531, help="with --child: rank 0's TCP port on 127.0.0.1")
     args = ap.parse_args(argv)
     if args.child:
@@ -824,6 +1049,10 @@ def main(argv=None) -> int:
         t = time.monotonic()
         drv.stall_check()
         drv.seconds["sharded2"] += time.monotonic() - t
+    if "collective3" in kinds and not args.no_stall:
+        t = time.monotonic()
+        drv.collective_stall_check()
+        drv.seconds["collective3"] += time.monotonic() - t
     drv.final_saves(kinds)
     drv.report(kinds, time.monotonic() - t0)
     if drv.violations:

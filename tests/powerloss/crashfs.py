@@ -18,6 +18,14 @@ after each one, yields the states a power cut there may leave, in the spirit of 
 LazyFS: namespace durable-only or fully persisted (a journal commit just before the cut),
 crossed with data durable-only or fully persisted.  Four states per cut point; a state is a
 hashable tree, so that a checker sees each distinct one once.
+
+Clients (``per_client=True``, for several processes writing one file, as the ranks of a
+collective save do on a shared filesystem whose every node caches its own writes: NFS, Lustre):
+the daemon tags each ``write``, ``truncate`` and ``fsync`` with the calling process's pid (a
+trailing element that the default model ignores); a file's durable contents then take only the
+changes of the process that fsyncs, in order, on top of what was durable: a process's writes
+are durable only once that process itself fsyncs the file (on one local filesystem any fsync of
+the file would do: the default model).
 """
 
 import errno
@@ -64,7 +72,9 @@ class Model:
     """The live filesystem plus what of it is durable. Nodes are never freed: an unlinked file
     may still be named by a durable directory entry."""
 
-    def __init__(self):
+    def __init__(self, per_client: bool = False):
+        self.per_client = per_client
+        self.pending: Dict[int, Dict[object, List[tuple]]] = {}  # per_client: ino -> pid -> its unsynced ops
         self.nodes: Dict[int, object] = {ROOT: Dir()}
         self.next_ino = ROOT + 1
         self.durable_data: Dict[int, Tuple[int, bytes]] = {}  # ino -> (ver, bytes) at last fsync
@@ -112,12 +122,14 @@ class Model:
                 f.data.extend(bytes(off - len(f.data)))
             f.data[off:off + len(data)] = data
             f.ver += 1
+            self._pend(op)
         elif kind == "truncate":
             f = self.nodes[op[1]]
             size = op[2]
             del f.data[size:]
             f.data.extend(bytes(size - len(f.data)))
             f.ver += 1
+            self._pend(op)
         elif kind == "rename":
             p1, n1, p2, n2, flags = op[1:6]
             src, dst = self.nodes[p1].entries, self.nodes[p2].entries
@@ -148,7 +160,9 @@ class Model:
             del entries[name]
         elif kind == "fsync":
             f = self.nodes[op[1]]
-            if isinstance(f, File):
+            if isinstance(f, File) and self.per_client:
+                self._sync_client(op[1], op[2] if len(op) > 2 else None)
+            elif isinstance(f, File):
                 self.durable_data[op[1]] = (f.ver, bytes(f.data))
         elif kind == "fsyncdir":
             self.durable_entries[op[1]] = dict(self.nodes[op[1]].entries)
@@ -156,6 +170,30 @@ class Model:
             self.marks.append(op[1])
         else:
             raise ValueError(f"unknown op {op!r}")
+
+    def _pend(self, op: tuple) -> None:
+        if self.per_client:
+            pid = op[4] if op[0] == "write" and len(op) > 4 else op[3] if op[0] == "truncate" and len(op) > 3 else None
+            self.pending.setdefault(op[1], {}).setdefault(pid, []).append(op)
+
+    def _sync_client(self, ino: int, pid) -> None:
+        """per_client fsync by ``pid``: its own unsynced changes, in order, on top of what was durable."""
+        f = self.nodes[ino]
+        data = bytearray(self.durable_data[ino][1]) if ino in self.durable_data else bytearray()
+        for op in self.pending.get(ino, {}).pop(pid, []):
+            if op[0] == "write":
+                off, chunk = op[2], op[3]
+                if len(data) < off:
+                    data.extend(bytes(off - len(data)))
+                data[off:off + len(chunk)] = chunk
+            else:
+                del data[op[2]:]
+                data.extend(bytes(op[2] - len(data)))
+        if data == f.data:
+            self.durable_data[ino] = (f.ver, bytes(data))
+        else:  # a content no live version had: a key of its own (the live one moves on too)
+            self.durable_data[ino] = (f.ver + 1, bytes(data))
+            f.ver += 2
 
     # ---- crash states
     def namespace(self) -> Dict[int, Dict[str, int]]:
@@ -214,15 +252,16 @@ PREFIX = "names persisted up to an earlier op, unsynced data lost"
 NAMESPACE_OPS = ("create", "mkdir", "symlink", "rename", "unlink", "rmdir")
 
 
-def crash_states(log: List[tuple]) -> Iterator[Tuple[int, str, tuple, Model]]:
+def crash_states(log: List[tuple], per_client: bool = False) -> Iterator[Tuple[int, str, tuple, Model]]:
     """Replays ``log``; yields (cut, variant, tree, model) for a power cut before op ``cut``
     (0 = before the first op, len(log) = after the last). Read a tree's file contents through
     ``model.content`` before asking for the next state.
 
     Besides the four VARIANTS, a journaling filesystem may have committed the namespace
     changes in order up to any op since the last directory fsync (which commits them all): one
-    more state per namespace change in that window, with unsynced data lost."""
-    m = Model()
+    more state per namespace change in that window, with unsynced data lost. ``per_client``:
+    see the module's docstring (Clients)."""
+    m = Model(per_client)
     window = [m.namespace()]  # the namespace after each change since the last directory fsync
     for cut in range(len(log) + 1):
         if cut:
@@ -270,6 +309,19 @@ def serve(mountpoint: str, logfile: str) -> None:
             except OSError as e:
                 raise fuse.FuseOSError(e.errno)
             self.log.append(op)
+
+        def client(self) -> int:
+            """The calling process (FUSE gives the calling thread: an io_uring worker or one of the
+            engine's threads writes for its process), for per_client checks."""
+            tid = fuse.fuse_get_context()[2]
+            try:
+                with open(f"/proc/{tid}/status") as f:
+                    for line in f:
+                        if line.startswith("Tgid:"):
+                            return int(line.split()[1])
+            except OSError:
+                pass
+            return tid
 
         def ino(self, path: str) -> int:
             try:
@@ -394,11 +446,11 @@ def serve(mountpoint: str, logfile: str) -> None:
             return bytes(self.m.nodes[self.node_ino(path, fh)].data[offset:offset + size])
 
         def write(self, path, data, offset, fh):
-            self.do(("write", self.node_ino(path, fh), offset, bytes(data)))
+            self.do(("write", self.node_ino(path, fh), offset, bytes(data), self.client()))
             return len(data)
 
         def truncate(self, path, length, fh=None):
-            self.do(("truncate", self.node_ino(path, fh), length))
+            self.do(("truncate", self.node_ino(path, fh), length, self.client()))
             return 0
 
         def fallocate(self, path, mode, offset, size, fh):
@@ -406,11 +458,11 @@ def serve(mountpoint: str, logfile: str) -> None:
                 raise fuse.FuseOSError(errno.EOPNOTSUPP)
             ino = self.node_ino(path, fh)
             if offset + size > len(self.m.nodes[ino].data):
-                self.do(("truncate", ino, offset + size))
+                self.do(("truncate", ino, offset + size, self.client()))
             return 0
 
         def fsync(self, path, datasync, fh):
-            self.do(("fsync", self.node_ino(path, fh)))
+            self.do(("fsync", self.node_ino(path, fh), self.client()))
             return 0
 
     class FUSE(fuse.FUSE):  # mfusepy drops rename(2)'s flags; keep RENAME_NOREPLACE meaningful

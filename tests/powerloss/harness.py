@@ -145,15 +145,20 @@ def _describe(op: tuple) -> str:
     return "(" + ", ".join(f"<{len(x)} bytes>" if isinstance(x, bytes) else repr(x) for x in op) + ")"
 
 
-def check(name: str, params: dict, log: List[tuple], workdir: str, max_violations: int = 20) -> Report:
-    """Every crash state of ``log`` against the acceptable versions at its cut point."""
+def check(name: str, params: dict, log: List[tuple], workdir: str, max_violations: int = 20,
+          per_client: Optional[bool] = None) -> Report:
+    """Every crash state of ``log`` against the acceptable versions at its cut point (under
+    crashfs's per-client model for the scenarios in scenarios.PER_CLIENT, unless ``per_client``
+    says otherwise)."""
+    if per_client is None:
+        per_client = name in scenarios.PER_CLIENT
     rep = Report(name, ops=len(log), cuts=len(log) + 1)
     checks = scenarios.CHECKS[name]
     committed: Dict[str, object] = {}  # mark key -> version of the last save that returned
     inflight: Dict[str, set] = {}  # mark key -> versions being saved
     cache: Dict[tuple, object] = {}
     scratch = tempfile.mkdtemp(dir=workdir, prefix="state-")
-    for cut, variant, tree, model in crashfs.crash_states(log):
+    for cut, variant, tree, model in crashfs.crash_states(log, per_client=per_client):
         if variant == crashfs.VARIANTS[0][2] and cut and log[cut - 1][0] == "mark":
             words = log[cut - 1][1].split()
             kind, key, v = words[0], words[1], int(words[2])

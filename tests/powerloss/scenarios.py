@@ -147,7 +147,12 @@ CHECKS = {
     "manager": [("latest", "latest", "m", probe_latest), ("load_latest", "latest", "m", probe_load_latest)],
     "dcp": [("dcp", "dcp", "d", probe_dcp)],
     "manager_sharded": [("latest", "latest", "s", probe_latest_dir)],
+    "collective": [("col.pt", "col.pt", "col.pt", probe_file)],
+    "manager_collective": [("latest", "latest", "mc", probe_latest), ("load_latest", "latest", "mc", probe_load_latest)],
 }
+# Scenarios whose processes write one file together: checked under crashfs's per-client model
+# (a process's writes are durable only once it fsyncs the file itself, as on a shared filesystem).
+PER_CLIENT = {"collective", "manager_collective"}
 
 
 # ---------------------------------------------------------------- the saves (in the child)
@@ -187,14 +192,14 @@ def run_manager(mnt, p):
             mark(mnt, "end", "latest", step)
 
 
-def _spawn_ranks(mnt, p, role):
+def _spawn_ranks(mnt, p, role, world=2):
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     procs = []
-    for r in range(2):
-        env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    for r in range(world):
+        env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         procs.append(subprocess.Popen([sys.executable, __file__, role, mnt, json.dumps(p)], env=env))
     rcs = [pr.wait() for pr in procs]
     if any(rcs):
@@ -258,9 +263,65 @@ def run_manager_sharded_rank(mnt, p):
         dist.destroy_process_group()
 
 
+def run_collective(mnt, p):
+    _spawn_ranks(mnt, p, "collective_rank", world=3)
+
+
+def run_collective_rank(mnt, p):
+    """fastckpt.save(obj, path, group=pg) at world size 3, every rank its share of one
+    temporary file through the mount, rank 0 the rest and the commit."""
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    if str(rank) in p.get("skip_sync_ranks", "").split(","):  # test_powerloss's check of the check
+        os.environ["FASTCKPT_TEST_SKIP_SYNC"] = "data"
+    dist.init_process_group("gloo")
+    try:
+        for v in range(1, p["saves"] + 1):
+            dist.barrier()
+            if rank == 0:
+                mark(mnt, "begin", "col.pt", v)
+            dist.barrier()
+            fastckpt.save(make_state(v, p["numel"]), os.path.join(mnt, "col.pt"), group=dist.group.WORLD)
+            if rank == 0:  # every rank returns only after the commit
+                mark(mnt, "end", "col.pt", v)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_manager_collective(mnt, p):
+    _spawn_ranks(mnt, p, "manager_collective_rank", world=3)
+
+
+def run_manager_collective_rank(mnt, p):
+    """CheckpointManager in replicated mode at world size 3: each checkpoint a collective save
+    (every rank its share), then `latest` and retention; saves, then async_saves."""
+    import torch.distributed as dist
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo")
+    try:
+        n = p["saves"]
+        with fastckpt.CheckpointManager(os.path.join(mnt, "mc"), keep_last=2) as mgr:
+            for step in range(1, 2 * n + 1):
+                dist.barrier()
+                if rank == 0:
+                    mark(mnt, "begin", "latest", step)
+                dist.barrier()
+                if step <= n:
+                    mgr.save(step, make_state(step, p["numel"]))
+                else:
+                    mgr.async_save(step, make_state(step, p["numel"]))
+                    mgr.wait()  # collective: durable and `latest` names it on return
+                if rank == 0:
+                    mark(mnt, "end", "latest", step)
+    finally:
+        dist.destroy_process_group()
+
+
 RUN = {"save": run_save, "async_save": run_async_save, "manager": run_manager, "dcp": run_dcp,
        "dcp_rank": run_dcp_rank, "manager_sharded": run_manager_sharded,
-       "manager_sharded_rank": run_manager_sharded_rank}
+       "manager_sharded_rank": run_manager_sharded_rank, "collective": run_collective,
+       "collective_rank": run_collective_rank, "manager_collective": run_manager_collective,
+       "manager_collective_rank": run_manager_collective_rank}
 
 if __name__ == "__main__":
     import ctypes

@@ -9,10 +9,10 @@ import crashfs  # noqa: E402
 from crashfs import ROOT  # noqa: E402
 
 
-def states_after(log):
+def states_after(log, per_client=False):
     """{variant: {path: bytes or 'dir'}} for a power cut after the last op of ``log``."""
     out = {}
-    for cut, variant, tree, model in crashfs.crash_states(log):
+    for cut, variant, tree, model in crashfs.crash_states(log, per_client=per_client):
         if cut == len(log):
             out.setdefault(variant, []).append(
                 {p: (model.content(c) if k == "f" else "dir") for p, k, c in tree})
@@ -73,3 +73,30 @@ def test_a_directory_is_reachable_only_through_durable_entries():
     log = [("mkdir", ROOT, "d", 2), ("create", 2, "f", 3), ("write", 3, 0, b"x"), ("fsync", 3), ("fsyncdir", 2)]
     assert states_after(log)["synced only"] == [{}]  # the parent never recorded "d"
     assert states_after(log + [("fsyncdir", ROOT)])["synced only"] == [{"d": "dir", "d/f": b"x"}]
+
+
+def _two_writers(fsyncs):
+    """Two processes (pids 10, 11) write halves of one file, then the given (pid) fsyncs, rename
+    and directory fsync (the collective save's protocol: every rank syncs its own share)."""
+    log = [("create", ROOT, ".tmp", 2), ("truncate", 2, 4, 10), ("write", 2, 0, b"ab", 10),
+           ("write", 2, 2, b"cd", 11)]
+    log += [("fsync", 2, pid) for pid in fsyncs]
+    return log + [("rename", ROOT, ".tmp", ROOT, "ck", 0), ("fsyncdir", ROOT)]
+
+
+def test_per_client_a_writes_are_durable_only_after_its_own_fsync():
+    st = states_after(_two_writers([10]), per_client=True)
+    assert st["synced only"] == [{"ck": b"ab\0\0"}]  # process 11 never synced its half
+    assert states_after(_two_writers([10]))["synced only"] == [{"ck": b"abcd"}]  # one local fs: any fsync
+    for fsyncs in ([10, 11], [11, 10]):
+        for variant, states in states_after(_two_writers(fsyncs), per_client=True).items():
+            assert all(s == {"ck": b"abcd"} for s in states), (fsyncs, variant)
+
+
+def test_per_client_keeps_what_was_durable_and_orders_a_process_changes():
+    log = _two_writers([10, 11]) + [("write", 2, 0, b"XY", 10), ("write", 2, 2, b"ZW", 11), ("fsync", 2, 11)]
+    st = states_after(log, per_client=True)
+    assert st["synced only"] == [{"ck": b"abZW"}]
+    assert st["everything persisted (as SIGKILL)"] == [{"ck": b"XYZW"}]
+    log += [("truncate", 2, 1, 10), ("write", 2, 1, b"q", 10), ("fsync", 2, 10)]
+    assert states_after(log, per_client=True)["synced only"] == [{"ck": b"Xq"}]

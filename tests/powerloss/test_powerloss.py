@@ -4,7 +4,12 @@ A SIGKILL keeps the page cache, so only a simulated power cut can tell whether f
 directory fsync happen. Save kinds (scenarios.py): ``fastckpt.save``; ``fastckpt.async_save`` (two
 in flight at once too); ``CheckpointManager`` save and async_save with its ``latest`` update and
 retention, replicated and sharded (world size 2); DCP ``FastWriter`` at world size 2 (gloo, two
-processes; ``dcp.save`` and ``dcp.async_save``). Each test runs one scenario in a child process on crashfs,
+processes; ``dcp.save`` and ``dcp.async_save``); the collective ``fastckpt.save(obj, path, group=pg)``
+at world size 3 (three processes writing their shares of one temporary file through the mount,
+each fdatasyncing its own, rank 0 the rest, the rename and the directory fsync), and
+``CheckpointManager`` in replicated mode at world size 3 (its saves collective, its async_saves
+from rank 0). Those two are checked under crashfs's per-client model (a process's writes are
+durable only once that process fsyncs the file, as on a shared filesystem: scenarios.PER_CLIENT). Each test runs one scenario in a child process on crashfs,
 an in-memory FUSE filesystem that records every operation (crashfs.py), then replays the record
 and checks, at every point between two operations, the states a power cut may leave there
 (synced only; names persisted but unsynced data lost; unsynced data persisted but names not;
@@ -50,7 +55,7 @@ if LONG:
         "threads": {"FASTCKPT_BACKEND": "threads"},
         "flushes": {"FASTCKPT_FLUSH_INTERVAL": "1M", "FASTCKPT_BUFFER_SIZE": "256K"},
     })
-SCENARIOS = ["save", "async_save", "manager", "dcp", "manager_sharded"]
+SCENARIOS = ["save", "async_save", "manager", "dcp", "manager_sharded", "collective", "manager_collective"]
 
 REPORTS = []
 
@@ -81,7 +86,7 @@ def test_power_cut_leaves_old_or_new(scenario, config, tmp_path):
         assert "absent" in seen and max(v for v in seen if isinstance(v, int)) >= PARAMS["saves"], (check, seen)
 
 
-@pytest.mark.parametrize("scenario", ["save", "manager"] + (["dcp", "manager_sharded"] if LONG else []))
+@pytest.mark.parametrize("scenario", ["save", "manager"] + (["dcp", "manager_sharded", "collective", "manager_collective"] if LONG else []))
 @pytest.mark.parametrize("skip", ["data", "dir"])
 def test_simulator_finds_a_missing_sync(skip, scenario, tmp_path):
     rep = harness.run(scenario, SHORT_PARAMS, str(tmp_path), env={"FASTCKPT_TEST_SKIP_SYNC": skip})
@@ -93,3 +98,19 @@ def test_simulator_finds_a_missing_sync(skip, scenario, tmp_path):
         assert torn, rep.violations
     else:  # a save returned, but its name was never made durable
         assert lost, rep.violations
+
+
+def test_per_client_model_finds_a_rank_that_skips_its_sync(tmp_path):
+    """The collective save on a shared filesystem: each rank must make its own share durable.
+    Ranks 1 and 2 skip their data fdatasync (FASTCKPT_TEST_SKIP_SYNC=data in those processes
+    only) while rank 0 syncs and commits: on one local filesystem rank 0's fdatasync would
+    cover their writes, under crashfs's per-client model (scenarios.PER_CLIENT) their shares
+    are lost and the renamed file is torn."""
+    params = dict(SHORT_PARAMS, skip_sync_ranks="1,2")
+    log = harness.record("collective", params, str(tmp_path))
+    rep = harness.check("collective", params, log, str(tmp_path))
+    REPORTS.append(f"{rep.line()} [ranks 1 and 2 skip their data sync: violations expected]")
+    assert rep.violation_count > 0, "with ranks 1 and 2 not syncing their shares, no crash state lost data"
+    assert [v for v in rep.violations if "torn: " in v], rep.violations
+    # what the per-client model adds: on one local filesystem, rank 0's later fdatasync covers them
+    assert harness.check("collective", params, log, str(tmp_path), per_client=False).violation_count == 0

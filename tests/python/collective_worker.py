@@ -10,7 +10,10 @@ one value of a large storage, in / outside a sampled block), differ_pickle
 (rank 1 SIGKILLs itself after writing its share, before the collective that
 reports it), kill0 (the same on rank 0, the temporary file's creator),
 rename_fault (rank 1's renames fail with EIO), kill_commit (rank 1 SIGKILLs
-itself when the outcomes of the renames are gathered, its own rename done).
+itself entering the exchange "to commit": in a shared save while rank 0
+commits; with placement="node" when the renames' outcomes are gathered, its own
+node's rename done), fault_dirsync (rank 0's directory fsync after its rename
+fails with EIO).
 PLACEMENT: passed as save's placement= (the node: $FASTCKPT_NODE); with it,
 the rank also prints "REGIONS [(offset, length), ...]": what its
 RegionWriters were asked to write.
@@ -133,6 +136,8 @@ def main() -> int:
         _C.fault_inject("write", errno=errno.EIO, times=0)
     if rank == 1 and mode == "rename_fault":
         _C.fault_inject("rename", errno=errno.EIO, times=0)
+    if rank == 0 and mode == "fault_dirsync":  # rank 0's 1st fsync: the file's, at commit; 2nd: the directory's
+        _C.fault_inject("fsync", nth=2, errno=errno.EIO)
     regions = []
     kwargs = {}
     if placement:
@@ -140,9 +145,10 @@ def main() -> int:
         _collective._C = _CountingC(_C, regions)
     if (rank == 1 and mode in ("kill", "kill_commit")) or (rank == 0 and mode == "kill0"):
         exchange = _collective._Group.exchange
+        stage = "to commit" if mode == "kill_commit" else "to write its share"
 
         def dying(self, mine, err, what):
-            if what == ("to commit" if mode == "kill_commit" else "to write its share"):
+            if what == stage:
                 os.kill(os.getpid(), signal.SIGKILL)
             return exchange(self, mine, err, what)
 
