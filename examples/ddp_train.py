@@ -4,8 +4,11 @@ A small MLP classifier on synthetic data, trained with DDP (gloo on CPU, nccl
 with CUDA). Every --ckpt-every steps the checkpoint manager saves the model
 (``model.module.state_dict()``), optimizer, LR scheduler, every rank's RNG
 states (torch, CUDA, Python ``random``, NumPy), the step and the data
-position; rank 0 writes, all ranks wait for it (or, with --async, only for
-its host snapshot). Started again with the same arguments, it resumes from
+position; every rank writes a share of each checkpoint file and reads a
+share of it on resume, the shares exchanged over a gloo group of the
+manager's own (--rank0-writes: rank 0 writes it whole, all ranks wait for it,
+and every rank reads it whole; with --async, rank 0 writes in the background
+and the ranks wait only for its host snapshot). Started again with the same arguments, it resumes from
 the newest complete checkpoint and ends in exactly the state an uninterrupted
 run ends in.
 
@@ -54,6 +57,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=20, help="checkpoint every K steps (and at the end)")
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument("--async", dest="async_", action="store_true", help="fastckpt async saves")
+    p.add_argument("--rank0-writes", action="store_true",
+                   help="rank 0 writes each checkpoint whole (CheckpointManager(collective=False))")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=2048)
     p.add_argument("--batch-size", type=int, default=32, help="global batch size (split across ranks)")
@@ -217,7 +222,7 @@ def train(args, device) -> None:
     sampler = Sampler(args.seed, args.samples, args.batch_size, rank, world)
     seed_everything(args.seed + 1000 * (rank + 1))  # dropout and input noise differ per rank
 
-    mgr = fastckpt.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last)
+    mgr = fastckpt.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last, collective=not args.rank0_writes)
     restored = mgr.load_latest(map_location=device)
     start = 0
     if restored is not None:

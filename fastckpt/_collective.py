@@ -137,9 +137,10 @@ class _Group:
     """The collectives of one save; every exchange is an all_gather_object,
     so every rank learns every other rank's failure."""
 
-    def __init__(self, group, path: str):
+    def __init__(self, group, path: str, action: str = "save to", outcome: str = "nothing was committed"):
         import torch.distributed as dist
         self.dist, self.group, self.path = dist, group, path
+        self.action, self.outcome = action, outcome  # for the messages: "cannot <action> <path>: ...; <outcome>"
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
 
@@ -154,19 +155,22 @@ class _Group:
             if local_error is not None:
                 raise local_error
             # A rank died, or did not arrive within the group's timeout.
-            raise OSError(errno.EIO, f"cannot save to {self.path!r}: a rank died or did not answer in time (the "
-                                     f"group's exchange after each rank's attempt {what} failed: "
-                                     f"{type(e).__name__}: {e}); nothing was committed",
-                          self.path) from e
+            raise self.lost(e, f"the group's exchange after each rank's attempt {what}") from e
         if local_error is not None:
             raise local_error
         for r, (err, _) in enumerate(out):
             if err is not None:
                 code, msg = err
                 raise OSError(code if code else errno.EIO,
-                              f"cannot save to {self.path!r}: rank {r} of the group failed {what} "
-                              f"({msg}); nothing was committed", self.path)
+                              f"cannot {self.action} {self.path!r}: rank {r} of the group failed {what} "
+                              f"({msg}); {self.outcome}", self.path)
         return [m for _, m in out]
+
+    def lost(self, e: BaseException, during: str) -> OSError:
+        """The error for a collective that failed: a rank died, or did not
+        arrive within the group's timeout."""
+        return OSError(errno.EIO, f"cannot {self.action} {self.path!r}: a rank died or did not answer in time "
+                                  f"({during} failed: {type(e).__name__}: {e}); {self.outcome}", self.path)
 
 
 def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: bool = True) -> None:

@@ -142,6 +142,13 @@ class Ranks:
         self.async_pg = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
                                        timeout=_group_timeout(group))
 
+    def own_group(self) -> Any:
+        """The manager's own gloo group (made now if needed: collective), for
+        collective saves and loads of replicated checkpoints; None without
+        torch.distributed."""
+        self.open_async_group()
+        return self.async_pg
+
     def dcp_save(self, state: Any, path: str) -> None:
         """Collective: every rank writes its shards of ``state`` into ``path``."""
         import torch.distributed.checkpoint as dcp

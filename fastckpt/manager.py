@@ -37,9 +37,15 @@ before ``latest`` moved: it was never committed.
 Distributed rules (when ``torch.distributed`` is initialized; every rank must
 call every method, in the same order):
 
-* replicated mode (DDP; default): rank 0 writes, all ranks wait for it
+* replicated mode (DDP; default): every rank writes a share of each
+  checkpoint file and every rank reads a share of it on load, the shares
+  exchanged over the group (``fastckpt.save/load(..., group=...)``, on a gloo
+  group of the manager's own); the file is the one a single-process save
+  writes. Any rank's failure raises on every rank, so that no rank hangs or
+  runs ahead. With ``collective=False``: rank 0 writes, all ranks wait for it
   (a barrier before and after that also tells every rank whether rank 0
-  failed, so that no rank hangs or runs ahead); all ranks read.
+  failed), and every rank reads the whole file. :meth:`async_save` writes
+  from rank 0 in either case (in the background).
 * sharded mode (``sharded=True``; FSDP, DTensor): every rank writes its shards
   with ``torch.distributed.checkpoint``; all ranks load in place.
 
@@ -102,6 +108,9 @@ class CheckpointManager:
             rank 0 writing one file.
         process_group: the group whose ranks share this directory (default:
             the world, when torch.distributed is initialized).
+        collective: replicated mode with more than one rank: every rank
+            writes and reads its share of each checkpoint (default); False:
+            rank 0 writes it whole and every rank reads it whole.
         verify: check every storage's CRC-32 when loading (replicated mode).
         clean: delete leftover temporary files/directories of crashed saves
             now (see :meth:`clean_temporaries`).
@@ -122,7 +131,7 @@ class CheckpointManager:
 
     def __init__(self, directory: Union[str, os.PathLike], keep_last: Optional[int] = 3, *, sharded: bool = False,
                  process_group: Any = None, verify: bool = True, clean: bool = True,
-                 saver: Optional[AsyncSaver] = None):
+                 saver: Optional[AsyncSaver] = None, collective: bool = True):
         self._dir = StepDirectory(directory, keep_last, sharded)  # the policy (raises on a bad keep_last)
         self.directory = self._dir.path
         self.keep_last = keep_last
@@ -134,6 +143,7 @@ class CheckpointManager:
         self._futures: List[concurrent.futures.Future] = []  # this manager's asynchronous saves
         self._ranks = Ranks(process_group)       # the coordination
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
+        self.collective = bool(collective) and not sharded and self.world_size > 1
         err = None
         if self.rank == 0:
             try:
@@ -222,8 +232,8 @@ class CheckpointManager:
         """Save ``state`` as the checkpoint of ``step``, wait until it is durable,
         point ``latest`` at it and apply retention. Collective.
 
-        Returns the checkpoint's path (None on ranks that do not write in
-        replicated mode).
+        Returns the checkpoint's path (in replicated mode with
+        ``collective=False``, None on ranks other than 0).
 
         Raises:
             OSError etc.: this rank's write failed; ``latest`` still names the
@@ -239,6 +249,8 @@ class CheckpointManager:
         if self.sharded:
             return self._save_sharded(step, name, state)
         self._begin(step, name, wait_previous=True)
+        if self.collective:
+            return self._save_collective(step, name, state)
         err = None
         path = self.directory / name
         if self.rank == 0:
@@ -254,6 +266,29 @@ class CheckpointManager:
                     self._writing.discard(name)
         self._ranks.agree(err, f"saving the checkpoint of step {step}")
         return path if self.rank == 0 else None
+
+    def _save_collective(self, step: int, name: str, state: Any) -> Path:
+        """Every rank writes its share of the file (``fastckpt.save(...,
+        group=...)``: any rank's failure raises on every rank, and only after
+        the file is committed does any rank return); rank 0 then moves
+        ``latest`` and applies retention."""
+        path = self.directory / name
+        err = None
+        if self.rank == 0:
+            with self._lock:
+                self._writing.add(name)
+        try:
+            _save(state, path, group=self._ranks.own_group())
+            if self.rank == 0:
+                self._commit(name)
+        except _failures() as e:  # noqa: BLE001
+            err = e
+        finally:
+            if self.rank == 0:
+                with self._lock:
+                    self._writing.discard(name)
+        self._ranks.agree(err, f"saving the checkpoint of step {step}")
+        return path
 
     def async_save(self, step: int, state: Any) -> concurrent.futures.Future:
         """Like :meth:`save`, but returns once ``state`` is snapshotted into
@@ -555,7 +590,9 @@ class CheckpointManager:
                     self._ranks.dcp_load(state, str(path), self.verify, weights_only)
                     result = state
                 else:
-                    result = _load(path, map_location=map_location, weights_only=weights_only, verify=self.verify)
+                    group = self._ranks.own_group() if self.collective else None
+                    result = _load(path, map_location=map_location, weights_only=weights_only, verify=self.verify,
+                                   group=group)
             except _failures() as e:  # noqa: BLE001 - classified below
                 err = e
             kind = None if err is None else _failure_kind(err)

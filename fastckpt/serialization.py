@@ -1082,7 +1082,7 @@ def _is_legacy(head: bytes) -> bool:
 
 def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = None, *,
          weights_only: Optional[bool] = None, mmap: Optional[bool] = None, verify: Optional[bool] = None,
-         **pickle_load_args) -> Any:
+         group: Any = None, **pickle_load_args) -> Any:
     """Load an object saved by :func:`save` or by :func:`torch.save`.
 
     Args:
@@ -1124,6 +1124,18 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
             without checksums: ``FormatError``; a file object or
             ``mmap=True``: ``ValueError``). ``False``: no check.
 
+        group: a ``torch.distributed`` process group whose every rank calls
+            load with the same ``path`` (a shared filesystem, or node-local
+            copies written with ``save(..., placement="node")``): the file is
+            read from disk once in total, each rank that has it reading about
+            an equal share and the shares exchanged over the group (gloo: host
+            memory; a CUDA-only backend: through the current CUDA device), so
+            every rank returns the whole object. A rank whose path does not
+            exist gets every byte from its peers. Verified as a local load
+            (each piece's CRC-32 computed where it is read, combined on every
+            rank); any rank's failure raises on every rank. Needs a path and
+            mmap=False.
+
     Returns:
         The saved object.
 
@@ -1144,6 +1156,14 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     if mmap is None:  # torch.load's default
         from torch.utils.serialization import config as _torch_config
         mmap = bool(_torch_config.load.mmap)
+    if group is not None:
+        if not _is_path(f) or mmap:
+            raise ValueError("fastckpt.load(..., group=...) needs a path (the same on every rank) and mmap=False")
+        if pickle_load_args and weights_only:
+            warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
+        pickle_load_args.setdefault("encoding", "utf-8")  # torch.load's default
+        from . import _collective_load
+        return _collective_load.load(f, group, map_location, weights_only, pickle_module, verify, pickle_load_args)
     # torch.load receives the decided weights_only (an explicit value: it
     # decides the same again, without a second warning).
     # The default verify (None) leaves these loads to torch.load unverified;

@@ -238,3 +238,24 @@ def test_sharded_manager_two_ranks(tmp_path):
     job = Job(tmp_path / "logs", HELPERS / "sharded_worker.py", [str(tmp_path / "ckpt")])
     lines = job.finish(timeout=120)
     assert lines[-1] == "ok", job.report()
+
+
+def test_collective_manager_two_ranks(tmp_path):
+    """Replicated mode, collective=True (the default): every rank writes and
+    reads a share; retention, `latest`, fallback from a damaged checkpoint, a
+    failing rank fails the save everywhere; collective=False writes from rank 0."""
+    job = Job(tmp_path / "logs", HELPERS / "collective_manager_worker.py", [str(tmp_path / "ckpt")])
+    lines = job.finish(timeout=120)
+    assert lines[-1] == "ok", job.report()
+
+
+def test_sigkill_during_a_rank0_save_resumes_from_the_previous_checkpoint(tmp_path, reference):
+    """The same with collective=False (--rank0-writes): rank 0 writes the file alone."""
+    ckpt = tmp_path / "ckpt"
+    job = run_example(tmp_path / "logs", ckpt, ["--rank0-writes"], env={"FASTCKPT_TEST_FAULT": "write:1:300:0:step_"})
+    job.wait_line(lambda s: s == "ckpt-begin 15")
+    wait_for_temp(ckpt, ".step_00000015.pt.fastckpt-tmp.", job)
+    assert (ckpt / "latest").read_text() == "step_00000010.pt\n"
+    job.kill()
+    assert not (ckpt / "step_00000015.pt").exists()
+    assert finish_resumed(tmp_path, ckpt, reference, ["--rank0-writes"]) == 10
