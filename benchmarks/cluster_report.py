@@ -241,9 +241,10 @@ def draw(runs: List[Dict[str, Any]], path: str) -> Optional[str]:
             ax.plot(ns, [b for _ in ns], "k:", linewidth=1, label="B (one node's link)")
         ax.set_xticks(ns)
         ax.set_xlabel("N (nodes)")
-        ax.set_ylabel("checkpoint GB/s (1e9 B/s), slowest rank")
+        ax.set_ylabel("GB/s (1e9 B/s) over the slowest rank's time")
         ax.set_ylim(bottom=0)
-        ax.set_title(f"{opname}" + (" (page cache dropped)" if opname == "load" else " (durable)"), fontsize=10)
+        ax.set_title(opname + (" (cold: the checkpoint evicted from the page cache)" if opname == "load"
+                               else " (durable: fsync inside)"), fontsize=10)
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     emu = next((r.get("emulation") for r in runs if r.get("emulation")), None)
