@@ -53,6 +53,7 @@ from benchmarks import cluster_report  # noqa: E402  (no torch import: the paren
 BLKIO = "/sys/fs/cgroup/blkio"
 DEFAULT_OUT = os.path.join(REPO_ROOT, "build", "bench-cluster")
 MiB = 1 << 20
+RANK_GRACE_S = 30.0  # after one rank failed, how long the others may take to fail on their own
 
 
 def log(msg: str) -> None:
@@ -246,17 +247,25 @@ def run_world(n: int, args: argparse.Namespace, emu: Optional[Emulation], plain:
 
                 procs.append(subprocess.Popen(cmd, env=env, stdout=md if r == 0 else subprocess.DEVNULL,
                                               preexec_fn=enter_cgroup, cwd=REPO_ROOT))
+            # Every rank's exit; a rank that failed leaves the others blocked in a collective until the
+            # group's timeout: they get RANK_GRACE_S to fail on their own, then are killed.
             deadline = time.monotonic() + args.timeout * 3
-            codes = []
-            for p in procs:
-                codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
-            if any(codes[1:]) and not codes[0]:
+            failed_at = None
+            while True:
+                codes = [p.poll() for p in procs]
+                if all(c is not None for c in codes):
+                    break
+                now = time.monotonic()
+                if failed_at is None and any(c for c in codes if c is not None):
+                    failed_at = now
+                    log(f"world {n}: a rank failed (exit statuses {codes}); the others get {RANK_GRACE_S:.0f} s")
+                if now > deadline or (failed_at is not None and now > failed_at + RANK_GRACE_S):
+                    log(f"world {n}: ranks still running ({codes}): killed")
+                    return 124
+                time.sleep(0.2)
+            if any(codes):
                 log(f"world {n}: exit statuses {codes}")
-                return 1
-            return codes[0]
-        except subprocess.TimeoutExpired:
-            log(f"world {n}: ranks still running after {args.timeout * 3:.0f} s: killed")
-            return 124
+            return codes[0] or (1 if any(codes) else 0)
         finally:
             for p in procs:
                 if p.poll() is None:

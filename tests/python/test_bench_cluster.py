@@ -287,3 +287,17 @@ def test_emulation_undone_on_sigterm(tmp_path):
     assert _attached([str(tmp_path)]) == []
     assert not os.path.exists(cg)
     assert not [n for n in os.listdir(tmp_path) if n.startswith("fastckpt-cluster-emu-")]
+
+
+def test_cannot_emulate_is_said_not_passed(tmp_path, monkeypatch, capsys):
+    """Without root / blkio / loop devices: make bench-cluster exits 2 saying why; under report.py (--json)
+    the section says 'not run' and why, with no rows and no verdicts."""
+    monkeypatch.setattr(ce, "why_not_emulated", lambda: "not root (test)")
+    assert ce.main(["--dir", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "cannot emulate nodes here: not root (test)" in capsys.readouterr().err
+    js = tmp_path / "raw" / "cluster.json"
+    js.parent.mkdir()
+    assert ce.main(["--dir", str(tmp_path), "--json", str(js)]) == 0
+    got = json.loads(js.read_text())
+    assert got["rows"] == [] and got["targets"] == []
+    assert got["notes"] == ["not run: cannot emulate nodes here: not root (test)"]
