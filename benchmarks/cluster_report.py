@@ -67,7 +67,7 @@ def op_row(run: Dict[str, Any], m: Dict[str, Any], opname: str) -> List[str]:
     op = m.get(opname) or {}
     b, n = link_gbps(run), nodes(run)
     if op.get("skipped"):
-        return [SHORT[m["mode"]], opname, op["skipped"]] + [""] * 7
+        return [SHORT[m["mode"]], opname, op["skipped"]] + [""] * (len(HEADER) - 3)
     key = "write_bytes" if opname == "save" else "read_bytes"
     per_rank_b = "/".join(_mb(r.get(key)) for r in op["ranks"])
     per_rank_s = "/".join(f"{r['seconds']:.2f}" for r in op["ranks"])
@@ -87,14 +87,14 @@ def op_row(run: Dict[str, Any], m: Dict[str, Any], opname: str) -> List[str]:
 
 
 HEADER = ["mode", "op", "slowest rank s", "checkpoint GB/s", "x B", "all ranks GB/s", "x N*B",
-          "MB per rank (written / read)", "s per rank", "seen by the rank's blkio cgroup", "check, errors"]
+          "MB per rank (save: written, load: read)", "s per rank", "seen by the rank's blkio cgroup", "check, errors"]
 
 
 def run_rows(run: Dict[str, Any]) -> List[List[str]]:
     rows = []
     for m in sorted(run["modes"], key=lambda m: MODE_ORDER.index(m["mode"])):
         if not m.get("available"):
-            rows.append([SHORT[m["mode"]], "-", m.get("reason", "unavailable")] + [""] * 8)
+            rows.append([SHORT[m["mode"]], "-", m.get("reason", "unavailable")] + [""] * (len(HEADER) - 3))
             continue
         rows.append(op_row(run, m, "save"))
         rows.append(op_row(run, m, "load"))

@@ -141,6 +141,13 @@ def test_report_targets_and_report_py_section(tmp_path):
     assert st["collective save >= 0.9"]["met"] is False  # 0.48 x N*B
     reads = st["collective load reads "]
     assert reads["measured"] == pytest.approx(2.0) and reads["met"] is False  # rank 0 read half the file
+    # every table row has the header's cells, an unavailable mode's and a skipped load's too
+    run["modes"][2]["load"] = {"skipped": "unavailable: no group= (test)"}
+    md = cluster_report.markdown([run])
+    rows = [x for x in md if x.startswith("| ") and "N=4" not in x and "verdict" not in x]
+    assert len(rows) == 1 + 2 + 2 + 2 + 1 + 1  # header, three modes' save+load, two unavailable modes
+    assert {x.count(" | ") for x in rows} == {len(cluster_report.HEADER) - 1}, rows
+    assert any("| node-local copies | load | unavailable: no group= (test) |" in x for x in rows)
     # report.py renders the standalone JSON cluster_emulate.py writes, with its chart
     raw = tmp_path / "raw"
     (raw / "cluster").mkdir(parents=True)
