@@ -249,46 +249,23 @@ class CheckpointManager:
         if self.sharded:
             return self._save_sharded(step, name, state)
         self._begin(step, name, wait_previous=True)
-        if self.collective:
-            return self._save_collective(step, name, state)
         err = None
         path = self.directory / name
-        if self.rank == 0:
+        writes = self.collective or self.rank == 0  # collective: a share each, committed by rank 0
+        if writes:
             with self._lock:
                 self._writing.add(name)
             try:
-                _save(state, path)
-                self._commit(name)
+                _save(state, path, group=self._ranks.own_group() if self.collective else None)
+                if self.rank == 0:
+                    self._commit(name)  # `latest` moves once the file is committed
             except _failures() as e:  # noqa: BLE001
                 err = e
             finally:
                 with self._lock:
                     self._writing.discard(name)
         self._ranks.agree(err, f"saving the checkpoint of step {step}")
-        return path if self.rank == 0 else None
-
-    def _save_collective(self, step: int, name: str, state: Any) -> Path:
-        """Every rank writes its share of the file (``fastckpt.save(...,
-        group=...)``: any rank's failure raises on every rank, and only after
-        the file is committed does any rank return); rank 0 then moves
-        ``latest`` and applies retention."""
-        path = self.directory / name
-        err = None
-        if self.rank == 0:
-            with self._lock:
-                self._writing.add(name)
-        try:
-            _save(state, path, group=self._ranks.own_group())
-            if self.rank == 0:
-                self._commit(name)
-        except _failures() as e:  # noqa: BLE001
-            err = e
-        finally:
-            if self.rank == 0:
-                with self._lock:
-                    self._writing.discard(name)
-        self._ranks.agree(err, f"saving the checkpoint of step {step}")
-        return path
+        return path if writes else None
 
     def async_save(self, step: int, state: Any) -> concurrent.futures.Future:
         """Like :meth:`save`, but returns once ``state`` is snapshotted into
