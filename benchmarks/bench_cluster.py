@@ -377,7 +377,7 @@ def main(argv=None) -> int:
             "local_dir": args.local_dir, "argv": sys.argv, "fastckpt": fb.fastckpt_version(),
             "torch": torch.__version__, "started": datetime.datetime.now(datetime.timezone.utc).isoformat(
                 timespec="seconds"), "emulation": json.loads(args.emulation) if args.emulation else None,
-            "blkio_stats": bool(args.blkio_stats), "modes": []}
+            "blkio_stats": bool(args.blkio_stats), "load_avg": [round(x, 2) for x in os.getloadavg()], "modes": []}
         for mode in modes:
             res["modes"].append(run_mode(ctx, mode, sd))
         dist.barrier()

@@ -281,7 +281,8 @@ def describe(args: argparse.Namespace, emulated: bool) -> str:
             f"B = {args.link_mbps:g} MB/s read and write on the shared filesystem's loop device and on its node's own "
             f"(ext4 on loop devices, losetup --direct-io=on, over sparse files on {args.dir}); ranks share this "
             f"machine's {os.cpu_count()} CPUs, memory and page cache (a buffered read by one rank can serve another), "
-            f"gloo over loopback; the machine was shared with other work while this ran")
+            f"gloo over loopback; other work on the machine is not stopped (the load average at each world "
+            f"size's start is in the notes)")
 
 
 def main(argv=None) -> int:

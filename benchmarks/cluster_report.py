@@ -166,6 +166,9 @@ def notes(runs: List[Dict[str, Any]]) -> List[str]:
                    "disk's, not the emulated link's). Every save's fsyncs are inside its timing.")
     else:
         out.append("not emulated: whatever disks and network this ran on (no blkio throttling).")
+    loads = [f"N={nodes(r)}: {r['load_avg'][0]:g}" for r in runs if r.get("load_avg")]
+    if loads:
+        out.append("load average (1 min) at the start of each world size: " + ", ".join(loads))
     caches = sorted({m.get("cache") for r in runs for m in r["modes"] if m.get("cache")})
     out.append("page cache before each load: " + ("; ".join(caches) if caches else "no load ran"))
     out.append("checkpoint GB/s = checkpoint bytes / the slowest rank's seconds (barrier before the operation to "
