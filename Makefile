@@ -108,3 +108,18 @@ FIRST_LOAD_REPS ?= 12
 .PHONY: bench-first-load
 bench-first-load: build
 	$(PY) benchmarks/bench_first_load.py --dir "$(BENCH_DIR)" --reps $(FIRST_LOAD_REPS)
+
+# Issue 13, the cluster benchmark (benchmarks/cluster_emulate.py -> bench_cluster.py): N = CLUSTER_WORLDS emulated
+# nodes on this machine (root: one ext4 loop filesystem per node + one shared, each rank in its own cgroup v1 blkio
+# cgroup throttled to CLUSTER_LINK_MBPS MB/s per node), every save/load mode of replicated state at CLUSTER_SIZE;
+# CLUSTER.md, cluster.json and cluster_scaling.png into CLUSTER_OUT (CLUSTER_OUT=benchmarks/results/cluster to keep
+# them). On a real cluster run benchmarks/bench_cluster.py under torchrun (its docstring has the command lines).
+CLUSTER_WORLDS    ?= 1,2,4
+CLUSTER_SIZE      ?= 512M
+CLUSTER_LINK_MBPS ?= 100
+CLUSTER_OUT       ?= build/bench-cluster
+CLUSTER_ARGS      ?=
+.PHONY: bench-cluster
+bench-cluster: build
+	$(PY) benchmarks/cluster_emulate.py --dir "$(BENCH_DIR)" --worlds $(CLUSTER_WORLDS) --size $(CLUSTER_SIZE) \
+	  --link-mbps $(CLUSTER_LINK_MBPS) --out "$(CLUSTER_OUT)" $(CLUSTER_ARGS)

@@ -84,7 +84,13 @@ QUICK_OUT = os.path.join(REPO_ROOT, "build", "bench-quick")
 STANDALONE = (
     ("small", "bench_small.py", "100,000 scalar tensors: save, load and verify against torch, file size"),
     ("first_load", "bench_first_load.py", "the first small load in a fresh process against torch.load"),
+    ("cluster", "cluster_emulate.py", "issue 13's cluster benchmark: N = 1, 2, 4 emulated nodes (root: loop "
+     "filesystems, blkio cgroups), every save/load mode of replicated state"),
 )
+# Standalone scripts run only when named in --standalone (minutes, or root): the cluster benchmark is
+# `make bench-cluster`; `make bench BENCH_ARGS="--standalone small,first_load,cluster"` puts it in the report.
+# A script's JSON may also name "images": [path relative to its JSON file, ...], shown under its table.
+OPT_IN = ("cluster",)
 REPORT_VERSION = 1
 DS_INSTALL = ".ci/install_deepspeed.sh"
 
@@ -323,6 +329,7 @@ def collect_standalone(out: str, runs: Dict[str, Any]) -> List[Dict[str, Any]]:
             with open(os.path.join(out, run["json"])) as f:
                 got = json.load(f)
             entry.update({k: got.get(k) for k in ("columns", "rows", "targets", "notes", "errors")})
+            entry["images"] = [os.path.join(os.path.dirname(run["json"]), p) for p in got.get("images") or []]
             entry["title"] = got.get("title") or what
             entry.update(md=run["md"], exit=run.get("exit"), seconds=run.get("seconds"))
         found.append(entry)
@@ -625,6 +632,7 @@ def standalone_section(res: Dict[str, Any]) -> List[str]:
         L += [f"- note: {n}" for n in x.get("notes") or []]
         L += [f"- **ERROR**: {n}" for n in x.get("errors") or []]
         L.append(f"- ({x['script']}, [raw output]({x['md']}))")
+        L += [f"\n![{os.path.basename(p)[:-4]}]({p})" for p in x.get("images") or []]
     return L
 
 
@@ -658,9 +666,10 @@ def main(argv=None) -> int:
                     help="the whole pipeline in about a minute: --sizes 64M --reps 1 --tune-size 0, "
                          "bench_save_load.py --quick (one fio point, DCP thread_count 2 only), the standalone "
                          "scripts with --quick; output in build/bench-quick/ unless --out (make bench-quick)")
-    ap.add_argument("--standalone", default=",".join(n for n, _, _ in STANDALONE),
-                    help="comma-separated standalone scripts to run (default: all of " +
-                         ", ".join(f"{n} ({s})" for n, s, _ in STANDALONE) + "; '' for none)")
+    ap.add_argument("--standalone", default=",".join(n for n, _, _ in STANDALONE if n not in OPT_IN),
+                    help="comma-separated standalone scripts to run (default: " +
+                         ", ".join(f"{n} ({s})" for n, s, _ in STANDALONE if n not in OPT_IN) + "; also: " +
+                         ", ".join(f"{n} ({s})" for n, s, _ in STANDALONE if n in OPT_IN) + "; '' for none)")
     ap.add_argument("--deepspeed", choices=("yes", "no"), default="no",
                     help="also DeepSpeed's FastFileWriter (must be installed: " + DS_INSTALL + "; default no)")
     ap.add_argument("--tune-size", default=None, help="knob sweep at this size (default 1G; --quick and 0: none)")
