@@ -64,7 +64,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _C, _paths, _torch_rules, _zip
+from . import _C, _dist_exit, _paths, _torch_rules, _zip
 from .engine import get_engine
 
 # Sampled CRCs: a storage of up to _SAMPLE_WHOLE bytes is checksummed whole,
@@ -195,6 +195,7 @@ class _Group:
         self.action, self.outcome = action, outcome  # for the messages: "cannot <action> <path>: ...; <outcome>"
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        _dist_exit.register()  # a destroyed group that torch still references must not live into finalization
 
     def exchange(self, mine: Any, local_error: Optional[BaseException], what: str) -> List[Any]:
         """all_gather (error description | None, mine); raises on every rank

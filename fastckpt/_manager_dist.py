@@ -18,12 +18,12 @@ business (fastckpt/manager.py); what the directory holds is fastckpt/_manager_po
 import atexit
 import logging
 import os
-import sys
 import threading
-import types
 import weakref
 from datetime import timedelta
 from typing import Any, List, Optional, Tuple
+
+from . import _dist_exit
 
 log = logging.getLogger("fastckpt")
 
@@ -193,42 +193,6 @@ class Ranks:
 
 # ------------------------------------------------------------------ exit and fork
 
-def _drop_torch_refs_to_destroyed_groups() -> int:
-    """``torch.distributed.nn.functional`` (imported by
-    ``torch.distributed.checkpoint``, DDP and others) binds
-    ``dist.group.WORLD`` as the default argument of its functions when it is
-    first imported; imported after ``init_process_group``, that keeps the
-    default group alive after ``destroy_process_group()``. Such a group dies
-    only during interpreter finalization, and that is fatal with gloo: each
-    of its worker threads keeps the last collective it ran, whose tensors
-    hold Python objects, until the group is destroyed; releasing them then
-    takes the GIL, and a thread that takes the GIL during finalization is
-    killed inside a noexcept destructor: "terminate called without an
-    active exception", SIGABRT (issue 11 item 13).
-
-    Called at exit, while the interpreter is fully alive: replaces those
-    default arguments, where they name a group that was already destroyed
-    (no longer registered), by None (which means the default group, as if
-    the module had been imported before ``init_process_group``). If nothing
-    else holds the group, it is freed here, through its Python object,
-    whose destructor releases the GIL while it joins the worker threads.
-    Live groups are left alone. Returns how many defaults were replaced."""
-    mod = sys.modules.get("torch.distributed.nn.functional")
-    if mod is None:
-        return 0
-    import torch.distributed as dist
-    live = set(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else set()
-    n = 0
-    for f in list(vars(mod).values()):
-        if not isinstance(f, types.FunctionType) or not f.__defaults__:
-            continue
-        d = tuple(None if isinstance(x, dist.ProcessGroup) and x not in live else x for x in f.__defaults__)
-        if any(x is not y for x, y in zip(d, f.__defaults__)):
-            f.__defaults__ = d
-            n += 1
-    return n
-
-
 _live: "weakref.WeakSet[Any]" = weakref.WeakSet()   # the CheckpointManagers of this process
 _exit_hook = False
 _exit_lock = threading.Lock()
@@ -240,14 +204,14 @@ def _release_at_exit() -> None:
     fully alive): every live manager finishes its background saves and frees
     its own gloo group, whose worker threads are joined here rather than
     during interpreter finalization; then the references torch keeps to
-    destroyed groups are dropped (:func:`_drop_torch_refs_to_destroyed_groups`)."""
+    destroyed groups are dropped (:func:`_dist_exit.drop_torch_refs_to_destroyed_groups`)."""
     for mgr in list(_live):
         try:
             mgr._release(wait=True)
         except Exception:  # noqa: BLE001 - never mask other exit handlers
             log.exception("fastckpt.CheckpointManager: error while finishing %s at exit", mgr.directory)
     try:
-        n = _drop_torch_refs_to_destroyed_groups()
+        n = _dist_exit.drop_torch_refs_to_destroyed_groups()
         if n:
             log.debug("fastckpt.CheckpointManager: dropped %d reference(s) torch kept to destroyed groups", n)
     except Exception:  # noqa: BLE001

@@ -259,10 +259,10 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
     """
     ts._check_dill_version(pickle_module)
     ts._check_save_filelike(f)
-    if placement not in ("shared", "node"):
-        raise ValueError(f"fastckpt.save: placement={placement!r} is not 'shared' or 'node'")
     if placement != "shared" and group is None:
-        raise ValueError(f"fastckpt.save: placement={placement!r} needs group= (a process group)")
+        from ._collective import PLACEMENTS
+        raise ValueError(f"fastckpt.save: placement={placement!r} needs group= (a process group)" if placement in
+                         PLACEMENTS else f"fastckpt.save: placement={placement!r} is not one of {PLACEMENTS}")
     if group is not None:
         if not _use_new_zipfile_serialization:
             raise ValueError("fastckpt.save: group= writes the zip format only (_use_new_zipfile_serialization=True)")

@@ -5,7 +5,9 @@ exit, with no gc.collect(), close() or `with` to help it.
 Usage (under torchrun --standalone --nproc_per_node 2):
     python exit_worker.py CKPT_DIR MODE
 MODE: "replicated" (a DDP model; rank 0 writes) or "sharded" (every rank writes
-through DCP). Each saves synchronously and asynchronously, waits, loads.
+through DCP): each saves synchronously and asynchronously, waits, loads;
+"collective" (a DDP model, no manager): fastckpt.save and fastckpt.load with
+group= on the default group, as examples/ddp_checkpoint.py does.
 
 Rank 0 prints "ok" before exiting. At the very end of interpreter exit (an
 atexit handler registered before fastckpt is imported runs after fastckpt's
@@ -65,6 +67,18 @@ def main(ckpt: str, mode: str) -> None:
         def state(step):
             return {"w": torch.full((256,), float(step + rank)), "step": step}
         blank = {"w": torch.zeros(256), "step": 0}
+    elif mode == "collective":
+        model = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
+        model(torch.randn(8, 16)).sum().backward()
+        path = os.path.join(ckpt, "c.pt")
+        os.makedirs(ckpt, exist_ok=True)
+        fastckpt.save({"model": model.module.state_dict(), "step": 1}, path, group=dist.group.WORLD)
+        got = fastckpt.load(path, group=dist.group.WORLD)
+        assert got["step"] == 1 and torch.equal(got["model"]["weight"], model.module.weight.detach()), got
+        dist.destroy_process_group()
+        if rank == 0:
+            print("ok", flush=True)
+        return
     else:
         raise SystemExit(f"unknown mode {mode!r}")
     mgr = fastckpt.CheckpointManager(ckpt, keep_last=2, sharded=(mode == "sharded"))
