@@ -15,14 +15,17 @@ Flow (each step a collective over ``pg``, so a failure anywhere reaches every ra
    ValueError everywhere (no mix of two checkpoints).
 2. if some rank lacks the file, the first holder broadcasts the parsed
    directory and the small records to all.
-3. the storage records' bytes, in file order, are cut into R contiguous shares
+3. every rank allocates the result's storages; all_gather of errors.
+4. the storage records' bytes, in file order, are cut into R contiguous shares
    balanced by bytes (cuts on 4 KiB inside a record, so that O_DIRECT reads
-   stay aligned); every holder reads its share straight into the result's
-   storages with the engine (the CRC-32 of each piece computed while reading);
-   all_gather of (error | the pieces' CRC-32s).
-4. each holder broadcasts its pieces: a piece of _INPLACE_MIN bytes or more in
-   place (the receivers' storages are its destination), smaller ones packed
-   into one buffer per _PACK_BYTES.
+   stay aligned), each share into rounds of about _ROUND_BYTES. Round by
+   round, every holder reads its part straight into the result's storages
+   with the engine (the CRC-32 of each piece computed while reading), then
+   every holder's part of the round is broadcast asynchronously, overlapping
+   the next round's reads: a piece of _INPLACE_MIN bytes or more in place (the
+   receivers' storages are its destination), smaller ones packed into one
+   buffer per _PACK_BYTES. After the last broadcast: all_gather of (error |
+   the pieces' CRC-32s).
 5. every rank combines the pieces' CRCs into each record's (the same verdict on
    every rank: a damaged record is a FormatError naming the tensor everywhere),
    then unpickles locally as ``fastckpt.load`` does (weights-only rules,
@@ -49,6 +52,9 @@ from ._collective import _Group
 _INPLACE_MIN = 1 << 20
 _PACK_BYTES = 16 << 20
 _CUT_ALIGN = 4096
+# Each holder reads its share in rounds of about this many bytes; a round's
+# broadcasts run (gloo's threads) while the next round is read.
+_ROUND_BYTES = 32 << 20
 
 
 def _identity(archive: "_zip.Archive", small: Dict[str, bytes]) -> bytes:
@@ -103,6 +109,34 @@ def _pieces(archive: "_zip.Archive", names: List[str], readers: int) -> List[Lis
             if lo < hi:
                 out[r].append((name, lo - start, hi - lo))
     return out
+
+
+def _rounds(shares: List[List[Tuple[str, int, int]]], round_bytes: int = _ROUND_BYTES
+            ) -> List[List[List[Tuple[str, int, int]]]]:
+    """rounds[j][k]: the pieces holder k reads and broadcasts in round j: its
+    share, in order, cut into runs of about `round_bytes` (a piece cut where a
+    run ends, on a 4 KiB multiple of its offset). Every rank computes the same
+    rounds, so every rank issues the same broadcasts in the same order."""
+    per: List[List[List[Tuple[str, int, int]]]] = []
+    for share in shares:
+        runs: List[List[Tuple[str, int, int]]] = []
+        cur: List[Tuple[str, int, int]] = []
+        size = 0
+        for n, off, ln in share:
+            while ln > 0:
+                take = ln
+                if size + ln > round_bytes:
+                    take = min(ln, max(_CUT_ALIGN, (round_bytes - size) // _CUT_ALIGN * _CUT_ALIGN))
+                cur.append((n, off, take))
+                size, off, ln = size + take, off + take, ln - take
+                if size >= round_bytes:
+                    runs.append(cur)
+                    cur, size = [], 0
+        if cur:
+            runs.append(cur)
+        per.append(runs)
+    count = max((len(r) for r in per), default=0)
+    return [[per[k][j] if j < len(per[k]) else [] for k in range(len(shares))] for j in range(count)]
 
 
 def _transport_device(dist, group) -> Optional[torch.device]:
@@ -214,49 +248,60 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
                 raise g.lost(e, "the broadcast of the file's directory") from e
             archive, small = box
 
-        # 3. every holder reads its share.
+        # 3. every rank makes the result's storages (and learns how to exchange).
         names = _storage_records(archive)
-        shares = _pieces(archive, names, len(holders))
+        rounds = _rounds(_pieces(archive, names, len(holders)))
         storages = ser._Records(path, archive, fd, verify)
-        err, crcs = None, None
+        err, device = None, None
         try:
             storages.claim(names)
             for n in names:
                 storages[n] = ser._host_storage(archive.records[n].size)
-            if g.rank in holders:
-                mine_pieces = shares[holders.index(g.rank)]
-                items = [(n, off, storages[n][off:off + ln], verify is not False) for n, off, ln in mine_pieces]
-                crcs = storages.read_into(items)
             device = _transport_device(g.dist, group)
         except Exception as e:
             err = e
+        g.exchange(None, err, "to allocate the result's storages")
+
+        # 4. round by round, every holder reads its part of the round (the
+        # engine, straight into the storages, a CRC-32 per piece) and then the
+        # round's pieces of every holder are broadcast, asynchronously: the
+        # next round's reads overlap them. A holder whose read failed still
+        # takes part in every broadcast (its bytes are then garbage) and says
+        # so in the exchange after them, where every rank raises.
+        ex = _Exchange(g, device)
+        k_mine = holders.index(g.rank) if g.rank in holders else -1
+        crcs: Optional[List[Any]] = [] if k_mine >= 0 else None
+        for rnd in rounds:
+            if k_mine >= 0 and err is None and rnd[k_mine]:
+                try:
+                    crcs += storages.read_into([(n, off, storages[n][off:off + ln], verify is not False)
+                                                for n, off, ln in rnd[k_mine]])
+                except Exception as e:
+                    err = e
+            for k, src in enumerate(holders):
+                batch: List[torch.Tensor] = []
+                size = 0
+                for n, off, ln in rnd[k]:
+                    view = storages[n][off:off + ln]
+                    if ln >= _INPLACE_MIN:
+                        ex.send(src, [view])
+                        continue
+                    batch.append(view)
+                    size += ln
+                    if size >= _PACK_BYTES:
+                        ex.send(src, batch)
+                        batch, size = [], 0
+                if batch:
+                    ex.send(src, batch)
+        ex.wait()
         got = g.exchange(crcs, err, "to read its share")
         stack.close()  # the file: later reads (records torch asks for late) open it again
         storages.fd = -1
 
-        # 4. the shares go to every rank.
-        ex = _Exchange(g, device)
-        for k, src in enumerate(holders):
-            batch: List[torch.Tensor] = []
-            size = 0
-            for n, off, ln in shares[k]:
-                view = storages[n][off:off + ln]
-                if ln >= _INPLACE_MIN:
-                    ex.send(src, [view])
-                    continue
-                batch.append(view)
-                size += ln
-                if size >= _PACK_BYTES:
-                    ex.send(src, batch)
-                    batch, size = [], 0
-            if batch:
-                ex.send(src, batch)
-        ex.wait()
-
     # 5. each record's CRC-32 from its pieces', then unpickle as a local load.
     if verify is not False:
         for k, src in enumerate(holders):
-            for (n, off, ln), c in zip(shares[k], got[src]):
+            for (n, off, ln), c in zip([p for rnd in rounds for p in rnd[k]], got[src]):
                 storages.crcs[n] = _C.crc32_combine(storages.crcs[n], c or 0, ln) if off else (c or 0)
         for n in names:
             if archive.records[n].size == 0:
