@@ -60,6 +60,7 @@ import os
 import socket
 import struct
 import sys
+import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -332,7 +333,11 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
         # 3. every rank writes its share and makes it durable; it also checksums
         # the next rank's share (read only), so that a rank whose data differs
         # inside the share it writes is found even where the samples missed it.
-        err, crcs, check = None, [], []
+        err, crcs = None, []
+        # The check runs on a thread of its own while this rank's writes wait
+        # for the disk (_C.crc32 releases the GIL).
+        checker = _Checker(tensors, plan, shares[(copies.local + 1) % len(copies.ranks)]
+                           if len(copies.ranks) > 1 else [])
         try:
             if writer is None:
                 writer = _C.RegionWriter(get_engine(), path, tmp)
@@ -340,13 +345,14 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
                 crcs.append(writer.write_at(_record_bytes(tensors, plan, i)[start:start + n], off, True))
             if not copies.lead:
                 writer.finish()
-            if len(copies.ranks) > 1:
-                for i, start, n, _off in shares[(copies.local + 1) % len(copies.ranks)]:
-                    check.append(_C.crc32(_record_bytes(tensors, plan, i)[start:start + n]))
         except Exception as e:
             err = e
             if writer is not None:
                 writer.abort()
+        try:
+            check = checker.result()
+        except Exception as e:
+            check, err = [], err or e
         written = g.exchange((crcs, check), err, "to write its share")
         _check_shares(path, plan, copies, split, written)
         all_crcs = [written[r][0] for r in copies.ranks]
@@ -383,6 +389,32 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
         if isinstance(e, OSError):
             _paths.raise_named_after_target(e, path)
         raise
+
+
+class _Checker:
+    """The CRC-32s of another rank's share (without writing it), computed on a
+    thread while this rank writes its own; result() joins it (an error there
+    is raised by result())."""
+
+    def __init__(self, tensors, plan, share):
+        self.crcs: List[int] = []
+        self.error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._run, args=(tensors, plan, share), name="fastckpt-check",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, tensors, plan, share) -> None:
+        try:
+            for i, start, n, _off in share:
+                self.crcs.append(_C.crc32(_record_bytes(tensors, plan, i)[start:start + n]))
+        except BaseException as e:  # noqa: BLE001 - handed to result()
+            self.error = e
+
+    def result(self) -> List[int]:
+        self.thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.crcs
 
 
 def _check_shares(path: str, plan, copies: _Copies, split, written) -> None:
