@@ -4,8 +4,6 @@ Nodes are emulated: each rank's FASTCKPT_NODE names its node, each node's
 "local disk" is a directory of its own. Each rank is a subprocess
 (tests/python/collective_worker.py) joined through a FileStore."""
 import ast
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +17,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import collective_worker as worker  # noqa: E402
 from test_collective_save import (assert_equal_objects, assert_no_fd_leak, last_line, leftovers,  # noqa: E402
-                                  reference_bytes)
+                                  reference_bytes, run_ranks)
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -37,25 +35,8 @@ def node_dirs(tmp_path: Path, nodes):
 
 def run_nodes(tmp_path: Path, nodes, paths, case: str, mode: str = "ok", timeout: float = 400):
     """Rank r runs on node nodes[r] and saves to paths[r] with placement="node"."""
-    store = tmp_path / f"store.{os.urandom(4).hex()}"
-    world = len(nodes)
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1", FASTCKPT_NODE=nodes[r])
-        procs.append(subprocess.Popen([sys.executable, str(HERE / "collective_worker.py"), str(store), str(r),
-                                       str(world), str(paths[r]), case, mode, "node"], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, env=env))
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append((p.returncode, out))
-    finally:
-        for p in procs:  # none left behind when a rank hangs
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return outs
+    return run_ranks(tmp_path, len(nodes), list(paths), case, mode, timeout, extra=("node",),
+                     rank_env=lambda r: {"FASTCKPT_NODE": nodes[r]})
 
 
 def tagged(text: str, tag: str):
@@ -248,22 +229,8 @@ def test_node_local_copies_with_one_missing_load_on_every_rank(tmp_path):
     for r, (rc, text) in enumerate(res):
         assert rc == 0 and last_line(text) == "OK", f"rank {r} (exit {rc}): {text}"
     (dirs["b"] / "ckpt.pt").unlink()
-    store = tmp_path / f"store.{os.urandom(4).hex()}"
-    procs = [subprocess.Popen([sys.executable, str(HERE / "collective_load_worker.py"), str(store), str(r),
-                               str(len(nodes)), str(paths[r]), "mixed", "ok"], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True,
-                              env=dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1",
-                                       FASTCKPT_NODE=nodes[r])) for r in range(len(nodes))]
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=400)
-            outs.append((p.returncode, out))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = run_ranks(tmp_path, len(nodes), paths, "mixed", worker_script="collective_load_worker.py",
+                     rank_env=lambda r: {"FASTCKPT_NODE": nodes[r]})
     for r, (rc, text) in enumerate(outs):
         assert rc == 0 and last_line(text) == "OK", f"rank {r} (exit {rc}): {text}"
     reads = [bytes_read(text) for _, text in outs]

@@ -21,14 +21,19 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
                                 reason="torch.distributed with gloo is not available")
 
 
-def run_ranks(tmp_path: Path, world: int, path: Path, case: str, mode: str = "ok", timeout: float = 400,
-              worker_script: str = "collective_worker.py"):
-    """`world` ranks of `worker_script` (STORE RANK WORLD PATH CASE MODE); each rank's (exit status, output)."""
+def run_ranks(tmp_path: Path, world: int, path, case: str, mode: str = "ok", timeout: float = 400,
+              worker_script: str = "collective_worker.py", extra=(), rank_env=None):
+    """`world` ranks of `worker_script` (STORE RANK WORLD PATH CASE MODE *extra); each rank's (exit status,
+    output). `path`: one path for every rank, or a list (rank r's path); rank_env(r): more environment."""
     store = tmp_path / f"store.{os.urandom(4).hex()}"
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(HERE / worker_script), str(store), str(r), str(world),
-                               str(path), case, mode], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=env) for r in range(world)]
+    paths = path if isinstance(path, (list, tuple)) else [path] * world
+    procs = []
+    for r in range(world):
+        env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1",
+                   **(rank_env(r) if rank_env else {}))
+        procs.append(subprocess.Popen([sys.executable, str(HERE / worker_script), str(store), str(r), str(world),
+                                       str(paths[r]), case, mode, *extra], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=env))
     outs = []
     try:
         for p in procs:
