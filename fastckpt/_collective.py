@@ -161,17 +161,25 @@ def _shares(plan, world: int, plan_size: int) -> Tuple[Dict[int, int], List[List
         rest = plan_size - total
         first = max(0, min(blocks, ((total + rest) // world - rest) // _BODY_ALIGN))
         bounds = [0] + [(first + (blocks - first) * r // (world - 1)) * _BODY_ALIGN for r in range(world)]
-    shares: List[List[Tuple[int, int, int, int]]] = [[] for _ in range(world)]
-    start = 0  # of the current body in the concatenation
-    for i, body in bodies:
-        end = start + body
-        for r in range(world):
+    shares = [[(i, off, n, plan[i][2].data_offset + off) for i, off, n in run] for run in cut_runs(bodies, bounds)]
+    return dict(bodies), shares
+
+
+def cut_runs(items, bounds: List[int]) -> List[List[Tuple[Any, int, int]]]:
+    """Items [(key, size)] laid end to end, cut at `bounds` (increasing,
+    bounds[0] == 0, bounds[-1] == the total): per run, [(key, offset in the
+    item, length)] in order. The splitter of the collective save's shares and
+    the collective load's."""
+    runs: List[List[Tuple[Any, int, int]]] = [[] for _ in range(len(bounds) - 1)]
+    start = 0  # of the current item in the concatenation
+    for key, size in items:
+        end = start + size
+        for r in range(len(runs)):
             lo, hi = max(start, bounds[r]), min(end, bounds[r + 1])
             if lo < hi:
-                data_offset = plan[i][2].data_offset
-                shares[r].append((i, lo - start, hi - lo, data_offset + lo - start))
+                runs[r].append((key, lo - start, hi - lo))
         start = end
-    return dict(bodies), shares
+    return runs
 
 
 def _digest(data_pkl: bytes, sizes: List[int], settings: Tuple) -> bytes:

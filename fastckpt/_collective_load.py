@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from . import _C, _paths, _zip
-from ._collective import _Group
+from ._collective import _Group, cut_runs
 
 # A piece of at least this many bytes is broadcast in place; smaller ones are
 # packed into buffers of about _PACK_BYTES (one collective each).
@@ -102,13 +102,7 @@ def _pieces(archive: "_zip.Archive", names: List[str], readers: int) -> List[Lis
             b = starts[k] + min(sizes[k], -(-into // _CUT_ALIGN) * _CUT_ALIGN)
         bounds.append(max(b, bounds[-1]))
     bounds.append(total)
-    out: List[List[Tuple[str, int, int]]] = [[] for _ in range(readers)]
-    for name, start, size in zip(names, starts, sizes):
-        for r in range(readers):
-            lo, hi = max(start, bounds[r]), min(start + size, bounds[r + 1])
-            if lo < hi:
-                out[r].append((name, lo - start, hi - lo))
-    return out
+    return cut_runs(list(zip(names, sizes)), bounds)
 
 
 def _rounds(shares: List[List[Tuple[str, int, int]]], round_bytes: int = _ROUND_BYTES
