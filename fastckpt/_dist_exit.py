@@ -5,7 +5,7 @@ the default group as a default argument when it is first imported after
 ``init_process_group``; that reference keeps a destroyed gloo group alive
 until interpreter finalization, where freeing it aborts the process (see
 :func:`drop_torch_refs_to_destroyed_groups`). Every fastckpt collective (the
-collective save and load, the manager) calls :func:`register` so that those
+collective save and load, the manager, FastWriter and FastReader) calls :func:`register` so that those
 references are dropped at exit while the interpreter is fully alive.
 """
 import atexit

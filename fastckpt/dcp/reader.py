@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import _C, _unpickle
+from .. import _C, _dist_exit, _unpickle
 from .._torch_rules import contiguous_stride, itemsize
 from .._owner import check_directory_owner
 from ..engine import get_engine
@@ -174,6 +174,7 @@ class FastReader(StorageReader):
         self.storage_data = metadata.storage_data
         self.rank = kwargs.get("rank")
         self.use_collectives = kwargs.get("use_collectives", True)
+        _dist_exit.register()  # a destroyed group torch still references must not live into finalization
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.futures import Future
 
-from .. import _C, _staging
+from .. import _C, _dist_exit, _staging
 from .._owner import check_directory_owner
 from .._paths import check_dcp_target
 from .._torch_rules import itemsize
@@ -321,6 +321,7 @@ class FastWriter(StorageWriter, AsyncStager):
         s.use_collectives = kwargs.get("use_collectives", True)
         self._local.save = s
         self.is_coordinator, self.rank, self.use_collectives = s.is_coordinator, s.rank, s.use_collectives
+        _dist_exit.register()  # a destroyed group torch still references must not live into finalization
 
     @staticmethod
     def _invalidate(path: Path, names: Sequence[str]) -> None:

@@ -49,7 +49,7 @@ def run_once(ckpt: Path, mode: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("mode", ["replicated", "sharded", "collective"])
+@pytest.mark.parametrize("mode", ["replicated", "sharded", "collective", "dcp"])
 def test_jobs_using_the_manager_exit_cleanly_under_torchrun(tmp_path, mode):
     failures = []
     for i in range(RUNS):

@@ -7,7 +7,8 @@ Usage (under torchrun --standalone --nproc_per_node 2):
 MODE: "replicated" (a DDP model; rank 0 writes) or "sharded" (every rank writes
 through DCP): each saves synchronously and asynchronously, waits, loads;
 "collective" (a DDP model, no manager): fastckpt.save and fastckpt.load with
-group= on the default group, as examples/ddp_checkpoint.py does.
+group= on the default group, as examples/ddp_checkpoint.py does; "dcp" (a DDP
+model, no manager): dcp.save with FastWriter, dcp.load with FastReader.
 
 Rank 0 prints "ok" before exiting. At the very end of interpreter exit (an
 atexit handler registered before fastckpt is imported runs after fastckpt's
@@ -75,6 +76,20 @@ def main(ckpt: str, mode: str) -> None:
         fastckpt.save({"model": model.module.state_dict(), "step": 1}, path, group=dist.group.WORLD)
         got = fastckpt.load(path, group=dist.group.WORLD)
         assert got["step"] == 1 and torch.equal(got["model"]["weight"], model.module.weight.detach()), got
+        dist.destroy_process_group()
+        if rank == 0:
+            print("ok", flush=True)
+        return
+    elif mode == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from fastckpt.dcp import FastReader, FastWriter
+        model = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
+        model(torch.randn(8, 16)).sum().backward()
+        sd = {"model": model.module.state_dict()}
+        dcp.save(sd, storage_writer=FastWriter(os.path.join(ckpt, "d")))
+        got = {"model": {k: torch.zeros_like(v) for k, v in sd["model"].items()}}
+        dcp.load(got, storage_reader=FastReader(os.path.join(ckpt, "d")))
+        assert torch.equal(got["model"]["weight"], model.module.weight.detach()), got
         dist.destroy_process_group()
         if rank == 0:
             print("ok", flush=True)
