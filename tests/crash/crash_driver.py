@@ -310,6 +310,16 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
         conn.send("saved")
 
 
+def _reap(procs, conns) -> None:
+    """Every rank process of a stall check killed (a stopped one too) and joined, its pipes closed."""
+    for p in procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    for c in conns:
+        c.close()
+
+
 class _Stdout:
     def send(self, msg):
         print(msg, flush=True)
@@ -863,18 +873,8 @@ class Driver:
             self.fail(kind, "stall", f"stall check could not run: {e!r}\n{traceback.format_exc()}")
             return
         finally:
-            for p in procs:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)  # a stopped process dies too
-                    p.join()
-            for c in conns:
-                c.close()
-        try:
-            outcome = self.check_sharded2(kind, old_gen, old_gen + 1, killed=True)
-            self.counts[(kind, "stall_checks")] += 1
-            self.counts[(kind, "stall", outcome)] += 1
-        except Exception as e:  # noqa: BLE001
-            self.fail(kind, "stall", f"check raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
+            _reap(procs, conns)
+        self.stall_verdict(kind, self.check_sharded2, old_gen)
 
     def collective_stall_check(self):
         """collective3, once: one rank (0, 1 or 2) stops responding (SIGSTOP) at a random
@@ -940,14 +940,13 @@ class Driver:
             self.fail(kind, "stall", f"stall check could not run: {e!r}\n{traceback.format_exc()}")
             return
         finally:
-            for p in procs:
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)  # a stopped process dies too
-                    p.join()
-            for c in conns:
-                c.close()
+            _reap(procs, conns)
+        self.stall_verdict(kind, self.check_collective3, old_gen)
+
+    def stall_verdict(self, kind, check, old_gen):
+        """After a stall check: the checkpoint is the previous generation or the new one (`check`)."""
         try:
-            outcome = self.check_collective3(kind, old_gen, old_gen + 1, killed=True)
+            outcome = check(kind, old_gen, old_gen + 1, killed=True)
             self.counts[(kind, "stall_checks")] += 1
             self.counts[(kind, "stall", outcome)] += 1
         except Exception as e:  # noqa: BLE001
