@@ -605,10 +605,10 @@ class Driver:
             time.sleep(0.1)
         raise AssertionError(f"manager start left temporaries: {left}")
 
-    def check_file(self, kind, old_gen, new_gen, killed):
-        import fastckpt
+    def _single_file_names(self, kind, killed):
+        """The kind's directory, its final path and its temporary files; nothing
+        else may be there, and a save that was not killed leaves no temporary."""
         d = os.path.join(self.root, kind)
-        path = os.path.join(d, "ckpt.pt")
         names = os.listdir(d)
         tmps = [n for n in names if TMP_MARK in n]
         others = [n for n in names if TMP_MARK not in n and n != "ckpt.pt"]
@@ -616,18 +616,11 @@ class Driver:
             raise AssertionError(f"unexpected names {others}")
         if not killed and tmps:
             raise AssertionError(f"a completed save left {tmps}")
-        if _sha(path) == self.prev[kind][1]:
-            got = fastckpt.load(path, verify=True)
-            if not same(got, make_state(old_gen)):
-                raise AssertionError("old checkpoint loads but differs from what was saved")
-            outcome = "old_intact"
-        else:
-            got = fastckpt.load(path, verify=True)
-            if not same(got, make_state(new_gen)):
-                raise AssertionError("final name holds neither the old nor the new checkpoint")
-            self.prev[kind] = (new_gen, _sha(path))
-            self.gen[kind] = new_gen
-            outcome = "new_complete"
+        return d, os.path.join(d, "ckpt.pt"), tmps
+
+    def check_file(self, kind, old_gen, new_gen, killed):
+        d, path, tmps = self._single_file_names(kind, killed)
+        outcome = self._old_or_new(kind, path, old_gen, new_gen, make_state)
         if tmps:
             self.counts[(kind, "leftover_tmp")] += 1
             self._cleanup_with_manager(d)
@@ -637,15 +630,7 @@ class Driver:
         """The final name holds the old checkpoint bitwise or the new one complete (check_file);
         each survivor of the round ended as the final name says; leftovers go with the next
         collective save."""
-        d = os.path.join(self.root, kind)
-        path = os.path.join(d, "ckpt.pt")
-        names = os.listdir(d)
-        tmps = [n for n in names if TMP_MARK in n]
-        others = [n for n in names if TMP_MARK not in n and n != "ckpt.pt"]
-        if others:
-            raise AssertionError(f"unexpected names {others}")
-        if not killed and tmps:
-            raise AssertionError(f"a completed save left {tmps}")
+        _, path, tmps = self._single_file_names(kind, killed)
         outcome = self._old_or_new(kind, path, old_gen, new_gen, collective_state)
         for r, (code, msgs) in sorted(self.last_survivors.items()):
             last = msgs[-1] if msgs else f"nothing (exit code {code})"
