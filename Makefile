@@ -10,13 +10,15 @@ BENCH_REPS      ?= 3
 BENCH_TUNE_SIZE ?= 1G
 BENCH_DEEPSPEED ?= yes
 BENCH_ARGS      ?=
+# make bench writes its report here (outside the tracked tree); BENCH_OUT=benchmarks/results updates the committed one.
+BENCH_OUT       ?= build/bench
 PYTEST_ARGS ?=
 
 .PHONY: all setup build test test-cpp test-python powerloss-long fuzz-sanitized bench bench-full clean distclean
 
 all: build
 
-$(STAMP): .ci/setup.sh requirements-dev.txt setup.py
+$(STAMP): .ci/setup.sh requirements-dev.txt setup.py pyproject.toml
 	bash .ci/setup.sh
 	touch $@
 
@@ -49,13 +51,13 @@ powerloss-long: build
 fuzz-sanitized: $(STAMP)
 	bash tests/fuzz/run_sanitized.sh $(FUZZ_EXAMPLES)
 
-# The report: benchmarks/results/REPORT.md, results.json, PNG charts and raw/: on BENCH_DIR, the
+# The report: BENCH_OUT/REPORT.md (build/bench/), results.json, PNG charts and raw/: on BENCH_DIR, the
 # disk's limits (fio), then fastckpt.save/load/async_save against torch.save(+fsync)/torch.load, DCP
 # (stock FileSystemWriter/Reader and FastWriter/FastReader) and safetensors at each of BENCH_SIZES,
 # medians of BENCH_REPS interleaved runs, and the knob sweep of `fastckpt bench --tune`.
 # (benchmarks/report.py; BENCH_TUNE_SIZE=0 skips the sweep, BENCH_ARGS adds report.py options.)
 BENCH_REPORT = $(PY) benchmarks/report.py --dir "$(BENCH_DIR)" --sizes $(BENCH_SIZES) --reps $(BENCH_REPS) \
-	--tune-size $(BENCH_TUNE_SIZE)
+	--tune-size $(BENCH_TUNE_SIZE) --out "$(BENCH_OUT)"
 
 # DeepSpeed's FastPersist writer is a peer by default: installed here first (seconds; its AsyncIO op
 # is JIT-built on first use, minutes once per machine). BENCH_DEEPSPEED=no leaves it out.

@@ -8,6 +8,15 @@ header and library are found (Debian: libisal-dev; FASTCKPT_NO_ISAL=1 skips
 it), else zlib's; ``fastckpt._C.crc32_impl()`` says which. DEBUG=1 builds
 with -O0 -g.
 
+The distribution is named ``fastckpt-io`` (the name "fastckpt" on PyPI is an
+unrelated project); the import name and the command are ``fastckpt``. The
+version's one source is ``__version__`` in fastckpt/__init__.py.
+
+FASTCKPT_BUILD_EXT=0 leaves the extension out: .ci/setup.sh uses it for the
+editable install and then builds the extension once, in place, with
+``setup.py build_ext --inplace`` (what ``make build`` reruns incrementally).
+A package built with it set has no engine and fails at ``import fastckpt``.
+
 FASTCKPT_SANITIZE=address,undefined (a comma list, passed to -fsanitize=)
 builds the extension with sanitizers: -fsanitize=<list> -fno-omit-frame-pointer
 -fno-sanitize-recover=undefined -O1 -g, on both the compile and the link line.
@@ -17,6 +26,7 @@ out of tree and runs the fuzzers against it. Never build it in place.
 """
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -26,6 +36,15 @@ from setuptools import find_packages, setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _version() -> str:
+    """__version__ from fastckpt/__init__.py, read as text (importing it needs the built extension)."""
+    with open(os.path.join(ROOT, "fastckpt", "__init__.py")) as f:
+        m = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M)
+    if not m:
+        raise RuntimeError("fastckpt/__init__.py has no __version__ line")
+    return m.group(1)
 
 
 def _links(src: str, lib: str) -> bool:
@@ -99,15 +118,17 @@ def _extension():
 
 
 setup(
-    name="fastckpt",
-    version="0.1.0",
+    name="fastckpt-io",
+    version=_version(),
     description="Fast, durable, atomic PyTorch checkpoint I/O (O_DIRECT + io_uring)",
+    long_description=open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
     packages=find_packages(include=["fastckpt", "fastckpt.*"]),
     package_data={"fastckpt": ["_C.pyi", "py.typed"]},
     python_requires=">=3.9",
     install_requires=["torch>=2.6", "numpy", "tqdm"],
     entry_points={"console_scripts": ["fastckpt = fastckpt.cli:main"]},
-    ext_modules=[_extension()],
+    ext_modules=[] if os.environ.get("FASTCKPT_BUILD_EXT") == "0" else [_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     zip_safe=False,
 )

@@ -49,6 +49,11 @@ echo "torch==$TORCH_VERSION" > "$VENV/torch-constraint.txt"
 say "installing Python dependencies"
 "$PY" -m pip install -q -c "$VENV/torch-constraint.txt" -r requirements-dev.txt
 
-say "building the extension"
-"$PY" -m pip install -q --no-build-isolation --no-deps -e .
+# The editable install registers the package and the `fastckpt` command only (FASTCKPT_BUILD_EXT=0);
+# the extension is compiled once, in place, into build/ (where `make build` finds it up to date).
+# The distribution was called "fastckpt" before it became fastckpt-io: an old editable install goes.
+if "$PY" -m pip show -q fastckpt >/dev/null 2>&1; then "$PY" -m pip uninstall -q -y fastckpt; fi
+say "installing fastckpt-io (editable) and building the extension"
+FASTCKPT_BUILD_EXT=0 "$PY" -m pip install -q --no-build-isolation --no-deps -e .
+"$PY" setup.py -q build_ext --inplace
 "$PY" -c "import fastckpt, fastckpt._C as C; print('[setup] fastckpt ready: backend', fastckpt.get_engine().backend, '| io_uring compiled:', C.uring_compiled())"

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The benchmark report (``make bench``): one Markdown report, its JSON and PNG charts in benchmarks/results/.
+"""The benchmark report (``make bench``): one Markdown report, its JSON and PNG charts in build/bench/.
 
 What it runs, on the directory ``--dir`` (default: the repository root, i.e. the project's disk):
 
@@ -24,7 +24,8 @@ bench_save_load.py's ``targets_issue12`` per size, and the standalone scripts' o
 one fio point, DCP thread_count 2 only), into build/bench-quick/ unless ``--out`` is given:
 ``make bench-quick``.
 
-Then it writes, into ``--out`` (default benchmarks/results/):
+Then it writes, into ``--out`` (default build/bench/, outside the tracked tree; the committed report in
+benchmarks/results/ changes only when asked: ``--out benchmarks/results``, ``make bench BENCH_OUT=benchmarks/results``):
 
 * ``REPORT.md``: the machine, the disk's limits, a summary across sizes, one table per size
   (save and load GB/s, ratio to the disk's limit, CPU-s/GB, peak extra RSS, for every method),
@@ -40,7 +41,7 @@ Examples::
 
     .venv/bin/python benchmarks/report.py                                  # what make bench runs
     .venv/bin/python benchmarks/report.py --sizes 256M,1G --reps 2 --tune-size 0
-    .venv/bin/python benchmarks/report.py --assemble-only
+    .venv/bin/python benchmarks/report.py --assemble-only --out benchmarks/results
     .venv/bin/python benchmarks/report.py --quick                         # make bench-quick
 """
 
@@ -66,7 +67,7 @@ from benchmarks import harness as fb  # noqa: E402
 from fastckpt._units import human  # noqa: E402  (the package's one size formatter)
 
 DEFAULT_SIZES = "256M,1G,4G"
-DEFAULT_OUT = os.path.join(HERE, "results")
+DEFAULT_OUT = os.path.join(REPO_ROOT, "build", "bench")  # the committed report (HERE/results) only by --out
 QUICK_OUT = os.path.join(REPO_ROOT, "build", "bench-quick")
 
 # Standalone measurements run after the save/load sizes, each rendered from its JSON: the hook for
@@ -358,6 +359,28 @@ def _row_by_key(entry: Dict[str, Any], key: str) -> Optional[Dict[str, Any]]:
     return next((r for r in entry["rows"] if r["key"] == key), None)
 
 
+def disk_points(sizes: List[Dict[str, Any]], op: str) -> List[Tuple[float, float]]:
+    """The disk-limit line of the save or load chart: (GiB, GB/s) per size that fio measured."""
+    pts = [(e["size"] / fb.GiB, e["disk"]["write_gbps" if op == "save" else "read_gbps"]) for e in sizes]
+    return [(x, y) for x, y in pts if y is not None]
+
+
+def cpu_bars(rows: List[Dict[str, Any]]) -> List[Tuple[str, str, float]]:
+    """The CPU chart's bars, (name, "save" or "load", CPU-s/GB): a row "writer / reader" gives the writer's
+    name to its save bar and the reader's to its load bar; a row that measured one side keeps its name;
+    sides with no figure get no bar; saves first, then loads, in the table's order."""
+    out: List[Tuple[str, str, float]] = []
+    for op in ("save", "load"):
+        for r in rows:
+            v = (r.get(op) or {}).get("cpu_s_per_gb")
+            if r["key"] == "fio" or v is None:
+                continue
+            parts = r["name"].split(" / ")
+            name = parts[0 if op == "save" else -1] if len(parts) == 2 else r["name"]
+            out.append((name, op, float(v)))
+    return out
+
+
 def charts(res: Dict[str, Any], out: str) -> List[str]:
     """save_gbps.png, load_gbps.png, cpu_per_gb.png; returns the files written (none without matplotlib)."""
     try:
@@ -391,11 +414,13 @@ def charts(res: Dict[str, Any], out: str) -> List[str]:
             if xs:
                 ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name, color=f"C{idx}",
                             linewidth=2.5 if name == "fastckpt" else 1.5)
-        disk = [(e["size"] / fb.GiB, e["disk"]["write_gbps" if op == "save" else "read_gbps"]) for e in sizes]
-        disk = [(x, y) for x, y in disk if y is not None]
-        if disk:
-            ax.plot([x for x, _ in disk], [y for _, y in disk], "k--", linewidth=1.5,
-                    label=f"disk limit (fio O_DIRECT {'write' if op == 'save' else 'read'})")
+        disk = disk_points(sizes, op)
+        label = f"disk limit (fio O_DIRECT {'write' if op == 'save' else 'read'})"
+        if len(disk) == 1:  # one size: a line across the chart (a dashed line through one point draws nothing)
+            ax.axhline(disk[0][1], color="k", linestyle="--", linewidth=1.5, label=label)
+        elif disk:
+            ax.plot([x for x, _ in disk], [y for _, y in disk], "k--", marker="s", markersize=4, linewidth=1.5,
+                    label=label)
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs_all)
         ax.set_xticklabels([size_tag(e["size"]) for e in sizes])
@@ -410,18 +435,17 @@ def charts(res: Dict[str, Any], out: str) -> List[str]:
         fig.savefig(p)
         plt.close(fig)
         written.append(p)
-    # CPU-s/GB at the largest size, every row
+    # CPU-s/GB at the largest size: one bar per measured save and per measured load, each under its own name
     e = sizes[-1]
-    rows = [r for r in e["rows"] if r["key"] != "fio"]
-    names = [r["name"].split(" / ")[0] for r in rows]
-    sv = [(r["save"] or {}).get("cpu_s_per_gb") or 0.0 for r in rows]
-    ld = [(r["load"] or {}).get("cpu_s_per_gb") or 0.0 for r in rows]
-    fig, ax = plt.subplots(figsize=(9, 5), dpi=110)
-    ys = list(range(len(rows)))
-    ax.barh([y - 0.2 for y in ys], sv, height=0.4, label="save")
-    ax.barh([y + 0.2 for y in ys], ld, height=0.4, label="load")
+    bars = cpu_bars(e["rows"])
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.32 * max(len(bars), 1)), dpi=110)
+    ys = list(range(len(bars)))
+    for op, color in (("save", "C0"), ("load", "C1")):
+        mine = [(y, v) for y, (_, o, v) in zip(ys, bars) if o == op]
+        if mine:
+            ax.barh([y for y, _ in mine], [v for _, v in mine], height=0.7, color=color, label=op)
     ax.set_yticks(ys)
-    ax.set_yticklabels(names, fontsize=8)
+    ax.set_yticklabels([name for name, _, _ in bars], fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("CPU-seconds per GB (user+sys of the process), median")
     ax.set_title(f"CPU cost at {human_size(e['size'])} ({where})", fontsize=10)
@@ -676,8 +700,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-reps", type=int, default=2, help="knob sweep repetitions (default 2)")
     ap.add_argument("--extras", default="", help="comma-separated: engine (bench_engine.py --full), dcp "
                                                   "(bench_dcp.py), training (bench_training.py)")
-    ap.add_argument("--out", default=None, help="where the report goes (default benchmarks/results; --quick: "
-                                               "build/bench-quick)")
+    ap.add_argument("--out", default=None, help="where the report goes (default build/bench; --quick: "
+                                               "build/bench-quick; benchmarks/results: the committed report)")
     ap.add_argument("--save-load-args", default="", help="more options for bench_save_load.py, in one string")
     ap.add_argument("--command", default="make bench", help="how the report says it was produced")
     ap.add_argument("--assemble-only", action="store_true", help="rebuild the report from OUT/raw, measure nothing")

@@ -263,6 +263,12 @@ def _add_common(p: argparse.ArgumentParser, top: bool) -> None:
                    **({"default": False} if top else default))
 
 
+def _version_line() -> str:
+    import torch
+    from . import __version__
+    return f"fastckpt {__version__} (torch {torch.__version__})"
+
+
 def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     _add_common(common, top=False)
@@ -276,6 +282,7 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
         epilog="Exit status: 0 success, 1 failure (damaged checkpoint, refused conversion, I/O error), "
                "2 usage error. See docs/CLI.md.")
     _add_common(parser, top=True)
+    parser.add_argument("--version", action="version", version=_version_line())
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 

@@ -293,6 +293,50 @@ def test_report_assembler(tmp_path):
     assert res["tune"]["best"]["label"].startswith("uring 16M")
 
 
+def test_charts_draw_what_their_legends_and_labels_say(tmp_path, monkeypatch):
+    """A single-size run draws its disk limit (a dashed line through one point draws nothing), and the CPU
+    chart puts every load bar under the reader's name and every save bar under the writer's."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    report = _report_module()
+    size = 1 << 30
+    tag = harness.fmt_size(size)
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / f"save_load-{tag}.json").write_text(json.dumps(_fake_save_load(size)))
+    (raw / f"save_load-{tag}.md").write_text("raw\n")
+    meta = {"runs": [{"size": size, "json": f"raw/save_load-{tag}.json", "md": f"raw/save_load-{tag}.md",
+                      "exit": 0, "seconds": 60.0}], "deepspeed": "not run (test)", "extras": {}, "tune": None}
+    settings = {"sizes": "1G", "reps": 3, "command": "make bench", "seconds": 60.0}
+    (raw / "meta.json").write_text(json.dumps({"meta": meta, "machine": harness.machine_info(str(tmp_path)),
+                                               "settings": settings}))
+    figs = []
+    monkeypatch.setattr(plt, "close", lambda fig=None: figs.append(fig))
+    report.main(["--assemble-only", "--out", str(tmp_path)])
+    by_title = {f.axes[0].get_title().split(" (")[0]: f.axes[0] for f in figs}
+    want = {"durable save": 3.0, "cold load": 3.5}  # _fake_save_load(1 GiB): fio write 2+1, read 2.5+1
+    for title, disk in want.items():
+        handles, labels = by_title[title].get_legend_handles_labels()
+        line = handles[next(i for i, lab in enumerate(labels) if lab.startswith("disk limit"))]
+        ys = list(line.get_ydata())
+        assert ys and all(y == pytest.approx(disk) for y in ys), (title, ys)
+        assert len(ys) >= 2 or line.get_marker() not in (None, "None", "", " "), title  # visible
+    ax = next(a for t, a in by_title.items() if t.startswith("CPU cost"))
+    names = [t.get_text() for t in ax.get_yticklabels()]
+    drawn = {}
+    for container, op in zip(ax.containers, [lab for lab in ax.get_legend_handles_labels()[1]]):
+        for bar in container:
+            drawn[names[round(bar.get_y() + bar.get_height() / 2)]] = (op, bar.get_width())
+    # every measured side has a bar under its own name, and nothing else has one
+    assert drawn == {"fastckpt.save": ("save", 0.3), "fastckpt.async_save": ("save", 0.5),
+                     "torch.save+fsync": ("save", 2.0), "DCP FileSystemWriter t=1": ("save", 0.5),
+                     "DCP FileSystemWriter t=2": ("save", 0.5), "safetensors save_file+fsync": ("save", 0.5),
+                     "fastckpt.load": ("load", 0.5), "torch.load": ("load", 0.5),
+                     "DCP FileSystemReader": ("load", 0.5), "(ref) fresh memory: empty+fill_": ("load", 0.5)}, drawn
+
+
 def _save_load_module():
     spec = importlib.util.spec_from_file_location("fastckpt_bench_save_load",
                                                   os.path.join(REPO, "benchmarks", "bench_save_load.py"))
