@@ -85,6 +85,8 @@ QUICK_OUT = os.path.join(REPO_ROOT, "build", "bench-quick")
 STANDALONE = (
     ("small", "bench_small.py", "100,000 scalar tensors: save, load and verify against torch, file size"),
     ("first_load", "bench_first_load.py", "the first small load in a fresh process against torch.load"),
+    ("safetensors", "bench_safetensors.py", "issue 15: fastckpt.safetensors save_file/load_file against the "
+     "safetensors package (durable saves, loads with every page read)"),
     ("cluster", "cluster_emulate.py", "issue 13's cluster benchmark: N = 1, 2, 4 emulated nodes (root: loop "
      "filesystems, blkio cgroups), every save/load mode of replicated state"),
 )

@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 
+import subprocess
 import sys
 
 import pytest
@@ -407,3 +408,21 @@ def test_report_states_targets_and_renders_standalone_scripts(tmp_path):
         assert s in md, s
     res = _strict_json((tmp_path / "results.json").read_text())
     assert [x["name"] for x in res["standalone"]] == ["small", "first_load"]
+
+
+def test_safetensors_benchmark_follows_the_standalone_contract(tmp_path):
+    """bench_safetensors.py at a tiny size: its JSON is what report.py renders, its loads were checked
+    against the saved state (an error otherwise), and a target is stated per pair."""
+    pytest.importorskip("safetensors")
+    out = tmp_path / "st.json"
+    p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_safetensors.py"), "--size", "8M",
+                        "--rounds", "1", "--dir", str(tmp_path), "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = _strict_json(out.read_text())
+    assert rep["errors"] == [] and [c for _, c in rep["raw"]["checked"]] == [True, True]
+    assert [r[0] for r in rep["rows"]] == ["safetensors.save_file+fsync", "fastckpt.safetensors.save_file",
+                                           "safetensors.load_file, pages touched", "fastckpt.safetensors.load_file"]
+    assert [t["target"].split(" >= ")[1].split("x")[0] for t in rep["targets"]] == ["2.0", "1.3"]
+    assert all(isinstance(t["measured"], float) for t in rep["targets"])
+

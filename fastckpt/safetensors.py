@@ -1,0 +1,495 @@
+"""safetensors files through the engine: ``save_file`` / ``load_file`` / ``save_model`` /
+``load_model`` with the signatures and the semantics of ``safetensors.torch``, and sharded
+Hugging Face checkpoints (``save_sharded`` / ``load_sharded``: ``model-00001-of-0000N.safetensors``
+plus ``model.safetensors.index.json``).
+
+What differs is how the bytes move. A save writes the file with O_DIRECT through the engine's
+aligned buffers, under a temporary name, makes it durable (fdatasync) and renames it into place:
+a crash leaves the previous file or the new one, never a torn one. The header is padded with
+spaces (which the format allows) so that the data starts on a 4 KiB boundary, and the tensors
+whose sizes are multiples of 4 KiB come first, so that a load reads each of them with O_DIRECT
+straight into its own memory. The files are standard safetensors files:
+``safetensors.torch.load_file`` and every other reader read them unchanged.
+
+A load parses and checks the header first (dtypes, shapes, every offset against the file's size,
+the tensors tiling the data exactly, as the reference implementation insists), so that what it
+allocates is never more than the file holds; then the engine reads every tensor in parallel into
+memory of its own (every page touched, unlike a lazy mmap). safetensors files carry NO checksums:
+a flipped bit inside tensor data cannot be detected by any reader, this one included; only the
+structure is checked. Use ``fastckpt.save`` (CRC-32 per storage) where that matters.
+
+Refused as ``safetensors.torch`` refuses them, with the same exception types: a non-dict, a value
+that is not a tensor, a sparse or non-contiguous tensor, tensors that share memory (use
+:func:`save_model`, which keeps one name per shared storage), non-string metadata. Also refused:
+a tensor named ``__metadata__`` (the format's reserved key) and dtypes the format has no name for.
+"""
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
+
+import torch
+
+from . import _C, _staging
+from ._paths import check_save_target, raise_named_after_target
+from ._sources import SAFETENSORS_MAX_HEADER, ST_DTYPES, ST_NAMES, SafetensorsSource, dtype_name
+from .engine import get_engine
+from .errors import FormatError
+from .serialization import _host_storage
+
+__all__ = ["save_file", "load_file", "save_model", "load_model", "save_sharded", "load_sharded"]
+
+ALIGN = 4096                      # the data's start, and the tensors of whole 4 KiB multiples within it
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_SHARD = 5 * 10 ** 9       # transformers' save_pretrained default, "5GB"
+_PARALLEL_FILES = 4               # shards written or read at once
+
+PathLike = Union[str, os.PathLike]
+
+
+# ---------------------------------------------------------------- the checks safetensors.torch makes
+
+def _storage_key(t: torch.Tensor) -> Optional[Tuple]:
+    if t.device.type == "meta":
+        return None
+    s = t.untyped_storage()
+    if s.data_ptr() == 0 or s.nbytes() == 0:
+        return None
+    return (t.device, s.data_ptr(), s.nbytes())
+
+
+def _end_ptr(t: torch.Tensor) -> int:
+    return t.data_ptr() + t.numel() * t.element_size() if t.numel() else t.data_ptr()
+
+
+def _shared_groups(tensors: Dict[str, torch.Tensor]) -> List[Set[str]]:
+    """Names whose tensors overlap in memory, grouped (one set per group, singletons included):
+    tensors on one storage are one group only where their byte ranges overlap."""
+    by_storage: Dict[Tuple, List[str]] = {}
+    for name, t in tensors.items():
+        key = _storage_key(t)
+        if key is not None:
+            by_storage.setdefault(key, []).append(name)
+    groups: List[Set[str]] = []
+    for names in by_storage.values():
+        areas = sorted((tensors[n].data_ptr(), _end_ptr(tensors[n]), n) for n in names)
+        groups.append({areas[0][2]})
+        stop = areas[0][1]
+        for start, end, name in areas[1:]:
+            if start >= stop:
+                groups.append({name})
+            else:
+                groups[-1].add(name)
+            stop = max(stop, end)
+    return groups
+
+
+def _check_tensors(tensors: Any) -> None:
+    if not isinstance(tensors, dict):
+        raise ValueError(f"Expected a dict of [str, torch.Tensor] but received {type(tensors)}")
+    sparse = []
+    for k, v in tensors.items():
+        if not isinstance(k, str):
+            raise TypeError(f"tensor names must be str, not {type(k).__name__} ({k!r})")
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(f"Key `{k}` is invalid, expected torch.Tensor but received {type(v)}")
+        if v.layout != torch.strided:
+            sparse.append(k)
+    if sparse:
+        raise ValueError(f"You are trying to save sparse tensors: {sparse}, which safetensors does not support; "
+                         "make them dense with .to_dense() first")
+    shared = [g for g in _shared_groups(tensors) if len(g) > 1]
+    if shared:
+        raise RuntimeError(f"Some tensors share memory, this would store them twice on disk and they would "
+                           f"load as separate tensors: {shared}. Save with fastckpt.safetensors.save_model, "
+                           "which keeps one name per shared storage")
+    for k, v in tensors.items():
+        if not v.is_contiguous():
+            raise ValueError(f"You are trying to save a non contiguous tensor: `{k}`; call .contiguous() on it "
+                             "first (or save only the full tensor and slice it after loading)")
+        if v.dtype not in ST_NAMES:
+            raise ValueError(f"tensor `{k}`: dtype {dtype_name(v.dtype)} has no safetensors name")
+        if v.device.type == "meta":
+            raise NotImplementedError(f"tensor `{k}` is on the meta device: it has no data to save")
+    if "__metadata__" in tensors:
+        raise ValueError("a tensor named '__metadata__': the safetensors format reserves that key for the metadata")
+
+
+def _check_metadata(metadata: Any) -> Dict[str, str]:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict of str to str, not {type(metadata).__name__}")
+    for k, v in metadata.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"metadata must map str to str: {k!r}: {v!r}")
+    return dict(metadata)
+
+
+# ---------------------------------------------------------------- writing
+
+def _plan(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]]) -> Tuple[bytes, List[str], int]:
+    """(the padded header with its 8-byte length, the names in data order, the file's size). The tensors of
+    whole 4 KiB multiples come first (each then starts 4 KiB-aligned), the rest after them; within each
+    part the larger elements first, so that every tensor starts at a multiple of its element size."""
+    def nbytes(n: str) -> int:
+        return tensors[n].numel() * tensors[n].element_size()
+
+    def part(n: str) -> int:
+        return 0 if nbytes(n) and nbytes(n) % ALIGN == 0 else 1
+
+    order = sorted(tensors, key=lambda n: (part(n), -tensors[n].element_size(), n))
+    header: Dict[str, Any] = {}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    pos = 0
+    for n in order:
+        t = tensors[n]
+        header[n] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + nbytes(n)]}
+        pos += nbytes(n)
+    h = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    h += b" " * ((-(8 + len(h))) % ALIGN)
+    if len(h) > SAFETENSORS_MAX_HEADER:
+        raise ValueError(f"the safetensors header would be {len(h)} bytes, more than readers accept "
+                         f"({SAFETENSORS_MAX_HEADER})")
+    return len(h).to_bytes(8, "little") + h, order, 8 + len(h) + pos
+
+
+def _bytes_of(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+class _Prepared:
+    """A file planned and written, not yet committed (the engine's writer holds its temporary file)."""
+
+    def __init__(self, path: str, tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]]):
+        self.path = path
+        head, order, self.size = _plan(tensors, metadata)
+        self.writer = _C.Writer(get_engine(), path, self.size)
+        try:
+            self.writer.write(head)
+            for n in order:
+                t = tensors[n]
+                if t.numel() == 0:
+                    continue
+                # a device tensor: one host copy at a time (the largest tensor bounds the memory)
+                host = t if t.device.type == "cpu" else t.cpu()
+                self.writer.write(_bytes_of(host))
+            if self.writer.position != self.size:
+                raise RuntimeError(f"{path}: wrote {self.writer.position} bytes, planned {self.size}")
+        except BaseException:
+            self.writer.abort()
+            raise
+
+    def commit(self) -> None:
+        self.writer.commit()
+
+    def abort(self) -> None:
+        self.writer.abort()
+
+
+def _write(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Optional[Dict[str, str]]) -> _Prepared:
+    if sys.byteorder != "little":
+        raise NotImplementedError("fastckpt.safetensors writes little-endian files on little-endian machines only")
+    path = check_save_target(os.fsdecode(os.fspath(filename)))
+    try:
+        return _Prepared(path, tensors, metadata)
+    except OSError as e:
+        raise_named_after_target(e, path)
+        raise
+
+
+def save_file(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Optional[Dict[str, str]] = None) -> None:
+    """``safetensors.torch.save_file``, durable and atomic: the file at `filename` is the previous
+    one or the complete new one, whatever happens during the call."""
+    _check_tensors(tensors)
+    metadata = _check_metadata(metadata) if metadata is not None else None
+    p = _write(tensors, filename, metadata)
+    try:
+        p.commit()
+    except OSError as e:
+        raise_named_after_target(e, p.path)
+        raise
+
+
+# ---------------------------------------------------------------- reading
+
+def _location(device: Union[str, int, torch.device]) -> Any:
+    """`device` as torch takes it (an int is a CUDA device index); "cpu" for the host."""
+    if isinstance(device, int):
+        return f"cuda:{device}"
+    if isinstance(device, torch.device):
+        return "cpu" if device.type == "cpu" else device
+    return "cpu" if str(device) == "cpu" else device
+
+
+def _open(filename: PathLike) -> SafetensorsSource:
+    path = os.fsdecode(os.fspath(filename))
+    src = SafetensorsSource(path)
+    if src.problems:
+        src.close()
+        raise FormatError(f"{src.problems[0]} (the tensors must tile the data exactly: not a valid safetensors "
+                          "file)")
+    return src
+
+
+def _read(src: SafetensorsSource, location: Any) -> Dict[str, torch.Tensor]:
+    """Every tensor of the open file, each in memory of its own, read in parallel by the engine: into
+    host memory, or through the staging pipeline's pinned buffers into device memory."""
+    entries = sorted(src.entries, key=lambda e: e.begin)
+    host = location == "cpu"
+    staged = None if host else _staging.copier_for_location(location)
+    # any other device (no staging copier for it): host memory, then .to(it); an invalid one fails here
+    other = None if host or staged is not None else torch.device(location)
+    out: Dict[str, torch.Tensor] = {}
+    ranges, jobs = [], []
+    for e in entries:
+        n = e.end - e.begin
+        if staged is not None:
+            copier, dev = staged
+            dst = copier.empty_device(n, dev)
+            if n:
+                jobs.append(_staging.LoadJob(e.name, src.data_start + e.begin, n, dst, copier))
+            storage = dst
+        else:
+            buf = _host_storage(n)
+            if n:
+                ranges.append((buf, src.data_start + e.begin))
+            storage = buf.untyped_storage()
+        out[e.name] = torch.empty(0, dtype=e.dtype, device=storage.device).set_(storage).view(e.shape)
+    fd = src.f.fileno()
+    if ranges:
+        _C.read_ranges(get_engine(), src.path, ranges, fd)
+    if jobs:
+        def read(rs, crc):
+            return _C.read_ranges(get_engine(), src.path, rs, fd, crc).get("crcs")
+        _staging.load_into_device(read, jobs, False)
+    if other is not None:
+        out = {k: v.to(other) for k, v in out.items()}
+    return {e.name: out[e.name] for e in src.entries}  # the header's order
+
+
+def load_file(filename: PathLike, device: Union[str, int, torch.device] = "cpu") -> Dict[str, torch.Tensor]:
+    """``safetensors.torch.load_file``: every tensor of the file on `device`, read in parallel by the
+    engine (each in memory of its own; every page read, none left to fault in later). A file that is
+    not a valid safetensors file is a :class:`fastckpt.FormatError` naming it; the format has no
+    checksums, so damaged tensor data goes undetected (see the module's docstring)."""
+    location = _location(device)
+    src = _open(filename)
+    try:
+        return _read(src, location)
+    finally:
+        src.close()
+
+
+def load_metadata(filename: PathLike) -> Dict[str, str]:
+    """The file's ``__metadata__`` (``safe_open(...).metadata()``), reading the header only."""
+    src = _open(filename)
+    try:
+        return dict(src.metadata)
+    finally:
+        src.close()
+
+
+# ---------------------------------------------------------------- models (shared tensors)
+
+def _complete(t: torch.Tensor) -> bool:
+    s = t.untyped_storage()
+    return t.data_ptr() == s.data_ptr() and t.numel() * t.element_size() == s.nbytes()
+
+
+def _names_to_drop(state_dict: Dict[str, torch.Tensor], preferred: Optional[Set[str]] = None) -> Dict[str, List[str]]:
+    """For each group of names sharing memory: the name kept (a tensor covering its whole storage; of
+    several, one of `preferred` first, then the first in sorted order) -> the names dropped, as
+    ``safetensors.torch`` chooses them (so that either library loads what the other saved)."""
+    drop: Dict[str, List[str]] = {}
+    for group in _shared_groups(state_dict):
+        if len(group) < 2:
+            continue
+        complete = sorted(n for n in group if _complete(state_dict[n]))
+        if not complete:
+            raise RuntimeError(f"tensors {sorted(group)} share memory and none of them covers the whole storage: "
+                               "refusing to save or load them (saving would store more than the model holds)")
+        keep = complete[0]
+        if preferred:
+            mine = [n for n in complete if n in preferred]
+            keep = mine[0] if mine else keep
+        drop[keep] = sorted(n for n in group if n != keep)
+    return drop
+
+
+def save_model(model: torch.nn.Module, filename: PathLike, metadata: Optional[Dict[str, str]] = None,
+               force_contiguous: bool = True) -> None:
+    """``safetensors.torch.save_model``: the model's state dict with one name per shared storage (tied
+    weights); each dropped name goes into the metadata as ``dropped -> kept`` unless already there."""
+    state_dict = model.state_dict()
+    metadata = _check_metadata(metadata) if metadata is not None else None
+    for keep, names in _names_to_drop(state_dict).items():
+        for n in names:
+            metadata = {} if metadata is None else metadata
+            metadata.setdefault(n, keep)
+            del state_dict[n]
+    if force_contiguous:
+        state_dict = {k: v.contiguous() for k, v in state_dict.items()}
+    try:
+        save_file(state_dict, filename, metadata=metadata)
+    except ValueError as e:
+        raise ValueError(f"{e}. Or use save_model(..., force_contiguous=True)") from None
+
+
+def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
+               device: Union[str, int, torch.device] = "cpu") -> Tuple[Set[str], List[str]]:
+    """``safetensors.torch.load_model``: load the file into `model`; returns (missing, unexpected)
+    names, the names a shared storage was saved under counting as present; raises with ``strict``."""
+    state_dict = load_file(filename, device=device)
+    dropped = _names_to_drop(model.state_dict(), preferred=set(state_dict))
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = set(missing)
+    for names in dropped.values():
+        for n in names:
+            if n in missing:
+                missing.remove(n)
+            else:
+                unexpected.append(n)
+    if strict and (missing or unexpected):
+        msg = f"Error(s) in loading state_dict for {model.__class__.__name__}:"
+        if missing:
+            msg += "\n    Missing key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(missing))
+        if unexpected:
+            msg += "\n    Unexpected key(s) in state_dict: " + ", ".join(f'"{k}"' for k in sorted(unexpected))
+        raise RuntimeError(msg)
+    return missing, unexpected  # a set and a list, as safetensors.torch returns them
+
+
+# ---------------------------------------------------------------- sharded Hugging Face checkpoints
+
+def _parse_size(size: Union[int, str]) -> int:
+    if isinstance(size, int):
+        return size
+    s = size.strip().upper()
+    for unit, mult in (("GIB", 1 << 30), ("MIB", 1 << 20), ("KIB", 1 << 10), ("GB", 10 ** 9), ("MB", 10 ** 6),
+                       ("KB", 10 ** 3), ("B", 1)):
+        if s.endswith(unit):
+            return int(float(s[:-len(unit)]) * mult)
+    return int(s)
+
+
+def shard_names(state_dict: Dict[str, torch.Tensor], max_shard_size: Union[int, str] = DEFAULT_SHARD,
+                weights_name: str = "model.safetensors") -> Dict[str, List[str]]:
+    """file name -> the tensor names in it: tensors in the state dict's order, a new shard when the next
+    tensor would take the current one past `max_shard_size` (a larger tensor gets a shard of its own);
+    names as transformers writes them (``model-00001-of-00003.safetensors``), one file without a suffix."""
+    limit = _parse_size(max_shard_size)
+    shards: List[List[str]] = [[]]
+    size = 0
+    for name, t in state_dict.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    if len(shards) == 1:
+        return {weights_name: shards[0]}
+    stem, ext = os.path.splitext(weights_name)
+    total = len(shards)
+    return {f"{stem}-{i + 1:05d}-of-{total:05d}{ext}": names for i, names in enumerate(shards)}
+
+
+def save_sharded(state_dict: Dict[str, torch.Tensor], save_directory: PathLike,
+                 max_shard_size: Union[int, str] = DEFAULT_SHARD, metadata: Optional[Dict[str, str]] = None,
+                 weights_name: str = "model.safetensors") -> Dict[str, List[str]]:
+    """A Hugging Face sharded checkpoint in `save_directory`: the shards written in parallel, each
+    durable; then the old index (if any) is removed, the shards renamed into place and the index
+    (``model.safetensors.index.json``: ``{"metadata": {"total_size": ...}, "weight_map": {...}}``)
+    written LAST, so that an index on disk only ever names complete shards of one save (a crash in
+    between leaves no index: no checkpoint rather than a mixed one). One shard: no index, the file is
+    ``weights_name``. Returns file name -> tensor names. `metadata` goes into every shard."""
+    _check_tensors(state_dict)
+    metadata = _check_metadata(metadata if metadata is not None else {"format": "pt"})
+    directory = os.fsdecode(os.fspath(save_directory))
+    os.makedirs(directory, exist_ok=True)
+    shards = shard_names(state_dict, max_shard_size, weights_name)
+    index_path = os.path.join(directory, os.path.splitext(weights_name)[0] + ".safetensors.index.json"
+                              if weights_name.endswith(".safetensors") else weights_name + ".index.json")
+    prepared: List[_Prepared] = []
+    try:
+        with ThreadPoolExecutor(min(_PARALLEL_FILES, len(shards))) as ex:
+            futs = [ex.submit(_write, {n: state_dict[n] for n in names}, os.path.join(directory, f), metadata)
+                    for f, names in shards.items()]
+            errors = []
+            for fu in futs:
+                try:
+                    prepared.append(fu.result())
+                except BaseException as e:  # noqa: BLE001 - every shard's writer must be aborted
+                    errors.append(e)
+            if errors:
+                raise errors[0]
+        if os.path.exists(index_path):
+            os.unlink(index_path)
+            _C.fsync_dir(directory)
+        while prepared:
+            prepared[0].commit()
+            prepared.pop(0)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state_dict.values())},
+                     "weight_map": {n: f for f, names in shards.items() for n in names}}
+            w = _C.Writer(get_engine(), index_path)
+            try:
+                w.write(json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
+                w.commit()
+            except BaseException:
+                w.abort()
+                raise
+    except OSError as e:
+        for p in prepared:
+            p.abort()
+        raise_named_after_target(e, index_path)
+        raise
+    except BaseException:
+        for p in prepared:
+            p.abort()
+        raise
+    return shards
+
+
+def load_sharded(directory: PathLike, device: Union[str, int, torch.device] = "cpu",
+                 weights_name: str = "model.safetensors") -> Dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face checkpoint directory: the shards its index names (read in
+    parallel, each checked as :func:`load_file` checks one; a tensor the index maps to a shard that
+    does not hold it, or a shard holding a tensor twice, is a FormatError), or the single file."""
+    directory = os.fsdecode(os.fspath(directory))
+    index_path = os.path.join(directory, weights_name + ".index.json" if not weights_name.endswith(".safetensors")
+                              else os.path.splitext(weights_name)[0] + ".safetensors.index.json")
+    if not os.path.exists(index_path):
+        return load_file(os.path.join(directory, weights_name), device)
+    size = os.path.getsize(index_path)
+    if size > SAFETENSORS_MAX_HEADER:
+        raise FormatError(f"{index_path}: {size} bytes is too large for an index")
+    try:
+        with open(index_path, "rb") as f:
+            index = json.loads(f.read().decode("utf-8"))
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise TypeError("weight_map must map names to file names")
+    except (ValueError, KeyError, TypeError) as e:
+        raise FormatError(f"{index_path}: not a safetensors index ({e})") from None
+    files = sorted(set(weight_map.values()))
+    for f in files:
+        if os.path.basename(f) != f or f in ("", ".", ".."):
+            raise FormatError(f"{index_path}: shard {f!r} is not a file name in the directory")
+    with ThreadPoolExecutor(min(_PARALLEL_FILES, max(1, len(files)))) as ex:
+        parts = list(ex.map(lambda f: (f, load_file(os.path.join(directory, f), device)), files))
+    out: Dict[str, torch.Tensor] = {}
+    for f, tensors in parts:
+        for name, t in tensors.items():
+            if weight_map.get(name) != f:
+                raise FormatError(f"{os.path.join(directory, f)}: holds tensor {name!r}, which {index_path} "
+                                  f"maps to {weight_map.get(name)!r}")
+            out[name] = t
+    missing = sorted(set(weight_map) - set(out))
+    if missing:
+        raise FormatError(f"{index_path}: names {missing[:5]} (of {len(missing)}) are in no shard")
+    return {n: out[n] for n in weight_map}
