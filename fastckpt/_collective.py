@@ -16,6 +16,14 @@ the record tails under 4 KiB, data descriptors and the central directory, once
 it has every rank's piece CRCs (each record's CRC is its pieces' combined with
 _C.crc32_combine, then its tail's).
 
+Host memory. CPU storages are read in place. A rank brings to the host only
+the device bytes it needs (fastckpt/_collective_stage.py): the sampled blocks
+(step 1), its own share and the next rank's (step 3) and, on a copy's lead,
+the small records and record tails (step 4), each range through the staging
+pool (fastckpt/_staging.ToHost; the checker through a smaller pool of its
+own), its copies running ahead of the writes. Host staging memory: the two
+pools' buffers, whatever the state's size.
+
 Flow (each step a collective over ``pg``, so a failure anywhere reaches every rank):
 1. agree: all_gather of (error, digest of data.pkl + storage sizes + settings,
    sampled CRC-32s of every storage, rank 0's serialization id). A digest or

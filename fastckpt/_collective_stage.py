@@ -74,7 +74,8 @@ class Storages:
                 self._dev.append(None)
         self.staged = any(d is not None for d in self._dev)
 
-    def ranges(self, ranges: Sequence[Range], chunk: Optional[int] = None) -> Iterator[Tuple[Range, Iterator[torch.Tensor]]]:
+    def ranges(self, ranges: Sequence[Range],
+               chunk: Optional[int] = None) -> Iterator[Tuple[Range, Iterator[torch.Tensor]]]:
         """(range, views) for every range of non-zero length, in order:
         `views` iterates the range's bytes as host uint8 views (one for a host
         storage). Each view is valid until the next one is taken, and the

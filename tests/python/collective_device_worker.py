@@ -12,12 +12,14 @@ staging buffers, and prints
     LENT <staging buffers still lent>
     VIOLATIONS <count>
 
-then "OK" or "ERR <type>: <message>" on its last line. MODE: ok, or
-fail_<stage>_<rank>: that rank's device copies fail (RuntimeError) from the
-start (stage "sample"), once the temporary file exists ("share") or once
-every share is written ("rest").
+then "OK" or "ERR <type>: <message>" on its last line. MODE: ok; cpu_some
+(every third storage stays on the CPU); fault (rank 1's engine writes fail
+with EIO); fail_<stage>_<rank>: that rank's device copies fail (RuntimeError)
+from the start (stage "sample"), once the temporary file exists ("share") or
+once every share is written ("rest").
 """
 import datetime
+import errno
 import os
 import sys
 
@@ -42,20 +44,22 @@ class FailingSim(SimDevice):
         return super().to_host_async(dst, src)
 
 
-def to_sim(sim: SimDevice, obj, memo=None):
-    """`obj` with every tensor on sim:0 or sim:1 (alternating per storage);
-    tensors that share a storage on the host share one on the device."""
+def to_sim(sim: SimDevice, obj, memo=None, cpu_some: bool = False):
+    """`obj` with every tensor on sim:0 or sim:1 (alternating per storage;
+    with `cpu_some`, every third storage stays on the CPU); tensors that share
+    a storage on the host share one on the device."""
     memo = {} if memo is None else memo
     if isinstance(obj, torch.Tensor):
         st = obj.untyped_storage()
         key = st._cdata  # the storage itself (empty ones share data_ptr 0)
         if key not in memo:
-            memo[key] = sim.to_device(st, len(memo) % 2)
+            where = len(memo) % (3 if cpu_some else 2)
+            memo[key] = st if where == 2 else sim.to_device(st, where)
         return torch.empty(0, dtype=obj.dtype).set_(memo[key], obj.storage_offset(), obj.size(), obj.stride())
     if isinstance(obj, dict):
-        return {k: to_sim(sim, v, memo) for k, v in obj.items()}
+        return {k: to_sim(sim, v, memo, cpu_some) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(to_sim(sim, v, memo) for v in obj)
+        return type(obj)(to_sim(sim, v, memo, cpu_some) for v in obj)
     return obj
 
 
@@ -65,7 +69,7 @@ def main() -> int:
     import torch.distributed as dist
 
     import fastckpt
-    from fastckpt import _collective, _collective_stage, _staging, serialization
+    from fastckpt import _C, _collective, _collective_stage, _staging, serialization
 
     serialization._new_serialization_id = lambda: worker.SID
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
@@ -75,7 +79,9 @@ def main() -> int:
         _, stage, who = mode.split("_")
         fail_stage = stage if int(who) == rank else None
     with fastckpt.knobs.override(buffer_size=BUFFER_SIZE), FailingSim(seed=rank) as sim:
-        obj = to_sim(sim, worker.build(case))
+        obj = to_sim(sim, worker.build(case), cpu_some=mode == "cpu_some")
+        if rank == 1 and mode == "fault":
+            _C.fault_inject("write", errno=errno.EIO, times=0)
         if fail_stage is not None:
             after = {"sample": None, "share": "to create the temporary file", "rest": "to write its share"}[fail_stage]
             sim.fail = after is None
@@ -93,6 +99,8 @@ def main() -> int:
             verdict = "OK"
         except Exception as e:
             verdict = f"ERR {type(e).__name__}: {e}"
+        finally:
+            _C.fault_clear()
         pools = [_staging.pool_for(sim, 4 * BUFFER_SIZE), _staging.pool_for(sim, _collective_stage.check_chunk())]
         print("HOST", sim.to_host_bytes, sim.peak_locked_bytes, sum(p.chunk * p.count for p in pools), flush=True)
         print("LENT", sum(p._lent for p in pools), flush=True)
