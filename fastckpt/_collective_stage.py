@@ -65,13 +65,19 @@ class Storages:
         self.sizes = [s.nbytes() for s in storages]
         self._host: List[Optional[torch.Tensor]] = []  # uint8 host bytes, or None (staged)
         self._dev: List[Optional[torch.Tensor]] = []   # uint8 device view (staged), or None
-        for s in storages:
-            if s.nbytes() and _staging.copier_for(s) is not None:
+        empty = torch.empty(0, dtype=torch.uint8)
+        for s, n in zip(storages, self.sizes):
+            if n and _staging.copier_for(s) is not None:
                 self._host.append(None)
                 self._dev.append(_staging._bytes_view(s))
+                continue
+            if not n:
+                self._host.append(empty)
+            elif s.device.type == "cpu":
+                self._host.append(torch.empty(0, dtype=torch.uint8).set_(s))
             else:
-                self._host.append(_staging._bytes_view(s if s.device.type == "cpu" else s.cpu()))
-                self._dev.append(None)
+                self._host.append(_staging._bytes_view(s.cpu()))
+            self._dev.append(None)
         self.staged = any(d is not None for d in self._dev)
 
     def ranges(self, ranges: Sequence[Range],
@@ -92,7 +98,7 @@ class Storages:
                     continue
                 host = self._host[k]
                 if host is not None:
-                    yield r, iter((host[start:start + n],))
+                    yield r, iter((host if n == self.sizes[k] else host[start:start + n],))
                     continue
                 try:
                     got, _, views = next(stream)
