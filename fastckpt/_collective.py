@@ -71,8 +71,6 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
-
 from . import _C, _collective_stage, _dist_exit, _paths, _torch_rules, _zip
 from .engine import get_engine
 
@@ -410,7 +408,11 @@ class _Checker:
     thread while this rank writes its own; result() joins it (an error there
     is raised by result()). Device bytes are staged through a pool of their
     own (_collective_stage.check_chunk), so the writes' copies never wait for
-    the checker's buffers nor the checker for theirs."""
+    the checker's buffers nor the checker for theirs. Its copies are ordered
+    after this thread's current stream only (on CUDA, the thread's default
+    stream), yet they see the caller's data: step 1 copied a sample of every
+    device storage, each copy ordered after the caller's current stream of its
+    device, and waited for them, so what the caller had queued is done."""
 
     def __init__(self, src: "_collective_stage.Storages", ranges):
         self.crcs: List[int] = []
