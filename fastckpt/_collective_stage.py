@@ -131,8 +131,11 @@ class Storages:
             yield v
 
     def _failed(self, r: Optional[Range], e: BaseException) -> RuntimeError:
-        what = (f"bytes {r[1]}..{r[1] + r[2]} of storage data/{r[0]} (on {self._dev[r[0]].device})"
-                if r is not None else "the storages' bytes")
+        if r is not None:
+            dev = self._dev[r[0]]
+            what = f"bytes {r[1]}..{r[1] + r[2]} of storage data/{r[0]} (on {_staging.copier_for(dev).device_key(dev)})"
+        else:
+            what = "the storages' bytes"
         return RuntimeError(f"cannot save to {self.path!r}: copying {what} to host memory failed: "
                             f"{type(e).__name__}: {e}")
 

@@ -133,6 +133,7 @@ def test_failed_device_copy_on_one_rank_fails_every_rank(tmp_path, stage, rank):
         assert lines[r].startswith("ERR ") and str(path) in lines[r], f"rank {r}: {lines[r]}"
     # The failing rank: its own error, naming the path, the storage's range and the device's error.
     assert lines[rank].startswith(f"ERR RuntimeError: cannot save to {str(path)!r}: copying bytes "), lines
+    assert "of storage data/" in lines[rank] and "(on sim:" in lines[rank], lines
     assert "to host memory failed: RuntimeError: sim: injected device copy failure" in lines[rank], lines
     for r in set(range(3)) - {rank}:
         assert lines[r].startswith("ERR OSError: ") and f"rank {rank} of the group failed" in lines[r], lines
