@@ -16,6 +16,14 @@ the record tails under 4 KiB, data descriptors and the central directory, once
 it has every rank's piece CRCs (each record's CRC is its pieces' combined with
 _C.crc32_combine, then its tail's).
 
+Host memory. CPU storages are read in place. A rank brings to the host only
+the device bytes it needs (fastckpt/_collective_stage.py): the sampled blocks
+(step 1), its own share and the next rank's (step 3) and, on a copy's lead,
+the small records and record tails (step 4), each range through the staging
+pool (fastckpt/_staging.ToHost; the checker through a smaller pool of its
+own), its copies running ahead of the writes. Host staging memory: the two
+pools' buffers, whatever the state's size.
+
 Flow (each step a collective over ``pg``, so a failure anywhere reaches every rank):
 1. agree: all_gather of (error, digest of data.pkl + storage sizes + settings,
    sampled CRC-32s of every storage, rank 0's serialization id). A digest or
@@ -63,17 +71,9 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-import torch
-
-from . import _C, _dist_exit, _paths, _torch_rules, _zip
+from . import _C, _collective_stage, _dist_exit, _paths, _torch_rules, _zip
 from .engine import get_engine
 
-# Sampled CRCs: a storage of up to _SAMPLE_WHOLE bytes is checksummed whole,
-# a larger one in _SAMPLE_BLOCKS blocks of _SAMPLE_BLOCK bytes spread evenly
-# (first and last included): at most 64 KiB read per storage.
-_SAMPLE_WHOLE = 64 << 10
-_SAMPLE_BLOCK = 4096
-_SAMPLE_BLOCKS = 16
 _BODY_ALIGN = 4096
 # Rank 0's writes of small pieces are coalesced into runs of about this size.
 _RUN_BYTES = 4 << 20
@@ -112,29 +112,14 @@ class _RemoteError(Exception):
     """Another rank's failure, as that rank described it."""
 
 
-def _bytes_of(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8).set_(storage) if storage.nbytes() else torch.empty(0, dtype=torch.uint8)
+def _storage_of(plan, i: int) -> int:
+    """The storage index k of storage record plan[i] ("archive/data/<k>")."""
+    return int(plan[i][2].name.rsplit("/", 1)[1])
 
 
-def _record_bytes(tensors: List[torch.Tensor], plan, i: int) -> torch.Tensor:
-    """The host bytes of storage record plan[i] ("archive/data/<k>")."""
-    return tensors[int(plan[i][2].name.rsplit("/", 1)[1])]
-
-
-def _sample_crcs(tensors: List[torch.Tensor]) -> List[int]:
-    out = []
-    for t in tensors:
-        n = t.numel()
-        if n <= _SAMPLE_WHOLE:
-            out.append(_C.crc32(t) if n else 0)
-            continue
-        c = 0
-        last = n - _SAMPLE_BLOCK
-        for k in range(_SAMPLE_BLOCKS):
-            off = last * k // (_SAMPLE_BLOCKS - 1)
-            c = _C.crc32(t[off:off + _SAMPLE_BLOCK], c)
-        out.append(c)
-    return out
+def _share_ranges(plan, share) -> List[Tuple[int, int, int, int]]:
+    """A share's pieces as ranges of the storages: (k, start, length, file offset)."""
+    return [(_storage_of(plan, i), start, n, off) for i, start, n, off in share]
 
 
 def _shares(plan, world: int, plan_size: int) -> Tuple[Dict[int, int], List[List[Tuple[int, int, int, int]]]]:
@@ -294,12 +279,13 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
                 raise ValueError(f"cannot save to {path!r} with group=: torch.serialization.skip_data "
                                  "is not supported by collective saves")
             data_pkl, storages = ser._pickle(obj, pickle_module, pickle_protocol)
-            # Host bytes of every storage (a device storage: one host copy).
-            tensors = [_bytes_of(s if s.device.type == "cpu" else s.cpu()) for s in storages]
+            # The storages' bytes: CPU ones in place, device ones staged range
+            # by range when needed (_collective_stage).
+            src = _collective_stage.Storages(storages, path)
             alignment = _torch_rules.storage_alignment()
             crc_on = bool(_torch_rules.compute_crc32())
             settings = (alignment, crc_on, byteorder, sys.byteorder)
-            mine = (_digest(data_pkl, [t.numel() for t in tensors], settings), _sample_crcs(tensors),
+            mine = (_digest(data_pkl, src.sizes, settings), src.sample_crcs(),
                     ser._new_serialization_id() if g.rank == 0 else None, node, os.path.abspath(path))
         except Exception as e:
             err = e
@@ -344,13 +330,12 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
         err, crcs = None, []
         # The check runs on a thread of its own while this rank's writes wait
         # for the disk (_C.crc32 releases the GIL).
-        checker = _Checker(tensors, plan, shares[(copies.local + 1) % len(copies.ranks)]
+        checker = _Checker(src, _share_ranges(plan, shares[(copies.local + 1) % len(copies.ranks)])
                            if len(copies.ranks) > 1 else [])
         try:
             if writer is None:
                 writer = _C.RegionWriter(get_engine(), path, tmp)
-            for i, start, n, off in shares[copies.local]:
-                crcs.append(writer.write_at(_record_bytes(tensors, plan, i)[start:start + n], off, True))
+            crcs = _write_share(writer, src, _share_ranges(plan, shares[copies.local]))
             if not copies.lead:
                 writer.finish()
         except Exception as e:
@@ -370,7 +355,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
         err = None
         if copies.lead:
             try:
-                _write_rest(writer, plan, entries, cd_offset, tensors, bodies, shares, all_crcs, crc_on)
+                _write_rest(writer, plan, entries, cd_offset, src, bodies, shares, all_crcs, crc_on)
                 if many:
                     writer.finish()
                 else:
@@ -399,22 +384,53 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
         raise
 
 
+def _write_share(writer, src: "_collective_stage.Storages", ranges) -> List[int]:
+    """Write this rank's share (ranges (k, start, length, file offset)) and
+    return each range's CRC-32. A device range arrives in pieces of the
+    staging pool, written while the next pieces are copied to the host."""
+    crcs: List[int] = []
+    it = src.ranges(ranges)
+    try:
+        for (_k, _start, _n, off), views in it:
+            crc = at = 0
+            for v in views:
+                c = writer.write_at(v, off + at, True)
+                crc = _C.crc32_combine(crc, c, v.numel()) if at else c
+                at += v.numel()
+            crcs.append(crc)
+    finally:
+        it.close()
+    return crcs
+
+
 class _Checker:
     """The CRC-32s of another rank's share (without writing it), computed on a
     thread while this rank writes its own; result() joins it (an error there
-    is raised by result())."""
+    is raised by result()). Device bytes are staged through a pool of their
+    own (_collective_stage.check_chunk), so the writes' copies never wait for
+    the checker's buffers nor the checker for theirs. Its copies are ordered
+    after this thread's current stream only (on CUDA, the thread's default
+    stream), yet they see the caller's data: step 1 copied a sample of every
+    device storage, each copy ordered after the caller's current stream of its
+    device, and waited for them, so what the caller had queued is done."""
 
-    def __init__(self, tensors, plan, share):
+    def __init__(self, src: "_collective_stage.Storages", ranges):
         self.crcs: List[int] = []
         self.error: Optional[BaseException] = None
-        self.thread = threading.Thread(target=self._run, args=(tensors, plan, share), name="fastckpt-check",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(src, ranges), name="fastckpt-check", daemon=True)
         self.thread.start()
 
-    def _run(self, tensors, plan, share) -> None:
+    def _run(self, src, ranges) -> None:
         try:
-            for i, start, n, _off in share:
-                self.crcs.append(_C.crc32(_record_bytes(tensors, plan, i)[start:start + n]))
+            it = src.ranges(ranges, _collective_stage.check_chunk() if src.staged else None)
+            try:
+                for _r, views in it:
+                    crc = 0
+                    for v in views:
+                        crc = _C.crc32(v, crc)
+                    self.crcs.append(crc)
+            finally:
+                it.close()
         except BaseException as e:  # noqa: BLE001 - handed to result()
             self.error = e
 
@@ -498,11 +514,25 @@ def _body_crcs(shares, all_crcs) -> Dict[int, int]:
     return out
 
 
-def _write_rest(writer, plan, entries, cd_offset: int, tensors, bodies: Dict[int, int], shares, all_crcs,
-                crc_on: bool) -> None:
+def _write_rest(writer, plan, entries, cd_offset: int, src: "_collective_stage.Storages", bodies: Dict[int, int],
+                shares, all_crcs, crc_on: bool) -> None:
     """Rank 0's part: every byte outside the shares, with each record's CRC
-    combined from the ranks' piece CRCs."""
+    combined from the ranks' piece CRCs. Of the storages it reads only the
+    records' bytes after their bodies (small records whole, tails)."""
     body_crcs = _body_crcs(shares, all_crcs) if crc_on else {}
+    tails = [(_storage_of(plan, i), bodies.get(i, 0), entry.size - bodies.get(i, 0), i)
+             for i, (payload, _h, entry) in enumerate(plan)
+             if not isinstance(payload, (bytes, bytearray)) and entry.size > bodies.get(i, 0)]
+    it = src.ranges(tails)
+    try:
+        _write_rest_from(writer, plan, entries, cd_offset, it, bodies, body_crcs, crc_on)
+    finally:
+        it.close()
+
+
+def _write_rest_from(writer, plan, entries, cd_offset: int, tails, bodies: Dict[int, int], body_crcs: Dict[int, int],
+                     crc_on: bool) -> None:
+    """_write_rest with the records' tails from `tails` ((range, host views) in plan order)."""
     run: List[bytes] = []
     run_off = 0
     run_len = 0
@@ -524,9 +554,13 @@ def _write_rest(writer, plan, entries, cd_offset: int, tensors, bodies: Dict[int
             put(entry.data_offset, bytes(payload))
             crc = _C.crc32(payload) if crc_on and size else 0
         else:
-            t = _record_bytes(tensors, plan, i)
             body = bodies.get(i, 0)
-            tail = t[body:].numpy().tobytes() if size > body else b""
+            tail = b""
+            if size > body:
+                r, views = next(tails)
+                if r[3] != i:
+                    raise RuntimeError("fastckpt: record tails out of order")
+                tail = b"".join(v.numpy().tobytes() for v in views)
             if tail:
                 put(entry.data_offset + body, tail)
             crc = body_crcs.get(i, 0)

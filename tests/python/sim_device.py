@@ -87,6 +87,7 @@ class SimDevice(_staging.DeviceCopier):
         self._cv = threading.Condition()
         self._stop = False
         self.copies = 0
+        self.to_host_bytes = 0                # bytes copied device -> host (to_host_async)
         self.locked_bytes = 0                 # host bytes page-locked through this device now
         self.peak_locked_bytes = 0
         self._thread = threading.Thread(target=self._run, daemon=True, name="sim-device")
@@ -181,6 +182,8 @@ class SimDevice(_staging.DeviceCopier):
 
     def to_host_async(self, dst: torch.Tensor, src: torch.Tensor) -> SimEvent:
         op = self._issue(dst, src, (self._dev(src), "copy"), host_dst=True)
+        with self._cv:
+            self.to_host_bytes += dst.numel() * dst.element_size()
         return self._event_on(op.stream)
 
     def to_device_async(self, dst: torch.Tensor, src: torch.Tensor) -> SimEvent:
