@@ -20,3 +20,12 @@ class UnsupportedURLError(NotImplementedError, ValueError):
 
 
 __all__ += ["UnsupportedURLError"]
+
+
+class MissingDependencyError(ImportError):
+    """A URL's scheme needs an optional dependency that is not installed
+    (``s3://`` needs s3fs: ``pip install 'fastckpt[s3]'``). The message names
+    the pip extra (or package) to install."""
+
+
+__all__ += ["MissingDependencyError"]

@@ -196,7 +196,7 @@ class _FileSink:
 
 def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
          _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False, *,
-         group: Any = None, placement: str = "shared") -> None:
+         group: Any = None, placement: str = "shared", storage_options: Optional[Dict[str, Any]] = None) -> None:
     """Save an object like :func:`torch.save`, durably and atomically.
 
     Args:
@@ -258,6 +258,13 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
         >>> fastckpt.save({"model": model.module.state_dict(), "optim": opt.state_dict()}, "ckpt.pt")
     """
     ts._check_dill_version(pickle_module)
+    if _paths.is_url(f) or storage_options is not None:
+        if group is not None or not _paths.is_url(f):
+            raise ValueError("fastckpt.save: storage_options= goes with a URL (s3://...), and a URL without group=")
+        from .remote import urlio
+        urlio.save(f, storage_options, lambda p: save(obj, p, pickle_module, pickle_protocol,
+                                                      _use_new_zipfile_serialization, _disable_byteorder_record))
+        return
     ts._check_save_filelike(f)
     if placement != "shared" and group is None:
         from ._collective import PLACEMENTS
@@ -1098,7 +1105,7 @@ def _is_legacy(head: bytes) -> bool:
 
 def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = None, *,
          weights_only: Optional[bool] = None, mmap: Optional[bool] = None, verify: Optional[bool] = None,
-         group: Any = None, **pickle_load_args) -> Any:
+         group: Any = None, storage_options: Optional[Dict[str, Any]] = None, **pickle_load_args) -> Any:
     """Load an object saved by :func:`save` or by :func:`torch.save`.
 
     Args:
@@ -1169,6 +1176,12 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     """
     weights_only, pickle_module = _torch_rules.weights_only_policy(weights_only, pickle_module)
     ts._check_dill_version(pickle_module)
+    if _paths.is_url(f) or storage_options is not None:
+        if group is not None or not _paths.is_url(f):
+            raise ValueError("fastckpt.load: storage_options= goes with a URL (s3://...), and a URL without group=")
+        from .remote import urlio
+        return urlio.load(f, storage_options, lambda p: load(
+            p, map_location, pickle_module, weights_only=weights_only, mmap=mmap, verify=verify, **pickle_load_args))
     if mmap is None:  # torch.load's default
         from torch.utils.serialization import config as _torch_config
         mmap = bool(_torch_config.load.mmap)
