@@ -215,7 +215,7 @@ class S3Store(Store):
     def __init__(self, url: str, opts: Dict[str, Any]):
         import s3fs
         cfg = dict(opts.get("config_kwargs") or {})
-        cfg.setdefault("retries", {"max_attempts": 1})  # fastckpt's policy retries (see the module's doc)
+        cfg.setdefault("retries", {"total_max_attempts": 1})  # fastckpt's policy retries (see the module's doc)
         opts["config_kwargs"] = cfg
         opts.setdefault("skip_instance_cache", True)
         fs = s3fs.S3FileSystem(**opts)

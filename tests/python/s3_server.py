@@ -211,10 +211,12 @@ class _Handler(BaseHTTPRequestHandler):
             resp = conn.getresponse()
             data = resp.read()
             self.send_response_only(resp.status, resp.reason)
+            head = self.command == "HEAD"  # its Content-Length is the object's: passed on as it is
             for k, v in resp.getheaders():
-                if k.lower() not in _HOP and k.lower() != "content-length":
+                if k.lower() not in _HOP and (head or k.lower() != "content-length"):
                     self.send_header(k, v)
-            self.send_header("Content-Length", str(len(data)))
+            if not head:
+                self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             if self.command != "HEAD":
                 self.wfile.write(data)
