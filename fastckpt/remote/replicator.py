@@ -239,8 +239,9 @@ class Replicator:
         self._queued: Optional[_Request] = None
         self._running: Optional[_Request] = None
         self._last_done: Optional[int] = None
-        self._error: Optional[BaseException] = None
+        self._error: Optional[BaseException] = None  # the last failure, until a later step completes
         self._error_step: Optional[int] = None
+        self._unraised: Optional[BaseException] = None  # what wait() raises next
         self._closed = False
         self._thread: Optional[threading.Thread] = None
         if clean_stale:
@@ -288,13 +289,14 @@ class Replicator:
                 log.error("fastckpt.remote: replicating step %d (%s) to %s failed: %s", req.step, req.opened.path,
                           self.url, e)
                 with self._cv:
-                    self._error, self._error_step = e, req.step
+                    self._error, self._error_step, self._unraised = e, req.step, e
                     self._running = None
                     self._cv.notify_all()
                 req.future.set_exception(e)
             else:
                 with self._cv:
                     self._last_done = req.step
+                    self._error = self._error_step = None
                     self._running = None
                     self._cv.notify_all()
                 req.future.set_result(m)
@@ -325,7 +327,8 @@ class Replicator:
     def status(self) -> Dict[str, Any]:
         """{"url", "uploading" (step or None), "queued" (step or None),
         "last_complete" (the newest step this replicator completed),
-        "last_error" (str or None), "last_error_step", "bytes_uploaded"}."""
+        "last_error" (str or None: the last failure, until a later step
+        completes), "last_error_step", "bytes_uploaded"}."""
         with self._cv:
             return {"url": self.url, "uploading": self._running.step if self._running else None,
                     "queued": self._queued.step if self._queued else None, "last_complete": self._last_done,
@@ -339,7 +342,7 @@ class Replicator:
         with self._cv:
             if not self._cv.wait_for(lambda: self._queued is None and self._running is None, timeout):
                 raise TimeoutError(f"uploads to {self.url} still running after {timeout} s")
-            err, self._error = self._error, None
+            err, self._unraised = self._unraised, None
             done = self._last_done
         if err is not None:
             raise err
