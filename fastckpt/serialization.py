@@ -203,9 +203,16 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
         obj: what torch.save accepts: (nested) containers of tensors and plain
             Python values, state dicts of models, optimizers, schedulers, scalers.
         f: a path (written through the engine: temporary file in the same
-            directory, O_DIRECT writes, fdatasync, rename, directory fsync), or a
-            writable binary file object (written sequentially, not fsync'd).
+            directory, O_DIRECT writes, fdatasync, rename, directory fsync), a
+            writable binary file object (written sequentially, not fsync'd), or
+            an fsspec URL (``s3://bucket/dir/ckpt.pt``, ``gs://...``,
+            ``file:///mnt/shared/ckpt.pt``): saved locally under ``TMPDIR``, then
+            uploaded in parallel parts that become visible only when complete
+            (:mod:`fastckpt.remote`; ``pip install 'fastckpt[s3]'``).
         pickle_module, pickle_protocol: as for torch.save.
+        storage_options: with a URL ``f``: the fsspec filesystem's options
+            (credentials, ``client_kwargs={"endpoint_url": ...}``), as DCP's
+            fsspec writer takes them.
         _use_new_zipfile_serialization: as for torch.save. ``False`` writes
             torch's legacy (pre-1.6) format with torch's own writer, to a path
             still through the engine's temporary file, fdatasync and rename.
@@ -249,8 +256,11 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
             for errors of the engine's temporary file (ENOSPC, EIO), whose name
             is in ``filename2``. The previous file under that name is
             untouched and no temporary file is left.
-        fastckpt.errors.UnsupportedURLError: ``f`` is a URL (``s3://...``);
-            a ``NotImplementedError`` and a ``ValueError``.
+        fastckpt.errors.MissingDependencyError: ``f`` is a URL whose scheme
+            needs a package that is not installed (the message names the pip
+            extra, ``fastckpt[s3]``). The store (bucket, credentials) is
+            checked before anything is pickled: PermissionError,
+            FileNotFoundError, OSError naming the URL.
         pickle.PicklingError, TypeError, RuntimeError: ``obj`` cannot be saved;
             raised before anything is written.
 
@@ -1110,7 +1120,10 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
 
     Args:
         f: a path (read through the engine: every storage in parallel with
-            O_DIRECT), or a readable binary file object (read by torch.load).
+            O_DIRECT), a readable binary file object (read by torch.load), or an
+            fsspec URL (``s3://...``: read with parallel ranged reads into
+            memory, then loaded with every check of a path; errors name the URL).
+        storage_options: with a URL ``f``: the fsspec filesystem's options.
         map_location: as for torch.load: a device string, torch.device, dict
             of location tags, or callable. Storages bound for a device (by
             map_location, or by their saved location tag when it is None) are

@@ -100,7 +100,11 @@ def open_store(url: str, storage_options: Optional[Dict[str, Any]] = None,
         except (ImportError, ValueError) as e:
             raise MissingDependencyError(f"fastckpt: {url!r}: fsspec cannot open {scheme}:// here: {e}",
                                          name=scheme) from e
-        store = FsspecStore(url, opts, fs_cls)
+        try:
+            store = FsspecStore(url, opts, fs_cls)
+        except ImportError as e:  # hdfs:// without pyarrow, ...
+            raise MissingDependencyError(f"fastckpt: {url!r} needs {e.name or 'a package'}, which is not installed "
+                                         f"({type(e).__name__}: {e})", name=e.name) from e
     if validate:
         store.validate((transfer or TransferOptions()).resolved())
     return store

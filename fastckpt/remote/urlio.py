@@ -19,7 +19,7 @@ import posixpath
 import tempfile
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from ..errors import FormatError
+from ..errors import FormatError, MissingDependencyError
 from ._policy import TransferOptions
 from .store import Store, open_store
 from .transfer import download_to_fd, upload
@@ -44,6 +44,8 @@ def _open(url: str, storage_options: Optional[Dict[str, Any]], transfer: Optiona
         return open_store(parent, storage_options, transfer), name
     except OSError as e:  # named after the object the user gave
         raise OSError(e.errno, f"cannot use {url}: {e.strerror or e}", url) from e
+    except MissingDependencyError as e:
+        raise MissingDependencyError(str(e).replace(repr(parent), repr(url)), name=e.name) from e.__cause__
 
 
 def save(url: str, storage_options: Optional[Dict[str, Any]], save_local: Callable[[str], None],
