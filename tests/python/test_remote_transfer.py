@@ -122,9 +122,10 @@ def test_memory_is_bounded_by_parallelism_times_part_size(s3, tmp_path):
 def test_transient_errors_are_retried(s3, tmp_path, kind):
     url, opts, proxy, srv = s3
     data = _file(tmp_path / "f", 11 * MiB)
-    fault = proxy.add(kind, nth=2, count=2, match=is_part_upload)
+    # three in a row: more than aiohttp's own one retry of a dropped keep-alive connection
+    fault = proxy.add(kind, nth=2, count=3, match=is_part_upload)
     crc = _up(open_store(url, opts), "f", tmp_path / "f", TransferOptions(part_size=5 * MiB, attempts=4, **FAST))
-    assert fault.fired == 2 and crc == zlib.crc32(data)
+    assert fault.fired == 3 and crc == zlib.crc32(data)
     assert _objects(srv, url) == {"f": len(data)}
 
 
