@@ -24,7 +24,7 @@ from ._policy import TransferOptions
 from .store import Store, open_store
 from .transfer import download_to_fd, upload
 
-__all__ = ["save", "load", "split_object_url"]
+__all__ = ["save", "load", "split_object_url", "fetch", "put", "exists"]
 
 
 def split_object_url(url: str) -> Tuple[str, str]:
@@ -55,11 +55,7 @@ def save(url: str, storage_options: Optional[Dict[str, Any]], save_local: Callab
     with tempfile.TemporaryDirectory(prefix="fastckpt-upload-") as d:
         local = os.path.join(d, name)
         save_local(local)
-        fd = os.open(local, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            upload(store, name, fd, os.fstat(fd).st_size, transfer, name=url)
-        finally:
-            os.close(fd)
+        _upload(store, name, local, url, transfer)
 
 
 def _scratch() -> int:
@@ -89,5 +85,57 @@ def load(url: str, storage_options: Optional[Dict[str, Any]], load_local: Callab
             if e.filename == path:
                 raise OSError(e.errno, (e.strerror or str(e)).replace(path, url), url) from e
             raise
+    finally:
+        os.close(fd)
+
+
+def fetch(url: str, storage_options: Optional[Dict[str, Any]], local_dir: str,
+          transfer: Optional[TransferOptions] = None) -> str:
+    """Download the object ``url`` (a checkpoint file), or every object under
+    the prefix ``url`` (a DCP directory), into ``local_dir``; return the local
+    path (the URL's last name under ``local_dir``). FileNotFoundError naming
+    the URL when there is neither."""
+    from .transfer import download
+    name = url.rstrip("/").rsplit("/", 1)[-1] or "checkpoint"
+    local = os.path.join(local_dir, name)
+    try:
+        store, key = _open(url.rstrip("/"), storage_options, transfer)
+    except IsADirectoryError:
+        store, key = open_store(url, storage_options, transfer), ""
+    if key:
+        try:
+            download(store, key, local, opts=transfer)
+            return local
+        except FileNotFoundError:
+            pass  # a prefix, then
+    prefix = store.list(key)
+    if not prefix:
+        raise FileNotFoundError(errno.ENOENT, f"{url}: no such object or prefix", url)
+    for k in sorted(prefix):
+        download(store, k, os.path.join(local, *k[len(key):].strip("/").split("/")), prefix[k], opts=transfer)
+    return local
+
+
+def exists(url: str, storage_options: Optional[Dict[str, Any]]) -> bool:
+    """Whether the object ``url`` exists."""
+    store, key = _open(url, storage_options, None)
+    try:
+        store.size(key)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def put(local: str, url: str, storage_options: Optional[Dict[str, Any]],
+        transfer: Optional[TransferOptions] = None) -> None:
+    """Upload the local file ``local`` to the object ``url`` (visible only complete)."""
+    store, key = _open(url, storage_options, transfer)
+    _upload(store, key, local, local, transfer)
+
+
+def _upload(store: Store, key: str, local: str, name: str, transfer: Optional[TransferOptions]) -> None:
+    fd = os.open(local, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        upload(store, key, fd, os.fstat(fd).st_size, transfer, name=name)
     finally:
         os.close(fd)
