@@ -12,10 +12,10 @@ clients), :mod:`._policy` (retries, bandwidth cap), :mod:`.transfer`
 
 from ._policy import TransferOptions
 from .manifest import delete_step, list_steps, read_manifest, write_manifest
-from .replicator import Replicator, clean_stale, commit_step, restore_step, upload_step_files
+from .replicator import LocalCheckpoint, Replicator, clean_stale, commit_step, restore_step, upload_step_files
 from .store import Store, is_url, open_store
 from .transfer import TransferStats, download, upload
 
 __all__ = ["open_store", "is_url", "Store", "TransferOptions", "TransferStats", "upload", "download",
-           "read_manifest", "write_manifest", "list_steps", "delete_step", "Replicator", "upload_step_files",
+           "read_manifest", "write_manifest", "list_steps", "delete_step", "Replicator", "LocalCheckpoint", "upload_step_files",
            "commit_step", "restore_step", "clean_stale"]

@@ -38,7 +38,7 @@ from ._policy import TransferOptions
 from .store import Store, open_store
 from .transfer import TransferStats, download, upload
 
-__all__ = ["Replicator", "upload_step_files", "commit_step", "restore_step", "clean_stale"]
+__all__ = ["Replicator", "LocalCheckpoint", "upload_step_files", "commit_step", "restore_step", "clean_stale"]
 
 log = logging.getLogger("fastckpt.remote")
 
@@ -64,12 +64,22 @@ def _local_files(path: str) -> Tuple[str, str, List[str]]:
     return "file", name, [name]
 
 
-class _Opened:
-    """A step's files, opened (so that local deletion cannot cut them short)."""
+class LocalCheckpoint:
+    """A committed local checkpoint's files, opened at once (so that local
+    retention deleting them meanwhile cannot cut an upload short); ``close()``
+    when done. ``files`` (relative paths) restricts a directory to some of
+    its files: a rank's own shards in sharded (DCP) mode, where each rank
+    uploads its files with :func:`upload_step_files` and rank 0 writes the
+    manifest with every rank's entries (:func:`commit_step`)."""
 
-    def __init__(self, path: str):
-        self.path = os.path.abspath(path)
+    def __init__(self, path: Union[str, os.PathLike], files: Optional[List[str]] = None):
+        self.path = os.path.abspath(os.fspath(path))
         self.kind, self.name, self.rels = _local_files(self.path)
+        if files is not None:
+            unknown = sorted(set(files) - set(self.rels))
+            if unknown:
+                raise FileNotFoundError(2, f"{self.path}: no file(s) {unknown} in the checkpoint", self.path)
+            self.rels = sorted(files)
         self.fds: Dict[str, Tuple[int, int]] = {}
         try:
             for rel in self.rels:
@@ -89,7 +99,7 @@ class _Opened:
         self.fds.clear()
 
 
-def upload_step_files(store: Store, step: int, opened: "_Opened", opts: Optional[TransferOptions] = None,
+def upload_step_files(store: Store, step: int, opened: "LocalCheckpoint", opts: Optional[TransferOptions] = None,
                       stats: Optional[TransferStats] = None) -> List[Dict[str, Any]]:
     """Upload the files of one (sharded: this rank's) part of ``step``;
     return their manifest entries ({"path", "size", "crc32"})."""
@@ -203,7 +213,7 @@ def _restore_one(store: Store, local_dir: str, step: int, listed: Dict[str, int]
 
 
 class _Request:
-    def __init__(self, step: int, opened: _Opened):
+    def __init__(self, step: int, opened: LocalCheckpoint):
         self.step, self.opened = step, opened
         self.future: "concurrent.futures.Future[Dict[str, Any]]" = concurrent.futures.Future()
 
@@ -253,7 +263,7 @@ class Replicator:
         directory) as ``step``; return at once with a future of its manifest.
         Its files are opened now. A step still queued is superseded (its
         future cancelled). Raises FileNotFoundError if ``path`` has no files."""
-        opened = _Opened(os.fspath(path))
+        opened = LocalCheckpoint(os.fspath(path))
         req = _Request(int(step), opened)
         with self._cv:
             if self._closed:

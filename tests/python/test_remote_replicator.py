@@ -275,3 +275,53 @@ def test_sigkill_mid_upload(s3, tmp_path):
     assert c.list_multipart_uploads(Bucket=b, Prefix=k).get("Uploads", []) == []
     assert sorted(mf.list_step_prefixes(r.store)) == [1]
     r.close()
+
+
+def test_sharded_mode_each_rank_uploads_its_files(tmp_path):
+    """Sharded (DCP) mode as the manager drives it: each rank uploads its own
+    files, rank 0 writes the manifest with every rank's entries last."""
+    from fastckpt.remote import LocalCheckpoint, commit_step, restore_step, upload_step_files
+    d = tmp_path / "step_4"
+    d.mkdir()
+    files = {"__0_0.distcp": os.urandom(1000), "__1_0.distcp": os.urandom(2000), ".metadata": b"m"}
+    for k, v in files.items():
+        (d / k).write_bytes(v)
+    store = open_store("file://" + str(tmp_path / "tier"))
+    entries = []
+    for mine in (["__0_0.distcp", ".metadata"], ["__1_0.distcp"]):  # rank 0's, rank 1's
+        ck = LocalCheckpoint(d, files=mine)
+        entries += upload_step_files(store, 4, ck)
+        ck.close()
+        assert mf.list_steps(store) == []  # not complete before the manifest
+    commit_step(store, 4, "directory", "step_4", entries)
+    assert mf.list_steps(store) == [4]
+    step, path = restore_step(store, str(tmp_path / "fresh"))
+    assert step == 4 and all((tmp_path / "fresh" / "step_4" / k).read_bytes() == v for k, v in files.items())
+    with pytest.raises(FileNotFoundError):
+        LocalCheckpoint(d, files=["nope"])
+
+
+def test_manifest_parser_refuses_any_bytes_cleanly():
+    from hypothesis import given, settings, strategies as st
+
+    good = json.dumps(mf.make_manifest(1, "file", "a.pt", [{"path": "a.pt", "size": 1, "crc32": 2}])).encode()
+    assert mf.parse_manifest(good, "u", 1)["step"] == 1
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.one_of(st.binary(max_size=300), st.binary(max_size=30).map(lambda b: good[:len(good) // 2] + b),
+                     st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=5),
+                                  lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=8), c,
+                                                                                      max_size=4)).map(
+                         lambda v: json.dumps(v).encode())))
+    def check(data):
+        try:
+            m = mf.parse_manifest(data, "u")
+        except FormatError as e:
+            assert str(e).startswith("u: ")
+        else:
+            assert m["format"] == mf.FORMAT
+
+    check()
+    deep = b"[" * 100000 + b"]" * 100000
+    with pytest.raises(FormatError):
+        mf.parse_manifest(deep, "u")
