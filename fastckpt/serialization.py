@@ -1187,14 +1187,14 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     Example:
         >>> sd = fastckpt.load("ckpt.pt", map_location=f"cuda:{local_rank}")
     """
-    weights_only, pickle_module = _torch_rules.weights_only_policy(weights_only, pickle_module)
-    ts._check_dill_version(pickle_module)
-    if _paths.is_url(f) or storage_options is not None:
+    if _paths.is_url(f) or storage_options is not None:  # the same call on the bytes read into memory
         if group is not None or not _paths.is_url(f):
             raise ValueError("fastckpt.load: storage_options= goes with a URL (s3://...), and a URL without group=")
         from .remote import urlio
         return urlio.load(f, storage_options, lambda p: load(
             p, map_location, pickle_module, weights_only=weights_only, mmap=mmap, verify=verify, **pickle_load_args))
+    weights_only, pickle_module = _torch_rules.weights_only_policy(weights_only, pickle_module)
+    ts._check_dill_version(pickle_module)
     if mmap is None:  # torch.load's default
         from torch.utils.serialization import config as _torch_config
         mmap = bool(_torch_config.load.mmap)

@@ -117,3 +117,36 @@ def test_url_misuse():
     except ImportError:
         with pytest.raises(MissingDependencyError, match=r"fastckpt\[gcs\]"):
             fastckpt.load("gs://bucket/x.pt")
+
+
+class Thing:
+    def __init__(self):
+        self.x = 7
+
+
+def test_load_arguments_pass_through(tmp_path):
+    """weights_only=False with an object only full unpickling rebuilds, an
+    explicit pickle_module, map_location: the same call as for a path."""
+    import pickle
+    import collections
+    (tmp_path / "t").mkdir()
+    url = "file://" + str(tmp_path / "t" / "c.pt")
+    obj = {"od": collections.OrderedDict(a=torch.ones(2)), "t": Thing()}
+    fastckpt.save(obj, url)
+    out = fastckpt.load(url, weights_only=False, pickle_module=pickle, map_location="cpu")
+    assert out["t"].x == 7 and torch.equal(out["od"]["a"], torch.ones(2))
+    with pytest.raises(pickle.UnpicklingError):
+        fastckpt.load(url, weights_only=True)
+
+
+def test_empty_object_round_trip(s3, tmp_path):
+    from fastckpt.remote import download, open_store, upload
+    url, opts, _, _ = s3
+    (tmp_path / "e").write_bytes(b"")
+    store = open_store(url, opts)
+    fd = os.open(tmp_path / "e", os.O_RDONLY)
+    try:
+        assert upload(store, "e", fd, 0) == 0
+    finally:
+        os.close(fd)
+    assert download(store, "e", str(tmp_path / "back"), 0, 0) == 0 and (tmp_path / "back").read_bytes() == b""
