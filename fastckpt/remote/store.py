@@ -439,10 +439,22 @@ class FsspecStore(Store):
     def validate(self, opts):
         def check():
             self.fs.invalidate_cache()
-            bucket = self.root.split("/", 1)[0]
-            if not self.fs.exists(bucket or self.root):
-                raise FileNotFoundError(errno.ENOENT, f"{bucket or self.root!r} does not exist", self.url)
-        retry(check, f"cannot use {self.url}", self.url, opts)
+            if getattr(self.fs, "root_marker", "") == "":  # an object store: bucket/prefix; the bucket must exist
+                bucket = self.root.split("/", 1)[0]
+                if not self.fs.exists(bucket):
+                    raise FileNotFoundError(errno.ENOENT, f"bucket {bucket!r} does not exist", self.url)
+                return
+            probe = self.root  # a filesystem: the nearest existing ancestor is a directory
+            while probe not in ("", "/") and not self.fs.exists(probe):
+                probe = probe.rsplit("/", 1)[0]
+            if probe not in ("", "/") and not self.fs.isdir(probe):
+                raise NotADirectoryError(errno.ENOTDIR, f"{probe!r} is not a directory", self.url)
+        try:
+            retry(check, f"cannot use {self.url}", self.url, opts)
+        except OSError as e:
+            if isinstance(e.__cause__, (FileNotFoundError, NotADirectoryError, PermissionError)):
+                raise e.__cause__ from None
+            raise
 
     def begin_upload(self, key, size):
         return _StreamUpload(self, key)
