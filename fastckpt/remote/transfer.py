@@ -183,11 +183,13 @@ def download(store: Store, key: str, path: str, size: Optional[int] = None, crc3
     lock = threading.Lock()
     crcs: Dict[int, Tuple[int, int]] = {}
     parts = _plan(size, opts.part_size, 1)
+    throttle = Throttle(opts.bandwidth)
 
     def fetch(p):
         number, off, n = p
         stats.hold(n)
         try:
+            throttle.take(n)
             data = retry(lambda: store.get_range(key, off, off + n), f"{what} (bytes {off}-{off + n})", url, opts)
             if len(data) != n:
                 raise FormatError(f"{url}: a ranged read of bytes {off}-{off + n} returned {len(data)} bytes "
