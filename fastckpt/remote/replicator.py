@@ -135,6 +135,9 @@ def clean_stale(store: Store, opts: Optional[TransferOptions] = None, below: Opt
     return gone
 
 
+_clean_stale = clean_stale  # Replicator's argument of that name hides the function
+
+
 def restore_step(store: Store, local_dir: str, step: Optional[int] = None, opts: Optional[TransferOptions] = None
                  ) -> Tuple[int, str]:
     """Download the newest complete remote step (or ``step``) into
@@ -255,7 +258,7 @@ class Replicator:
         self._closed = False
         self._thread: Optional[threading.Thread] = None
         if clean_stale:
-            clean_stale_fn(self.store, self.opts)
+            _clean_stale(self.store, self.opts)
 
     # --- uploads
     def submit(self, step: int, path: Union[str, os.PathLike]) -> "concurrent.futures.Future[Dict[str, Any]]":
@@ -392,5 +395,3 @@ class Replicator:
         """See :func:`restore_step`."""
         return restore_step(self.store, os.fspath(local_dir), step, self.opts)
 
-
-clean_stale_fn = clean_stale

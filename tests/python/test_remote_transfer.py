@@ -13,7 +13,7 @@ from fastckpt.errors import MissingDependencyError
 from fastckpt.remote import TransferOptions, TransferStats, download, open_store, upload
 from fastckpt.remote import _policy
 
-from s3_server import BUCKET, is_part_upload
+from s3_server import is_part_upload
 
 MiB = 1 << 20
 FAST = dict(backoff_s=0.01, max_backoff_s=0.05)
