@@ -29,6 +29,19 @@ SMALL = TransferOptions(part_size=5 * MiB, parallelism=2, attempts=3, backoff_s=
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _open_under(d):
+    """This process's descriptors open on files under `d` (a leak check)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(d)):
+            out.append(target)
+    return out
+
+
 def _ckpt(path, step, n=300_000):
     sd = {"step": step, "w": torch.arange(n, dtype=torch.float32) * step}
     fastckpt.save(sd, path)
@@ -143,8 +156,10 @@ def test_a_newer_step_supersedes_a_queued_one(s3, tmp_path, monkeypatch):
     f3 = r.submit(3, tmp_path / "s3.pt")
     os.unlink(tmp_path / "s3.pt")  # local retention may delete it: its files are open
     assert f2.cancelled() and r.status()["queued"] == 3
+    assert sorted(os.path.basename(p) for p in _open_under(tmp_path)) == ["s1.pt", "s3.pt (deleted)"]
     gate.set()
     assert r.wait() == 3
+    assert _open_under(tmp_path) == []
     assert f1.result()["step"] == 1 and f3.result()["step"] == 3
     assert r.list_steps() == [1, 3]
     r.close()
@@ -167,6 +182,7 @@ def test_upload_failure_is_reported_and_local_untouched(s3, tmp_path):
     assert st["last_error_step"] == 5 and "injected by the test proxy" in st["last_error"], st
     assert r.wait() is None  # reported once
     assert (tmp_path / "c.pt").read_bytes() == before
+    assert _open_under(tmp_path) == []  # the step's descriptors were closed
     assert r.list_steps() == []
     with pytest.raises(FileNotFoundError):
         r.restore(tmp_path / "fresh")
@@ -193,6 +209,7 @@ def test_damaged_remote_object_is_not_restored(s3, tmp_path):
         step, path = r.restore(tmp_path / "fresh")
     assert step == 1 and path.endswith("step_1.pt")
     assert sorted(os.listdir(tmp_path / "fresh")) == ["step_1.pt"]  # nothing of step 2
+    assert _open_under(tmp_path / "fresh") == []
     assert same_state(fastckpt.load(path), sds[1])
     with pytest.raises(FileNotFoundError, match="CRC-32"):
         r.restore(tmp_path / "fresh2", step=2)
