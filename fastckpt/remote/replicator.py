@@ -293,28 +293,27 @@ class Replicator:
                     return
                 req, self._queued = self._queued, None
                 self._running = req
-            if not req.future.set_running_or_notify_cancel():
-                req.opened.close()
-                continue
-            try:
-                m = self._replicate(req)
-            except BaseException as e:
-                log.error("fastckpt.remote: replicating step %d (%s) to %s failed: %s", req.step, req.opened.path,
-                          self.url, e)
-                with self._cv:
-                    self._error, self._error_step, self._unraised = e, req.step, e
-                    self._running = None
-                    self._cv.notify_all()
-                req.future.set_exception(e)
-            else:
-                with self._cv:
+            m, err = None, None
+            if req.future.set_running_or_notify_cancel():  # not cancelled by its caller meanwhile
+                try:
+                    m = self._replicate(req)
+                except BaseException as e:
+                    err = e
+                    log.error("fastckpt.remote: replicating step %d (%s) to %s failed: %s", req.step,
+                              req.opened.path, self.url, e)
+            req.opened.close()  # before wait() can return
+            with self._cv:
+                if err is not None:
+                    self._error, self._error_step, self._unraised = err, req.step, err
+                elif m is not None:
                     self._last_done = req.step
                     self._error = self._error_step = None
-                    self._running = None
-                    self._cv.notify_all()
+                self._running = None
+                self._cv.notify_all()
+            if err is not None:
+                req.future.set_exception(err)
+            elif m is not None:
                 req.future.set_result(m)
-            finally:
-                req.opened.close()
 
     def _replicate(self, req: _Request) -> Dict[str, Any]:
         entries = upload_step_files(self.store, req.step, req.opened, self.opts, self.stats)

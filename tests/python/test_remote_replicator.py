@@ -357,3 +357,26 @@ def test_other_fsspec_filesystems_stream_in_order(tmp_path):
     step, path = r.restore(tmp_path / "fresh")
     assert step == 1 and same_state(fastckpt.load(path), sd)
     r.close()
+
+
+def test_a_step_cancelled_by_its_caller_does_not_hang_wait(tmp_path, monkeypatch):
+    gate = threading.Event()
+    real = rep_mod.upload_step_files
+
+    def slow(store, step, opened, *a, **kw):
+        if step == 1:
+            gate.wait(30)
+        return real(store, step, opened, *a, **kw)
+
+    monkeypatch.setattr(rep_mod, "upload_step_files", slow)
+    for s in (1, 2):
+        _ckpt(tmp_path / f"s{s}.pt", s, 1000)
+    r = Replicator("file://" + str(tmp_path / "tier"))
+    r.submit(1, tmp_path / "s1.pt")
+    while r.status()["uploading"] != 1:
+        time.sleep(0.01)
+    assert r.submit(2, tmp_path / "s2.pt").cancel()
+    gate.set()
+    assert r.wait(timeout=60) == 1
+    assert r.list_steps() == [1] and _open_under(tmp_path) == []
+    r.close()
