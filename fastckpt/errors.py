@@ -26,7 +26,7 @@ __all__ += ["UnsupportedURLError"]
 
 class MissingDependencyError(ImportError):
     """A URL's scheme needs an optional dependency that is not installed
-    (``s3://`` needs s3fs: ``pip install 'fastckpt[s3]'``). The message names
+    (``s3://`` needs s3fs: ``pip install 'fastckpt-io[s3]'``). The message names
     the pip extra (or package) to install."""
 
 

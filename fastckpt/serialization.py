@@ -208,7 +208,7 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
             an fsspec URL (``s3://bucket/dir/ckpt.pt``, ``gs://...``,
             ``file:///mnt/shared/ckpt.pt``): saved locally under ``TMPDIR``, then
             uploaded in parallel parts that become visible only when complete
-            (:mod:`fastckpt.remote`; ``pip install 'fastckpt[s3]'``).
+            (:mod:`fastckpt.remote`; ``pip install 'fastckpt-io[s3]'``).
         pickle_module, pickle_protocol: as for torch.save.
         storage_options: with a URL ``f``: the fsspec filesystem's options
             (credentials, ``client_kwargs={"endpoint_url": ...}``), as DCP's
@@ -258,7 +258,7 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
             untouched and no temporary file is left.
         fastckpt.errors.MissingDependencyError: ``f`` is a URL whose scheme
             needs a package that is not installed (the message names the pip
-            extra, ``fastckpt[s3]``). The store (bucket, credentials) is
+            extra, ``fastckpt-io[s3]``). The store (bucket, credentials) is
             checked before anything is pickled: PermissionError,
             FileNotFoundError, OSError naming the URL.
         pickle.PicklingError, TypeError, RuntimeError: ``obj`` cannot be saved;

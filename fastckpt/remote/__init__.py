@@ -7,7 +7,7 @@ clients), :mod:`._policy` (retries, bandwidth cap), :mod:`.transfer`
 :mod:`.manifest` (the step layout and its commit marker),
 :mod:`.replicator` (background replication, retention, restore) and
 :mod:`.urlio` (``fastckpt.save``/``load`` of a URL). Optional dependencies:
-``pip install 'fastckpt[s3]'`` (s3fs) or ``'fastckpt[gcs]'`` (gcsfs).
+``pip install 'fastckpt-io[s3]'`` (s3fs) or ``'fastckpt-io[gcs]'`` (gcsfs).
 """
 
 from ._policy import TransferOptions

@@ -57,7 +57,7 @@ def _need(url: str, scheme: str) -> None:
         __import__(mod)
     except ImportError as e:
         raise MissingDependencyError(
-            f"fastckpt: {url!r} needs {mod}, which is not installed: pip install 'fastckpt[{extra}]' "
+            f"fastckpt: {url!r} needs {mod}, which is not installed: pip install 'fastckpt-io[{extra}]' "
             f"({type(e).__name__}: {e})", name=mod) from e
 
 
@@ -75,7 +75,7 @@ def open_store(url: str, storage_options: Optional[Dict[str, Any]] = None,
 
     Raises:
         fastckpt.errors.MissingDependencyError: the scheme's package is not
-            installed (the message names the pip extra, ``fastckpt[s3]``).
+            installed (the message names the pip extra, ``fastckpt-io[s3]``).
         PermissionError: the credentials are refused.
         FileNotFoundError: the bucket (or, for ``file://``, the directory's
             parent) does not exist.
@@ -87,7 +87,7 @@ def open_store(url: str, storage_options: Optional[Dict[str, Any]] = None,
     try:
         import fsspec
     except ImportError as e:  # fsspec comes with torch; a stripped environment
-        raise MissingDependencyError(f"fastckpt: {url!r} needs fsspec: pip install 'fastckpt[s3]'",
+        raise MissingDependencyError(f"fastckpt: {url!r} needs fsspec: pip install 'fastckpt-io[s3]'",
                                      name="fsspec") from e
     opts = copy.deepcopy(dict(storage_options or {}))
     if scheme in ("s3", "s3a"):

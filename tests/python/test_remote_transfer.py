@@ -75,7 +75,7 @@ def test_missing_extra_names_the_pip_extra():
         pass
     with pytest.raises(MissingDependencyError) as ei:
         open_store("gs://bucket/run")
-    assert isinstance(ei.value, ImportError) and "fastckpt[gcs]" in str(ei.value) and "gs://bucket/run" in str(ei.value)
+    assert isinstance(ei.value, ImportError) and "fastckpt-io[gcs]" in str(ei.value) and "gs://bucket/run" in str(ei.value)
 
 
 # ---------------------------------------------------------------- upload

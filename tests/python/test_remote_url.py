@@ -115,7 +115,7 @@ def test_url_misuse():
     try:
         import gcsfs  # noqa: F401
     except ImportError:
-        with pytest.raises(MissingDependencyError, match=r"fastckpt\[gcs\]"):
+        with pytest.raises(MissingDependencyError, match=r"fastckpt-io\[gcs\]"):
             fastckpt.load("gs://bucket/x.pt")
 
 
