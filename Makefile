@@ -125,3 +125,11 @@ CLUSTER_ARGS      ?=
 bench-cluster: build
 	$(PY) benchmarks/cluster_emulate.py --dir "$(BENCH_DIR)" --worlds $(CLUSTER_WORLDS) --size $(CLUSTER_SIZE) \
 	  --link-mbps $(CLUSTER_LINK_MBPS) --out "$(CLUSTER_OUT)" $(CLUSTER_ARGS)
+
+# Issue 14, the remote tier: fastckpt's uploader/downloader vs s3fs and boto3, and a fresh node's restore, against
+# moto's S3 server started on this machine (in-memory and slow: it, not the clients, sets the pace).
+REMOTE_SIZE ?= 128M
+REMOTE_REPS ?= 3
+.PHONY: bench-remote
+bench-remote: build
+	$(PY) benchmarks/bench_remote.py --size $(REMOTE_SIZE) --reps $(REMOTE_REPS)

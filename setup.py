@@ -127,6 +127,8 @@ setup(
     package_data={"fastckpt": ["_C.pyi", "py.typed"]},
     python_requires=">=3.9",
     install_requires=["torch>=2.6", "numpy", "tqdm"],
+    # fastckpt.remote (s3://, gs:// URLs; file:// needs only fsspec, which comes with torch)
+    extras_require={"s3": ["s3fs>=2024.6"], "gcs": ["gcsfs>=2024.6"]},
     entry_points={"console_scripts": ["fastckpt = fastckpt.cli:main"]},
     ext_modules=[] if os.environ.get("FASTCKPT_BUILD_EXT") == "0" else [_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

@@ -23,10 +23,15 @@ from typing import Optional, Union
 
 from .errors import UnsupportedURLError
 
-__all__ = ["check_save_target", "check_dcp_target", "check_not_url", "open_for_reading", "raise_named_after_target"]
+__all__ = ["is_url", "check_save_target", "check_dcp_target", "check_not_url", "open_for_reading", "raise_named_after_target"]
 
 # scheme://... (RFC 3986 scheme). "s3:/x" or "c:x" are ordinary relative paths.
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def is_url(s) -> bool:
+    """``scheme://...`` (a str): fastckpt.save/load send it to fastckpt.remote."""
+    return isinstance(s, str) and _URL.match(s) is not None
 
 
 def _err(code: int, path: str, why: str) -> OSError:

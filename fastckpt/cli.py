@@ -110,6 +110,75 @@ def _existing(path: str, what: str = "file or directory") -> str:
     return path
 
 
+# ---------------------------------------------------------------- URLs (fastckpt.remote)
+
+def _is_url(s: Any) -> bool:
+    from ._paths import is_url
+    return is_url(s)
+
+
+def _storage_options(args) -> Optional[dict]:
+    raw = getattr(args, "storage_options", None)
+    if raw is None:
+        return None
+    try:
+        opts = json.loads(raw)
+    except ValueError as e:
+        raise UsageError(f"--storage-options is not JSON: {e}") from None
+    if not isinstance(opts, dict):
+        raise UsageError("--storage-options is a JSON object ({\"key\": ..., ...})")
+    return opts
+
+
+def _with_urls(func):
+    """Run a command whose PATH / SRC (a checkpoint to read) or DST (a file to
+    write) may be URLs: a source is downloaded (parallel ranged reads) into a
+    temporary directory first, a destination is written there and uploaded
+    after; what the command prints names the URLs, not the temporary paths."""
+    def run(args) -> int:
+        import io
+        import tempfile
+        names = [n for n in ("path", "src", "dst") if _is_url(getattr(args, n, None))]
+        if not names:
+            return func(args)
+        from .errors import FormatError
+        from .remote import urlio
+        opts = _storage_options(args)
+        with tempfile.TemporaryDirectory(prefix="fastckpt-cli-") as tmp:
+            subst, upload_to = {}, None
+            for n in names:
+                url = getattr(args, n)
+                if n == "dst":
+                    if getattr(args, "to", None) == "dcp" or url.endswith("/"):
+                        raise UsageError(f"{url}: a DCP directory cannot be converted to a URL (a file can)")
+                    if urlio.exists(url, opts) and not args.force:
+                        raise UsageError(f"{url} exists; pass --force to replace it")
+                    local = os.path.join(tmp, "out", url.rsplit("/", 1)[-1])
+                    os.makedirs(os.path.dirname(local))
+                    upload_to = (local, url)
+                else:
+                    local = urlio.fetch(url, opts, os.path.join(tmp, "in"))
+                setattr(args, n, local)
+                subst[local] = url
+            def named(text: str) -> str:
+                for local, url in subst.items():
+                    text = text.replace(local, url)
+                return text
+
+            out = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(out):
+                    rc = func(args)
+            except FormatError as e:
+                raise FormatError(named(str(e))) from e
+            finally:
+                sys.stdout.write(named(out.getvalue()))
+            if upload_to is not None and rc == EXIT_OK:
+                urlio.put(upload_to[0], upload_to[1], opts)
+            return rc
+    return run
+
+
 def cmd_inspect(args) -> int:
     from ._inspect import inspect_data, inspect_text
     from ._sources import open_source
@@ -290,9 +359,12 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
                        description="Show the keys of a checkpoint file or DCP directory with dtype, shape, size "
                                    "and device, and totals. Runs no code from the checkpoint and reads no "
                                    "tensor data.")
-    p.add_argument("path", help="checkpoint file (fastckpt, torch.save, safetensors) or DCP directory")
+    p.add_argument("path", help="checkpoint file (fastckpt, torch.save, safetensors) or DCP directory; or a URL "
+                                "(s3://..., gs://..., file://...)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_inspect)
+    p.add_argument("--storage-options", metavar="JSON",
+                   help="fsspec options of a URL argument (s3://...: credentials, endpoint), a JSON object")
+    p.set_defaults(func=_with_urls(cmd_inspect))
 
     p = sub.add_parser("verify", parents=[common, progress], help="check every checksum and the structure",
                        description="Read the whole checkpoint and check every CRC-32 and the structure. Exit "
@@ -303,7 +375,9 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     p.add_argument("--strict", action="store_true",
                    help="fail when data has no checksum to check it against (safetensors, legacy torch "
                         "files, torch.save with CRCs disabled)")
-    p.set_defaults(func=cmd_verify)
+    p.add_argument("--storage-options", metavar="JSON",
+                   help="fsspec options of a URL argument (s3://...: credentials, endpoint), a JSON object")
+    p.set_defaults(func=_with_urls(cmd_verify))
 
     p = sub.add_parser("convert", parents=[common, progress], help="convert between fastckpt/torch, safetensors and DCP",
                        description="Convert a checkpoint, streaming: memory stays bounded by a few buffers (or "
@@ -320,7 +394,9 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     p.add_argument("--no-verify", dest="verify", action="store_false",
                    help="do not check the source's CRC-32s while reading it (by default a corrupt source "
                         "stops the conversion instead of being copied into a valid-looking file)")
-    p.set_defaults(func=cmd_convert)
+    p.add_argument("--storage-options", metavar="JSON",
+                   help="fsspec options of a URL argument (s3://...: credentials, endpoint), a JSON object")
+    p.set_defaults(func=_with_urls(cmd_convert))
 
     p = sub.add_parser("doctor", parents=[common], help="what this machine and directory support",
                        description="Probe io_uring, O_DIRECT, the filesystem, free space, CUDA and pinned memory, "

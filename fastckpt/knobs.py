@@ -21,6 +21,10 @@ preallocate          FASTCKPT_PREALLOCATE          fallocate when the final size
 prefault             FASTCKPT_PREFAULT             0: no helper thread faulting in a load's memory ahead of its reads
 async_max_in_flight  FASTCKPT_ASYNC_MAX_IN_FLIGHT  async saves in flight, each holding a host snapshot (1)
 allow_foreign_owner  FASTCKPT_ALLOW_FOREIGN_OWNER  1: use checkpoint directories another user owns or can write (0)
+remote_part_size     FASTCKPT_REMOTE_PART_SIZE     bytes per part of a remote upload or ranged read (16 MiB)
+remote_parallelism   FASTCKPT_REMOTE_PARALLELISM   parts in flight per remote transfer (8): memory <= parts x part size
+remote_attempts      FASTCKPT_REMOTE_ATTEMPTS      tries of a remote request before its error is raised (5)
+remote_bandwidth     FASTCKPT_REMOTE_BANDWIDTH     bytes/s cap of a remote transfer (0: no cap)
 ===================  ============================  =======================================================
 
 The first nine configure the C++ engine (:func:`config`); the others are read
@@ -41,7 +45,12 @@ NAMES = ("buffer_size", "buffer_count", "queue_depth", "io_threads", "backend", 
 
 # Knobs of the Python side: name -> (environment variable, default, smallest allowed value). Integers.
 PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
-            "allow_foreign_owner": ("FASTCKPT_ALLOW_FOREIGN_OWNER", 0, 0)}
+            "allow_foreign_owner": ("FASTCKPT_ALLOW_FOREIGN_OWNER", 0, 0),
+            # fastckpt.remote (object stores and shared filesystems, issue 14)
+            "remote_part_size": ("FASTCKPT_REMOTE_PART_SIZE", 16 << 20, 1 << 10),
+            "remote_parallelism": ("FASTCKPT_REMOTE_PARALLELISM", 8, 1),
+            "remote_attempts": ("FASTCKPT_REMOTE_ATTEMPTS", 5, 1),
+            "remote_bandwidth": ("FASTCKPT_REMOTE_BANDWIDTH", 0, 0)}
 
 _lock = threading.Lock()
 _overrides: Dict[str, object] = {}

@@ -196,16 +196,23 @@ class _FileSink:
 
 def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
          _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False, *,
-         group: Any = None, placement: str = "shared") -> None:
+         group: Any = None, placement: str = "shared", storage_options: Optional[Dict[str, Any]] = None) -> None:
     """Save an object like :func:`torch.save`, durably and atomically.
 
     Args:
         obj: what torch.save accepts: (nested) containers of tensors and plain
             Python values, state dicts of models, optimizers, schedulers, scalers.
         f: a path (written through the engine: temporary file in the same
-            directory, O_DIRECT writes, fdatasync, rename, directory fsync), or a
-            writable binary file object (written sequentially, not fsync'd).
+            directory, O_DIRECT writes, fdatasync, rename, directory fsync), a
+            writable binary file object (written sequentially, not fsync'd), or
+            an fsspec URL (``s3://bucket/dir/ckpt.pt``, ``gs://...``,
+            ``file:///mnt/shared/ckpt.pt``): saved locally under ``TMPDIR``, then
+            uploaded in parallel parts that become visible only when complete
+            (:mod:`fastckpt.remote`; ``pip install 'fastckpt-io[s3]'``).
         pickle_module, pickle_protocol: as for torch.save.
+        storage_options: with a URL ``f``: the fsspec filesystem's options
+            (credentials, ``client_kwargs={"endpoint_url": ...}``), as DCP's
+            fsspec writer takes them.
         _use_new_zipfile_serialization: as for torch.save. ``False`` writes
             torch's legacy (pre-1.6) format with torch's own writer, to a path
             still through the engine's temporary file, fdatasync and rename.
@@ -249,8 +256,11 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
             for errors of the engine's temporary file (ENOSPC, EIO), whose name
             is in ``filename2``. The previous file under that name is
             untouched and no temporary file is left.
-        fastckpt.errors.UnsupportedURLError: ``f`` is a URL (``s3://...``);
-            a ``NotImplementedError`` and a ``ValueError``.
+        fastckpt.errors.MissingDependencyError: ``f`` is a URL whose scheme
+            needs a package that is not installed (the message names the pip
+            extra, ``fastckpt-io[s3]``). The store (bucket, credentials) is
+            checked before anything is pickled: PermissionError,
+            FileNotFoundError, OSError naming the URL.
         pickle.PicklingError, TypeError, RuntimeError: ``obj`` cannot be saved;
             raised before anything is written.
 
@@ -258,6 +268,13 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
         >>> fastckpt.save({"model": model.module.state_dict(), "optim": opt.state_dict()}, "ckpt.pt")
     """
     ts._check_dill_version(pickle_module)
+    if _paths.is_url(f) or storage_options is not None:
+        if group is not None or not _paths.is_url(f):
+            raise ValueError("fastckpt.save: storage_options= goes with a URL (s3://...), and a URL without group=")
+        from .remote import urlio
+        urlio.save(f, storage_options, lambda p: save(obj, p, pickle_module, pickle_protocol,
+                                                      _use_new_zipfile_serialization, _disable_byteorder_record))
+        return
     ts._check_save_filelike(f)
     if placement != "shared" and group is None:
         from ._collective import PLACEMENTS
@@ -1098,12 +1115,15 @@ def _is_legacy(head: bytes) -> bool:
 
 def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = None, *,
          weights_only: Optional[bool] = None, mmap: Optional[bool] = None, verify: Optional[bool] = None,
-         group: Any = None, **pickle_load_args) -> Any:
+         group: Any = None, storage_options: Optional[Dict[str, Any]] = None, **pickle_load_args) -> Any:
     """Load an object saved by :func:`save` or by :func:`torch.save`.
 
     Args:
         f: a path (read through the engine: every storage in parallel with
-            O_DIRECT), or a readable binary file object (read by torch.load).
+            O_DIRECT), a readable binary file object (read by torch.load), or an
+            fsspec URL (``s3://...``: read with parallel ranged reads into
+            memory, then loaded with every check of a path; errors name the URL).
+        storage_options: with a URL ``f``: the fsspec filesystem's options.
         map_location: as for torch.load: a device string, torch.device, dict
             of location tags, or callable. Storages bound for a device (by
             map_location, or by their saved location tag when it is None) are
@@ -1167,6 +1187,12 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     Example:
         >>> sd = fastckpt.load("ckpt.pt", map_location=f"cuda:{local_rank}")
     """
+    if _paths.is_url(f) or storage_options is not None:  # the same call on the bytes read into memory
+        if group is not None or not _paths.is_url(f):
+            raise ValueError("fastckpt.load: storage_options= goes with a URL (s3://...), and a URL without group=")
+        from .remote import urlio
+        return urlio.load(f, storage_options, lambda p: load(
+            p, map_location, pickle_module, weights_only=weights_only, mmap=mmap, verify=verify, **pickle_load_args))
     weights_only, pickle_module = _torch_rules.weights_only_policy(weights_only, pickle_module)
     ts._check_dill_version(pickle_module)
     if mmap is None:  # torch.load's default

@@ -1,0 +1,112 @@
+"""Upload and download throughput against a local S3 endpoint (issue 14).
+
+fastckpt's uploader (:func:`fastckpt.remote.upload`: parallel multipart,
+CRC-32 while reading) against ``s3fs``'s ``put_file`` and boto3's
+``upload_file`` (its TransferManager), downloads likewise (fastckpt's ranged
+parallel reads with the CRC check and the engine's commit, ``s3fs.get_file``,
+boto3's ``download_file``), and the time a fresh node takes to restore the
+newest step (:meth:`Replicator.restore`: list, manifest, download, CRC, commit).
+
+The endpoint is moto's standalone server on this machine
+(tests/python/s3_server.py), an in-memory Python server: it is the
+bottleneck, far slower than S3 or a real S3-compatible store, so the figures
+compare the clients' overheads on one machine, not what a real store gives.
+
+    python benchmarks/bench_remote.py --size 128M --reps 3 [--json out.json]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "python"))
+
+from s3_server import BUCKET, REGION, MotoServer  # noqa: E402
+
+
+def _size(s: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(s[:-1]) * units[s[-1].upper()]) if s[-1].upper() in units else int(s)
+
+
+def _timed(fn, reps):
+    out = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size", default="128M", help="bytes of the checkpoint file (K/M/G)")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--json", help="write the figures here too")
+    a = ap.parse_args(argv)
+    size = _size(a.size)
+
+    import boto3
+    import s3fs
+    import torch
+    import fastckpt
+    from fastckpt.remote import Replicator, download, open_store, upload
+
+    with tempfile.TemporaryDirectory(prefix="fastckpt-bench-remote-") as d:
+        srv = MotoServer(os.path.join(d, "moto.log"))
+        try:
+            opts = srv.storage_options()
+            local = os.path.join(d, "step_1.pt")
+            fastckpt.save({"w": torch.randint(0, 255, (size,), dtype=torch.uint8)}, local)
+            n = os.path.getsize(local)
+            store = open_store(f"s3://{BUCKET}/bench", opts)
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, **opts)
+            b3 = boto3.client("s3", endpoint_url=srv.endpoint, region_name=REGION, aws_access_key_id=srv.key,
+                              aws_secret_access_key=srv.secret)
+
+            def fc_up():
+                fd = os.open(local, os.O_RDONLY)
+                try:
+                    upload(store, "fc.pt", fd, n, name=local)
+                finally:
+                    os.close(fd)
+
+            rows = {}
+            rows["upload fastckpt"] = _timed(fc_up, a.reps)
+            rows["upload s3fs put_file"] = _timed(lambda: fs.put_file(local, f"{BUCKET}/bench/s3fs.pt"), a.reps)
+            rows["upload boto3 upload_file"] = _timed(lambda: b3.upload_file(local, BUCKET, "bench/boto3.pt"), a.reps)
+            out = os.path.join(d, "out.pt")
+            rows["download fastckpt (CRC checked)"] = _timed(lambda: download(store, "fc.pt", out), a.reps)
+            rows["download s3fs get_file"] = _timed(lambda: fs.get_file(f"{BUCKET}/bench/s3fs.pt", out), a.reps)
+            rows["download boto3 download_file"] = _timed(lambda: b3.download_file(BUCKET, "bench/boto3.pt", out),
+                                                          a.reps)
+            rep = Replicator(f"s3://{BUCKET}/run", opts)
+            rep.submit(1, local).result()
+            k = [0]
+
+            def restore():
+                k[0] += 1
+                rep.restore(os.path.join(d, f"fresh{k[0]}"))
+
+            rows["restore newest step (fresh node)"] = _timed(restore, a.reps)
+            rep.close()
+        finally:
+            srv.stop()
+    print(f"checkpoint {n / 2**20:.0f} MiB, median of {a.reps}, moto server on this machine (it is the bottleneck)")
+    print("| operation | seconds | MB/s |")
+    print("| --- | ---: | ---: |")
+    for name, t in rows.items():
+        print(f"| {name} | {t:.2f} | {n / t / 1e6:.0f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"bytes": n, "reps": a.reps, "seconds": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
