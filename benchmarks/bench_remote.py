@@ -12,7 +12,9 @@ The endpoint is moto's standalone server on this machine
 bottleneck, far slower than S3 or a real S3-compatible store, so the figures
 compare the clients' overheads on one machine, not what a real store gives.
 
-    python benchmarks/bench_remote.py --size 128M --reps 3 [--json out.json]
+    python benchmarks/bench_remote.py --size 128M --reps 3 [--dir DIR] [--json out.json] [--quick]
+
+``--json`` writes benchmarks/report.py's STANDALONE format (``make bench`` puts it in the report).
 """
 
 import argparse
@@ -47,8 +49,12 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", default="128M", help="bytes of the checkpoint file (K/M/G)")
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--json", help="write the figures here too")
+    ap.add_argument("--json", help="write the figures here too (benchmarks/report.py's STANDALONE format)")
+    ap.add_argument("--dir", default=None, help="where the local files go (default: a temporary directory)")
+    ap.add_argument("--quick", action="store_true", help="32M, one repetition")
     a = ap.parse_args(argv)
+    if a.quick:
+        a.size, a.reps = "32M", 1
     size = _size(a.size)
 
     import boto3
@@ -57,7 +63,7 @@ def main(argv=None):
     import fastckpt
     from fastckpt.remote import Replicator, download, open_store, upload
 
-    with tempfile.TemporaryDirectory(prefix="fastckpt-bench-remote-") as d:
+    with tempfile.TemporaryDirectory(prefix="fastckpt-bench-remote-", dir=a.dir) as d:
         srv = MotoServer(os.path.join(d, "moto.log"))
         try:
             opts = srv.storage_options()
@@ -104,8 +110,29 @@ def main(argv=None):
         print(f"| {name} | {t:.2f} | {n / t / 1e6:.0f} |")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"bytes": n, "reps": a.reps, "seconds": rows}, f, indent=1)
+            json.dump(report(n, a.reps, rows), f, indent=1)
     return 0
+
+
+def report(n: int, reps: int, rows: dict) -> dict:
+    """The STANDALONE contract of benchmarks/report.py: one table, no numeric target (issue 14 asks for
+    the figures), the endpoint said."""
+    ref = {"upload": "upload fastckpt", "download": "download fastckpt (CRC checked)"}
+    table = []
+    for name, t in rows.items():
+        mine = ref.get(name.split()[0])
+        vs = round(rows[name] / rows[mine], 2) if mine and mine != name and rows[mine] > 0 else ""
+        table.append([name, round(t, 3), round(n / t / 1e6, 1), vs])
+    return {"title": f"Remote tier: upload, download and restore of a {n / 2 ** 20:.0f} MiB checkpoint "
+                     "against a local S3 endpoint (issue 14)",
+            "columns": ["operation", "seconds", "MB/s", "fastckpt's speed vs it"],
+            "rows": table, "targets": [],
+            "notes": [f"medians of {reps}; the endpoint is moto's standalone server on this machine, an in-memory "
+                      "Python server and the bottleneck: the figures compare the clients' overheads here, not what "
+                      "S3 or a real S3-compatible store gives",
+                      "fastckpt's download includes the CRC-32 check and the engine's durable commit; the restore "
+                      "is Replicator.restore on a fresh directory (list, manifest, download, CRC, commit)"],
+            "errors": [], "raw": {"bytes": n, "reps": reps, "seconds": rows}}
 
 
 if __name__ == "__main__":

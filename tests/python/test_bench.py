@@ -426,3 +426,18 @@ def test_safetensors_benchmark_follows_the_standalone_contract(tmp_path):
     assert [t["target"].split(" >= ")[1].split("x")[0] for t in rep["targets"]] == ["2.0", "1.3"]
     assert all(isinstance(t["measured"], float) for t in rep["targets"])
 
+
+
+def test_remote_benchmark_follows_the_standalone_contract(tmp_path):
+    """bench_remote.py --quick against the real local S3 endpoint: the JSON report.py renders, one row per
+    client and operation, the endpoint said in the notes."""
+    pytest.importorskip("moto", reason="moto (the local S3 endpoint) is not installed")
+    pytest.importorskip("s3fs", reason="s3fs is not installed")
+    out = tmp_path / "remote.json"
+    p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_remote.py"), "--quick",
+                        "--dir", str(tmp_path), "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = _strict_json(out.read_text())
+    assert [r[0].split()[0] for r in rep["rows"]] == ["upload"] * 3 + ["download"] * 3 + ["restore"]
+    assert all(r[1] > 0 and r[2] > 0 for r in rep["rows"]) and "moto" in rep["notes"][0]
+    assert rep["errors"] == [] and rep["raw"]["bytes"] >= 32 << 20
