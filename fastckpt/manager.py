@@ -71,6 +71,7 @@ import weakref
 from pathlib import Path
 from typing import Any, List, NamedTuple, Optional, Set, Union
 
+from ._manager_async import async_save as _collective_async_save
 from ._manager_dist import Ranks, _failures, _register
 from ._manager_policy import TMP_MARK, StepDirectory, _failure_kind, _unwrap
 from .async_save import AsyncSaver, SaveFuture, _fail_inherited, default_saver
@@ -298,6 +299,8 @@ class CheckpointManager:
         name = self.name_for(step)
         if self.sharded:
             return self._async_save_sharded(step, name, state)
+        if self.collective:
+            return _collective_async_save(self, step, name, state)
         self._begin(step, name, wait_previous=False)  # the saver's in-flight limit orders the saves
         err = None
         fut: Optional[concurrent.futures.Future] = None
@@ -311,12 +314,17 @@ class CheckpointManager:
                 with self._lock:
                     self._writing.discard(name)
             else:
-                with self._lock:
-                    self._futures = [f for f in self._futures if not f.done()] + [fut]
-                me = weakref.ref(self)  # no cycle manager -> future -> callback -> manager
-                fut.add_done_callback(lambda _f: me() is not None and me()._finished(name))
+                self._track(fut, name)
         self._ranks.agree(err, f"snapshotting the checkpoint of step {step}")
         return fut if fut is not None else _done_future()
+
+    def _track(self, fut: concurrent.futures.Future, name: str) -> None:
+        """A background save of ``name`` (in ``_writing``): waited for by
+        :meth:`wait_local`; ``name`` leaves ``_writing`` when it is done."""
+        with self._lock:
+            self._futures = [f for f in self._futures if not f.done()] + [fut]
+        me = weakref.ref(self)  # no cycle manager -> future -> callback -> manager
+        fut.add_done_callback(lambda _f: me() is not None and me()._finished(name))
 
     def _finished(self, name: str) -> None:
         with self._lock:

@@ -249,6 +249,19 @@ def test_collective_manager_two_ranks(tmp_path):
     assert lines[-1] == "ok", job.report()
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_collective_async_save(tmp_path, world):
+    """CheckpointManager.async_save in collective mode (the default with several
+    ranks): every rank snapshots and writes its share (about 1/world) in the
+    background on a group reserved for background saves; `latest` moves after the
+    collective commit and every rank's future resolves then; two in a row do not
+    overlap; a rank whose snapshot or write fails fails every rank, `latest`
+    unchanged (helpers_resume/collective_async_worker.py)."""
+    job = Job(tmp_path / "logs", HELPERS / "collective_async_worker.py", [str(tmp_path / "ckpt")], world=world)
+    lines = job.finish(timeout=240)
+    assert lines[-1] == "ok", job.report()
+
+
 def test_sigkill_during_a_rank0_save_resumes_from_the_previous_checkpoint(tmp_path, reference):
     """The same with collective=False (--rank0-writes): rank 0 writes the file alone."""
     ckpt = tmp_path / "ckpt"
