@@ -24,7 +24,9 @@ The flow (every rank, in the caller's thread, then on the saver's writer thread)
 The snapshot is written as it was pickled in step 3 (:class:`_Replay`): the collective save
 pickles the object it is given, and the snapshot's object is its pickle (``data.pkl``, with the
 device locations of the live storages) and its staged storages; the file is the one
-``fastckpt.save(state, path)`` would have written at the moment of the snapshot.
+``fastckpt.save(state, path)`` would have written at the moment of the snapshot (torch's
+``torch.utils.serialization.config.save`` settings, storage alignment and CRC, are read when
+the collective save runs on the writer thread: change them only between saves).
 """
 
 import os
@@ -115,6 +117,10 @@ def async_save(mgr: Any, step: int, name: str, state: Any) -> SaveFuture:
                 + ("`latest` names it" if mgr.rank == 0 else "this rank cannot tell whether `latest` names it")
             ) from e
 
-    fut = saver.submit(staged, write=write, after=commit)
+    try:
+        fut = saver.submit(staged, write=write, after=commit)
+    except BaseException:  # e.g. interpreter shutdown (the snapshot was dropped)
+        mgr._finished(name)
+        raise
     mgr._track(fut, name)
     return fut
