@@ -63,7 +63,7 @@ the end of the save too). Then the parent checks:
   step is bitwise untouched; a manager start removes the leftovers
   (temporary step directories, `.del` directories of an interrupted
   retention, `latest`'s temporary) and its load_latest gives an exact step;
-* stalled peer (collective3, once per run; --no-stall skips it): one rank
+* stalled peer (collective3 and manager_async3, once per run each; --no-stall skips it): one rank
   (0, 1 or 2) is stopped with SIGSTOP at a random moment of a collective
   save with slow writes; the other two must fail within a few times the
   process group's timeout, with errors that name the path and match the file;
@@ -265,7 +265,7 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
             import datetime
             import torch.distributed as dist
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
-                                    timeout=datetime.timedelta(seconds=PG_TIMEOUT))
+                                    timeout=datetime.timedelta(seconds=STALL_TIMEOUT if stall else PG_TIMEOUT))
             state = collective_state(gen)
             mgr = fastckpt.CheckpointManager(directory, keep_last=2)
             conn.send("started")
@@ -962,13 +962,13 @@ class Driver:
             _reap(procs, conns)
         self.stall_verdict(kind, self.check_sharded2, old_gen)
 
-    def collective_stall_check(self):
-        """collective3, once: one rank (0, 1 or 2) stops responding (SIGSTOP) at a random
-        moment of a collective save (slow writes, process group timeout STALL_TIMEOUT). The
+    def collective_stall_check(self, kind="collective3"):
+        """collective3 (and manager_async3), once: one rank (0, 1 or 2) stops responding
+        (SIGSTOP) at a random moment of a collective save (slow writes, process group timeout
+        STALL_TIMEOUT; manager_async3: the manager's group of background saves takes it too). The
         other two must end by themselves within a few times that timeout (a stopped peer keeps
         its connections open: only the timeout tells), with errors that name the path and
         match the file; then the stopped rank is killed and the round checked like a kill's."""
-        kind = "collective3"
         if kind not in self.prev:
             self.establish(kind)
         old_gen = self.prev[kind][0]
@@ -1027,7 +1027,7 @@ class Driver:
             return
         finally:
             _reap(procs, conns)
-        self.stall_verdict(kind, self.check_collective3, old_gen)
+        self.stall_verdict(kind, getattr(self, "check_" + kind), old_gen)
 
     def stall_verdict(self, kind, check, old_gen):
         """After a stall check: the checkpoint is the previous generation or the new one (`check`)."""
@@ -1070,6 +1070,7 @@ class Driver:
                 extra += f" new_file_latest_old={self.counts[(kind, 'new_file_latest_old')]}"
             if kind == "collective3":
                 extra += f" cleanup_saves={self.counts[(kind, 'cleanup_save_ok')]}"
+            if kind in ("collective3", "manager_async3"):
                 if self.counts[(kind, "stall_checks")] or self.counts[(kind, "stall_hung")]:
                     extra += (f" stalled_peer: survivors failed within {self.counts[(kind, 'stall_failed_in')]:.1f} s"
                               if not self.counts[(kind, "stall_hung")] else " stalled_peer: a survivor HUNG")
@@ -1100,7 +1101,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="work directory (default: a fresh temporary one, removed on success)")
     ap.add_argument("--verbose", "-v", action="store_true")
     ap.add_argument("--child", choices=KINDS, help="run one save in the foreground (fault plan from $" + ENV + ")")
-    ap.add_argument("--no-stall", action="store_true", help="skip the stalled-peer checks of sharded2 and collective3 (Driver.stall_check, "
+    ap.add_argument("--no-stall", action="store_true", help="skip the stalled-peer checks of sharded2, collective3 and manager_async3 (Driver.stall_check, "
                     "Driver.collective_stall_check)")
     ap.add_argument("--gen", type=int, default=1)
     ap.add_argument("--rank", type=int, default=0, help="with --child, world size 2 and 3 kinds: this process's "
@@ -1134,10 +1135,11 @@ def main(argv=None) -> int:
         t = time.monotonic()
         drv.stall_check()
         drv.seconds["sharded2"] += time.monotonic() - t
-    if "collective3" in kinds and not args.no_stall:
-        t = time.monotonic()
-        drv.collective_stall_check()
-        drv.seconds["collective3"] += time.monotonic() - t
+    for kind in ("collective3", "manager_async3"):
+        if kind in kinds and not args.no_stall:
+            t = time.monotonic()
+            drv.collective_stall_check(kind)
+            drv.seconds[kind] += time.monotonic() - t
     drv.final_saves(kinds)
     drv.report(kinds, time.monotonic() - t0)
     if drv.violations:
