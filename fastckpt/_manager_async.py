@@ -92,8 +92,10 @@ def async_save(mgr: Any, step: int, name: str, state: Any) -> SaveFuture:
         mgr._finished(name)
         raise
 
+    group = ranks.async_pg  # not released while this save is in flight: close() and exit wait for it
+
     def write(target: str, snap: _Snapshot) -> None:
-        write_snapshot(target, snap, ranks.async_pg)
+        write_snapshot(target, snap, group)
 
     def commit() -> None:
         """On the writer thread, after the collective save returned on every

@@ -124,6 +124,7 @@ PLANS = {
 ENV = "FASTCKPT_CRASH_FAULTS"
 # Test-only, for the driver's own tests (test_crash_short.py): a deliberately broken collective
 # save the checks must catch. "leave_temp": a failing rank 0 does not remove its temporary file.
+# "latest_first" (manager_async3): rank 0 moves `latest` before the collective save writes the step.
 BREAK_ENV = "FASTCKPT_CRASH_BREAK"
 
 
@@ -268,6 +269,15 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
                                     timeout=datetime.timedelta(seconds=STALL_TIMEOUT if stall else PG_TIMEOUT))
             state = collective_state(gen)
             mgr = fastckpt.CheckpointManager(directory, keep_last=2)
+            if os.environ.get(BREAK_ENV) == "latest_first":
+                from fastckpt import _manager_async
+                real = _manager_async.write_snapshot
+
+                def write_snapshot(path, snap, group):
+                    if rank == 0:
+                        mgr._commit(os.path.basename(path))
+                    real(path, snap, group)
+                _manager_async.write_snapshot = write_snapshot
             conn.send("started")
             fut = mgr.async_save(gen, state)
             conn.send("staged")
