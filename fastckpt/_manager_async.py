@@ -120,7 +120,7 @@ def async_save(mgr: Any, step: int, name: str, state: Any) -> SaveFuture:
             ) from e
 
     try:
-        fut = saver.submit(staged, write=write, after=commit)
+        fut = saver.submit(staged, write=write, after=commit, cancellable=False)
     except BaseException:  # e.g. interpreter shutdown (the snapshot was dropped)
         mgr._finished(name)
         raise

@@ -432,10 +432,14 @@ class AsyncSaver:
         return _Staged(fut, snap, time.perf_counter() - t0)
 
     def submit(self, staged: "_Staged", *, after: Optional[Callable[[], None]] = None,
-               write: Optional[Callable[[str, "_Snapshot"], None]] = None) -> SaveFuture:
+               write: Optional[Callable[[str, "_Snapshot"], None]] = None, cancellable: bool = True) -> SaveFuture:
         """The second half of :meth:`save`: the writer thread writes the
         snapshot ``staged`` (with ``write(path, snapshot)`` if given, else as
-        :func:`fastckpt.save` would), then runs ``after``. Returns its future."""
+        :func:`fastckpt.save` would), then runs ``after``. Returns its future,
+        which ``cancellable=False`` marks running at once (``cancel()`` then
+        returns False: a collective write cannot be called off on one rank)."""
+        if not cancellable:
+            staged.fut.set_running_or_notify_cancel()
         try:
             self._executor.submit(self._run, staged.fut, staged.snap, staged.snap_s, after, write)
         except BaseException:  # e.g. interpreter shutdown: staged but not submitted
@@ -451,13 +455,15 @@ class AsyncSaver:
             staged.snap.arena = None
         staged.snap.staged = staged.snap.data_pkl = staged.snap.legacy = None
         staged.fut.observed = True
-        staged.fut.cancel()
+        if not staged.fut.cancel():  # already marked running (submit with cancellable=False)
+            concurrent.futures.Future.set_exception(staged.fut, RuntimeError(
+                f"fastckpt: the asynchronous save of {staged.fut.path!r} was not written"))
         self._done(staged.fut)
 
     def _run(self, fut: SaveFuture, snap: _Snapshot, snap_s: float, after, write=None) -> None:
         self._worker_ident = threading.get_ident()
         try:
-            if not fut.set_running_or_notify_cancel():
+            if not fut.running() and not fut.set_running_or_notify_cancel():
                 return  # cancelled before it started: nothing written
             t0 = time.perf_counter()
             try:

@@ -312,6 +312,14 @@ def test_stage_then_drop_or_submit(tmp_path):
     assert isinstance(fut.result(timeout=60), SaveResult)
     assert seen == [(str(tmp_path / "mine.pt"), fut.result().nbytes), "after"]
     assert not (tmp_path / "mine.pt").exists() and saver.stager.allocations == 1
+    _C.fault_inject("write", nth=1, delay_ms=100, times=0, path_contains="busy")
+    two = AsyncSaver(max_in_flight=2)
+    busy = two.save(state, tmp_path / "busy.pt")  # keeps the writer thread busy: the next one is queued
+    queued = two.submit(two.stage(state, tmp_path / "queued.pt"), cancellable=False)
+    assert not busy.done() and not queued.cancel() and queued.running()  # never called off on one rank
+    busy.result(timeout=60)
+    queued.result(timeout=60)
+    assert_same(state, fastckpt.load(tmp_path / "queued.pt"))
     with pytest.raises(ValueError, match="skip_data"):
         with torch.serialization.skip_data():
             saver.stage(state, tmp_path / "x.pt", zip_only=True)
