@@ -4,9 +4,14 @@
 world size, the collectives of the manager (a gather that is also a barrier, and the
 failure agreement built on it: every rank learns whether any rank failed, so that none
 hangs or runs ahead), and sharded mode's DCP calls: ``dcp.save`` / ``dcp.load`` on the
-user's group, and ``dcp.async_save`` through one FastWriter (its staging reused) on a gloo
-group of the manager's own (DCP runs its background collectives on it, never on the
-training loop's group), with the user's group's timeout.
+user's group, and ``dcp.async_save`` through one FastWriter (its staging reused).
+
+The manager's own gloo groups, with the user's group's timeout: one for the collective
+saves and loads of replicated checkpoints that run in the caller's thread
+(:meth:`Ranks.own_group`), and one reserved for background saves (:meth:`Ranks.open_async_group`:
+DCP's background collectives in sharded mode, the writer thread's collective save in
+replicated mode; fastckpt/_manager_async.py), so that a thread in the background never runs
+a collective on a group that the training loop or the manager's caller uses at the same time.
 
 The manager's own groups are freed by ``close()``, by ``with``, and at interpreter exit
 (:func:`_release_at_exit`, while the interpreter is fully alive, because a gloo group that
@@ -44,6 +49,10 @@ def _failures() -> Tuple[type, ...]:
         except ImportError:  # pragma: no cover - torch without distributed
             _failures_cache = (Exception,)
     return _failures_cache
+
+
+class PeerFailed(RuntimeError):
+    """Raised by :meth:`Ranks.agree` on the ranks that did not fail: another rank did (the message says which and why)."""
 
 
 # ------------------------------------------------------------------ groups
@@ -100,54 +109,67 @@ class Ranks:
             self.world_size = dist.get_world_size(self.pg)
         else:
             self.rank, self.world_size = 0, 1
-        self.async_pg = None       # sharded async saves: a gloo group of their own for DCP's background collectives
-        self.async_writer = None   # ... and one FastWriter, its staging reused
+        self.own_pg = None         # collective saves and loads in the caller's thread: a gloo group of the manager's
+        self.async_pg = None       # background saves: a gloo group of their own (DCP's, or the writer thread's)
+        self.async_writer = None   # sharded async saves: one FastWriter, its staging reused
 
     # ------------------------------------------------------------ collectives
-    def gather(self, obj: Any) -> List[Any]:
-        """Every rank's ``obj``, on every rank (a barrier too)."""
+    def gather(self, obj: Any, background: bool = False) -> List[Any]:
+        """Every rank's ``obj``, on every rank (a barrier too); on the user's
+        group, or (``background``: from the writer thread) on the group of
+        background saves."""
         if not self.dist:
             return [obj]
         import torch.distributed as dist
         out: List[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.pg)  # also a barrier
+        dist.all_gather_object(out, obj, group=self.async_pg if background else self.pg)  # also a barrier
         return out
 
-    def agree(self, err: Optional[BaseException], what: str, payload: Any = None) -> Any:
+    def agree(self, err: Optional[BaseException], what: str, payload: Any = None, background: bool = False) -> Any:
         """A barrier that also tells every rank whether any rank failed: raises
         ``err`` here, or a RuntimeError naming the rank that failed. Returns
-        rank 0's ``payload``."""
+        rank 0's ``payload``. ``background``: on the group of background saves
+        (:meth:`gather`)."""
         msg = None if err is None else f"{type(err).__name__}: {err}"
-        got = self.gather((msg, payload))
+        got = self.gather((msg, payload), background)
         if err is not None:
             raise err
         for r, (m, _) in enumerate(got):
             if m is not None:
-                raise RuntimeError(f"fastckpt.CheckpointManager: {what} failed on rank {r}: {m}")
+                raise PeerFailed(f"fastckpt.CheckpointManager: {what} failed on rank {r}: {m}")
         return got[0][1]
 
-    # ------------------------------------------------------------ sharded mode (DCP)
-    def open_async_group(self) -> None:
-        """Collective (where torch.distributed is initialized; nothing otherwise).
-        dcp.async_save runs collectives from a background thread: never on the
-        group the training loop uses (two threads' collectives would
-        interleave). Its timeout is the user's group's, not torch's default of
-        30 minutes for a new group: a rank whose peer stops responding in the
-        middle of an asynchronous save fails within that timeout instead of
-        waiting it out (crash driver's stall check). Freed by :meth:`release`."""
-        if not self.dist or self.async_pg is not None:
-            return
+    # ------------------------------------------------------------ the manager's own groups
+    def _new_group(self) -> Any:
+        """Collective: a gloo group of the user's group's ranks, with its
+        timeout (not torch's default of 30 minutes for a new group: a rank
+        whose peer stops responding fails within that timeout instead of
+        waiting it out; crash driver's stall checks)."""
         import torch.distributed as dist
         group = self.pg or dist.group.WORLD
-        self.async_pg = dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
-                                       timeout=_group_timeout(group))
+        return dist.new_group(ranks=dist.get_process_group_ranks(group), backend="gloo",
+                              timeout=_group_timeout(group))
+
+    def open_async_group(self) -> None:
+        """Collective (where torch.distributed is initialized; nothing otherwise),
+        at a point where no background save of this manager is in flight:
+        makes the group of background saves if there is none. dcp.async_save
+        (sharded mode) and the writer thread's collective save (replicated
+        mode) run collectives from a background thread: never on a group that
+        another thread uses meanwhile (two threads' collectives would
+        interleave). Freed by :meth:`release`."""
+        if self.dist and self.async_pg is None:
+            self.async_pg = self._new_group()
 
     def own_group(self) -> Any:
-        """The manager's own gloo group (made now if needed: collective), for
-        collective saves and loads of replicated checkpoints; None without
-        torch.distributed."""
-        self.open_async_group()
-        return self.async_pg
+        """The manager's own gloo group for the collective saves and loads of
+        replicated checkpoints in the caller's thread (made now if needed:
+        collective); None without torch.distributed."""
+        if self.dist and self.own_pg is None:
+            self.own_pg = self._new_group()
+        return self.own_pg
+
+    # ------------------------------------------------------------ sharded mode (DCP)
 
     def dcp_save(self, state: Any, path: str) -> None:
         """Collective: every rank writes its shards of ``state`` into ``path``."""
@@ -174,21 +196,24 @@ class Ranks:
 
     def release(self) -> None:
         """Not collective: close the sharded writer (its staging memory) and
-        free the manager's own process group: it is destroyed (if still
+        free the manager's own process groups: each is destroyed (if still
         registered) and its last reference dropped, so that gloo's destructor
         joins its worker threads here, while the interpreter is alive."""
         writer, self.async_writer = self.async_writer, None
         if writer is not None:
             writer.close()
-        pg, self.async_pg = self.async_pg, None
-        if pg is None:
+        groups = [g for g in (self.async_pg, self.own_pg) if g is not None]
+        self.async_pg = self.own_pg = None
+        if not groups:
             return
         import torch.distributed as dist
-        try:
-            dist.destroy_process_group(pg)
-        except (ValueError, RuntimeError) as e:  # already destroyed (destroy_process_group() of all groups)
-            log.debug("fastckpt.CheckpointManager: own process group already destroyed: %s", e)
-        del pg  # the last reference: ProcessGroupGloo's destructor joins its threads now
+        while groups:
+            pg = groups.pop()
+            try:
+                dist.destroy_process_group(pg)
+            except (ValueError, RuntimeError) as e:  # already destroyed (destroy_process_group() of all groups)
+                log.debug("fastckpt.CheckpointManager: own process group already destroyed: %s", e)
+            del pg  # the last reference: ProcessGroupGloo's destructor joins its threads now
 
 
 # ------------------------------------------------------------------ exit and fork

@@ -241,6 +241,14 @@ class _Snapshot:
         self.legacy = legacy
 
 
+class _Staged:
+    """A snapshot taken by :meth:`AsyncSaver.stage`, not yet handed to the writer thread."""
+    __slots__ = ("fut", "snap", "snap_s")
+
+    def __init__(self, fut: "SaveFuture", snap: _Snapshot, snap_s: float):
+        self.fut, self.snap, self.snap_s = fut, snap, snap_s
+
+
 def _take_snapshot(stager: "Stager", obj: Any, pickle_module: Any, pickle_protocol: int,
                    use_new_zipfile: bool, disable_byteorder_record: bool) -> _Snapshot:
     """Serialize ``obj`` in the caller's thread as :func:`fastckpt.save`
@@ -381,6 +389,20 @@ class AsyncSaver:
         committed (a failure there fails the future); the checkpoint manager
         uses it to move its ``latest`` pointer.
         """
+        return self.submit(self.stage(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization,
+                                      _disable_byteorder_record), after=after)
+
+    def stage(self, obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = _ser.DEFAULT_PROTOCOL,
+              _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False,
+              *, zip_only: bool = False) -> "_Staged":
+        """The first half of :meth:`save`: take an in-flight slot (waiting for
+        the oldest save if the limit is reached) and snapshot ``obj`` in this
+        thread. Nothing is written until :meth:`submit`; :meth:`drop` gives
+        the slot and the staging memory back instead. With ``zip_only`` (a
+        snapshot for a collective write) the legacy format and
+        ``torch.serialization.skip_data()`` are refused (ValueError) before
+        anything is staged. Raises what the snapshot raised (the slot is
+        given back)."""
         if not isinstance(f, (str, os.PathLike)):
             raise TypeError("fastckpt.async_save writes to a path (str or os.PathLike), "
                             f"not {type(f).__name__}")
@@ -388,6 +410,9 @@ class AsyncSaver:
             raise RuntimeError("fastckpt.async_save called from the save thread itself (it would wait for itself)")
         _ts._check_dill_version(pickle_module)
         path = os.fspath(f)
+        if zip_only and (not _use_new_zipfile_serialization or _ts._serialization_tls.skip_data):
+            raise ValueError(f"cannot save {path!r} collectively in the background: the legacy format and "
+                             "torch.serialization.skip_data() are not supported by collective saves")
         # An earlier failure is not raised here: it was logged when it happened and
         # wait() raises it; this save goes ahead (issue 11, item 8).
         limit = self.max_in_flight
@@ -396,29 +421,55 @@ class AsyncSaver:
                 self._cv.wait()
             fut = SaveFuture(path)
             self._in_flight.append(fut)  # the slot is ours from here
-        snap = None
         try:
             t0 = time.perf_counter()
             # The live storages are not kept alive by the background save: only copies.
             snap = _take_snapshot(self.stager, obj, pickle_module, pickle_protocol,
                                   _use_new_zipfile_serialization, _disable_byteorder_record)
-            snap_s = time.perf_counter() - t0
-            self._executor.submit(self._run, fut, snap, snap_s, after)
         except BaseException:
-            if snap is not None and snap.arena is not None:  # staged but not submitted (e.g. interpreter shutdown)
-                self.stager.release(snap.arena, keep=limit)
             self._done(fut)
             raise
-        return fut
+        return _Staged(fut, snap, time.perf_counter() - t0)
 
-    def _run(self, fut: SaveFuture, snap: _Snapshot, snap_s: float, after) -> None:
+    def submit(self, staged: "_Staged", *, after: Optional[Callable[[], None]] = None,
+               write: Optional[Callable[[str, "_Snapshot"], None]] = None, cancellable: bool = True) -> SaveFuture:
+        """The second half of :meth:`save`: the writer thread writes the
+        snapshot ``staged`` (with ``write(path, snapshot)`` if given, else as
+        :func:`fastckpt.save` would), then runs ``after``. Returns its future,
+        which ``cancellable=False`` marks running at once (``cancel()`` then
+        returns False: a collective write cannot be called off on one rank)."""
+        if not cancellable:
+            staged.fut.set_running_or_notify_cancel()
+        try:
+            self._executor.submit(self._run, staged.fut, staged.snap, staged.snap_s, after, write)
+        except BaseException:  # e.g. interpreter shutdown: staged but not submitted
+            self.drop(staged)
+            raise
+        return staged.fut
+
+    def drop(self, staged: "_Staged") -> None:
+        """A snapshot of :meth:`stage` that will not be written: its staging
+        memory and in-flight slot are given back, its future is cancelled."""
+        if staged.snap.arena is not None:
+            self.stager.release(staged.snap.arena, keep=self.max_in_flight)
+            staged.snap.arena = None
+        staged.snap.staged = staged.snap.data_pkl = staged.snap.legacy = None
+        staged.fut.observed = True
+        if not staged.fut.cancel():  # already marked running (submit with cancellable=False)
+            concurrent.futures.Future.set_exception(staged.fut, RuntimeError(
+                f"fastckpt: the asynchronous save of {staged.fut.path!r} was not written"))
+        self._done(staged.fut)
+
+    def _run(self, fut: SaveFuture, snap: _Snapshot, snap_s: float, after, write=None) -> None:
         self._worker_ident = threading.get_ident()
         try:
-            if not fut.set_running_or_notify_cancel():
+            if not fut.running() and not fut.set_running_or_notify_cancel():
                 return  # cancelled before it started: nothing written
             t0 = time.perf_counter()
             try:
-                if snap.legacy is not None:
+                if write is not None:
+                    write(fut.path, snap)
+                elif snap.legacy is not None:
                     _write_legacy(fut.path, snap.legacy)
                 else:
                     _ser._write_archive(fut.path, snap.data_pkl, snap.staged, **snap.opts)

@@ -44,8 +44,9 @@ call every method, in the same order):
   writes. Any rank's failure raises on every rank, so that no rank hangs or
   runs ahead. With ``collective=False``: rank 0 writes, all ranks wait for it
   (a barrier before and after that also tells every rank whether rank 0
-  failed), and every rank reads the whole file. :meth:`async_save` writes
-  from rank 0 in either case (in the background).
+  failed), and every rank reads the whole file. :meth:`async_save`: every
+  rank snapshots and writes its share in the background, on a gloo group for
+  background saves (``collective=False``: rank 0 snapshots, writes alone).
 * sharded mode (``sharded=True``; FSDP, DTensor): every rank writes its shards
   with ``torch.distributed.checkpoint``; all ranks load in place.
 
@@ -54,10 +55,10 @@ shared filesystem).
 
 Where the code is: this module is the manager's public face and decides which rank
 does what, in which order; fastckpt/_manager_policy.py holds the policy (names,
-``latest``, rollback, retention, temporary names, which failures are damage) and
+``latest``, rollback, retention, temporary names, which failures are damage),
 fastckpt/_manager_dist.py the distributed coordination (process groups, barriers and
-failure agreement, sharded mode's DCP collectives, the manager's own gloo group and
-its release at close and at exit).
+failure agreement, DCP collectives, the manager's own gloo groups, released at close
+and at exit), fastckpt/_manager_async.py the collective asynchronous save.
 """
 
 import concurrent.futures
@@ -71,6 +72,7 @@ import weakref
 from pathlib import Path
 from typing import Any, List, NamedTuple, Optional, Set, Union
 
+from ._manager_async import async_save as _collective_async_save
 from ._manager_dist import Ranks, _failures, _register
 from ._manager_policy import TMP_MARK, StepDirectory, _failure_kind, _unwrap
 from .async_save import AsyncSaver, SaveFuture, _fail_inherited, default_saver
@@ -90,8 +92,7 @@ class Restored(NamedTuple):
 
 
 def _done_future(result=None) -> concurrent.futures.Future:
-    f: concurrent.futures.Future = concurrent.futures.Future()
-    f.set_result(result)
+    (f := concurrent.futures.Future()).set_result(result)
     return f
 
 
@@ -273,19 +274,22 @@ class CheckpointManager:
         retention runs when the write is durable. Collective: on return every
         rank may change its state.
 
-        Replicated mode: rank 0 snapshots (see :func:`fastckpt.async_save`;
-        the in-flight limit applies) and the other ranks wait for that.
-        Sharded mode: every rank stages its shards (``dcp.async_save`` with
-        FastWriter, whose staging buffers are reused) after waiting for its
-        previous sharded save; DCP's background collectives run on a gloo
-        group of the manager's own, not on the training loop's.
+        Replicated, collective (several ranks): every rank waits for its
+        previous background save (one in flight per manager), snapshots
+        ``state`` like :func:`fastckpt.async_save` and its writer thread
+        writes its share (``fastckpt.save(..., group=...)`` on the manager's
+        gloo group for background saves, never the training loop's); rank 0
+        moves ``latest`` after the commit. ``collective=False``: rank 0
+        snapshots and writes alone. Sharded: every rank stages its shards
+        (``dcp.async_save``, FastWriter's reused buffers) after waiting for its
+        previous save, DCP's collectives on that group for background saves.
 
         Returns:
-            The save's future (result: a SaveResult once the checkpoint is
-            durable and, on rank 0, ``latest`` names it); in replicated mode,
-            on ranks other than 0, a completed future whose result is None.
-            :meth:`wait` (collective) waits for every save and reports
-            failures on all ranks.
+            The future (a SaveResult once the checkpoint is durable and
+            ``latest`` names it); collective, sharded: every rank's fails if
+            any rank fails (path and cause; ``latest`` unmoved);
+            ``collective=False``: None on ranks other than 0. :meth:`wait`
+            (collective) waits for every save and reports failures on all ranks.
 
         Raises:
             A snapshot error (e.g. unpicklable state), on every rank. The
@@ -298,6 +302,8 @@ class CheckpointManager:
         name = self.name_for(step)
         if self.sharded:
             return self._async_save_sharded(step, name, state)
+        if self.collective:
+            return _collective_async_save(self, step, name, state)
         self._begin(step, name, wait_previous=False)  # the saver's in-flight limit orders the saves
         err = None
         fut: Optional[concurrent.futures.Future] = None
@@ -311,12 +317,16 @@ class CheckpointManager:
                 with self._lock:
                     self._writing.discard(name)
             else:
-                with self._lock:
-                    self._futures = [f for f in self._futures if not f.done()] + [fut]
-                me = weakref.ref(self)  # no cycle manager -> future -> callback -> manager
-                fut.add_done_callback(lambda _f: me() is not None and me()._finished(name))
+                self._track(fut, name)
         self._ranks.agree(err, f"snapshotting the checkpoint of step {step}")
         return fut if fut is not None else _done_future()
+
+    def _track(self, fut: concurrent.futures.Future, name: str) -> None:
+        """A background save of ``name``: :meth:`wait_local` waits for it; then ``name`` leaves ``_writing``."""
+        with self._lock:
+            self._futures = [f for f in self._futures if not f.done()] + [fut]
+        me = weakref.ref(self)  # no cycle manager -> future -> callback -> manager
+        fut.add_done_callback(lambda _f: me() is not None and me()._finished(name))
 
     def _finished(self, name: str) -> None:
         with self._lock:
@@ -344,7 +354,7 @@ class CheckpointManager:
     def close(self) -> None:
         """:meth:`wait` (raising on every rank any failure nobody looked at),
         then free what the manager holds: the staging memory of sharded
-        asynchronous saves and the manager's own gloo group (its worker
+        asynchronous saves and the manager's own gloo groups (their worker
         threads are joined now). Collective. The manager stays usable: a later
         sharded :meth:`async_save` makes a new group (collectively).
 
@@ -361,7 +371,7 @@ class CheckpointManager:
     def _release(self, wait: bool) -> None:
         """Not collective: (with ``wait``) wait for this process's background
         saves of this manager, then free what the coordination holds (the
-        sharded writer's staging memory and the manager's own gloo group,
+        sharded writer's staging memory and the manager's own gloo groups,
         whose worker threads are joined now: :meth:`Ranks.release`)."""
         if wait:
             self.wait_local()

@@ -12,9 +12,13 @@ temporary name and renamed, then `latest`; odd steps with async_save),
 ``dcp_async2`` (torch.distributed.checkpoint.async_save with FastWriter,
 world size 2), ``collective3`` (fastckpt.save(obj, path, group=pg) of a
 replicated state of several MB at world size 3: every rank writes its share of
-one temporary file, rank 0 the rest and the commit). Where a save is
-asynchronous at world size 2, the source tensors are overwritten as soon as the
-call returns: that must not reach the checkpoint.
+one temporary file, rank 0 the rest and the commit), ``manager_async3``
+(CheckpointManager.async_save in replicated collective mode at world size 3:
+every rank snapshots the state of collective3, its writer thread writes its
+share on the manager's group for background saves, rank 0 commits and moves
+`latest`, every rank's future resolves after that). Where a save is
+asynchronous with several ranks, the source tensors are overwritten as soon as
+the call returns: that must not reach the checkpoint.
 
 Each round: a good previous checkpoint exists and its bytes are remembered; a
 child process saves a fresh, different checkpoint over it (or, for DCP, into
@@ -59,10 +63,17 @@ the end of the save too). Then the parent checks:
   step is bitwise untouched; a manager start removes the leftovers
   (temporary step directories, `.del` directories of an interrupted
   retention, `latest`'s temporary) and its load_latest gives an exact step;
-* stalled peer (collective3, once per run; --no-stall skips it): one rank
+* stalled peer (collective3 and manager_async3, once per run each; --no-stall skips it): one rank
   (0, 1 or 2) is stopped with SIGSTOP at a random moment of a collective
   save with slow writes; the other two must fail within a few times the
   process group's timeout, with errors that name the path and match the file;
+* manager_async3: a round kills all three ranks, or one of them; the previous
+  step file is bitwise untouched; `latest` names the previous or the new step;
+  whatever sits under a step name is complete and exact; no temporary is left
+  when rank 0 survived; a survivor whose future resolved saw `latest` name the
+  new step (it must, by then), one whose future failed got an error naming the
+  new step's path, saying "nothing was committed" only if the new step file is
+  not there; a manager start removes the leftovers and load_latest is exact;
 * a manager start removes every `.fastckpt-tmp.` leftover, and the next save
   succeeds.
 
@@ -91,10 +102,10 @@ import time
 import traceback
 
 TMP_MARK = ".fastckpt-tmp."
-KINDS = ("save", "async_save", "dcp2", "manager", "sharded2", "dcp_async2", "collective3")
+KINDS = ("save", "async_save", "dcp2", "manager", "sharded2", "dcp_async2", "collective3", "manager_async3")
 TWO_RANK = ("dcp2", "sharded2", "dcp_async2")
-WORLD = {"dcp2": 2, "sharded2": 2, "dcp_async2": 2, "collective3": 3}  # kinds with several ranks
-MANAGED = ("manager", "sharded2")     # kinds whose saves end with the `latest` update
+WORLD = {"dcp2": 2, "sharded2": 2, "dcp_async2": 2, "collective3": 3, "manager_async3": 3}  # several ranks
+MANAGED = ("manager", "sharded2", "manager_async3")  # kinds whose saves end with the `latest` update
 CHECKS = {"save": "file", "async_save": "file", "dcp_async2": "dcp2"}  # kind -> its check_ method
 PG_TIMEOUT = 10.0     # s: the children's process group timeout (the manager's own group takes it too)
 # s: a rank whose peer was killed must exit on its own by then; gloo notices a dead peer at
@@ -113,6 +124,7 @@ PLANS = {
 ENV = "FASTCKPT_CRASH_FAULTS"
 # Test-only, for the driver's own tests (test_crash_short.py): a deliberately broken collective
 # save the checks must catch. "leave_temp": a failing rank 0 does not remove its temporary file.
+# "latest_first" (manager_async3): rank 0 moves `latest` before the collective save writes the step.
 BREAK_ENV = "FASTCKPT_CRASH_BREAK"
 
 
@@ -206,8 +218,8 @@ def _scribble(sd: dict) -> None:
     for v in sd.values():
         if isinstance(v, dict):
             _scribble(v)
-        elif isinstance(v, torch.Tensor):
-            v.view(torch.uint8).bitwise_not_()
+        elif isinstance(v, torch.Tensor) and v.numel():
+            v.reshape(-1).view(torch.uint8).bitwise_not_()  # (a non-contiguous view: a copy, left alone)
 
 
 def _child(kind: str, directory: str, gen: int, plan: str, conn, rank: int = 0, port: int = 0) -> None:
@@ -247,6 +259,32 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
                 fastckpt._C.RegionWriter.abort = lambda self: None  # the process leaves by os._exit
             conn.send("started")
             fastckpt.save(state, os.path.join(directory, "ckpt.pt"), group=dist.group.WORLD)
+            conn.send("saved")
+            dist.destroy_process_group()
+            return
+        if kind == "manager_async3":
+            import datetime
+            import torch.distributed as dist
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
+                                    timeout=datetime.timedelta(seconds=STALL_TIMEOUT if stall else PG_TIMEOUT))
+            state = collective_state(gen)
+            mgr = fastckpt.CheckpointManager(directory, keep_last=2)
+            if os.environ.get(BREAK_ENV) == "latest_first":
+                from fastckpt import _manager_async
+                real = _manager_async.write_snapshot
+
+                def write_snapshot(path, snap, group):
+                    if rank == 0:
+                        mgr._commit(os.path.basename(path))
+                    real(path, snap, group)
+                _manager_async.write_snapshot = write_snapshot
+            conn.send("started")
+            fut = mgr.async_save(gen, state)
+            conn.send("staged")
+            _scribble(state)
+            fut.result()
+            conn.send("result")  # the future resolved: `latest` names the new step by now
+            mgr.close()
             conn.send("saved")
             dist.destroy_process_group()
             return
@@ -408,6 +446,9 @@ class Driver:
         elif kind == "collective3":  # written here by a (non-killed) 3-rank run
             _, self.base[kind] = self._run_children(kind, g, "", kill_at=None)
             self.prev[kind] = (g, _sha(os.path.join(d, "ckpt.pt")))
+        elif kind == "manager_async3":
+            _, self.base[kind] = self._run_children(kind, g, "", kill_at=None)
+            self.prev[kind] = (g, _sha(os.path.join(d, f"step_{g:08d}.pt")))
         else:  # a complete step directory, written here by a (non-killed) 2-rank run
             _, self.base[kind] = self._run_children(kind, g, "", kill_at=None)
             sd = self._step_dir(kind, d, g)
@@ -727,6 +768,68 @@ class Driver:
             os.unlink(os.path.join(d, new_name))
         return "old_intact"
 
+    def check_manager_async3(self, kind, old_gen, new_gen, killed):
+        """The manager's collective async save: the previous step intact, `latest` names a
+        complete step, every step file exact; each survivor ended as the directory says; a
+        manager start cleans up and load_latest is exact."""
+        import fastckpt
+        d = os.path.join(self.root, kind)
+        old_name, new_name = f"step_{old_gen:08d}.pt", f"step_{new_gen:08d}.pt"
+        new_path = os.path.join(d, new_name)
+        names = os.listdir(d)
+        tmps = [n for n in names if TMP_MARK in n]
+        others = [n for n in names if TMP_MARK not in n and n != "latest" and not n.startswith("step_")]
+        if others:
+            raise AssertionError(f"unexpected names {others}")
+        if not killed and tmps:
+            raise AssertionError(f"a completed save left {tmps}")
+        if tmps and 0 in self.last_survivors:
+            raise AssertionError(f"rank 0 survived the round but {tmps} remain")
+        if _sha(os.path.join(d, old_name)) != self.prev[kind][1]:
+            raise AssertionError(f"{old_name} changed")
+        latest = open(os.path.join(d, "latest")).read().strip()
+        if latest not in (old_name, new_name):
+            raise AssertionError(f"latest names {latest!r}")
+        for n in names:  # whatever sits under a step name is complete and exact
+            if TMP_MARK not in n and n.startswith("step_"):
+                if not same(fastckpt.load(os.path.join(d, n), verify=True), collective_state(int(n[5:13]))):
+                    raise AssertionError(f"{n} is not what was saved")
+        new_there = os.path.exists(new_path)
+        for r, (code, msgs) in sorted(self.last_survivors.items()):
+            last = msgs[-1] if msgs else f"nothing (exit code {code})"
+            if "result" in msgs and latest != new_name:
+                raise AssertionError(f"survivor rank {r}'s future resolved, but latest names {latest!r}")
+            if last == "done":
+                continue
+            if not last.startswith("error "):
+                raise AssertionError(f"survivor rank {r} ended without raising: {last}")
+            if "staged" in msgs and "result" not in msgs and new_path not in last:
+                raise AssertionError(f"survivor rank {r}'s failed future does not name {new_path}: {last}")
+            if new_there and "nothing was committed" in last and "nothing was committed unless" not in last:
+                raise AssertionError(f"survivor rank {r}'s error says nothing was committed, but {new_name} is "
+                                     f"there: {last}")
+            if not new_there and "was committed (complete" in last:
+                raise AssertionError(f"survivor rank {r}'s error says {new_name} was committed, but it is not "
+                                     f"there: {last}")
+        if tmps:
+            self.counts[(kind, "leftover_tmp")] += 1
+        if new_there and latest == old_name:
+            self.counts[(kind, "new_file_latest_old")] += 1
+        self._cleanup_with_manager(d)  # a manager start removes the leftovers
+        r = fastckpt.CheckpointManager(d, keep_last=2).load_latest()
+        if r is None or r.step not in (old_gen, new_gen) or not same(r.state, collective_state(r.step)):
+            raise AssertionError(f"load_latest gave {r and r.step}")
+        if latest == new_name:
+            if r.step != new_gen:
+                raise AssertionError("load_latest skipped the checkpoint latest names")
+            self.prev[kind] = (new_gen, _sha(new_path))
+            self.gen[kind] = new_gen
+            return "new_complete"
+        if new_there:
+            # complete but `latest` not moved yet: drop it, so the next round starts from a known state
+            os.unlink(new_path)
+        return "old_intact"
+
     def check_dcp2(self, kind, old_gen, new_gen, killed):
         from fastckpt.dcp import FastReader
         d = os.path.join(self.root, kind)
@@ -869,13 +972,13 @@ class Driver:
             _reap(procs, conns)
         self.stall_verdict(kind, self.check_sharded2, old_gen)
 
-    def collective_stall_check(self):
-        """collective3, once: one rank (0, 1 or 2) stops responding (SIGSTOP) at a random
-        moment of a collective save (slow writes, process group timeout STALL_TIMEOUT). The
+    def collective_stall_check(self, kind="collective3"):
+        """collective3 (and manager_async3), once: one rank (0, 1 or 2) stops responding
+        (SIGSTOP) at a random moment of a collective save (slow writes, process group timeout
+        STALL_TIMEOUT; manager_async3: the manager's group of background saves takes it too). The
         other two must end by themselves within a few times that timeout (a stopped peer keeps
         its connections open: only the timeout tells), with errors that name the path and
         match the file; then the stopped rank is killed and the round checked like a kill's."""
-        kind = "collective3"
         if kind not in self.prev:
             self.establish(kind)
         old_gen = self.prev[kind][0]
@@ -934,7 +1037,7 @@ class Driver:
             return
         finally:
             _reap(procs, conns)
-        self.stall_verdict(kind, self.check_collective3, old_gen)
+        self.stall_verdict(kind, getattr(self, "check_" + kind), old_gen)
 
     def stall_verdict(self, kind, check, old_gen):
         """After a stall check: the checkpoint is the previous generation or the new one (`check`)."""
@@ -977,6 +1080,7 @@ class Driver:
                 extra += f" new_file_latest_old={self.counts[(kind, 'new_file_latest_old')]}"
             if kind == "collective3":
                 extra += f" cleanup_saves={self.counts[(kind, 'cleanup_save_ok')]}"
+            if kind in ("collective3", "manager_async3"):
                 if self.counts[(kind, "stall_checks")] or self.counts[(kind, "stall_hung")]:
                     extra += (f" stalled_peer: survivors failed within {self.counts[(kind, 'stall_failed_in')]:.1f} s"
                               if not self.counts[(kind, "stall_hung")] else " stalled_peer: a survivor HUNG")
@@ -1007,7 +1111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dir", default=None, help="work directory (default: a fresh temporary one, removed on success)")
     ap.add_argument("--verbose", "-v", action="store_true")
     ap.add_argument("--child", choices=KINDS, help="run one save in the foreground (fault plan from $" + ENV + ")")
-    ap.add_argument("--no-stall", action="store_true", help="skip the stalled-peer checks of sharded2 and collective3 (Driver.stall_check, "
+    ap.add_argument("--no-stall", action="store_true", help="skip the stalled-peer checks of sharded2, collective3 and manager_async3 (Driver.stall_check, "
                     "Driver.collective_stall_check)")
     ap.add_argument("--gen", type=int, default=1)
     ap.add_argument("--rank", type=int, default=0, help="with --child, world size 2 and 3 kinds: this process's "
@@ -1041,10 +1145,11 @@ def main(argv=None) -> int:
         t = time.monotonic()
         drv.stall_check()
         drv.seconds["sharded2"] += time.monotonic() - t
-    if "collective3" in kinds and not args.no_stall:
-        t = time.monotonic()
-        drv.collective_stall_check()
-        drv.seconds["collective3"] += time.monotonic() - t
+    for kind in ("collective3", "manager_async3"):
+        if kind in kinds and not args.no_stall:
+            t = time.monotonic()
+            drv.collective_stall_check(kind)
+            drv.seconds[kind] += time.monotonic() - t
     drv.final_saves(kinds)
     drv.report(kinds, time.monotonic() - t0)
     if drv.violations:

@@ -294,25 +294,35 @@ def run_manager_collective(mnt, p):
 
 def run_manager_collective_rank(mnt, p):
     """CheckpointManager in replicated mode at world size 3: each checkpoint a collective save
-    (every rank its share), then `latest` and retention; saves, then async_saves."""
+    (every rank its share), then `latest` and retention; saves, then async_saves (collective
+    too, written by every rank's writer thread), two in a row: the second waits for the first."""
     import torch.distributed as dist
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo")
     try:
         n = p["saves"]
         with fastckpt.CheckpointManager(os.path.join(mnt, "mc"), keep_last=2) as mgr:
-            for step in range(1, 2 * n + 1):
+            for step in range(1, n + 1):
                 dist.barrier()
                 if rank == 0:
                     mark(mnt, "begin", "latest", step)
                 dist.barrier()
-                if step <= n:
-                    mgr.save(step, make_state(step, p["numel"]))
-                else:
-                    mgr.async_save(step, make_state(step, p["numel"]))
-                    mgr.wait()  # collective: durable and `latest` names it on return
+                mgr.save(step, make_state(step, p["numel"]))
                 if rank == 0:
                     mark(mnt, "end", "latest", step)
+            for step in range(n + 1, 2 * n + 1, 2):
+                pair = [s for s in (step, step + 1) if s <= 2 * n]
+                dist.barrier()
+                if rank == 0:
+                    for s in pair:
+                        mark(mnt, "begin", "latest", s)
+                dist.barrier()
+                futs = [mgr.async_save(s, make_state(s, p["numel"])) for s in pair]
+                for s, fut in zip(pair, futs):
+                    fut.result()  # on every rank: durable, and `latest` names it
+                    if rank == 0:
+                        mark(mnt, "end", "latest", s)
+            mgr.wait()
     finally:
         dist.destroy_process_group()
 

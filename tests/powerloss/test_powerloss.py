@@ -7,8 +7,8 @@ retention, replicated and sharded (world size 2); DCP ``FastWriter`` at world si
 processes; ``dcp.save`` and ``dcp.async_save``); the collective ``fastckpt.save(obj, path, group=pg)``
 at world size 3 (three processes writing their shares of one temporary file through the mount,
 each fdatasyncing its own, rank 0 the rest, the rename and the directory fsync), and
-``CheckpointManager`` in replicated mode at world size 3 (its saves collective, its async_saves
-from rank 0). Those two are checked under crashfs's per-client model (a process's writes are
+``CheckpointManager`` in replicated mode at world size 3 (its saves collective, and its async_saves,
+two in a row, written collectively by every rank's writer thread). Those two are checked under crashfs's per-client model (a process's writes are
 durable only once that process fsyncs the file, as on a shared filesystem: scenarios.PER_CLIENT). Each test runs one scenario in a child process on crashfs,
 an in-memory FUSE filesystem that records every operation (crashfs.py), then replays the record
 and checks, at every point between two operations, the states a power cut may leave there

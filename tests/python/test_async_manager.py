@@ -288,6 +288,67 @@ def test_a_queued_save_can_be_cancelled(tmp_path):
     assert not (tmp_path / "q2.pt").exists() and saver.pending() == []
 
 
+def records_of(p):
+    with zipfile.ZipFile(p) as z:
+        return {i.filename: (i.header_offset, i.CRC, z.read(i)) for i in z.infolist()
+                if not i.filename.endswith("serialization_id")}
+
+
+def test_stage_then_drop_or_submit(tmp_path):
+    """AsyncSaver.stage snapshots and holds an in-flight slot; drop gives the slot
+    and the arena back without writing; submit writes (with a writer of the
+    caller's, as the manager's collective saves do) and runs `after`."""
+    saver = AsyncSaver()
+    _, _, state = make_state()
+    staged = saver.stage(state, tmp_path / "dropped.pt")
+    assert saver.pending() == [staged.fut] and saver.stager.free_bytes == 0
+    saver.drop(staged)
+    assert saver.pending() == [] and staged.fut.cancelled() and saver.stager.free_bytes > 0
+    assert not (tmp_path / "dropped.pt").exists()
+    seen = []
+    staged = saver.stage(state, tmp_path / "mine.pt")
+    fut = saver.submit(staged, write=lambda path, snap: seen.append((path, snap.nbytes)),
+                       after=lambda: seen.append("after"))
+    assert isinstance(fut.result(timeout=60), SaveResult)
+    assert seen == [(str(tmp_path / "mine.pt"), fut.result().nbytes), "after"]
+    assert not (tmp_path / "mine.pt").exists() and saver.stager.allocations == 1
+    _C.fault_inject("write", nth=1, delay_ms=100, times=0, path_contains="busy")
+    two = AsyncSaver(max_in_flight=2)
+    busy = two.save(state, tmp_path / "busy.pt")  # keeps the writer thread busy: the next one is queued
+    queued = two.submit(two.stage(state, tmp_path / "queued.pt"), cancellable=False)
+    assert not busy.done() and not queued.cancel() and queued.running()  # never called off on one rank
+    busy.result(timeout=60)
+    queued.result(timeout=60)
+    assert_same(state, fastckpt.load(tmp_path / "queued.pt"))
+    with pytest.raises(ValueError, match="skip_data"):
+        with torch.serialization.skip_data():
+            saver.stage(state, tmp_path / "x.pt", zip_only=True)
+    assert saver.pending() == []
+
+
+def test_a_snapshot_is_written_as_it_was_pickled(tmp_path):
+    """The manager's collective async save hands the snapshot to fastckpt.save
+    through _Replay: the file is the one fastckpt.save(state) writes (shared
+    storages, views, empty tensors, non-tensors), whatever the state became since."""
+    from fastckpt._manager_async import _Replay
+    saver = AsyncSaver()
+    model, _, state = make_state()
+    expected = copy.deepcopy(state)
+    fastckpt.save(state, tmp_path / "direct.pt")
+    staged = saver.stage(state, tmp_path / "replayed.pt", zip_only=True)
+    with torch.no_grad():
+        model[0].weight.mul_(-1)  # after the snapshot
+    state["step"] = 8
+    fastckpt.save(staged.snap, tmp_path / "replayed.pt", pickle_module=_Replay)
+    saver.drop(staged)
+    assert records_of(tmp_path / "direct.pt") == records_of(tmp_path / "replayed.pt")
+    got = fastckpt.load(tmp_path / "replayed.pt", verify=True)
+    assert_same(expected, got)
+    assert got["view"].untyped_storage().data_ptr() == got["model"]["0.weight"].untyped_storage().data_ptr()
+    with pytest.raises(TypeError, match="snapshot"):
+        fastckpt.save({"x": 1}, tmp_path / "y.pt", pickle_module=_Replay)
+
+
 # ---------------------------------------------------------------- CheckpointManager
 
 def small_state(v):

@@ -6,7 +6,8 @@ of a synchronous save, in the middle of an asynchronous save — and started
 again with the same arguments: each must resume from the newest complete
 checkpoint and end with model, optimizer and scheduler states bitwise equal to
 the reference. Also: the checkpoint manager in sharded mode (DCP, DTensor
-shards) across 2 ranks. Each rank runs one torch thread; a run takes a few
+shards) across 2 ranks, in replicated collective mode (save, load, failures)
+and its collective async_save at world sizes 2 and 3. Each rank runs one torch thread; a run takes a few
 seconds.
 """
 import os
@@ -221,6 +222,9 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, re
 
 
 def test_sigkill_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_path, reference):
+    """--async with the manager's default collective=True: every rank's writer thread
+    writes its share of step 15 (slowed down) while training goes on; SIGKILL of
+    every rank then; the next run resumes from step 10 and ends bitwise equal."""
     ckpt = tmp_path / "ckpt"
     job = run_example(tmp_path / "logs", ckpt, ["--async"], env={"FASTCKPT_TEST_FAULT": "write:1:300:0:step_"})
     job.wait_line(lambda s: s == "ckpt-snapshotted 15")
@@ -246,6 +250,19 @@ def test_collective_manager_two_ranks(tmp_path):
     failing rank fails the save everywhere; collective=False writes from rank 0."""
     job = Job(tmp_path / "logs", HELPERS / "collective_manager_worker.py", [str(tmp_path / "ckpt")])
     lines = job.finish(timeout=120)
+    assert lines[-1] == "ok", job.report()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_collective_async_save(tmp_path, world):
+    """CheckpointManager.async_save in collective mode (the default with several
+    ranks): every rank snapshots and writes its share (about 1/world) in the
+    background on a group reserved for background saves; `latest` moves after the
+    collective commit and every rank's future resolves then; two in a row do not
+    overlap; a rank whose snapshot or write fails fails every rank, `latest`
+    unchanged (helpers_resume/collective_async_worker.py)."""
+    job = Job(tmp_path / "logs", HELPERS / "collective_async_worker.py", [str(tmp_path / "ckpt")], world=world)
+    lines = job.finish(timeout=240)
     assert lines[-1] == "ok", job.report()
 
 

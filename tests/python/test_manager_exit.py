@@ -2,8 +2,9 @@
 under torchrun (issue 11, item 13).
 
 `torchrun --standalone --nproc_per_node 2` of helpers_resume/exit_worker.py:
-a DDP job (replicated mode) or a DCP job (sharded mode) that saves
-synchronously and asynchronously, loads (or a DDP job that saves and loads
+a DDP job (replicated mode: collective, the asynchronous saves written by every
+rank's writer thread; or "rank0", collective=False) or a DCP job (sharded mode)
+that saves synchronously and asynchronously, loads (or a DDP job that saves and loads
 with group=, mode "collective"), calls destroy_process_group() and
 exits, with no gc.collect(), close() or `with` to help it. Every run must
 exit 0 on every rank and no rank may print "terminate called". Each rank
@@ -49,7 +50,7 @@ def run_once(ckpt: Path, mode: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.parametrize("mode", ["replicated", "sharded", "collective", "dcp"])
+@pytest.mark.parametrize("mode", ["replicated", "rank0", "sharded", "collective", "dcp"])
 def test_jobs_using_the_manager_exit_cleanly_under_torchrun(tmp_path, mode):
     failures = []
     for i in range(RUNS):

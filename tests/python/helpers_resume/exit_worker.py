@@ -4,8 +4,11 @@ exit, with no gc.collect(), close() or `with` to help it.
 
 Usage (under torchrun --standalone --nproc_per_node 2):
     python exit_worker.py CKPT_DIR MODE
-MODE: "replicated" (a DDP model; rank 0 writes) or "sharded" (every rank writes
-through DCP): each saves synchronously and asynchronously, waits, loads;
+MODE: "replicated" (a DDP model; every rank writes its share, collective=True,
+the default: the asynchronous saves on the writer thread, on the manager's group
+for background saves), "rank0" (the same with collective=False: rank 0 writes)
+or "sharded" (every rank writes through DCP): each saves synchronously and
+asynchronously (two in a row), waits, loads;
 "collective" (a DDP model, no manager): fastckpt.save and fastckpt.load with
 group= on the default group, as examples/ddp_checkpoint.py does; "dcp" (a DDP
 model, no manager): dcp.save with FastWriter, dcp.load with FastReader.
@@ -55,7 +58,7 @@ def main(ckpt: str, mode: str) -> None:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     torch.manual_seed(0)
-    if mode == "replicated":
+    if mode in ("replicated", "rank0"):
         model = nn.parallel.DistributedDataParallel(nn.Linear(16, 4))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model(torch.randn(8, 16)).sum().backward()
@@ -96,7 +99,8 @@ def main(ckpt: str, mode: str) -> None:
         return
     else:
         raise SystemExit(f"unknown mode {mode!r}")
-    mgr = fastckpt.CheckpointManager(ckpt, keep_last=2, sharded=(mode == "sharded"))
+    mgr = fastckpt.CheckpointManager(ckpt, keep_last=2, sharded=(mode == "sharded"), collective=(mode != "rank0"))
+    assert mgr.collective == (mode == "replicated"), mgr.collective
     mgr.save(1, state(1))
     mgr.async_save(2, state(2))
     mgr.async_save(3, state(3))
