@@ -27,6 +27,10 @@ sim_nccl_fail (rank 1's 3rd copy to the device raises); nccl_cpu (the
 backend reported as "nccl", map_location="cpu") and nccl_sim (the same, onto
 sim:<r % 2>, without the test DeviceOps): errors before the file is opened
 ("OPENED <n>": how often this rank opened the file).
+On a machine with CUDA (benchmarks/gpu_check.sh): gpu_nccl (an NCCL group,
+map_location="cuda:0": device collectives) and gpu_gloo (a gloo group,
+map_location="cuda:0": staged through host memory); each compares with a
+plain CPU load and prints "STATS {...}" with the process's peak host RSS.
 CASE "large" (only here): about 64 MB in a few large tensors and 300 small ones.
 """
 import datetime
@@ -161,6 +165,31 @@ def sim_check(sim, got, path: str, rank: int, ml: str, case: str):
     return None
 
 
+def gpu_main(path: str, case: str, rank: int) -> int:
+    """gpu_nccl / gpu_gloo: the collective load onto cuda:0, checked against a plain CPU load."""
+    import json
+    import resource
+
+    import torch.distributed as dist
+
+    import fastckpt
+    try:
+        got = fastckpt.load(path, group=dist.group.WORLD, map_location="cuda:0")
+        torch.cuda.synchronize()
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+        on = {v.device.type for v in got.values() if isinstance(v, torch.Tensor)}
+        want = fastckpt.load(path)
+        cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else [t.cpu() for t in v] if k == "small" else v
+               for k, v in got.items()}
+        print("STATS", json.dumps({"peak_rss": rss, "devices": sorted(on)}), flush=True)
+        print("OK" if on == {"cuda"} and same(want, cpu) else "ERR mismatch: not the plain load's, or not on cuda",
+              flush=True)
+    except Exception as e:
+        print(f"ERR {type(e).__name__}: {e}", flush=True)
+    dist.destroy_process_group()
+    return 0
+
+
 def main() -> int:
     store, rank, world, path, case, mode = sys.argv[1:7]
     rank, world = int(rank), int(world)
@@ -169,8 +198,12 @@ def main() -> int:
     import fastckpt
     from fastckpt import _C, _collective, serialization
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=180))
+    if mode == "gpu_nccl":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if mode == "gpu_nccl" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=180))
+    if mode.startswith("gpu_"):
+        return gpu_main(path, case, rank)
     if (mode == "missing1" and rank == 1) or mode == "missing_all":
         path += ".absent"
     if mode == "other1" and rank == 1:
