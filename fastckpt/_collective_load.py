@@ -56,8 +56,8 @@ Flow (each step a collective over ``pg``, so a failure anywhere reaches every ra
 """
 
 import contextlib
-import errno
 import hashlib
+import logging
 import os
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -66,6 +66,8 @@ import torch
 
 from . import _C, _paths, _staging, _zip
 from ._collective import _Group, cut_runs
+
+log = logging.getLogger("fastckpt")
 
 # A piece of at least this many bytes is broadcast in place; smaller ones are
 # packed into buffers of about _PACK_BYTES (one collective each).
@@ -510,12 +512,15 @@ class _Load:
             ring = _staging.RoundRing(copier, -(-H // per_buf), _DEPTH, chunk)
         elif mine >= 0:  # only holders stage (their own part)
             ring = _staging.RoundRing(copier, 1, _DEPTH, chunk)
+        where = str(copier.device_key(next(d.view for d in dests.values() if d.copier is copier and d.view.numel()))) \
+            if copier is not _HOST_COPIER else "cpu"
         pending = None
+        done = False
         try:
             for rnd in rounds:
                 bufs = None
                 if ops is None or (mine >= 0 and rnd[mine]):
-                    bufs = ring.next()
+                    bufs = ring.next(lambda e: self._fail(state, e, where))
                 region = self._region(bufs, mine, rnd, per_buf, part, ops) if mine >= 0 and rnd[mine] else None
                 if region is not None and state["err"] is None:
                     try:
@@ -536,9 +541,16 @@ class _Load:
                 pending = step
             if pending is not None:
                 self._complete(pending)
+            done = True
         finally:
             if ring is not None:
-                ring.close()
+                try:
+                    ring.close()  # waits for the copies in flight
+                except Exception as e:
+                    if not done:
+                        log.warning("fastckpt: %s: after an error, a copy to %s failed too: %s", self.path, where, e)
+                    else:  # this rank's failure, said in the exchange after the broadcasts
+                        self._fail(state, e, where)
         return crcs, state["err"]
 
     @staticmethod

@@ -653,9 +653,13 @@ class RoundRing:
         self._slots: List[List[_Buf]] = []
         self._n = 0
 
-    def next(self) -> List[_Buf]:
+    def next(self, on_error: Optional[Callable[[BaseException], None]] = None) -> List[_Buf]:
         """The next round's buffers (``b.hb.tensor``: the host memory; append
-        the event of every copy issued from it to ``b.events``)."""
+        the event of every copy issued from it to ``b.events``). With
+        `on_error`, a failure while waiting for the slot's copies (a copy
+        that failed on the device) goes to it and the slot is handed out
+        anyway: the caller still needs memory to take part in a collective,
+        and must copy nothing more from it."""
         if len(self._slots) < self.depth:
             bufs: List[_Buf] = []
             self._slots.append(bufs)
@@ -663,11 +667,16 @@ class RoundRing:
                 bufs.append(_Buf(self.pool.acquire(block=True), self.pool, None))
         else:
             bufs = self._slots[self._n % self.depth]
-            for b in bufs:
-                for ev in b.events:
-                    ev.synchronize()
-                b.events = []
-                self.pool.copier.check_idle(b.hb.tensor)
+            try:
+                for b in bufs:
+                    for ev in b.events:
+                        ev.synchronize()
+                    b.events = []
+                    self.pool.copier.check_idle(b.hb.tensor)
+            except Exception as e:
+                if on_error is None:
+                    raise
+                on_error(e)
         self._n += 1
         return bufs
 

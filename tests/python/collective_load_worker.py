@@ -23,7 +23,8 @@ sim (the group's real backend, gloo: staged through host memory); sim_nccl
 tensors: a broadcast of a sim tensor is gloo's broadcast of its memory after
 the copies issued to its device landed, as NCCL's stream waits for the current
 one); sim_mixed (rank 1 loads with map_location="cpu"); sim_fail /
-sim_nccl_fail (rank 1's 3rd copy to the device raises); nccl_cpu (the
+sim_nccl_fail (rank 1's 3rd copy to the device raises); sim_sync_fail (rank
+1's 3rd copy fails when its event is waited for, as CUDA reports it); nccl_cpu (the
 backend reported as "nccl", map_location="cpu") and nccl_sim (the same, onto
 sim:<r % 2>, without the test DeviceOps): errors before the file is opened
 ("OPENED <n>": how often this rank opened the file).
@@ -68,7 +69,7 @@ def build(case: str):
     return out
 
 
-SIM_MODES = ("sim", "sim_nccl", "sim_mixed", "sim_fail", "sim_nccl_fail", "nccl_sim")
+SIM_MODES = ("sim", "sim_nccl", "sim_mixed", "sim_fail", "sim_nccl_fail", "sim_sync_fail", "nccl_sim")
 
 
 def sim_setup(mode: str, rank: int, log):
@@ -81,11 +82,19 @@ def sim_setup(mode: str, rank: int, log):
     class FailingSim(sim_device.SimDevice):
         def to_device_async(self, dst, src):
             self.uploads = getattr(self, "uploads", 0) + 1
+            ev = super().to_device_async(dst, src)
+            if self.uploads == 3 and mode == "sim_sync_fail":  # as CUDA says it: when the copy is waited for
+
+                class Failed(sim_device.SimEvent):
+                    def synchronize(self):
+                        super().synchronize()
+                        raise RuntimeError("sim: the copy engine failed")
+                return Failed(self, ev.ops)
             if self.uploads == 3:
                 raise RuntimeError("sim: the copy engine failed")
-            return super().to_device_async(dst, src)
+            return ev
 
-    fails = mode in ("sim_fail", "sim_nccl_fail") and rank == 1
+    fails = mode in ("sim_fail", "sim_nccl_fail", "sim_sync_fail") and rank == 1
     sim = (FailingSim if fails else sim_device.SimDevice)(seed=rank)
     sim.__enter__()
     moved = [0]

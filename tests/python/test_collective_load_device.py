@@ -120,7 +120,7 @@ def test_a_rank_whose_result_stays_on_the_host_joins_a_staged_load(tmp_path, fil
     assert st[0]["to_device"] == st[2]["to_device"] == total, st
 
 
-@pytest.mark.parametrize("mode,case", [("sim_fail", "mixed"), ("sim_nccl_fail", "large")])
+@pytest.mark.parametrize("mode,case", [("sim_fail", "mixed"), ("sim_nccl_fail", "large"), ("sim_sync_fail", "large")])
 def test_a_failing_device_copy_on_one_rank_fails_every_rank(tmp_path, files, mode, case):
     path = files[case]
     res = run_ranks(tmp_path, 3, path, case, mode)  # rank 1's third copy to its device raises
