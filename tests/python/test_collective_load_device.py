@@ -187,6 +187,7 @@ def test_cuda_collective_load_over_nccl(tmp_path, files):
     """World size 1 (NCCL refuses two ranks on one GPU): device collectives into CUDA storages."""
     res = _run_ranks(tmp_path, 1, files["large"], "large", "gpu_nccl", worker_script="collective_load_worker.py")
     assert_all_ok(res)
+    print(line(res[0][1], "STATS"))
 
 
 @needs_cuda
