@@ -109,6 +109,19 @@ def test_collective_load_onto_the_device_equals_a_plain_load(tmp_path, files, wo
             assert order.count("r") > 2 and order.index("w") > order.index("r", order.index("r") + 1), order
 
 
+@pytest.mark.parametrize("mode", ["sim_missing1", "sim_nccl_missing1"])
+def test_a_rank_without_the_file_gets_its_device_result_from_its_peers(tmp_path, files, mode):
+    path = files["large"]
+    res = run_ranks(tmp_path, 3, path, "large", mode)
+    assert_all_ok(res)
+    reads = [int(line(text, "READ")) for _, text in res]
+    assert reads[1] == 0 and sum(reads) == storage_bytes(path), reads
+    st = stats(res[1][1])
+    assert st["host_storage"] == 0 and st["violations"] == [], st
+    if mode == "sim_nccl_missing1":  # device collectives: a rank that reads nothing stages nothing
+        assert st["peak_locked"] == 0 and st["to_device"] == 0, st
+
+
 def test_a_rank_whose_result_stays_on_the_host_joins_a_staged_load(tmp_path, files):
     path = files["mixed"]
     res = run_ranks(tmp_path, 3, path, "mixed", "sim_mixed")  # rank 1: map_location="cpu"
