@@ -403,13 +403,16 @@ class _Load:
         self.k_mine = -1
         self.rounds: List[List[List[Any]]] = []
         self.got: List[Any] = []
+        self.chunk = 0  # the staged rounds' pool chunk, agreed
 
     # -- step 3's agreement and step 5's CRCs
 
     def agree(self, mine: Tuple[bool, bool, str], err: Optional[BaseException]) -> str:
-        """all_gather of (error, (device result, device collectives fit, where));
-        returns the transport: "host", "staged" or "device"."""
-        agreed = self.g.exchange(mine, err, "to allocate the result's storages")
+        """all_gather of (error, (device result, device collectives fit, where,
+        pool chunk)); returns the transport: "host", "staged" or "device", and
+        sets the staged rounds' chunk (the smallest rank's: the same rounds everywhere)."""
+        agreed = self.g.exchange(mine + (_staging.default_chunk(),), err, "to allocate the result's storages")
+        self.chunk = min(m[3] for m in agreed)
         if not any(m[0] for m in agreed):
             if "cpu" not in self.backends:  # a host result everywhere: the ranks' own checks raised already
                 raise _cannot_carry(self.path, self.backend, "CPU tensors")
@@ -500,7 +503,7 @@ class _Load:
         """Round by round: holders read into the ring, broadcasts of round j
         run while round j+1 is read, then round j goes to the destinations."""
         H = len(self.holders)
-        chunk = _staging.default_chunk()
+        chunk = self.chunk
         part = max(_CUT_ALIGN, min(chunk, max(_PART_MIN, chunk // H)) // _CUT_ALIGN * _CUT_ALIGN)
         rounds = self.rounds = _staged_rounds(_pieces(self.archive, self.names, H), part)
         per_buf = chunk // part  # regions per pool buffer
@@ -713,7 +716,7 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
             try:
                 return ser._load_read(path, small, archive, records, [], map_location, weights_only, pickle_module,
                                       verify, pickle_load_args)
-            except BaseException as e:
+            except Exception as e:
                 if not records.agreed:  # failed before the agreement: the others learn it there
                     records.agreed = True
                     flow.agree((True, False, ""), e)

@@ -122,6 +122,18 @@ def test_a_rank_without_the_file_gets_its_device_result_from_its_peers(tmp_path,
         assert st["peak_locked"] == 0 and st["to_device"] == 0, st
 
 
+@pytest.mark.parametrize("mode", ["sim", "sim_nccl"])
+def test_ranks_with_different_pool_chunks_cut_the_same_rounds(tmp_path, files, mode):
+    """Rank 1's knob asks for 8 MiB chunks, the others' for 4 MiB: the ranks
+    agree on the smallest, so every rank issues the same broadcasts."""
+    path = files["large"]
+    res = _run_ranks(tmp_path, 3, path, "large", mode, worker_script="collective_load_worker.py",
+                     rank_env=lambda r: {"FASTCKPT_BUFFER_SIZE": "2M" if r == 1 else "1M"})
+    assert_all_ok(res)
+    for _, text in res:
+        assert stats(text)["peak_locked"] <= _collective_load._DEPTH * CHUNK, text
+
+
 def test_a_rank_whose_result_stays_on_the_host_joins_a_staged_load(tmp_path, files):
     path = files["mixed"]
     res = run_ranks(tmp_path, 3, path, "mixed", "sim_mixed")  # rank 1: map_location="cpu"
