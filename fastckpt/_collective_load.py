@@ -33,10 +33,10 @@ Flow (each step a collective over ``pg``, so a failure anywhere reaches every ra
    next round is read while they run. A holder whose read failed still takes
    part in every broadcast (its bytes are then garbage) and says so in the
    exchange after them: all_gather of (error | the pieces' CRC-32s).
-   The transports:
+   The transports (fastckpt/_collective_exchange.py):
    * host (every rank's result on the host; needs a backend that carries CPU
-     tensors): straight into the result's storages, a piece of _INPLACE_MIN
-     bytes or more broadcast in place, smaller ones packed (_Exchange).
+     tensors): straight into the result's storages, a piece of 1 MiB or more
+     broadcast in place, smaller ones packed (HostExchange).
    * staged through host memory (some rank's result on a device, and a
      backend that carries CPU tensors, e.g. gloo): every rank receives each
      round into host buffers of the staging pool (_staging.RoundRing, a
@@ -57,32 +57,23 @@ Flow (each step a collective over ``pg``, so a failure anywhere reaches every ra
 
 import contextlib
 import hashlib
-import logging
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _C, _paths, _staging, _zip
+from . import _C, _collective_exchange as xch, _paths, _staging, _zip
 from ._collective import _Group, cut_runs
 
-log = logging.getLogger("fastckpt")
-
-# A piece of at least this many bytes is broadcast in place; smaller ones are
-# packed into buffers of about _PACK_BYTES (one collective each).
-_INPLACE_MIN = 1 << 20
-_PACK_BYTES = 16 << 20
 _CUT_ALIGN = 4096
 # Each holder reads its share in rounds of about this many bytes; a round's
 # broadcasts run (gloo's threads) while the next round is read.
 _ROUND_BYTES = 32 << 20
 # Staged (device result): a round is about one pool chunk in all, every
-# holder's part at least _PART_MIN bytes (or the chunk); _DEPTH rounds' host
-# buffers in use at once (one being read, one broadcast, one copied to the
-# device). Pieces of _BIG_PIECE bytes or more start on 4 KiB in their region.
+# holder's part at least _PART_MIN bytes (or the chunk). Pieces of _BIG_PIECE
+# bytes or more start on 4 KiB in their region.
 _PART_MIN = 1 << 20
-_DEPTH = 3
 _BIG_PIECE = 64 << 10
 
 
@@ -200,165 +191,6 @@ def _staged_rounds(shares: List[List[Tuple[str, int, int]]], part: int) -> List[
     return _by_round(per)
 
 
-def _used(part: List[Tuple[str, int, int, int]]) -> int:
-    """Bytes of a part's region (up to its last piece's end)."""
-    return part[-1][3] + part[-1][2] if part else 0
-
-
-# ---------------------------------------------------------------- what the group's backend carries
-
-def _backend(dist, group) -> str:
-    """The group's backend, as torch.distributed names it ("gloo", "nccl",
-    "cpu:gloo,cuda:nccl")."""
-    return str(dist.get_backend(group))
-
-
-def _backends(backend: str) -> Dict[str, str]:
-    """Device type -> the backend that carries its tensors in this group."""
-    b = backend.lower()
-    if ":" in b:
-        return dict((d.strip(), n.strip()) for d, _, n in (pair.partition(":") for pair in b.split(",")))
-    import torch.distributed as dist
-    caps = getattr(dist.Backend, "backend_capability", {}) or {}
-    devices = caps.get(b) or (["cpu"] if b in ("gloo", "mpi", "ucc") else [])
-    return {d: b for d in devices}
-
-
-class DeviceOps:
-    """What the device-collectives transport asks of a backend that carries
-    device tensors (NCCL). Every tensor is a uint8 tensor on one device of
-    the rank."""
-
-    def broadcast(self, t: torch.Tensor, src: int, group) -> Any:
-        """Broadcast `t` from global rank `src`, asynchronously: a work with
-        ``wait()``, after which the device's later work sees the bytes."""
-        raise NotImplementedError
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Device-to-device copy, ordered after the waited broadcast that filled `src`."""
-        raise NotImplementedError
-
-    def empty(self, nbytes: int) -> torch.Tensor:
-        """A device buffer of `nbytes`."""
-        raise NotImplementedError
-
-
-class _NcclOps(DeviceOps):
-    """NCCL: torch's stream semantics order everything. The copier's copy to
-    the device makes the current stream wait for it, the broadcast's stream
-    waits for the current stream when issued, and ``wait()`` makes the
-    current stream wait for the broadcast (copies out then run after it)."""
-
-    def __init__(self, device):
-        self.device = device
-
-    def broadcast(self, t, src, group):
-        import torch.distributed as dist
-        return dist.broadcast(t, src=src, group=group, async_op=True)
-
-    def copy(self, dst, src):
-        dst.copy_(src, non_blocking=True)
-
-    def empty(self, nbytes):
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-
-
-def _default_device_ops(backends: Dict[str, str], copier: "_staging.DeviceCopier", device) -> Optional[DeviceOps]:
-    if isinstance(copier, _staging.CudaCopier) and backends.get("cuda") == "nccl":
-        return _NcclOps(device)
-    return None
-
-
-# (backends, copier, device) -> DeviceOps, or None where the group's backend
-# does not carry that device's tensors. Tests replace it to drive the
-# device-collectives transport on the simulated device.
-device_ops: Callable[[Dict[str, str], "_staging.DeviceCopier", Any], Optional[DeviceOps]] = _default_device_ops
-
-
-def _unfit(path: str, backend: str, backends: Dict[str, str], map_location) -> Optional[ValueError]:
-    """The error for a map_location (string or torch.device) whose tensors the
-    group's backend carries neither on the device nor through host memory
-    (known before the file is opened)."""
-    if "cpu" in backends or not isinstance(map_location, (str, torch.device)):
-        return None
-    found = _staging.copier_for_location(map_location)
-    if found is None:
-        try:
-            if torch.device(map_location).type != "cpu":
-                return None  # not a device the staging knows: torch's own rules decide later
-        except (RuntimeError, TypeError, ValueError):
-            return None
-        where = "CPU"
-    elif device_ops(backends, *found) is None:
-        where = str(found[1])
-    else:
-        return None
-    return _cannot_carry(path, backend, f"{where} tensors (map_location={map_location!r})")
-
-
-def _cannot_carry(path: str, backend: str, what: str) -> ValueError:
-    return ValueError(f"cannot load {path!r} with group=: the group's backend {backend!r} does not carry {what}; "
-                      "pass a gloo group (torch.distributed.new_group(backend='gloo')) or a map_location onto the "
-                      "devices the group's backend carries; nothing was loaded")
-
-
-# ---------------------------------------------------------------- host result: in place
-
-class _Exchange:
-    """The broadcasts of step 4 for a result in host memory (a backend that
-    carries CPU tensors), issued asynchronously and waited for together."""
-
-    def __init__(self, g: _Group):
-        self.g = g
-        self.works: List[Any] = []
-        self.after: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []  # (received, destinations) to copy out
-
-    def send(self, src: int, parts: List[torch.Tensor]) -> None:
-        """Broadcast from group rank `src` the concatenation of `parts` (uint8
-        views of the destinations, on every rank)."""
-        if len(parts) == 1:
-            buf = parts[0]  # in place, on every rank
-        elif self.g.rank == src:
-            buf = torch.cat(parts)
-        else:
-            buf = torch.empty(sum(p.numel() for p in parts), dtype=torch.uint8)
-            self.after.append((buf, parts))
-        self.works.append(self.g.dist.broadcast(buf, src=_global(self.g, src), group=self.g.group, async_op=True))
-
-    def wait(self) -> None:
-        try:
-            for w in self.works:
-                w.wait()
-        except Exception as e:
-            raise self.g.lost(e, "the exchange of the shares") from e
-        for buf, parts in self.after:
-            off = 0
-            for p in parts:
-                p.copy_(buf[off:off + p.numel()])
-                off += p.numel()
-
-
-def _global(g: _Group, r: int) -> int:
-    return g.dist.get_global_rank(g.group, r) if g.group is not None else r
-
-
-# ---------------------------------------------------------------- device result: staged
-
-class _Dest:
-    """Where this rank puts record `name`'s bytes: a uint8 view of its storage
-    and the storage's copier (None: host memory)."""
-    __slots__ = ("view", "copier")
-
-    def __init__(self, storage, copier):
-        self.view = _staging._bytes_view(storage)
-        self.copier = copier
-
-
-# The copier of host buffers for a rank whose result stays on the host in a
-# staged exchange (nothing to page-lock: no device copies from them).
-_HOST_COPIER = _staging.DeviceCopier()
-
-
 def _staged_records(flow: "_Load", map_location):
     """serialization._DeviceRecords whose finish() (called when torch's
     unpickling is done, the destinations known) is the collective exchange."""
@@ -368,8 +200,8 @@ def _staged_records(flow: "_Load", map_location):
         agreed = False  # this rank joined step 3's agreement
 
         def finish(self, verify):
-            dests = {j.name: _Dest(j.dst, j.copier) for j in self.jobs}
-            dests.update((n, _Dest(u, None)) for n, u in self.host_jobs)
+            dests = {j.name: xch.Dest(j.dst, j.copier) for j in self.jobs}
+            dests.update((n, xch.Dest(u, None)) for n, u in self.host_jobs)
             return flow.exchange_staged(dests, self)
 
     return Staged(flow.path, flow.archive, ser._Records(flow.path, flow.archive, -1, flow.verify), map_location)
@@ -394,8 +226,8 @@ class _Load:
         import torch.distributed as dist
         self.path, self.group, self.verify = path, group, verify
         self.g = _Group(group, path, action="load", outcome="nothing was loaded")
-        self.backend = _backend(dist, group)
-        self.backends = _backends(self.backend)
+        self.backend = xch.backend_name(dist, group)
+        self.backends = xch.backends_of(self.backend)
         self.archive: Any = None
         self.holders: List[int] = []
         self.names: List[str] = []
@@ -415,14 +247,14 @@ class _Load:
         self.chunk = min(m[3] for m in agreed)
         if not any(m[0] for m in agreed):
             if "cpu" not in self.backends:  # a host result everywhere: the ranks' own checks raised already
-                raise _cannot_carry(self.path, self.backend, "CPU tensors")
+                raise xch.cannot_carry(self.path, self.backend, "CPU tensors")
             return "host"
         if all(m[1] for m in agreed):
             return "device"
         if "cpu" in self.backends:
             return "staged"
         r = next(r for r, m in enumerate(agreed) if not m[1])
-        raise _cannot_carry(self.path, self.backend, f"the tensors of rank {r}'s result ({agreed[r][2]})")
+        raise xch.cannot_carry(self.path, self.backend, f"the tensors of rank {r}'s result ({agreed[r][2]})")
 
     def crcs(self, rounds) -> Dict[str, int]:
         """Each record's CRC-32, combined from its pieces' (gathered in `got`)."""
@@ -449,7 +281,7 @@ class _Load:
 
     def exchange_host(self, storages) -> Tuple[Optional[List[Any]], Optional[BaseException]]:
         rounds = self.rounds = _rounds(_pieces(self.archive, self.names, len(self.holders)))
-        ex = _Exchange(self.g)
+        ex = xch.HostExchange(self.g)
         crcs: Optional[List[Any]] = [] if self.k_mine >= 0 else None
         err = None
         for rnd in rounds:
@@ -464,12 +296,12 @@ class _Load:
                 size = 0
                 for n, off, ln in rnd[k]:
                     view = storages[n][off:off + ln]
-                    if ln >= _INPLACE_MIN:
+                    if ln >= xch._INPLACE_MIN:
                         ex.send(src, [view])
                         continue
                     batch.append(view)
                     size += ln
-                    if size >= _PACK_BYTES:
+                    if size >= xch._PACK_BYTES:
                         ex.send(src, batch)
                         batch, size = [], 0
                 if batch:
@@ -479,7 +311,7 @@ class _Load:
 
     # -- step 4, staged
 
-    def exchange_staged(self, dests: Dict[str, _Dest], records=None) -> List[str]:
+    def exchange_staged(self, dests: Dict[str, "xch.Dest"], records=None) -> List[str]:
         """Steps 3 (agreement) to 5 for a rank whose result is `dests`; returns
         the records that fail their CRC-32. `records`: the _DeviceRecords
         being finished (its ``agreed`` set once this rank joined the agreement)."""
@@ -488,158 +320,25 @@ class _Load:
         nonempty = [n for n in self.names if self.archive.records[n].size]
         ops = None
         if len(devices) == 1 and all(n in dests and dests[n].copier is not None for n in nonempty):
-            ops = device_ops(self.backends, *next(iter(devices)))
+            ops = xch.device_ops(self.backends, *next(iter(devices)))
         where = ", ".join(sorted({str(k) for _, k in devices} | ({"cpu"} if any(
             d.copier is None for d in dests.values()) else set()))) or "cpu"
         if records is not None:
             records.agreed = True
         transport = self.agree((True, ops is not None, where), None)
-        copier = next(iter(devices))[0] if devices else _HOST_COPIER
+        copier = next(iter(devices))[0] if devices else xch.HOST_COPIER
         crcs, err = self.run_staged(dests, copier, ops if transport == "device" else None)
         self.got = self.g.exchange(crcs, err, "to read its share")
         return self.checked(self.rounds)
 
-    def run_staged(self, dests: Dict[str, _Dest], copier, ops: Optional[DeviceOps]):
-        """Round by round: holders read into the ring, broadcasts of round j
-        run while round j+1 is read, then round j goes to the destinations."""
+    def run_staged(self, dests: Dict[str, "xch.Dest"], copier, ops: Optional["xch.DeviceOps"]):
+        """Step 4, staged: every rank cuts the same rounds (from the agreed
+        chunk), then the rounds run (xch.StagedRun)."""
         H = len(self.holders)
-        chunk = self.chunk
-        part = max(_CUT_ALIGN, min(chunk, max(_PART_MIN, chunk // H)) // _CUT_ALIGN * _CUT_ALIGN)
-        rounds = self.rounds = _staged_rounds(_pieces(self.archive, self.names, H), part)
-        per_buf = chunk // part  # regions per pool buffer
-        mine = self.k_mine
-        crcs: Optional[List[Any]] = [] if mine >= 0 else None
-        state = {"err": None}
-        ring = None
-        if ops is None:  # every rank receives into the ring
-            ring = _staging.RoundRing(copier, -(-H // per_buf), _DEPTH, chunk)
-        elif mine >= 0:  # only holders stage (their own part)
-            ring = _staging.RoundRing(copier, 1, _DEPTH, chunk)
-        where = str(copier.device_key(next(d.view for d in dests.values() if d.copier is copier and d.view.numel()))) \
-            if copier is not _HOST_COPIER else "cpu"
-        pending = None
-        done = False
-        try:
-            for rnd in rounds:
-                bufs = None
-                if ops is None or (mine >= 0 and rnd[mine]):
-                    bufs = ring.next(lambda e: self._fail(state, e, where))
-                region = self._region(bufs, mine, rnd, per_buf, part, ops) if mine >= 0 and rnd[mine] else None
-                if region is not None and state["err"] is None:
-                    try:
-                        crcs += self.reader.read_into([(n, off, region[at:at + ln], self.verify is not False)
-                                                       for n, off, ln, at in rnd[mine]])
-                    except Exception as e:
-                        state["err"] = e
-                if ops is None:
-                    regions = [self._region(bufs, k, rnd, per_buf, part, None) for k in range(H)]
-                    works = [self.g.dist.broadcast(regions[k], src=_global(self.g, src), group=self.g.group,
-                                                   async_op=True) for k, src in enumerate(self.holders) if rnd[k]]
-                    step = (works, lambda rnd=rnd, regions=regions, bufs=bufs:
-                            self._place(rnd, regions, bufs, per_buf, dests, state))
-                else:
-                    step = self._device_round(rnd, region, bufs, dests, ops, state)
-                if pending is not None:
-                    self._complete(pending)
-                pending = step
-            if pending is not None:
-                self._complete(pending)
-            done = True
-        finally:
-            if ring is not None:
-                try:
-                    ring.close()  # waits for the copies in flight
-                except Exception as e:
-                    if not done:
-                        log.warning("fastckpt: %s: after an error, a copy to %s failed too: %s", self.path, where, e)
-                    else:  # this rank's failure, said in the exchange after the broadcasts
-                        self._fail(state, e, where)
-        return crcs, state["err"]
-
-    @staticmethod
-    def _region(bufs, k: int, rnd, per_buf: int, part: int, ops) -> torch.Tensor:
-        """Holder k's region of this round in the ring's buffers (device
-        collectives: the holder's own part in its one buffer)."""
-        if ops is not None:
-            return bufs[0].hb.tensor[:_used(rnd[k])]
-        at = (k % per_buf) * part
-        return bufs[k // per_buf].hb.tensor[at:at + _used(rnd[k])]
-
-    def _complete(self, step) -> None:
-        works, then = step
-        try:
-            for w in works:
-                w.wait()
-        except Exception as e:
-            raise self.g.lost(e, "the exchange of the shares") from e
-        then()
-
-    def _fail(self, state, e: BaseException, where) -> None:
-        """The first failure of a copy on this rank: it still takes part in every broadcast."""
-        if state["err"] is None:
-            state["err"] = e if isinstance(e, OSError) else RuntimeError(
-                f"cannot load {self.path!r}: copying its bytes to {where} failed ({type(e).__name__}: {e}); "
-                "nothing was loaded")
-
-    def _place(self, rnd, regions, bufs, per_buf: int, dests: Dict[str, _Dest], state) -> None:
-        """Staged through host memory: round `rnd`, received, to the destinations."""
-        for k, part in enumerate(rnd):
-            for n, off, ln, at in part:
-                d = dests.get(n)
-                if d is None or state["err"] is not None:
-                    continue
-                src = regions[k][at:at + ln]
-                try:
-                    if d.copier is None:
-                        d.view[off:off + ln].copy_(src)
-                    else:
-                        bufs[k // per_buf].events.append(d.copier.to_device_async(d.view[off:off + ln], src))
-                except Exception as e:
-                    self._fail(state, e, d.copier.device_key(d.view) if d.copier is not None else "cpu")
-
-    def _device_round(self, rnd, region, bufs, dests: Dict[str, _Dest], ops: DeviceOps, state):
-        """Device collectives: the holder copies its part from the ring to its
-        own storages (and its small pieces to a packed device buffer); large
-        pieces are broadcast in place, the packed ones copied out after."""
-        works: List[Any] = []
-        out: List[Tuple[torch.Tensor, List[Tuple[torch.Tensor, int]]]] = []
-        for k, part in enumerate(rnd):
-            mine = k == self.k_mine
-            packed, size = [], 0
-            for n, off, ln, at in part:
-                if ln < _INPLACE_MIN:
-                    size = -(-size // _staging.PACK_ALIGN) * _staging.PACK_ALIGN
-                    packed.append((n, off, ln, at, size))
-                    size += ln
-            pack = ops.empty(size) if packed else None
-            if mine and state["err"] is None:
-                try:
-                    for n, off, ln, at in part:
-                        d = dests[n]
-                        bufs[0].events.append(d.copier.to_device_async(d.view[off:off + ln], region[at:at + ln]))
-                    for n, off, ln, at, p in packed:
-                        bufs[0].events.append(dests[n].copier.to_device_async(pack[p:p + ln], region[at:at + ln]))
-                except Exception as e:
-                    self._fail(state, e, dests[part[0][0]].copier.device_key(dests[part[0][0]].view))
-            src = _global(self.g, self.holders[k])
-            for n, off, ln, at in part:
-                if ln >= _INPLACE_MIN:
-                    works.append(ops.broadcast(dests[n].view[off:off + ln], src, self.g.group))
-            if pack is not None:
-                works.append(ops.broadcast(pack, src, self.g.group))
-                if not mine:
-                    out.append((pack, [(dests[n].view[off:off + ln], p) for n, off, ln, _, p in packed]))
-
-        def copy_out():
-            if state["err"] is not None:
-                return
-            try:
-                for pack, targets in out:
-                    for view, p in targets:
-                        ops.copy(view, pack[p:p + view.numel()])
-            except Exception as e:
-                self._fail(state, e, "the device")
-        return works, copy_out
+        part = max(_CUT_ALIGN, min(self.chunk, max(_PART_MIN, self.chunk // H)) // _CUT_ALIGN * _CUT_ALIGN)
+        self.rounds = _staged_rounds(_pieces(self.archive, self.names, H), part)
+        return xch.StagedRun(self.g, self.path, self.holders, self.k_mine, self.reader, self.verify, self.rounds,
+                             part, self.chunk).run(dests, copier, ops)
 
 
 def load(f, group, map_location, weights_only: bool, pickle_module, verify: Optional[bool],
@@ -652,7 +351,7 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
     g = flow.g
     with contextlib.ExitStack() as stack:
         # 0-1. what the backend carries; open, parse, read the small records; agree on the file.
-        err: Optional[BaseException] = _unfit(path, flow.backend, flow.backends, map_location)
+        err: Optional[BaseException] = xch.unfit(path, flow.backend, flow.backends, map_location)
         archive, small, fd, mine = None, None, -1, None
         if err is None:
             try:
@@ -699,7 +398,7 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
         if len(holders) < g.world:
             box = [archive, small] if g.rank == holders[0] else [None, None]
             try:
-                g.dist.broadcast_object_list(box, src=_global(g, holders[0]), group=group)
+                g.dist.broadcast_object_list(box, src=xch.global_rank(g, holders[0]), group=group)
             except Exception as e:
                 raise g.lost(e, "the broadcast of the file's directory") from e
             archive, small = box
@@ -727,7 +426,7 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
         err = None
         try:
             if "cpu" not in flow.backends:
-                raise _cannot_carry(path, flow.backend, "CPU tensors (the result's storages stay on the host)")
+                raise xch.cannot_carry(path, flow.backend, "CPU tensors (the result's storages stay on the host)")
             storages.claim(flow.names)
             for n in flow.names:
                 storages[n] = ser._host_storage(archive.records[n].size)
@@ -736,7 +435,7 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
         if flow.agree((False, False, "cpu"), err) == "host":
             crcs, err = flow.exchange_host(storages)
         else:  # another rank's result is on a device: staged, into these storages
-            crcs, err = flow.run_staged({n: _Dest(storages[n], None) for n in flow.names}, _HOST_COPIER, None)
+            crcs, err = flow.run_staged({n: xch.Dest(storages[n], None) for n in flow.names}, xch.HOST_COPIER, None)
         flow.got = g.exchange(crcs, err, "to read its share")
         stack.close()  # the file: later reads (records torch asks for late) open it again
         storages.fd = -1

@@ -78,7 +78,7 @@ def sim_setup(mode: str, rank: int, log):
     import torch.distributed as dist
 
     import sim_device
-    from fastckpt import _collective_load
+    from fastckpt import _collective_exchange
 
     class FailingSim(sim_device.SimDevice):
         def to_device_async(self, dst, src):
@@ -107,7 +107,7 @@ def sim_setup(mode: str, rank: int, log):
     sim.to_device_async = counted
     sim.moved = moved
 
-    class SimOps(_collective_load.DeviceOps):
+    class SimOps(_collective_exchange.DeviceOps):
         """Carries sim tensors: gloo's broadcast of their memory, after every
         copy already issued to the device landed (as NCCL's stream waits for
         the current stream, which waits for the copier's events)."""
@@ -135,9 +135,9 @@ def sim_setup(mode: str, rank: int, log):
             return torch.empty(0, dtype=torch.uint8).set_(sim.empty_device(nbytes, f"sim:{self.index}"))
 
     if mode.startswith("sim_nccl"):
-        _collective_load.device_ops = lambda backends, copier, device: SimOps(device) if copier is sim else None
+        _collective_exchange.device_ops = lambda backends, copier, device: SimOps(device) if copier is sim else None
     if mode.startswith("sim_nccl"):
-        _collective_load._backend = lambda dist, group: "nccl"
+        _collective_exchange.backend_name = lambda dist, group: "nccl"
     # The order of this rank's reads of its share and waits for broadcasts.
     broadcast = dist.broadcast
 
@@ -254,8 +254,8 @@ def main() -> int:
         serialization._Records.read_into = reading
         sim, ml = sim_setup(mode, rank, log) if mode in SIM_MODES else (None, "cpu")
         if mode.startswith("nccl_"):  # the group's backend reported as NCCL's (the collectives still gloo's)
-            from fastckpt import _collective_load
-            _collective_load._backend = lambda dist, group: "nccl"
+            from fastckpt import _collective_exchange
+            _collective_exchange.backend_name = lambda dist, group: "nccl"
     exchange = _collective._Group.exchange
 
     def dying(self, mine, err, what):

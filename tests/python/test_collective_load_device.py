@@ -1,5 +1,6 @@
 """fastckpt.load(path, group=pg, map_location=<device>): the collective load
-onto devices, through the staging pipeline (fastckpt/_collective_load.py).
+onto devices, through the staging pipeline (fastckpt/_collective_load.py,
+fastckpt/_collective_exchange.py).
 
 No GPU and no NCCL here: every rank (a subprocess,
 tests/python/collective_load_worker.py, on a gloo group) loads onto the
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import fastckpt
-from fastckpt import _collective_load, _staging, _zip
+from fastckpt import _collective_exchange, _collective_load, _zip
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -95,7 +96,7 @@ def test_collective_load_onto_the_device_equals_a_plain_load(tmp_path, files, wo
         assert s["chunk"] == CHUNK and s["violations"] == [], s
         assert s["host_storage"] == 0, s  # no host storage made: the result went to the device
         # Host memory: the ring (_DEPTH rounds of one pool chunk here: world <= 4), not the state.
-        assert 0 < s["peak_locked"] <= _collective_load._DEPTH * CHUNK, s
+        assert 0 < s["peak_locked"] <= _collective_exchange._DEPTH * CHUNK, s
         if case == "large":
             assert s["peak_locked"] * 4 < total, (s, total)
         if mode == "sim":
@@ -131,7 +132,7 @@ def test_ranks_with_different_pool_chunks_cut_the_same_rounds(tmp_path, files, m
                      rank_env=lambda r: {"FASTCKPT_BUFFER_SIZE": "2M" if r == 1 else "1M"})
     assert_all_ok(res)
     for _, text in res:
-        assert stats(text)["peak_locked"] <= _collective_load._DEPTH * CHUNK, text
+        assert stats(text)["peak_locked"] <= _collective_exchange._DEPTH * CHUNK, text
 
 
 def test_a_rank_whose_result_stays_on_the_host_joins_a_staged_load(tmp_path, files):
@@ -196,9 +197,9 @@ def test_staged_rounds_cover_the_shares_within_each_region():
 
 
 def test_backends_of_a_group():
-    assert "cpu" in _collective_load._backends("gloo")
-    assert _collective_load._backends("nccl") == {"cuda": "nccl"}
-    assert _collective_load._backends("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
+    assert "cpu" in _collective_exchange.backends_of("gloo")
+    assert _collective_exchange.backends_of("nccl") == {"cuda": "nccl"}
+    assert _collective_exchange.backends_of("cpu:gloo,cuda:nccl") == {"cpu": "gloo", "cuda": "nccl"}
 
 
 # ---------------------------------------------------------------- real CUDA (benchmarks/gpu_check.sh)
