@@ -171,8 +171,8 @@ def global_rank(g: _Group, r: int) -> int:
 # ---------------------------------------------------------------- device result: staged
 
 class Dest:
-    """Where this rank puts record `name`'s bytes: a uint8 view of its storage
-    and the storage's copier (None: host memory)."""
+    """Where this rank puts a record's bytes: a uint8 view of the result's
+    storage and the storage's copier (None: host memory)."""
     __slots__ = ("view", "copier")
 
     def __init__(self, storage, copier):
@@ -184,8 +184,6 @@ class Dest:
 # staged exchange (nothing to page-lock: no device copies from them).
 HOST_COPIER = _staging.DeviceCopier()
 
-
-# ---------------------------------------------------------------- device result: staged
 
 def _used(part: List[Tuple[str, int, int, int]]) -> int:
     """Bytes of a part's region (up to its last piece's end)."""
