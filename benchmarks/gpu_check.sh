@@ -38,6 +38,16 @@ timeout "$(( $(left) / 2 ))" $PY -m pytest -q -rs -p no:cacheprovider tests/pyth
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== CUDA tests done after $(( $(date +%s) - t0 )) s (rc=$rc)"
 
+# Collective load onto the GPU (fastckpt.load(path, group=pg, map_location="cuda:0")): NCCL device
+# collectives at world size 1 (NCCL refuses two ranks on one GPU) and gloo staged through host memory
+# at world size 2, each against a plain load (STATS: peak host RSS per rank), with the simulated-device
+# tests of the same file. What only this machine checks: real NCCL broadcasts into CUDA storages,
+# their stream order, page-locked ring buffers and the copy streams.
+timeout "$(( $(left) / 3 ))" $PY -m pytest -q -rs -s -p no:cacheprovider tests/python/test_collective_load_device.py \
+  2>&1 | tee "$OUT/gpu_collective_load.log" | grep -E "STATS|passed|failed|skipped|Error" | tail -12
+[ "${PIPESTATUS[0]}" = 0 ] || rc=1
+echo "== collective load checks done after $(( $(date +%s) - t0 )) s (rc=$rc)"
+
 timeout "$(( $(left) - 5 ))" $PY benchmarks/bench_gpu.py --dir "$DIR" --size "$SIZE" --reps 1 2>&1 | tee "$OUT/gpu_bench.log"
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== gpu_check finished after $(( $(date +%s) - t0 )) s (rc=$rc)"

@@ -8,6 +8,10 @@ node-local copy, see ``save(..., placement="node")``) reads nothing and gets
 every byte from its peers.
 
 Flow (each step a collective over ``pg``, so a failure anywhere reaches every rank):
+0. the group's backend (``torch.distributed.get_backend``) says which tensors
+   it carries; a map_location (string or torch.device) it cannot carry is an
+   error before the file is opened (reported in step 1's exchange, so every
+   rank raises).
 1. every rank opens ``path``, parses the zip directory and reads the small
    records (data.pkl and the few others torch reads); all_gather of (error,
    whether it has the file, a digest of its records table and small records).
@@ -15,46 +19,62 @@ Flow (each step a collective over ``pg``, so a failure anywhere reaches every ra
    ValueError everywhere (no mix of two checkpoints).
 2. if some rank lacks the file, the first holder broadcasts the parsed
    directory and the small records to all.
-3. every rank allocates the result's storages; all_gather of errors.
+3. every rank decides where the result's storages go. Host result (no
+   device map_location): it allocates them in host memory. Device result: it
+   unpickles now (as ``fastckpt.load`` onto a device does) and gets empty
+   device storages (serialization._DeviceRecords). all_gather of (error,
+   host/device, whether the backend carries every destination): the
+   transport, the same on every rank, or an error on every rank.
 4. the storage records' bytes, in file order, are cut into R contiguous shares
    balanced by bytes (cuts on 4 KiB inside a record, so that O_DIRECT reads
-   stay aligned), each share into rounds of about _ROUND_BYTES. Round by
-   round, every holder reads its part straight into the result's storages
-   with the engine (the CRC-32 of each piece computed while reading), then
-   every holder's part of the round is broadcast asynchronously, overlapping
-   the next round's reads: a piece of _INPLACE_MIN bytes or more in place (the
-   receivers' storages are its destination), smaller ones packed into one
-   buffer per _PACK_BYTES. After the last broadcast: all_gather of (error |
-   the pieces' CRC-32s).
+   stay aligned), each share into rounds. Round by round, every holder reads
+   its part of the round with the engine (the CRC-32 of each piece computed
+   while reading), then every holder's part is broadcast asynchronously; the
+   next round is read while they run. A holder whose read failed still takes
+   part in every broadcast (its bytes are then garbage) and says so in the
+   exchange after them: all_gather of (error | the pieces' CRC-32s).
+   The transports (fastckpt/_collective_exchange.py):
+   * host (every rank's result on the host; needs a backend that carries CPU
+     tensors): straight into the result's storages, a piece of 1 MiB or more
+     broadcast in place, smaller ones packed (HostExchange).
+   * staged through host memory (some rank's result on a device, and a
+     backend that carries CPU tensors, e.g. gloo): every rank receives each
+     round into host buffers of the staging pool (_staging.RoundRing, a
+     region per holder) and copies the pieces to its device storages through
+     the device's copier (copy stream, events), while the next round is read
+     and broadcast. Host memory: the ring (a few pool chunks), not the state.
+   * device collectives (every rank's storages on one device the backend
+     carries, e.g. NCCL and CUDA): each holder reads its part into the ring,
+     copies it to its own device storages through the copier, and the large
+     pieces are broadcast device-to-device straight into every rank's device
+     storages; small ones go packed in a device buffer and are copied out on
+     the device. Only holders use host memory (the ring).
 5. every rank combines the pieces' CRCs into each record's (the same verdict on
    every rank: a damaged record is a FormatError naming the tensor everywhere),
-   then unpickles locally as ``fastckpt.load`` does (weights-only rules,
-   map_location).
-
-Transport: a group whose backend handles CPU tensors (gloo, or a default group
-with "cpu:gloo,cuda:nccl") exchanges host memory; a CUDA-only backend (nccl)
-exchanges through a device buffer of the current CUDA device (a copy in and
-out per piece).
+   then (host result) unpickles locally as ``fastckpt.load`` does
+   (weights-only rules, map_location).
 """
 
 import contextlib
 import hashlib
 import os
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _C, _paths, _zip
+from . import _C, _collective_exchange as xch, _paths, _staging, _zip
 from ._collective import _Group, cut_runs
 
-# A piece of at least this many bytes is broadcast in place; smaller ones are
-# packed into buffers of about _PACK_BYTES (one collective each).
-_INPLACE_MIN = 1 << 20
-_PACK_BYTES = 16 << 20
 _CUT_ALIGN = 4096
 # Each holder reads its share in rounds of about this many bytes; a round's
 # broadcasts run (gloo's threads) while the next round is read.
 _ROUND_BYTES = 32 << 20
+# Staged (device result): a round is about one pool chunk in all, every
+# holder's part at least _PART_MIN bytes (or the chunk). Pieces of _BIG_PIECE
+# bytes or more start on 4 KiB in their region.
+_PART_MIN = 1 << 20
+_BIG_PIECE = 64 << 10
 
 
 def _identity(archive: "_zip.Archive", small: Dict[str, bytes]) -> bytes:
@@ -105,6 +125,12 @@ def _pieces(archive: "_zip.Archive", names: List[str], readers: int) -> List[Lis
     return cut_runs(list(zip(names, sizes)), bounds)
 
 
+def _by_round(per: List[List[List[Any]]]) -> List[List[List[Any]]]:
+    """Per holder its runs -> rounds[j][k] (empty where holder k has no run j)."""
+    count = max((len(r) for r in per), default=0)
+    return [[per[k][j] if j < len(per[k]) else [] for k in range(len(per))] for j in range(count)]
+
+
 def _rounds(shares: List[List[Tuple[str, int, int]]], round_bytes: int = _ROUND_BYTES
             ) -> List[List[List[Tuple[str, int, int]]]]:
     """rounds[j][k]: the pieces holder k reads and broadcasts in round j: its
@@ -129,56 +155,190 @@ def _rounds(shares: List[List[Tuple[str, int, int]]], round_bytes: int = _ROUND_
         if cur:
             runs.append(cur)
         per.append(runs)
-    count = max((len(r) for r in per), default=0)
-    return [[per[k][j] if j < len(per[k]) else [] for k in range(len(shares))] for j in range(count)]
+    return _by_round(per)
 
 
-def _transport_device(dist, group) -> Optional[torch.device]:
-    """None: the group's backend exchanges CPU tensors; else the CUDA device to
-    exchange through (a CUDA-only backend)."""
-    backend = str(dist.get_backend(group)).lower()
-    if "gloo" in backend or "mpi" in backend or "ucc" in backend:
-        return None
-    if not torch.cuda.is_available():
-        raise ValueError(f"fastckpt.load(..., group=...): the group's backend {backend!r} exchanges neither CPU "
-                         "tensors nor, on this process, CUDA tensors; use a gloo group")
-    return torch.device("cuda", torch.cuda.current_device())
+def _staged_rounds(shares: List[List[Tuple[str, int, int]]], part: int) -> List[List[List[Tuple[str, int, int, int]]]]:
+    """As :func:`_rounds` for the staged transports: rounds[j][k] is holder
+    k's part of round j, [(record, offset in the record, length, at)], `at`
+    the piece's place in the part's host region (64-byte aligned, 4 KiB for
+    pieces of _BIG_PIECE bytes or more); every region ends within `part`
+    bytes (a multiple of 4 KiB), a piece cut where a region is full, on a
+    4 KiB multiple of its offset."""
+    per: List[List[List[Tuple[str, int, int, int]]]] = []
+    for share in shares:
+        runs: List[List[Tuple[str, int, int, int]]] = []
+        cur: List[Tuple[str, int, int, int]] = []
+        used = 0
+        for n, off, ln in share:
+            while ln > 0:
+                a = _staging.ALIGN if ln >= _BIG_PIECE else _staging.PACK_ALIGN
+                at = -(-used // a) * a
+                room = part - at
+                take = ln if ln <= room else max(room, 0) // _CUT_ALIGN * _CUT_ALIGN
+                if take == 0:  # the region is full (it holds something: an empty one has `part` bytes of room)
+                    runs.append(cur)
+                    cur, used = [], 0
+                    continue
+                cur.append((n, off, take, at))
+                used, off, ln = at + take, off + take, ln - take
+                if used >= part:
+                    runs.append(cur)
+                    cur, used = [], 0
+        if cur:
+            runs.append(cur)
+        per.append(runs)
+    return _by_round(per)
 
 
-class _Exchange:
-    """The broadcasts of step 4, issued asynchronously and waited for together."""
+def _staged_records(flow: "_Load", map_location):
+    """serialization._DeviceRecords whose finish() (called when torch's
+    unpickling is done, the destinations known) is the collective exchange."""
+    from . import serialization as ser
 
-    def __init__(self, g: _Group, device: Optional[torch.device]):
-        self.g, self.device = g, device
-        self.works: List[Any] = []
-        self.after: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []  # (received, destinations) to copy out
+    class Staged(ser._DeviceRecords):
+        agreed = False  # this rank joined step 3's agreement
 
-    def send(self, src: int, parts: List[torch.Tensor]) -> None:
-        """Broadcast from group rank `src` the concatenation of `parts` (uint8
-        views of the destinations, on every rank)."""
-        mine = self.g.rank == src
-        if self.device is None and len(parts) == 1:
-            buf = parts[0]  # in place, on every rank
-        elif mine:
-            buf = (torch.cat(parts) if len(parts) > 1 else parts[0]).to(self.device or "cpu")
-        else:
-            buf = torch.empty(sum(p.numel() for p in parts), dtype=torch.uint8, device=self.device or "cpu")
-            self.after.append((buf, parts))
-        src_global = self.g.dist.get_global_rank(self.g.group, src) if self.g.group is not None else src
-        self.works.append(self.g.dist.broadcast(buf, src=src_global, group=self.g.group, async_op=True))
+        def finish(self, verify):
+            dests = {j.name: xch.Dest(j.dst, j.copier) for j in self.jobs}
+            dests.update((n, xch.Dest(u, None)) for n, u in self.host_jobs)
+            return flow.exchange_staged(dests, self)
 
-    def wait(self) -> None:
-        try:
-            for w in self.works:
-                w.wait()
-        except Exception as e:
-            raise self.g.lost(e, "the exchange of the shares") from e
-        for buf, parts in self.after:
-            buf = buf.cpu()
-            off = 0
-            for p in parts:
-                p.copy_(buf[off:off + p.numel()])
-                off += p.numel()
+    return Staged(flow.path, flow.archive, ser._Records(flow.path, flow.archive, -1, flow.verify), map_location)
+
+
+def _device_bound(map_location, small: Dict[str, bytes]) -> bool:
+    """Whether this rank's result goes (in part) to a device the staging
+    knows, as fastckpt.load decides it (the byte order this machine's)."""
+    from . import serialization as ser
+    if small.get("byteorder", sys.byteorder.encode()).decode("ascii", "replace") != sys.byteorder:
+        return False
+    if map_location is None:
+        tags = {m.group(1).decode("ascii") for m in ser._LOCATION_TAG.finditer(small.get("data.pkl", b""))}
+        return any(_staging.copier_for_location(t) is not None for t in tags)
+    return ser._moves_off_cpu(map_location)
+
+
+class _Load:
+    """One collective load (see the module's docstring)."""
+
+    def __init__(self, path: str, group, verify: Optional[bool]):
+        import torch.distributed as dist
+        self.path, self.group, self.verify = path, group, verify
+        self.g = _Group(group, path, action="load", outcome="nothing was loaded")
+        self.backend = xch.backend_name(dist, group)
+        self.backends = xch.backends_of(self.backend)
+        self.archive: Any = None
+        self.holders: List[int] = []
+        self.names: List[str] = []
+        self.reader: Any = None  # a serialization._Records on the open file (holders)
+        self.k_mine = -1
+        self.rounds: List[List[List[Any]]] = []
+        self.got: List[Any] = []
+        self.chunk = 0  # the staged rounds' pool chunk, agreed
+
+    # -- step 3's agreement and step 5's CRCs
+
+    def agree(self, mine: Tuple[bool, bool, str], err: Optional[BaseException]) -> str:
+        """all_gather of (error, (device result, device collectives fit, where,
+        pool chunk)); returns the transport: "host", "staged" or "device", and
+        sets the staged rounds' chunk (the smallest rank's: the same rounds everywhere)."""
+        agreed = self.g.exchange(mine + (_staging.default_chunk(),), err, "to allocate the result's storages")
+        self.chunk = min(m[3] for m in agreed)
+        if not any(m[0] for m in agreed):
+            if "cpu" not in self.backends:  # a host result everywhere: the ranks' own checks raised already
+                raise xch.cannot_carry(self.path, self.backend, "CPU tensors")
+            return "host"
+        if all(m[1] for m in agreed):
+            return "device"
+        if "cpu" in self.backends:
+            return "staged"
+        r = next(r for r, m in enumerate(agreed) if not m[1])
+        raise xch.cannot_carry(self.path, self.backend, f"the tensors of rank {r}'s result ({agreed[r][2]})")
+
+    def crcs(self, rounds) -> Dict[str, int]:
+        """Each record's CRC-32, combined from its pieces' (gathered in `got`)."""
+        out: Dict[str, int] = {}
+        for k, src in enumerate(self.holders):
+            for p, c in zip([p for rnd in rounds for p in rnd[k]], self.got[src]):
+                n, off, ln = p[0], p[1], p[2]
+                out[n] = _C.crc32_combine(out.get(n, 0), c or 0, ln) if off else (c or 0)
+        for n in self.names:
+            if self.archive.records[n].size == 0:
+                out[n] = 0
+        return out
+
+    def checked(self, rounds) -> List[str]:
+        """The records whose CRC-32 fails (serialization._check_storages' verdict)."""
+        from . import serialization as ser
+        chk = ser._Records(self.path, self.archive, -1, self.verify)
+        chk.update(dict.fromkeys(self.names))
+        if self.verify is not False:
+            chk.crcs = self.crcs(rounds)
+        return ser._check_storages(self.path, self.archive, chk, self.verify)
+
+    # -- step 4, host result
+
+    def exchange_host(self, storages) -> Tuple[Optional[List[Any]], Optional[BaseException]]:
+        rounds = self.rounds = _rounds(_pieces(self.archive, self.names, len(self.holders)))
+        ex = xch.HostExchange(self.g)
+        crcs: Optional[List[Any]] = [] if self.k_mine >= 0 else None
+        err = None
+        for rnd in rounds:
+            if self.k_mine >= 0 and err is None and rnd[self.k_mine]:
+                try:
+                    crcs += self.reader.read_into([(n, off, storages[n][off:off + ln], self.verify is not False)
+                                                   for n, off, ln in rnd[self.k_mine]])
+                except Exception as e:
+                    err = e
+            for k, src in enumerate(self.holders):
+                batch: List[torch.Tensor] = []
+                size = 0
+                for n, off, ln in rnd[k]:
+                    view = storages[n][off:off + ln]
+                    if ln >= xch._INPLACE_MIN:
+                        ex.send(src, [view])
+                        continue
+                    batch.append(view)
+                    size += ln
+                    if size >= xch._PACK_BYTES:
+                        ex.send(src, batch)
+                        batch, size = [], 0
+                if batch:
+                    ex.send(src, batch)
+        ex.wait()
+        return crcs, err
+
+    # -- step 4, staged
+
+    def exchange_staged(self, dests: Dict[str, "xch.Dest"], records=None) -> List[str]:
+        """Steps 3 (agreement) to 5 for a rank whose result is `dests`; returns
+        the records that fail their CRC-32. `records`: the _DeviceRecords
+        being finished (its ``agreed`` set once this rank joined the agreement)."""
+        devices = {(d.copier, d.copier.device_key(d.view)) for n, d in dests.items()
+                   if d.copier is not None and d.view.numel()}
+        nonempty = [n for n in self.names if self.archive.records[n].size]
+        ops = None
+        if len(devices) == 1 and all(n in dests and dests[n].copier is not None for n in nonempty):
+            ops = xch.device_ops(self.backends, *next(iter(devices)))
+        where = ", ".join(sorted({str(k) for _, k in devices} | ({"cpu"} if any(
+            d.copier is None for d in dests.values()) else set()))) or "cpu"
+        if records is not None:
+            records.agreed = True
+        transport = self.agree((True, ops is not None, where), None)
+        copier = next(iter(devices))[0] if devices else xch.HOST_COPIER
+        crcs, err = self.run_staged(dests, copier, ops if transport == "device" else None)
+        self.got = self.g.exchange(crcs, err, "to read its share")
+        return self.checked(self.rounds)
+
+    def run_staged(self, dests: Dict[str, "xch.Dest"], copier, ops: Optional["xch.DeviceOps"]):
+        """Step 4, staged: every rank cuts the same rounds (from the agreed
+        chunk), then the rounds run (xch.StagedRun)."""
+        H = len(self.holders)
+        part = max(_CUT_ALIGN, min(self.chunk, max(_PART_MIN, self.chunk // H)) // _CUT_ALIGN * _CUT_ALIGN)
+        self.rounds = _staged_rounds(_pieces(self.archive, self.names, H), part)
+        return xch.StagedRun(self.g, self.path, self.holders, self.k_mine, self.reader, self.verify, self.rounds,
+                             part, self.chunk).run(dests, copier, ops)
 
 
 def load(f, group, map_location, weights_only: bool, pickle_module, verify: Optional[bool],
@@ -187,31 +347,33 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
     from . import serialization as ser
 
     path = os.fsdecode(os.fspath(f))
-    g = _Group(group, path, action="load", outcome="nothing was loaded")
+    flow = _Load(path, group, verify)
+    g = flow.g
     with contextlib.ExitStack() as stack:
-        # 1. open, parse, read the small records; agree on the file.
-        err: Optional[BaseException] = None
+        # 0-1. what the backend carries; open, parse, read the small records; agree on the file.
+        err: Optional[BaseException] = xch.unfit(path, flow.backend, flow.backends, map_location)
         archive, small, fd, mine = None, None, -1, None
-        try:
+        if err is None:
             try:
-                fh = stack.enter_context(_paths.open_for_reading(path))
-            except FileNotFoundError as e:
-                err = e
-                mine = (False, None, False)
-            else:
-                fd = fh.fileno()
-                head = fh.read(32)
-                fh.seek(0)
-                if ser._is_legacy(head):
-                    mine = (True, b"legacy", True)
+                try:
+                    fh = stack.enter_context(_paths.open_for_reading(path))
+                except FileNotFoundError as e:
+                    err = e
+                    mine = (False, None, False)
                 else:
-                    archive = ser._parse_checkpoint(path, fh)
-                    recs = archive.records
-                    small = ser._Records(path, archive, fd, True).read(
-                        [n for n in ser._SMALL_RECORDS if n in recs], [])
-                    mine = (True, _identity(archive, small), False)
-        except Exception as e:
-            err, mine = e, None
+                    fd = fh.fileno()
+                    head = fh.read(32)
+                    fh.seek(0)
+                    if ser._is_legacy(head):
+                        mine = (True, b"legacy", True)
+                    else:
+                        archive = ser._parse_checkpoint(path, fh)
+                        recs = archive.records
+                        small = ser._Records(path, archive, fd, True).read(
+                            [n for n in ser._SMALL_RECORDS if n in recs], [])
+                        mine = (True, _identity(archive, small), False)
+            except Exception as e:
+                err, mine = e, None
         missing = err if isinstance(err, FileNotFoundError) else None
         agreed = g.exchange(mine, None if missing is not None else err, "to open and parse the file")
         holders = [r for r, m in enumerate(agreed) if m[0]]
@@ -235,71 +397,50 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
         # 2. ranks without the file get the directory and the small records.
         if len(holders) < g.world:
             box = [archive, small] if g.rank == holders[0] else [None, None]
-            src = g.dist.get_global_rank(group, holders[0]) if group is not None else holders[0]
             try:
-                g.dist.broadcast_object_list(box, src=src, group=group)
+                g.dist.broadcast_object_list(box, src=xch.global_rank(g, holders[0]), group=group)
             except Exception as e:
                 raise g.lost(e, "the broadcast of the file's directory") from e
             archive, small = box
 
-        # 3. every rank makes the result's storages (and learns how to exchange).
-        names = _storage_records(archive)
-        rounds = _rounds(_pieces(archive, names, len(holders)))
+        flow.archive, flow.holders = archive, holders
+        flow.names = _storage_records(archive)
+        flow.k_mine = holders.index(g.rank) if g.rank in holders else -1
+        flow.reader = ser._Records(path, archive, fd, verify)
+
+        # 3-5 for a result on a device: unpickle now (device storages made
+        # empty), the exchange when torch's unpickling is done (finish).
+        if _device_bound(map_location, small):
+            records = _staged_records(flow, map_location)
+            try:
+                return ser._load_read(path, small, archive, records, [], map_location, weights_only, pickle_module,
+                                      verify, pickle_load_args)
+            except Exception as e:
+                if not records.agreed:  # failed before the agreement: the others learn it there
+                    records.agreed = True
+                    flow.agree((True, False, ""), e)
+                raise
+
+        # 3. a result in host memory: every rank makes the result's storages.
         storages = ser._Records(path, archive, fd, verify)
-        err, device = None, None
+        err = None
         try:
-            storages.claim(names)
-            for n in names:
+            if "cpu" not in flow.backends:
+                raise xch.cannot_carry(path, flow.backend, "CPU tensors (the result's storages stay on the host)")
+            storages.claim(flow.names)
+            for n in flow.names:
                 storages[n] = ser._host_storage(archive.records[n].size)
-            device = _transport_device(g.dist, group)
         except Exception as e:
             err = e
-        g.exchange(None, err, "to allocate the result's storages")
-
-        # 4. round by round, every holder reads its part of the round (the
-        # engine, straight into the storages, a CRC-32 per piece) and then the
-        # round's pieces of every holder are broadcast, asynchronously: the
-        # next round's reads overlap them. A holder whose read failed still
-        # takes part in every broadcast (its bytes are then garbage) and says
-        # so in the exchange after them, where every rank raises.
-        ex = _Exchange(g, device)
-        k_mine = holders.index(g.rank) if g.rank in holders else -1
-        crcs: Optional[List[Any]] = [] if k_mine >= 0 else None
-        for rnd in rounds:
-            if k_mine >= 0 and err is None and rnd[k_mine]:
-                try:
-                    crcs += storages.read_into([(n, off, storages[n][off:off + ln], verify is not False)
-                                                for n, off, ln in rnd[k_mine]])
-                except Exception as e:
-                    err = e
-            for k, src in enumerate(holders):
-                batch: List[torch.Tensor] = []
-                size = 0
-                for n, off, ln in rnd[k]:
-                    view = storages[n][off:off + ln]
-                    if ln >= _INPLACE_MIN:
-                        ex.send(src, [view])
-                        continue
-                    batch.append(view)
-                    size += ln
-                    if size >= _PACK_BYTES:
-                        ex.send(src, batch)
-                        batch, size = [], 0
-                if batch:
-                    ex.send(src, batch)
-        ex.wait()
-        got = g.exchange(crcs, err, "to read its share")
+        if flow.agree((False, False, "cpu"), err) == "host":
+            crcs, err = flow.exchange_host(storages)
+        else:  # another rank's result is on a device: staged, into these storages
+            crcs, err = flow.run_staged({n: xch.Dest(storages[n], None) for n in flow.names}, xch.HOST_COPIER, None)
+        flow.got = g.exchange(crcs, err, "to read its share")
         stack.close()  # the file: later reads (records torch asks for late) open it again
         storages.fd = -1
-
-    # 5. each record's CRC-32 from its pieces', then unpickle as a local load.
-    if verify is not False:
-        for k, src in enumerate(holders):
-            for (n, off, ln), c in zip([p for rnd in rounds for p in rnd[k]], got[src]):
-                storages.crcs[n] = _C.crc32_combine(storages.crcs[n], c or 0, ln) if off else (c or 0)
-        for n in names:
-            if archive.records[n].size == 0:
-                storages.crcs[n] = 0
-    bad = ser._check_storages(path, archive, storages, verify)
+        if verify is not False:
+            storages.crcs.update(flow.crcs(flow.rounds))
+        bad = ser._check_storages(path, archive, storages, verify)
     return ser._load_read(path, small, archive, storages, bad, map_location, weights_only, pickle_module,
                           verify, pickle_load_args)

@@ -631,3 +631,70 @@ def load_into_device(read: Callable[[List[Tuple[torch.Tensor, int]], bool], Opti
             for ev in b.events:
                 ev.synchronize()
             b.pool.release(b.hb)
+
+
+# ---------------------------------------------------------------- round by round (the collective load)
+
+class RoundRing:
+    """Host staging for a pipeline that goes round by round (the collective
+    load onto devices): ``depth`` slots of ``nbuf`` buffers each, from one
+    :class:`HostPool` of `copier` (page-locked once, reused across loads).
+    :meth:`next` hands out the slot for the next round; a slot comes back
+    round after round, each time only after every copy issued from it (the
+    events its buffers carry) has completed and the copier found it idle.
+    Host memory: ``depth * nbuf * chunk`` bytes, whatever the checkpoint's
+    size. :meth:`close` (also on error) waits for copies in flight and gives
+    every buffer back."""
+
+    def __init__(self, copier: DeviceCopier, nbuf: int, depth: int, chunk: Optional[int] = None):
+        self.depth, self.nbuf = depth, nbuf
+        self.pool = pool_for(copier, chunk, count=depth * nbuf)
+        self.chunk = self.pool.chunk
+        self._slots: List[List[_Buf]] = []
+        self._n = 0
+
+    def next(self, on_error: Optional[Callable[[BaseException], None]] = None) -> List[_Buf]:
+        """The next round's buffers (``b.hb.tensor``: the host memory; append
+        the event of every copy issued from it to ``b.events``). With
+        `on_error`, a failure while waiting for the slot's copies (a copy
+        that failed on the device) goes to it and the slot is handed out
+        anyway: the caller still needs memory to take part in a collective,
+        and must copy nothing more from it."""
+        if len(self._slots) < self.depth:
+            bufs: List[_Buf] = []
+            self._slots.append(bufs)
+            for _ in range(self.nbuf):
+                bufs.append(_Buf(self.pool.acquire(block=True), self.pool, None))
+        else:
+            bufs = self._slots[self._n % self.depth]
+            try:
+                for b in bufs:
+                    for ev in b.events:
+                        ev.synchronize()
+                    b.events = []
+                    self.pool.copier.check_idle(b.hb.tensor)
+            except Exception as e:
+                if on_error is None:
+                    raise
+                on_error(e)
+        self._n += 1
+        return bufs
+
+    def close(self) -> None:
+        """Wait for every copy in flight and give the buffers back (the first error is raised)."""
+        slots, self._slots = self._slots, []
+        error = None
+        for bufs in slots:
+            for b in bufs:  # every buffer goes back; the first error is raised
+                try:
+                    for ev in b.events:
+                        ev.synchronize()
+                    b.events = []
+                except BaseException as e:
+                    error = error or e
+                try:
+                    self.pool.release(b.hb)
+                except BaseException as e:
+                    error = error or e
+        if error is not None:
+            raise error
