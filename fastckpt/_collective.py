@@ -64,6 +64,7 @@ CRC-32, combined from its node's piece CRCs, must be the same on every node
 
 import errno
 import hashlib
+import pickletools
 import os
 import socket
 import struct
@@ -168,11 +169,70 @@ def cut_runs(items, bounds: List[int]) -> List[List[Tuple[Any, int, int]]]:
 
 
 def _digest(data_pkl: bytes, sizes: List[int], settings: Tuple) -> bytes:
+    """What the ranks compare to agree that they hold the same object: the pickle with its storages'
+    device indices left out (:func:`device_blind`), the storages' sizes and the save settings."""
     h = hashlib.sha256()
     h.update(repr(settings).encode())
     h.update(struct.pack(f"<{len(sizes)}Q", *sizes))
-    h.update(data_pkl)
+    h.update(device_blind(data_pkl))
     return h.digest()
+
+
+_PUTS = {"PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE"}
+
+
+def device_blind(data_pkl: bytes) -> bytes:
+    """``data_pkl`` (a torch.save pickle) as every DDP rank pickles the same state: each storage's
+    location ("cuda:3", the 4th element of its persistent id) replaced by its device type ("cuda"),
+    and FRAME headers (whose lengths follow the locations') left out. Rank r's copy of a replicated
+    model is on cuda:r, so the ranks' pickles differ in exactly these bytes; everything else must
+    match. Walks the opcodes (pickletools; nothing is executed) with a model of the stack that is
+    exact for the persistent ids torch writes (MARK, 'storage', GLOBAL or STACK_GLOBAL, key,
+    location, numel, TUPLE, BINPERSID) and ignores the rest."""
+    ops = list(pickletools.genops(data_pkl))
+    out: List[bytes] = []
+    cut = 0                              # data_pkl[cut:pos] not yet copied to out
+    marks: List[List[Tuple]] = []        # elements pushed since each open MARK: (kind, value, start, end)
+    memo: Dict[int, Tuple] = {}
+    for i, (op, arg, pos) in enumerate(ops):
+        end = ops[i + 1][2] if i + 1 < len(ops) else len(data_pkl)
+        if op.name == "FRAME":
+            out.append(data_pkl[cut:pos])
+            cut = end
+            continue
+        if op.name == "MARK":
+            marks.append([])
+            continue
+        if op.name in _PUTS:
+            top = marks[-1][-1] if marks and marks[-1] else ("other", None, pos, end)
+            memo[len(memo) if op.name == "MEMOIZE" else arg] = top
+            continue
+        if pickletools.markobject in op.stack_before:
+            elems = marks.pop() if marks else []
+            j = i + 1
+            while j < len(ops) and ops[j][0].name in _PUTS:
+                j += 1
+            if (op.name == "TUPLE" and j < len(ops) and ops[j][0].name == "BINPERSID" and len(elems) == 5
+                    and elems[0][:2] == ("str", "storage") and elems[3][0] == "str"):
+                _, loc, a, b = elems[3]
+                out.append(data_pkl[cut:a])
+                out.append(b"<" + str(loc).split(":")[0].encode() + b">")
+                cut = b
+            pushed = [("other", None, pos, end)] * len(op.stack_after)
+        else:
+            if op.name in ("BINGET", "LONG_BINGET", "GET"):
+                kind, value = memo.get(arg, ("other", None))[:2]
+                pushed = [(kind, value, pos, end)]
+            elif isinstance(arg, str) and op.stack_after and not op.stack_before:
+                pushed = [("str", arg, pos, end)]
+            else:
+                pushed = [("other", None, pos, end)] * len(op.stack_after)
+            if marks:
+                del marks[-1][len(marks[-1]) - min(len(op.stack_before), len(marks[-1])):]
+        if marks:
+            marks[-1].extend(pushed)
+    out.append(data_pkl[cut:])
+    return b"".join(out)
 
 
 def _describe(e: BaseException) -> Tuple[Optional[int], str]:
@@ -285,8 +345,10 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
             alignment = _torch_rules.storage_alignment()
             crc_on = bool(_torch_rules.compute_crc32())
             settings = (alignment, crc_on, byteorder, sys.byteorder)
+            # rank 0's pickle is the file's (the others' differ in their storages' device indices)
             mine = (_digest(data_pkl, src.sizes, settings), src.sample_crcs(),
-                    ser._new_serialization_id() if g.rank == 0 else None, node, os.path.abspath(path))
+                    ser._new_serialization_id() if g.rank == 0 else None, node, os.path.abspath(path),
+                    data_pkl if g.rank == 0 else None)
         except Exception as e:
             err = e
         agreed = g.exchange(mine, err, "to prepare (check the path, pickle the object)")
@@ -306,6 +368,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
                 bad = next(i for i, (a, b) in enumerate(zip(agreed[r][1], agreed[0][1])) if a != b)
                 raise ValueError(f"cannot save to {path!r}: ranks hold different data: storage data/{bad} "
                                  f"of rank {r} differs from rank 0's (sampled CRC-32); nothing was written")
+        data_pkl = agreed[0][5]
         plan, entries, cd_offset, size = ser._plan_archive(data_pkl, storages, alignment, byteorder,
                                                            serialization_id=agreed[0][2])
         split: Dict[int, Any] = {}  # ranks per copy -> (bodies, shares)

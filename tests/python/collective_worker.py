@@ -13,7 +13,8 @@ rename_fault (rank 1's renames fail with EIO), kill_commit (rank 1 SIGKILLs
 itself entering the exchange "to commit": in a shared save while rank 0
 commits; with placement="node" when the renames' outcomes are gathered, its own
 node's rename done), fault_dirsync (rank 0's directory fsync after its rename
-fails with EIO).
+fails with EIO), device_index (rank r's storages are pickled with location
+"cuda:r", as a DDP replica on GPU r is: the ranks' pickles differ only there).
 PLACEMENT: passed as save's placement= (the node: $FASTCKPT_NODE); with it,
 the rank also prints "REGIONS [(offset, length), ...]": what its
 RegionWriters were asked to write.
@@ -69,6 +70,26 @@ def build(case: str):
         "opt": {"step": 10, "param_groups": [{"lr": 0.1, "params": [0, 1]}]},
     }
     return obj
+
+
+class device_tags:
+    """Storages pickled with location "cuda:<index>" (as rank r's replica of a DDP model on cuda:r is),
+    without a GPU: a torch.serialization tagger ahead of the CPU one, removed again on exit."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def _tag(self, obj):
+        return f"cuda:{self.index}" if obj.device.type == "cpu" else None
+
+    def __enter__(self):
+        import torch.serialization as ts
+        ts.register_package(5, self._tag, lambda obj, location: None)
+        return self
+
+    def __exit__(self, *exc):
+        import torch.serialization as ts
+        ts._package_registry[:] = [p for p in ts._package_registry if p[1] != self._tag]
 
 
 def engine_fds(directory: str) -> int:
@@ -153,6 +174,9 @@ def main() -> int:
             return exchange(self, mine, err, what)
 
         _collective._Group.exchange = dying
+    tags = device_tags(rank) if mode == "device_index" else None
+    if tags is not None:
+        tags.__enter__()
     try:
         fastckpt.save(obj, path, group=dist.group.WORLD, **kwargs)
         print("FDS", fds, engine_fds(os.path.dirname(os.path.abspath(path))), flush=True)
@@ -168,6 +192,8 @@ def main() -> int:
     finally:
         _C.fault_clear()
         _collective._C = _C
+        if tags is not None:
+            tags.__exit__(None, None, None)
     try:
         dist.destroy_process_group()
     except Exception:

@@ -112,6 +112,45 @@ def test_collective_save_is_byte_identical(tmp_path, world, case):
     assert_equal_objects(worker.build(case), fastckpt.load(path, verify=True))
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_replicas_on_different_devices_save_rank0s_file(tmp_path, world):
+    """DDP on GPUs: rank r's copy of the model is on cuda:r, so the ranks' pickles differ in their storages'
+    locations and only there. They hold the same object: the save succeeds and writes rank 0's file (what
+    fastckpt.save on rank 0 alone writes); a real difference is still found."""
+    out = tmp_path / "out"
+    out.mkdir()
+    path = out / "ckpt.pt"
+    res = run_ranks(tmp_path, world, path, "mixed", mode="device_index")
+    for r, (rc, text) in enumerate(res):
+        assert rc == 0 and last_line(text) == "OK", f"rank {r} (exit {rc}): {text}"
+    ref = tmp_path / "ref.pt"
+    orig = serialization._new_serialization_id
+    serialization._new_serialization_id = lambda: worker.SID
+    try:
+        with worker.device_tags(0):
+            fastckpt.save(worker.build("mixed"), ref)
+    finally:
+        serialization._new_serialization_id = orig
+    assert path.read_bytes() == ref.read_bytes() and b"cuda:0" in ref.read_bytes()
+    assert_equal_objects(worker.build("mixed"), fastckpt.load(path, map_location="cpu"))
+
+
+def test_device_blind_pickles_hide_only_storage_locations():
+    from fastckpt._collective import device_blind
+    import pickle
+    for proto in (2, 4, 5):
+        base = {"w": torch.ones(3), "v": [torch.zeros(2, dtype=torch.int8)], "cfg": ("storage", 1, 2, "cuda:1", 5)}
+        pk = {}
+        for i in (0, 1, 10):
+            with worker.device_tags(i):
+                pk[i] = serialization._pickle(base, pickle, proto)[0]
+        assert pk[0] != pk[1] and device_blind(pk[0]) == device_blind(pk[1]) == device_blind(pk[10])
+        assert b"cuda:1" in device_blind(pk[0])  # the user's own tuple is not a persistent id: kept
+        other = dict(base, cfg=("storage", 1, 2, "cuda:2", 5))
+        with worker.device_tags(0):
+            assert device_blind(serialization._pickle(other, pickle, proto)[0]) != device_blind(pk[0])
+
+
 def test_torch_save_settings_give_the_same_file(tmp_path):
     """compute_crc32=False (CRC 0 everywhere) and storage_alignment=8192."""
     out = tmp_path / "out"
