@@ -1,10 +1,11 @@
 """What the integrations share: importing a framework with a useful error,
 and committing a whole checkpoint *directory* atomically and durably.
 """
+import errno
 import importlib
 import os
 import shutil
-from typing import Callable, TypeVar, Union
+from typing import Callable, Optional, TypeVar, Union
 
 from .._manager_policy import _replace_dir, _temp_name
 from .._paths import check_dcp_target
@@ -47,9 +48,11 @@ def fsync_tree(root: str) -> None:
         fsync_dir(d)
 
 
-def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T]) -> T:
+def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], inner: Optional[str] = None) -> T:
     """Run ``write(tmp)`` to fill a new temporary sibling directory of
-    ``final``, make every file in it durable, then rename it to ``final``
+    ``final`` (with ``inner``: to fill ``tmp/inner``, for a framework that
+    names the checkpoint directory itself inside a directory it is given),
+    make every file in it durable, then rename it to ``final``
     (an existing ``final`` is first moved aside, then removed) and fsync the
     parent. If ``write`` (or the commit) fails, the temporary directory is
     removed and ``final`` is untouched; the error is re-raised (an OSError
@@ -67,8 +70,13 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T]) 
     os.mkdir(tmp)
     try:
         result = write(tmp)
-        fsync_tree(tmp)
-        _replace_dir(tmp, path)
+        content = os.path.join(tmp, inner) if inner else tmp
+        if not os.path.isdir(content):
+            raise FileNotFoundError(errno.ENOENT, f"cannot save checkpoint directory {path!r}: nothing was written", path)
+        fsync_tree(content)
+        _replace_dir(content, path)
+        if inner:
+            shutil.rmtree(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError) and e.filename and tmp in str(e.filename):
