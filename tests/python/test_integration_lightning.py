@@ -67,7 +67,8 @@ def loaders(width=128):
 
 def trainer(plugin, max_epochs, callbacks=()):
     return pl.Trainer(max_epochs=max_epochs, accelerator="cpu", devices=1, plugins=[plugin] if plugin else None,
-                      callbacks=list(callbacks), enable_progress_bar=False, logger=False,
+                      callbacks=list(callbacks), enable_checkpointing=bool(callbacks), enable_progress_bar=False,
+                      logger=False,
                       enable_model_summary=False, num_sanity_val_steps=0, deterministic=True)
 
 
