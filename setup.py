@@ -127,8 +127,19 @@ setup(
     package_data={"fastckpt": ["_C.pyi", "py.typed"]},
     python_requires=">=3.9",
     install_requires=["torch>=2.6", "numpy", "tqdm"],
-    # fastckpt.remote (s3://, gs:// URLs; file:// needs only fsspec, which comes with torch)
-    extras_require={"s3": ["s3fs>=2024.6"], "gcs": ["gcsfs>=2024.6"]},
+    extras_require={
+        # fastckpt.remote (s3://, gs:// URLs; file:// needs only fsspec, which comes with torch)
+        "s3": ["s3fs>=2024.6"],
+        "gcs": ["gcsfs>=2024.6"],
+        # framework integrations (issue 15): fastckpt.integrations.*, tested at the pinned versions
+        # of requirements-dev.txt
+        "lightning": ["lightning>=2.6,<2.7"],
+        "accelerate": ["accelerate>=1.15,<2", "safetensors"],
+        "transformers": ["transformers>=5.24,<6", "accelerate>=1.15,<2", "safetensors"],
+        "deepspeed": ["deepspeed>=0.19.8,<0.20"],
+        "all": ["s3fs>=2024.6", "lightning>=2.6,<2.7", "accelerate>=1.15,<2", "transformers>=5.24,<6", "safetensors",
+                "deepspeed>=0.19.8,<0.20"],
+    },
     entry_points={"console_scripts": ["fastckpt = fastckpt.cli:main"]},
     ext_modules=[] if os.environ.get("FASTCKPT_BUILD_EXT") == "0" else [_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},

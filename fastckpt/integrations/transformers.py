@@ -1,0 +1,152 @@
+"""Hugging Face Transformers ``Trainer`` checkpoints through fastckpt.
+
+``class MyTrainer(FastTrainerMixin, Trainer)`` (or :class:`FastTrainer`, that
+class ready-made) makes every ``checkpoint-N`` directory the Trainer writes
+atomic and durable: the Trainer's own ``_save_checkpoint`` writes it into a
+temporary directory beside ``output_dir/checkpoint-N`` (named like the
+checkpoint manager's temporaries), every file is fsync'd, the directory is
+renamed into place and ``output_dir`` fsync'd; only then are old checkpoints
+rotated out (``save_total_limit``). A crash or an error leaves the previous
+checkpoints and never a half-written ``checkpoint-N`` (which
+``resume_from_checkpoint=True`` would otherwise pick up); the error names
+``checkpoint-N``. The stock Trainer writes into ``checkpoint-N`` directly,
+without fsync.
+
+Inside, the model weights (``model.safetensors``, and the shards of a large
+model) go through :func:`fastckpt.safetensors.save_file`, the optimizer
+(``optimizer.pt``) and scheduler (``scheduler.pt``) through
+:func:`fastckpt.save`; the rest (config, ``trainer_state.json``,
+``rng_state.pth``, ``training_args.bin``, the tokenizer) is the Trainer's own,
+made durable by the commit. The files are the formats the Trainer reads:
+``resume_from_checkpoint`` works unchanged, with this mixin or without it.
+
+Scope: one process (``world_size == 1``), no DeepSpeed/FSDP/XLA/SageMaker;
+elsewhere the stock ``_save_checkpoint`` runs and a warning says why. Routing
+``save_pretrained``'s weights writer: transformers' ``modeling_utils.safe_save_file``
+is replaced once by a dispatcher that calls fastckpt only inside a
+``FastTrainerMixin`` save on the same thread (everything else gets the
+original function).
+
+Requires ``transformers`` (``pip install "fastckpt-io[transformers]"``).
+"""
+import contextlib
+import logging
+import os
+import threading
+from typing import Any, Optional
+
+from ._common import atomic_directory, require
+
+require("transformers", "transformers", "transformers")
+import transformers.modeling_utils as _mu  # noqa: E402
+from transformers import Trainer  # noqa: E402
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, rotate_checkpoints  # noqa: E402
+
+from .. import safetensors as _st  # noqa: E402
+from .. import serialization as _ser  # noqa: E402
+
+__all__ = ["FastTrainerMixin", "FastTrainer"]
+
+log = logging.getLogger("fastckpt")
+
+OPTIMIZER_NAME = "optimizer.pt"
+SCHEDULER_NAME = "scheduler.pt"
+TRAINER_STATE_NAME = "trainer_state.json"
+
+_tls = threading.local()
+_install_lock = threading.Lock()
+
+
+def _dispatching_save_file(tensors, filename, metadata=None):
+    if getattr(_tls, "active", False):
+        return _st.save_file(tensors, filename, metadata=metadata)
+    return _dispatching_save_file.original(tensors, filename, metadata=metadata)
+
+
+def _install_dispatcher() -> None:
+    with _install_lock:
+        if getattr(_mu.safe_save_file, "_fastckpt", False):
+            return
+        _dispatching_save_file.original = _mu.safe_save_file
+        _dispatching_save_file._fastckpt = True
+        _mu.safe_save_file = _dispatching_save_file
+
+
+@contextlib.contextmanager
+def _fast_weights():
+    _install_dispatcher()
+    before = getattr(_tls, "active", False)
+    _tls.active = True
+    try:
+        yield
+    finally:
+        _tls.active = before
+
+
+class FastTrainerMixin:
+    """Mix into a ``transformers.Trainer`` (first in the bases) to write its
+    checkpoints through fastckpt, atomically and durably (see the module)."""
+
+    _fastckpt_staging: Optional[str] = None
+
+    def _fastckpt_unsupported(self) -> Optional[str]:
+        if self.args.world_size > 1:
+            return f"world_size={self.args.world_size}"
+        for flag in ("is_deepspeed_enabled", "is_fsdp_enabled", "is_fsdp_xla_v1_enabled"):
+            if getattr(self, flag, False):
+                return flag
+        from transformers.utils import is_sagemaker_mp_enabled, is_torch_xla_available
+        if is_torch_xla_available():
+            return "torch_xla"
+        if is_sagemaker_mp_enabled():
+            return "sagemaker model parallel"
+        return None
+
+    def _get_output_dir(self, trial: Any) -> str:
+        if self._fastckpt_staging is not None:
+            return self._fastckpt_staging  # the Trainer writes checkpoint-N inside the temporary directory
+        return super()._get_output_dir(trial)
+
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        why = self._fastckpt_unsupported()
+        if why is not None or not self.args.should_save:
+            if why is not None:
+                log.warning("fastckpt: Trainer checkpoint written by transformers itself here (%s)", why)
+            return super()._save_checkpoint(model, trial)
+        run_dir = self._get_output_dir(trial=trial)
+        name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
+        final = os.path.join(run_dir, name)
+
+        def write(tmp: str) -> None:
+            self._fastckpt_staging = tmp
+            push, self.args.push_to_hub = self.args.push_to_hub, False  # pushed below, from the final directory
+            try:
+                with _fast_weights():
+                    super(FastTrainerMixin, self)._save_checkpoint(model, trial)
+            finally:
+                self._fastckpt_staging = None
+                self.args.push_to_hub = push
+            # The Trainer looked for the best checkpoint in the temporary directory: look where it will be.
+            best = self.state.best_global_step
+            if best:
+                best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+                if best == self.state.global_step or os.path.exists(best_dir):
+                    self.state.best_model_checkpoint = best_dir
+                    self.state.save_to_json(os.path.join(tmp, name, TRAINER_STATE_NAME))
+
+        atomic_directory(final, write, inner=name)
+        if self.args.push_to_hub:
+            self._push_from_checkpoint(final)
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self._fastckpt_staging is None or self._fastckpt_unsupported() is not None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        _ser.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))
+        if self.lr_scheduler is not None:
+            _ser.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+
+class FastTrainer(FastTrainerMixin, Trainer):
+    """``transformers.Trainer`` with :class:`FastTrainerMixin`."""

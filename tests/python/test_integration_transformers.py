@@ -1,0 +1,118 @@
+"""fastckpt.integrations.transformers with a real Trainer and a tiny GPT-2 built from a config (no downloads)."""
+import errno
+import json
+import os
+import zipfile
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+pytest.importorskip("transformers", reason="transformers is not installed (pip install 'fastckpt-io[transformers]')")
+pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+from fastckpt import _C  # noqa: E402
+from fastckpt.integrations.transformers import FastTrainer  # noqa: E402
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n=48, length=16):
+        g = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, 64, (n, length), generator=g)
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def model():
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
+                     embd_pdrop=0.0, attn_pdrop=0.0)
+    return GPT2LMHeadModel(cfg)
+
+
+def run(cls, out, max_steps=6, resume=None, **kw):
+    args = TrainingArguments(output_dir=str(out), max_steps=max_steps, save_steps=2, save_strategy="steps",
+                             per_device_train_batch_size=4, learning_rate=1e-2, report_to=[], use_cpu=True,
+                             seed=0, data_seed=0, logging_strategy="no", disable_tqdm=True,
+                             dataloader_num_workers=0, **kw)
+    t = cls(model=model(), args=args, train_dataset=Tokens())
+    t.train(resume_from_checkpoint=resume)
+    return t
+
+
+def st_data_offset(path):
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def written_by_fastckpt(path):
+    with zipfile.ZipFile(path) as z:
+        return not any(i.filename.endswith("/.format_version") for i in z.infolist())
+
+
+def weights(t):
+    return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+
+
+def test_checkpoints_are_fastckpt_files_rotated_and_resume_is_exact(tmp_path):
+    full = run(FastTrainer, tmp_path / "a", save_total_limit=2)
+    assert sorted(os.listdir(tmp_path / "a")) == ["checkpoint-4", "checkpoint-6"]
+    ck = tmp_path / "a" / "checkpoint-4"
+    names = set(os.listdir(ck))
+    assert {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
+            "config.json", "training_args.bin"} <= names
+    assert st_data_offset(ck / "model.safetensors") % 4096 == 0  # fastckpt.safetensors' layout
+    from safetensors.torch import load_file
+    assert "transformer.wte.weight" in load_file(ck / "model.safetensors")
+    assert written_by_fastckpt(ck / "optimizer.pt") and written_by_fastckpt(ck / "scheduler.pt")
+    assert json.loads((ck / "trainer_state.json").read_text())["global_step"] == 4
+
+    resumed = run(FastTrainer, tmp_path / "a", resume=str(ck))
+    want, got = weights(full), weights(resumed)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert torch.equal(want[k], got[k]), k
+    # the stock Trainer resumes from our checkpoint to the same weights
+    stock = run(Trainer, tmp_path / "stock", resume=str(ck))
+    for k, v in weights(stock).items():
+        assert torch.equal(want[k], v), k
+
+
+def test_resume_from_a_stock_checkpoint(tmp_path):
+    stock = run(Trainer, tmp_path / "s")
+    resumed = run(FastTrainer, tmp_path / "s", resume=str(tmp_path / "s" / "checkpoint-4"))
+    for k, v in weights(stock).items():
+        assert torch.equal(v, weights(resumed)[k]), k
+
+
+def test_failure_mid_checkpoint_leaves_earlier_ones_and_no_half_directory(tmp_path):
+    out = tmp_path / "o"
+    _C.fault_clear()
+    _C.fault_inject("write", errno=errno.ENOSPC, times=0, path_contains="optimizer")
+    _C.fault_inject("write", errno=errno.ENOSPC, nth=1, times=0, path_contains="scheduler")
+    # the first checkpoint fails in its optimizer file
+    try:
+        with pytest.raises(OSError) as ei:
+            run(FastTrainer, out, max_steps=2)
+    finally:
+        _C.fault_clear()
+    assert ei.value.errno == errno.ENOSPC
+    assert str(out / "checkpoint-2") in str(ei.value)
+    assert os.listdir(out) == []  # neither checkpoint-2 nor a temporary
+
+    run(FastTrainer, out, max_steps=4)
+    before = {n: (out / "checkpoint-2" / n).read_bytes() for n in os.listdir(out / "checkpoint-2")}
+    _C.fault_inject("rename", errno=errno.EIO, times=0, path_contains="optimizer")
+    try:
+        with pytest.raises(OSError):
+            run(FastTrainer, out, max_steps=6, resume=str(out / "checkpoint-4"))
+    finally:
+        _C.fault_clear()
+    assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4"]
+    assert {n: (out / "checkpoint-2" / n).read_bytes() for n in os.listdir(out / "checkpoint-2")} == before
