@@ -7,8 +7,9 @@ states (torch, CUDA, Python ``random``, NumPy), the step and the data
 position; every rank writes a share of each checkpoint file and reads a
 share of it on resume, the shares exchanged over a gloo group of the
 manager's own (--rank0-writes: rank 0 writes it whole, all ranks wait for it,
-and every rank reads it whole; with --async, rank 0 writes in the background
-and the ranks wait only for its host snapshot). Started again with the same arguments, it resumes from
+and every rank reads it whole). With --async every rank snapshots the state into
+host memory and goes on training while its writer thread writes its share (with
+--rank0-writes: rank 0 writes in the background, the ranks wait only for its snapshot). Started again with the same arguments, it resumes from
 the newest complete checkpoint and ends in exactly the state an uninterrupted
 run ends in.
 

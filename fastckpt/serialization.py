@@ -1164,8 +1164,11 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
             load with the same ``path`` (a shared filesystem, or node-local
             copies written with ``save(..., placement="node")``): the file is
             read from disk once in total, each rank that has it reading about
-            an equal share and the shares exchanged over the group (gloo: host
-            memory; a CUDA-only backend: through the current CUDA device), so
+            an equal share and the shares exchanged over the group (a backend
+            that carries CPU tensors, gloo: host memory, onto a device through
+            the staging pool; NCCL with a map_location onto CUDA devices:
+            device to device; a backend that carries neither the result's
+            device nor CPU tensors: ValueError before any storage is read), so
             every rank returns the whole object. A rank whose path does not
             exist gets every byte from its peers. Verified as a local load
             (each piece's CRC-32 computed where it is read, combined on every
