@@ -13,7 +13,7 @@ all three killed; survivors end on their own with an error naming the path;
 leftovers removed by the next collective save; and one rank stopped with
 SIGSTOP: the other two fail within a few times the group's timeout). The full runs:
 ``python tests/crash/crash_driver.py --kills 300 --seed 7`` and
-``python tests/crash/crash_driver.py --kinds collective3 --kills 100 --seed 1``."""
+``python tests/crash/crash_driver.py --kinds collective3 --kills 100 --seed 1`` (and ``manager_async3``)."""
 import os
 import re
 import subprocess
@@ -44,30 +44,32 @@ def short_run(tmp_path_factory):
     return out
 
 
-@pytest.fixture(scope="module")
-def collective_run(tmp_path_factory):
-    """collective3 in a driver run of its own (its rounds are longer: three ranks, and a
-    cleanup save after each round that leaves temporaries)."""
+@pytest.fixture(scope="module", params=["collective3", "manager_async3"])
+def world3_run(request, tmp_path_factory):
+    """A world-size-3 kind in a driver run of its own (its rounds are longer: three ranks, and a
+    cleanup save after each round that leaves temporaries): fastckpt.save(group=), and the
+    manager's collective async_save."""
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("this torch has no gloo backend")
-    d = tmp_path_factory.mktemp("crash3")
-    r = subprocess.run([sys.executable, DRIVER, "--kills", str(COLLECTIVE_KILLS), "--kinds", "collective3",
-                        "--seed", "5", "--dir", str(d)], capture_output=True, text=True, timeout=300)
+    kind = request.param
+    d = tmp_path_factory.mktemp(kind)
+    r = subprocess.run([sys.executable, DRIVER, "--kills", str(COLLECTIVE_KILLS), "--kinds", kind,
+                        "--seed", "5", "--dir", str(d)], capture_output=True, text=True, timeout=400)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
     assert f"total kills={COLLECTIVE_KILLS} violations=0" in out, out
-    return out
+    return kind, out
 
 
-def test_crash_short_collective_world_size_3(collective_run):
-    """fastckpt.save(group=) at world size 3: no violation, no survivor hung, and beside a
-    stopped rank the others failed (within a few times the group's timeout)."""
-    m = re.search(rf"^  collective3 +[0-9.]+ s kills= *{COLLECTIVE_KILLS} .*survivor finished/failed/hung: "
-                  r"(\d+)/(\d+)/(\d+)\]", collective_run, re.M)
-    assert m, collective_run
-    assert int(m.group(3)) == 0 and int(m.group(1)) + int(m.group(2)) > 0, collective_run
-    assert re.search(r"^  collective3 .*stalled_peer: survivors failed within [0-9.]+ s", collective_run, re.M), \
-        collective_run
+def test_crash_short_world_size_3(world3_run):
+    """At world size 3: no violation, no survivor hung, and beside a stopped rank the others
+    failed (within a few times the group's timeout)."""
+    kind, out = world3_run
+    m = re.search(rf"^  {kind} +[0-9.]+ s kills= *{COLLECTIVE_KILLS} .*survivor finished/failed/hung: "
+                  r"(\d+)/(\d+)/(\d+)\]", out, re.M)
+    assert m, out
+    assert int(m.group(3)) == 0 and int(m.group(1)) + int(m.group(2)) > 0, out
+    assert re.search(rf"^  {kind} .*stalled_peer: survivors failed within [0-9.]+ s", out, re.M), out
 
 
 def _assert_kinds(out, kinds):
