@@ -75,6 +75,8 @@ from typing import Any, List, NamedTuple, Optional, Set, Union
 from ._manager_async import async_save as _collective_async_save
 from ._manager_dist import Ranks, _failures, _register
 from ._manager_policy import TMP_MARK, StepDirectory, _failure_kind, _unwrap
+from ._manager_remote import RemoteTier
+from ._manager_remote import candidates as _remote_candidates
 from .async_save import AsyncSaver, SaveFuture, _fail_inherited, default_saver
 from .serialization import load as _load
 from .serialization import save as _save
@@ -118,6 +120,13 @@ class CheckpointManager:
         saver: the :class:`~fastckpt.async_save.AsyncSaver` for
             :meth:`async_save` (default: the process-wide one, which
             :func:`fastckpt.wait_for_saves` also waits for).
+        replicate_to: an fsspec URL (``s3://bucket/run``, ``gs://...``,
+            ``file:///shared/...``): every committed step is uploaded there in
+            the background by rank 0, its manifest last, and
+            :meth:`load_latest` restores from it when no local checkpoint is
+            left (fastckpt/_manager_remote.py). The store is checked now.
+        storage_options: passed to fsspec for ``replicate_to``.
+        keep_last_remote: complete remote steps to keep (None: all).
 
     Example:
         >>> mgr = fastckpt.CheckpointManager("ckpt", keep_last=3)
@@ -132,7 +141,8 @@ class CheckpointManager:
 
     def __init__(self, directory: Union[str, os.PathLike], keep_last: Optional[int] = 3, *, sharded: bool = False,
                  process_group: Any = None, verify: bool = True, clean: bool = True,
-                 saver: Optional[AsyncSaver] = None, collective: bool = True):
+                 saver: Optional[AsyncSaver] = None, collective: bool = True, replicate_to: Optional[str] = None,
+                 storage_options: Optional[dict] = None, keep_last_remote: Optional[int] = None):
         self._dir = StepDirectory(directory, keep_last, sharded)  # the policy (raises on a bad keep_last)
         self.directory = self._dir.path
         self.keep_last = keep_last
@@ -145,12 +155,15 @@ class CheckpointManager:
         self._ranks = Ranks(process_group)       # the coordination
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         self.collective = bool(collective) and not sharded and self.world_size > 1
+        self._remote_url, self._remote = replicate_to, None  # the remote tier: rank 0's RemoteTier
         err = None
         if self.rank == 0:
             try:
                 self._dir.prepare(clean=False)
                 if clean:
                     self.clean_temporaries()
+                if replicate_to is not None:
+                    self._remote = RemoteTier(self, replicate_to, storage_options, keep_last_remote)
             except _failures() as e:  # noqa: BLE001 - every rank learns of it
                 err = e
         self._ranks.agree(err, "preparing the checkpoint directory")
@@ -166,6 +179,7 @@ class CheckpointManager:
         and the names they were writing are not the child's to protect, so the
         child's ``wait``, ``clean_temporaries`` and exit never wait for them."""
         self._lock = threading.Lock()
+        self._remote = None  # the parent's uploads are not the child's (its replicator's thread is gone)
         for f in self._futures:
             _fail_inherited(f)
         self._futures = []
@@ -353,7 +367,8 @@ class CheckpointManager:
 
     def close(self) -> None:
         """:meth:`wait` (raising on every rank any failure nobody looked at),
-        then free what the manager holds: the staging memory of sharded
+        then let the remote tier's uploads finish (a failure there is logged,
+        see :meth:`wait_remote`), then free what the manager holds: the staging memory of sharded
         asynchronous saves and the manager's own gloo groups (their worker
         threads are joined now). Collective. The manager stays usable: a later
         sharded :meth:`async_save` makes a new group (collectively).
@@ -375,7 +390,19 @@ class CheckpointManager:
         whose worker threads are joined now: :meth:`Ranks.release`)."""
         if wait:
             self.wait_local()
+        if self._remote is not None:
+            self._remote.close(wait=True)
         self._ranks.release()
+
+    def wait_remote(self, timeout: Optional[float] = None) -> Optional[int]:
+        """Rank 0: wait until every committed step queued for the remote tier is
+        uploaded; return the newest step complete there; raise the last upload
+        failure (once). Other ranks, or no ``replicate_to``: None. Not collective."""
+        return None if self._remote is None else self._remote.wait(timeout)
+
+    def remote_status(self) -> Optional[dict]:
+        """Rank 0's remote tier: uploading/queued step, last complete, last error (None elsewhere)."""
+        return None if self._remote is None else self._remote.status()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -395,6 +422,8 @@ class CheckpointManager:
         it (atomically), then move an abandoned branch aside and apply
         retention (:meth:`StepDirectory.commit`). Rank 0 only."""
         self._dir.commit(name, self._busy())
+        if self._remote is not None:
+            self._remote.committed(name)  # the upload is queued; training does not wait for it
 
     def _prune(self) -> List[str]:
         """Retention now (:meth:`StepDirectory.prune`). Rank 0 only."""
@@ -521,6 +550,12 @@ class CheckpointManager:
         ``latest`` file (it was deleted, or no save has committed yet), the
         complete checkpoints are tried newest first, with a warning.
 
+        With ``replicate_to``, every step complete in either tier is a
+        candidate, newest first (remote ones never newer than ``latest``), the
+        local copy first; a step whose local copy is missing or damaged is
+        restored from the remote tier (verified against its manifest's CRC-32s)
+        by rank 0 into the directory, ``latest`` pointed at it, then loaded.
+
         Only a *damaged* checkpoint is skipped: one that is missing or
         incomplete (FileNotFoundError, NotADirectoryError, IsADirectoryError,
         a DCP checkpoint without ``.metadata`` or missing a data file) or
@@ -569,7 +604,7 @@ class CheckpointManager:
                 err = e
         listing = self._ranks.agree(err, "listing checkpoints", listing)
         failures = []
-        for step, name in listing:
+        for step, name in _remote_candidates(self, listing):  # local first, then the remote tier
             path = self.directory / name
             result, err = None, None
             try:

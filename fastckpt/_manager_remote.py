@@ -1,0 +1,128 @@
+"""CheckpointManager's remote tier (``replicate_to=URL``, issue 14).
+
+The manager's directory is the first tier: a step is committed there (durable,
+``latest`` moved) exactly as without a remote tier. Rank 0 then hands the
+committed checkpoint (a file, or a sharded DCP directory) to a
+:class:`fastckpt.remote.Replicator`, which uploads it in the background and
+writes the step's manifest last; training never waits for it, and an upload
+failure is logged, kept for :meth:`RemoteTier.wait` and :meth:`RemoteTier.status`,
+and never touches the local checkpoint. ``keep_last_remote`` applies remotely
+once a newer step is complete there.
+
+Restore: :meth:`CheckpointManager.load_latest` tries the local checkpoints
+first; when none is left (a new or replaced node) or every one is damaged,
+rank 0 restores the newest complete, CRC-verified remote step into the
+directory (never one newer than what the local ``latest`` names: ``latest``
+stays authoritative), points ``latest`` at it, and every rank loads it as a
+local checkpoint.
+"""
+
+import logging
+import warnings
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+from ._manager_dist import _failures
+
+log = logging.getLogger("fastckpt")
+
+
+class RemoteTier:
+    """Rank 0's replicator of one manager (other ranks hold none)."""
+
+    def __init__(self, mgr: Any, url: str, storage_options: Optional[Dict[str, Any]],
+                 keep_last_remote: Optional[int]):
+        from .remote import Replicator  # fsspec and the store's client only when a remote tier is asked for
+        self.mgr = mgr
+        # The store is checked now (credentials, bucket): a bad one fails the manager's construction.
+        # Rank 0 is the prefix's only writer: it aborts uploads and deletes steps that a killed run left.
+        self.rep = Replicator(url, storage_options, keep_last_remote=keep_last_remote, clean_stale=True)
+        self.url = self.rep.url
+
+    def committed(self, name: str) -> None:
+        """Rank 0, after ``latest`` names ``name``: queue its upload (returns at once). A failure to
+        queue it (its files already gone) is logged and kept, never raised into the save."""
+        step = self.mgr._dir.parse(name)
+        try:
+            self.rep.submit(step, self.mgr.directory / name)
+        except Exception as e:  # noqa: BLE001 - the local checkpoint is committed; the upload is best effort
+            log.error("fastckpt.CheckpointManager: not replicating %s to %s: %s", name, self.url, e)
+            self._submit_error = e
+
+    _submit_error: Optional[BaseException] = None
+
+    def status(self) -> Dict[str, Any]:
+        st = self.rep.status()
+        if self._submit_error is not None and st["last_error"] is None:
+            st["last_error"] = str(self._submit_error)
+        return st
+
+    def wait(self, timeout: Optional[float] = None) -> Optional[int]:
+        """Block until no upload is queued or running; raise the last failure (once)."""
+        done = self.rep.wait(timeout)
+        err, self._submit_error = self._submit_error, None
+        if err is not None:
+            raise err
+        return done
+
+    def close(self, wait: bool = True) -> None:
+        """Finish the running upload (with ``wait``, the queued one too); a failure is logged (it was
+        when it happened) and stays in :meth:`status`."""
+        self.rep.close(wait=wait)
+
+    def steps(self, below: Optional[int]) -> List[int]:
+        """The complete remote steps (with a manifest), at most ``below`` when given."""
+        return [s for s in self.rep.list_steps() if below is None or s <= below]
+
+    def restore(self, step: int) -> Optional[str]:
+        """Rank 0: remote ``step`` downloaded and verified into the manager's directory (replacing a
+        damaged local copy), ``latest`` pointed at it; its name, or None when it fails its checks (the
+        replicator warned: missing file, size or CRC-32 mismatch)."""
+        from .remote.replicator import restore_step
+        try:
+            _, path = restore_step(self.rep.store, str(self.mgr.directory), step, self.rep.opts)
+        except FileNotFoundError as e:
+            warnings.warn(f"fastckpt.CheckpointManager: not restoring step {step} from {self.url}: {e}",
+                          RuntimeWarning, stacklevel=5)
+            return None
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        if self.mgr._dir.parse(name) != step:
+            raise RuntimeError(f"fastckpt.CheckpointManager: step {step} restored from {self.url} is named "
+                               f"{name!r}, not this manager's name for it ({self.mgr.name_for(step)!r}): was it "
+                               "replicated by a manager in the other mode (sharded or not)?")
+        self.mgr._dir.commit(name, self.mgr._busy())  # `latest` names it (not uploaded again)
+        warnings.warn(f"fastckpt.CheckpointManager: restored step {step} from {self.url} into "
+                      f"{self.mgr.directory}", RuntimeWarning, stacklevel=5)
+        return name
+
+
+def candidates(mgr: Any, listing: List[Tuple[int, str]]) -> Iterator[Tuple[int, str]]:
+    """The checkpoints load_latest tries, in order (collective: every rank iterates alike): every step
+    complete in either tier, newest first (remote ones never newer than what the local ``latest``
+    names), each from the local copy first; when the loop asks for more after a local copy (it was
+    damaged), or the step is only remote, rank 0 restores the remote copy and every rank learns its
+    name."""
+    if mgr._remote_url is None:
+        yield from listing
+        return
+    remote, err = None, None
+    if mgr.rank == 0:
+        try:
+            latest = mgr._dir.latest_name()
+            remote = mgr._remote.steps(None if latest is None else mgr._dir.parse(latest))
+        except _failures() as e:  # noqa: BLE001 - every rank learns of it
+            err = e
+    remote = mgr._ranks.agree(err, f"listing the remote checkpoints of {mgr._remote_url}", remote)
+    local = dict(listing)
+    for step in sorted(set(local) | set(remote), reverse=True):
+        if step in local:
+            yield step, local[step]
+        if step in remote:
+            name, err = None, None
+            if mgr.rank == 0:
+                try:
+                    name = mgr._remote.restore(step)
+                except _failures() as e:  # noqa: BLE001
+                    err = e
+            name = mgr._ranks.agree(err, f"restoring step {step} from {mgr._remote_url}", name)
+            if name is not None:
+                yield step, name
