@@ -31,7 +31,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-from benchmarks.harness import parse_size  # noqa: E402
+from benchmarks.harness import parse_size, emit_standalone, pair_targets  # noqa: E402
 from fastckpt._units import human  # noqa: E402
 
 OPS = ["Lightning TorchCheckpointIO+fsync", "Lightning FastCheckpointIO",
@@ -136,16 +136,13 @@ def bench(size: int, rounds: int, directory: str) -> dict:
 
 def report(res: dict) -> dict:
     s = res["seconds"]
-    rows, targets = [], []
+    rows = []
     for op in OPS:
         ref = PAIRS.get(op)
         speed = round(s[ref[0]] / s[op], 2) if ref and s[op] > 0 else ""
         rows.append([op, round(s[op], 3), round(res["bytes"][op] / s[op] / 1e9, 2) if s[op] > 0 else None,
                      res["bytes"][op], speed])
-    for op, (ref, want) in PAIRS.items():
-        x = s[ref] / s[op] if s[op] > 0 else None
-        targets.append({"target": f"{op} >= {want}x {ref}", "measured": None if x is None else round(x, 2),
-                        "unit": "x", "met": None if x is None else x >= want})
+    targets = pair_targets(s, PAIRS)
     size = max(res["bytes"].values())
     return {"title": f"Framework checkpoints, {human(size)} of model and AdamW state: the frameworks' own "
                      "durable saves against fastckpt.integrations",
@@ -172,22 +169,7 @@ def main(argv=None) -> int:
     rounds = 1 if a.quick else a.rounds
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="bench_frameworks.") as d:
         res = bench(size, rounds, d)
-    rep = report(res)
-    print(f"### {rep['title']}\n")
-    print("| " + " | ".join(rep["columns"]) + " |")
-    print("|" + "---|" * len(rep["columns"]))
-    for row in rep["rows"]:
-        print("| " + " | ".join("" if v is None else str(v) for v in row) + " |")
-    print()
-    for t in rep["targets"]:
-        print(f"- {t['target']}: {t['measured']}x ({'met' if t['met'] else 'NOT met'})")
-    for n in rep["notes"] + rep["errors"]:
-        print(f"- {n}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rep, f, indent=1)
-    return 1 if rep["errors"] else 0
-
+    return emit_standalone(report(res), a.json)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -30,7 +30,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
-from benchmarks.harness import drop_caches, parse_size  # noqa: E402
+from benchmarks.harness import drop_caches, parse_size, emit_standalone, pair_targets  # noqa: E402
 from fastckpt._units import human  # noqa: E402
 
 OPS = ["safetensors.save_file+fsync", "fastckpt.safetensors.save_file",
@@ -117,16 +117,13 @@ def bench(size: int, rounds: int, directory: str) -> dict:
 
 def report(res: dict) -> dict:
     s, c = res["seconds"], res["cpu_seconds"]
-    rows, targets = [], []
+    rows = []
     for op in OPS:
         gbps = res["bytes"] / s[op] / 1e9 if s[op] > 0 else None
         ref = PAIRS.get(op)
         speed = round(s[ref[0]] / s[op], 2) if ref and s[op] > 0 else ""
         rows.append([op, round(s[op], 3), None if gbps is None else round(gbps, 2), round(c[op], 3), speed])
-    for op, (ref, want) in PAIRS.items():
-        x = s[ref] / s[op] if s[op] > 0 else None
-        targets.append({"target": f"{op} >= {want}x {ref}", "measured": None if x is None else round(x, 2),
-                        "unit": "x", "met": None if x is None else x >= want})
+    targets = pair_targets(s, PAIRS)
     errors = [f"{op}: the loaded tensors differ from the saved ones" for op, ok in res["checked"] if not ok]
     return {"title": f"safetensors files, {human(res['bytes'])} of model weights: fastckpt.safetensors "
                      "against the safetensors package",
@@ -154,22 +151,7 @@ def main(argv=None) -> int:
     rounds = 1 if a.quick else a.rounds
     with tempfile.TemporaryDirectory(dir=a.dir, prefix="bench_safetensors.") as d:
         res = bench(size, rounds, d)
-    rep = report(res)
-    print(f"### {rep['title']}\n")
-    print("| " + " | ".join(rep["columns"]) + " |")
-    print("|" + "---|" * len(rep["columns"]))
-    for row in rep["rows"]:
-        print("| " + " | ".join("" if v is None else str(v) for v in row) + " |")
-    print()
-    for t in rep["targets"]:
-        print(f"- {t['target']}: {t['measured']}x ({'met' if t['met'] else 'NOT met'})")
-    for n in rep["notes"] + rep["errors"]:
-        print(f"- {n}")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(rep, f, indent=1)
-    return 1 if rep["errors"] else 0
-
+    return emit_standalone(report(res), a.json)
 
 if __name__ == "__main__":
     sys.exit(main())

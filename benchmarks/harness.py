@@ -555,3 +555,34 @@ def md_table(header: List[str], rows: List[List[str]]) -> List[str]:
     out += ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
     return out
 
+
+
+# ---------------------------------------------------------------- standalone scripts (report.py's STANDALONE)
+
+def pair_targets(seconds: Dict[str, float], pairs: Dict[str, Tuple[str, float]]) -> List[Dict[str, Any]]:
+    """The targets of a standalone report: op -> (reference op, speed-up wanted), judged on median seconds."""
+    out = []
+    for op, (ref, want) in pairs.items():
+        x = seconds[ref] / seconds[op] if seconds.get(op, 0) > 0 else None
+        out.append({"target": f"{op} >= {want}x {ref}", "measured": None if x is None else round(x, 2),
+                    "unit": "x", "met": None if x is None else x >= want})
+    return out
+
+
+def emit_standalone(rep: Dict[str, Any], json_path: Optional[str]) -> int:
+    """A standalone report on stdout (Markdown: its table, targets, notes and errors) and, with `json_path`,
+    as JSON for benchmarks/report.py; the exit status (1 when it has errors)."""
+    print(f"### {rep['title']}\n")
+    print("| " + " | ".join(rep["columns"]) + " |")
+    print("|" + "---|" * len(rep["columns"]))
+    for row in rep["rows"]:
+        print("| " + " | ".join("" if v is None else str(v) for v in row) + " |")
+    print()
+    for t in rep["targets"]:
+        print(f"- {t['target']}: {t['measured']}x ({'met' if t['met'] else 'NOT met'})")
+    for n in rep["notes"] + rep["errors"]:
+        print(f"- {n}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rep, f, indent=1)
+    return 1 if rep["errors"] else 0
