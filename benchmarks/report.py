@@ -87,6 +87,8 @@ STANDALONE = (
     ("first_load", "bench_first_load.py", "the first small load in a fresh process against torch.load"),
     ("safetensors", "bench_safetensors.py", "issue 15: fastckpt.safetensors save_file/load_file against the "
      "safetensors package (durable saves, loads with every page read)"),
+    ("frameworks", "bench_frameworks.py", "issue 15: Lightning's and Accelerate's own durable checkpoints against "
+     "fastckpt.integrations (about 3 minutes)"),
     ("remote", "bench_remote.py", "issue 14: upload, download and restore against a local S3 endpoint (moto): "
      "fastckpt against s3fs and boto3"),
     ("cluster", "cluster_emulate.py", "issue 13's cluster benchmark: N = 1, 2, 4 emulated nodes (root: loop "
