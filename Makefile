@@ -35,7 +35,7 @@ test-cpp: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ctest --test-dir $(CMAKE_DIR) --output-on-failure
 
 test-python: build
-	$(PY) -m pytest -q tests/python tests/powerloss $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 tests/python tests/powerloss $(PYTEST_ARGS)
 
 test: test-cpp test-python
 
