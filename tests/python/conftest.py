@@ -68,6 +68,20 @@ def small_engine(backend):
 
 
 @pytest.fixture(autouse=True)
+def _restore_torch_globals():
+    """Frameworks change torch's process-wide settings and leave them (Lightning's
+    Trainer(deterministic=True) turns on torch.use_deterministic_algorithms, under which
+    torch.empty fills memory and fails for bit dtypes): every test starts from what the
+    previous one found."""
+    det = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    dtype = torch.get_default_dtype()
+    yield
+    torch.use_deterministic_algorithms(det, warn_only=warn_only)
+    torch.set_default_dtype(dtype)
+
+
+@pytest.fixture(autouse=True)
 def _clear_faults():
     _C.fault_clear()
     yield
