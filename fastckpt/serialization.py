@@ -471,11 +471,14 @@ _SMALL_RECORDS = ("data.pkl", ".format_version", ".storage_alignment", "byteorde
 
 def _host_storage(nbytes: int) -> torch.Tensor:
     """Memory for a storage of `nbytes` read from a file: 4 KiB-aligned from
-    _zip.DIRECT_MIN bytes on (an O_DIRECT read can go straight into it; its
-    storage stays resizable), torch's allocator below."""
-    if nbytes >= _zip.DIRECT_MIN:
-        return _C.empty_aligned(nbytes, _zip.ALIGNMENT)
-    return torch.empty(nbytes, dtype=torch.uint8)
+    _zip.DIRECT_MIN bytes on (an O_DIRECT read can go straight into it), torch's
+    allocator below. Not resizable, as torch.load's storages are not: a pickle
+    whose tensor reaches past its record is then torch's error (a FormatError
+    here), never a reallocation of memory that a read still in flight
+    (:meth:`_Records.read_behind`) fills, nor a tensor holding bytes no record had."""
+    t = _C.empty_aligned(nbytes, _zip.ALIGNMENT) if nbytes >= _zip.DIRECT_MIN else torch.empty(nbytes, dtype=torch.uint8)
+    _C.set_resizable(t, False)
+    return t
 
 
 class _Records(dict):
@@ -990,7 +993,7 @@ class _DeviceRecords(dict):
             # The callable is called once per storage, as torch calls it, with a
             # storage of the record's size and location whose bytes are filled
             # after it returns (through the pool if it moved it to a device).
-            r = self.restore(torch.UntypedStorage(rec.size), location)
+            r = self.restore(_host_storage(rec.size).untyped_storage(), location)
             u = r._untyped_storage if isinstance(r, torch.storage.TypedStorage) else r
             if isinstance(u, torch.UntypedStorage) and u.nbytes() == rec.size:
                 copier = _staging.copier_for(u)
@@ -1003,7 +1006,7 @@ class _DeviceRecords(dict):
             return r
         dest = self._destination(location) if isinstance(location, str) else None
         if dest == "cpu":  # stays on the host: read with the others, in one batch
-            u = torch.UntypedStorage(rec.size)
+            u = _host_storage(rec.size).untyped_storage()
             self.host_jobs.append((name, u))
             return self.restore(u, location)
         if dest is None:  # an unknown place: read now, restore as torch does
@@ -1011,8 +1014,16 @@ class _DeviceRecords(dict):
             return self.restore(t.untyped_storage(), location)
         copier, device = dest
         dst = copier.empty_device(rec.size, device)
+        # Filled after the unpickling: until then no tensor may stretch it (torch's error, as on the host);
+        # resizable again in finish(), as torch's restored device storages are.
+        _C.set_resizable(_as_bytes_tensor(dst), False)
         self.jobs.append(_staging.LoadJob(name, rec.data_offset, rec.size, dst, copier))
         return dst
+
+    def unseal(self) -> None:
+        """After :meth:`finish`: the device storages resizable, as torch's restored ones are."""
+        for j in self.jobs:
+            _C.set_resizable(_as_bytes_tensor(j.dst), True)
 
     def finish(self, verify: Optional[bool]) -> List[str]:
         """Read every deferred storage (device-bound ones through the pool,
@@ -1308,6 +1319,7 @@ def _load_read(path: str, small, archive, storages, bad, map_location, weights_o
 
         def done(result):  # the device storages' bytes, through the staging pool
             bad = storages.finish(verify)
+            storages.unseal()
             if bad:
                 names = _tensor_names_for_records(reader, bad, pickle_module, pickle_load_args)
                 raise FormatError(f"{path}: checksum mismatch (corrupt data) in {', '.join(names)}")

@@ -409,6 +409,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "An uninitialized uint8 CPU tensor of nbytes whose data is aligned to `alignment` bytes (for reads "
         "straight into it with O_DIRECT); its storage is resizable like torch.empty's.");
 
+  m.def("set_resizable", [](const at::Tensor& t, bool resizable) {
+          // torch.load's storages are not resizable: a tensor that a damaged pickle
+          // stretches past its record (set_ with a larger size) is then torch's error,
+          // not a reallocation of memory the engine may still be reading into.
+          t.storage().unsafeGetStorageImpl()->set_resizable(resizable);
+        },
+        py::arg("tensor"), py::arg("resizable"),
+        "Make the storage of `tensor` resizable or not (torch.load's storages are not).");
+
   m.def("dio_alignment", [](const std::string& path) {
     int fd = sys::open(path, O_RDONLY);
     sys::DioAlign a;

@@ -239,7 +239,7 @@ def test_torch_layout_keeps_format_version(tmp_path):
 def test_large_storages_load_into_aligned_resizable_memory_of_their_own(tmp_path):
     """Storages of DIRECT_MIN bytes or more are read O_DIRECT straight into
     4 KiB-aligned memory (no copy out of staging); each is a storage of its own,
-    exactly its size and resizable as torch.load's; small ones take torch's
+    exactly its size and, as torch.load's, not resizable; small ones take torch's
     allocator (no page per scalar)."""
     path = str(tmp_path / "m.pt")
     big = torch.arange(300_000, dtype=torch.float32)           # 1.2 MB
@@ -255,14 +255,17 @@ def test_large_storages_load_into_aligned_resizable_memory_of_their_own(tmp_path
             st = got[k].untyped_storage()
             assert st.data_ptr() % 4096 == 0, k
             assert st.nbytes() == got[k].nbytes, k
-            assert st.resizable(), k
+            assert not st.resizable(), k  # as torch.load's storages (test_stretched_tensors.py)
         # the view shares the loaded storage, as with torch.load
         assert got["view"].untyped_storage().data_ptr() == got["big"].untyped_storage().data_ptr()
         assert got["small"].untyped_storage().nbytes() == 80
-        # resizing works (torch's allocator takes over) and keeps the bytes
+        # as torch.load's, the storage cannot grow; a clone can
         t = got["mid"]
-        t.resize_(t.numel() * 2)
-        assert torch.equal(t[:mid.numel()], mid)
+        with pytest.raises(RuntimeError, match="not resizable"):
+            t.resize_(t.numel() * 2)
+        c = t.clone()
+        c.resize_(t.numel() * 2)
+        assert torch.equal(c[:mid.numel()], mid)
         # the memory is writable and independent of the other storages
         got["big"].zero_()
         assert torch.equal(got["view"], torch.zeros(1000))
