@@ -163,7 +163,8 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
     ``after_commit()`` (rotation of older checkpoints). If ``write`` (or the
     commit) fails, the temporary directory is removed and ``final`` is
     untouched; the error is re-raised (an OSError that names a temporary path
-    is renamed to name ``final``). A crash leaves ``final`` as it was or
+    is renamed to name ``final``). An error of ``after_commit`` is raised too,
+    ``final`` then being committed. A crash leaves ``final`` as it was or
     complete, plus possibly a temporary directory that
     ``fastckpt.CheckpointManager.clean_temporaries`` (or ``rm``) removes.
 
@@ -175,8 +176,10 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
     those that exist); a barrier; rank 0 fsyncs every file and directory,
     renames, fsyncs the parent and runs ``after_commit``; a last barrier. A
     failure on any process fails the save on every process (its error there,
-    :class:`PeerFailed` naming it elsewhere) and rank 0 removes the temporary
-    directory; the waits are bounded by the process group's timeout. Every
+    :class:`PeerFailed` naming it elsewhere): rank 0 removes the temporary
+    directory, and the processes raise after a last barrier, once it is gone.
+    The waits are bounded by the process group's timeout; a collective that
+    fails (a process died) raises :class:`LostContact` naming ``final``. Every
     process must see the same filesystem at ``final``'s parent (a shared
     checkpoint filesystem): a process that does not see rank 0's temporary
     directory fails the save, saying so.
