@@ -189,9 +189,9 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
     atomically with ``renameat2(RENAME_EXCHANGE)`` where Linux offers it, so that ``final`` names a
     complete directory at every instant (else ``_replace_dir``'s two renames).
     """
-    path = os.path.abspath(check_dcp_target(final).rstrip(os.sep))
-    parent, name = os.path.split(path)
     main = ranks is None or ranks.rank == 0
+    path = os.path.abspath(os.fsdecode(os.fspath(final)).rstrip(os.sep))
+    parent, name = os.path.split(path)
     failed_together = False  # every process is raising an error they agreed on
 
     def together(err: Optional[BaseException], stage: str, payload: Any = None) -> Any:
@@ -208,6 +208,7 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
     if main:
         err = None
         try:
+            check_dcp_target(final)  # on the main process only: every process learns what is wrong with it
             os.makedirs(parent, exist_ok=True)
             tmp = os.path.join(parent, _temp_name(name, "dcp"))
             os.mkdir(tmp)
