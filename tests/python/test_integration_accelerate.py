@@ -20,17 +20,7 @@ import dist_launch  # noqa: E402
 import fastckpt  # noqa: E402
 from fastckpt import _C  # noqa: E402
 from fastckpt.integrations.accelerate import restore, use_fastckpt  # noqa: E402
-
-
-class Counter:
-    def __init__(self):
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, sd):
-        self.n = sd["n"]
+from helpers_integrations.accelerate_dist import Counter  # noqa: E402
 
 
 def setup(fast=True, seed=0, project=None, **cfg):

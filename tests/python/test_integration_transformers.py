@@ -13,31 +13,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'fastckpt-io[transformers]')")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import dist_launch  # noqa: E402
 import fastckpt  # noqa: E402
+from helpers_integrations.transformers_dist import Tokens  # noqa: E402
+from helpers_integrations.transformers_dist import model as tiny_gpt2  # noqa: E402
 from fastckpt import _C  # noqa: E402
 from fastckpt.integrations.transformers import FastTrainer  # noqa: E402
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=48, length=16):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, 64, (n, length), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def model():
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(cfg)
+    return tiny_gpt2(dropout=0.0)
 
 
 def run(cls, out, max_steps=6, resume=None, **kw):
@@ -45,7 +32,7 @@ def run(cls, out, max_steps=6, resume=None, **kw):
                              per_device_train_batch_size=4, learning_rate=1e-2, report_to=[], use_cpu=True,
                              seed=0, data_seed=0, logging_strategy="no", disable_tqdm=True,
                              dataloader_num_workers=0, **kw)
-    t = cls(model=model(), args=args, train_dataset=Tokens())
+    t = cls(model=model(), args=args, train_dataset=Tokens(n=48))
     t.train(resume_from_checkpoint=resume)
     return t
 

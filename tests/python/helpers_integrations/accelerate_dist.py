@@ -38,10 +38,12 @@ from accelerate.utils import ProjectConfiguration
 from fastckpt import _C
 from fastckpt.integrations.accelerate import use_fastckpt
 
-MODE, ROOT = sys.argv[1], sys.argv[2]
+MODE = ROOT = None  # from the command line
 
 
 class Counter:
+    """An object registered with register_for_checkpointing (test_integration_accelerate.py uses it too)."""
+
     def __init__(self):
         self.n = 0
 
@@ -245,4 +247,5 @@ def kill():
 
 
 if __name__ == "__main__":
+    MODE, ROOT = sys.argv[1], sys.argv[2]
     checks() if MODE == "checks" else kill()

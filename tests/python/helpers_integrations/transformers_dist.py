@@ -37,10 +37,12 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 
 from fastckpt.integrations.transformers import FastTrainer  # noqa: E402
 
-MODE, ROOT = sys.argv[1], sys.argv[2]
+MODE = ROOT = None  # from the command line
 
 
 class Tokens(torch.utils.data.Dataset):
+    """Random token ids (the same every time); test_integration_transformers.py uses them too."""
+
     def __init__(self, n=32, length=16):
         g = torch.Generator().manual_seed(0)
         self.ids = torch.randint(0, 64, (n, length), generator=g)
@@ -52,10 +54,11 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def model():
+def model(dropout=0.1):
+    """A tiny GPT-2 from a config (no download), the same initial weights every time."""
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.1,
-                     embd_pdrop=0.1, attn_pdrop=0.0)
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=dropout,
+                     embd_pdrop=dropout, attn_pdrop=0.0)
     return GPT2LMHeadModel(cfg)
 
 
@@ -163,4 +166,5 @@ def kill():
 
 
 if __name__ == "__main__":
+    MODE, ROOT = sys.argv[1], sys.argv[2]
     checks() if MODE == "checks" else kill()
