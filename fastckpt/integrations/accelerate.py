@@ -35,8 +35,8 @@ rotates old checkpoints; a last barrier. A failure on any process fails the
 save on every process (its own error there, a RuntimeError naming it
 elsewhere), the temporary directory is removed and no directory appears
 under the final name; the waits are bounded by the process group's timeout
-(``InitProcessGroupKwargs(timeout=...)``), and a process that died is noticed
-at once. ``load_state`` reads on every process (the main process picks the
+(``InitProcessGroupKwargs(timeout=...)``), and on gloo a process that died is
+noticed at once. ``load_state`` reads on every process (the main process picks the
 automatically named checkpoint for all) and fails on every process if it
 fails on one. The checkpoint directory must be on a filesystem that every
 process sees (a process that does not see the main process's temporary

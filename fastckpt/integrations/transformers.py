@@ -31,8 +31,8 @@ barrier the main process fsyncs the rest and renames the directory into place
 any process fails the checkpoint on every process (its own error there, a
 RuntimeError naming it elsewhere; ``train()`` raises on every process), the
 temporary directory is removed and no ``checkpoint-N`` appears; the waits are
-bounded by the process group's timeout (``ddp_timeout``), and a process that
-died is noticed at once. ``output_dir`` must be on a filesystem that every
+bounded by the process group's timeout (``ddp_timeout``), and on gloo a
+process that died is noticed at once. ``output_dir`` must be on a filesystem that every
 process sees; with ``save_on_each_node`` the main process alone writes the
 shared files there (the Trainer would have every node's first process write
 them under the same names). ``resume_from_checkpoint`` is the Trainer's own in
