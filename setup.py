@@ -137,6 +137,9 @@ setup(
         "accelerate": ["accelerate>=1.15,<2", "safetensors"],
         "transformers": ["transformers>=5.24,<6", "accelerate>=1.15,<2", "safetensors"],
         "deepspeed": ["deepspeed>=0.19.8,<0.20"],
+        # not in "all": a full resolve of torchtitan 0.3 pulls datasets<4.8, which wants an older huggingface_hub
+        # than transformers 5.24 and an older fsspec (docs/INTEGRATIONS.md; tests: .ci/install_torchtitan.sh)
+        "torchtitan": ["torchtitan>=0.3,<0.4"],
         "all": ["s3fs>=2024.6", "lightning>=2.6,<2.7", "accelerate>=1.15,<2", "transformers>=5.24,<6", "safetensors",
                 "deepspeed>=0.19.8,<0.20"],
     },

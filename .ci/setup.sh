@@ -51,6 +51,9 @@ say "installing Python dependencies"
 # DeepSpeed for fastckpt.integrations.deepspeed's tests (issue 15): --no-deps, so that torch stays pinned;
 # optional (its test skips with the reason where it cannot be installed or run)
 PY="$PY" .ci/install_deepspeed.sh || say "deepspeed not installed: its integration test will skip"
+# torchtitan for fastckpt.integrations.torchtitan's test: --no-deps plus the few packages its checkpointer
+# needs (a full resolve would downgrade huggingface_hub and fsspec); optional (its test skips with the reason)
+PY="$PY" .ci/install_torchtitan.sh || say "torchtitan not installed: its integration test will skip"
 
 # The editable install registers the package and the `fastckpt` command only (FASTCKPT_BUILD_EXT=0);
 # the extension is compiled once, in place, into build/ (where `make build` finds it up to date).

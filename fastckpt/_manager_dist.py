@@ -125,18 +125,19 @@ class Ranks:
         dist.all_gather_object(out, obj, group=self.async_pg if background else self.pg)  # also a barrier
         return out
 
-    def agree(self, err: Optional[BaseException], what: str, payload: Any = None, background: bool = False) -> Any:
+    def agree(self, err: Optional[BaseException], what: str, payload: Any = None, background: bool = False,
+              who: str = "fastckpt.CheckpointManager") -> Any:
         """A barrier that also tells every rank whether any rank failed: raises
-        ``err`` here, or a RuntimeError naming the rank that failed. Returns
-        rank 0's ``payload``. ``background``: on the group of background saves
-        (:meth:`gather`)."""
+        ``err`` here, or a RuntimeError naming the rank that failed (``who``:
+        the component the message starts with). Returns rank 0's ``payload``.
+        ``background``: on the group of background saves (:meth:`gather`)."""
         msg = None if err is None else f"{type(err).__name__}: {err}"
         got = self.gather((msg, payload), background)
         if err is not None:
             raise err
         for r, (m, _) in enumerate(got):
             if m is not None:
-                raise PeerFailed(f"fastckpt.CheckpointManager: {what} failed on rank {r}: {m}")
+                raise PeerFailed(f"{who}: {what} failed on rank {r}: {m}")
         return got[0][1]
 
     # ------------------------------------------------------------ the manager's own groups

@@ -10,8 +10,10 @@ version tested with fastckpt). Nothing here is imported by ``import fastckpt``.
 * :mod:`fastckpt.integrations.accelerate`: ``use_fastckpt(accelerator)``.
 * :mod:`fastckpt.integrations.transformers`: ``FastTrainerMixin`` / ``FastTrainer``.
 * :mod:`fastckpt.integrations.deepspeed`: ``FastCheckpointEngine``.
+* :mod:`fastckpt.integrations.torchtitan`: ``FastCheckpointManager`` (torchtitan's
+  ``CheckpointManager`` with its DCP folders written and read by FastWriter / FastReader).
 
 See docs/INTEGRATIONS.md.
 """
 
-__all__ = ["lightning", "accelerate", "transformers", "deepspeed"]
+__all__ = ["lightning", "accelerate", "transformers", "deepspeed", "torchtitan"]

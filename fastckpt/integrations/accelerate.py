@@ -23,10 +23,35 @@ checkpoint directory. With ``ProjectConfiguration(automatic_checkpoint_naming=Tr
 total_limit=N)`` the oldest checkpoints are removed only *after* the new one is
 committed (Accelerate removes them first).
 
-Scope: a single process whose models are not sharded by FSDP, DeepSpeed,
-Megatron-LM or XLA. Elsewhere ``use_fastckpt`` leaves ``save_state`` /
-``load_state`` as they are and logs a warning saying why (those paths write
-with their own engines; see docs/INTEGRATIONS.md).
+Several processes (data parallel: ``torchrun`` / ``accelerate launch``, gloo
+or NCCL): ``save_state`` and ``load_state`` are collective, as they are for
+Accelerate's own distributed types. The main process makes the temporary
+directory and writes the shared state (weights, optimizers, schedulers,
+samplers, GradScaler, registered objects); every process writes its own RNG
+states (``random_states_<process index>.pkl``, as Accelerate does) into the
+same directory and fsyncs them; after a barrier the main process fsyncs the
+rest, renames the directory into place (one rename), fsyncs the parent and
+rotates old checkpoints; a last barrier. A failure on any process fails the
+save on every process (its own error there, a RuntimeError naming it
+elsewhere), the temporary directory is removed and no directory appears
+under the final name; the waits are bounded by the process group's timeout
+(``InitProcessGroupKwargs(timeout=...)``), and on gloo a process that died is
+noticed at once. ``load_state`` reads on every process (the main process picks the
+automatically named checkpoint for all) and fails on every process if it
+fails on one. The checkpoint directory must be on a filesystem that every
+process sees (a process that does not see the main process's temporary
+directory fails the save, saying so); with ``save_on_each_node`` the main
+process alone writes the shared files there. Stock Accelerate has every
+process write the GradScaler and stateful-dataloader files under one name
+(the last writer wins); here the main process writes them.
+
+Scope: no process, or data-parallel processes, whose models are not sharded
+by FSDP, DeepSpeed, Megatron-LM or XLA. With those, ``use_fastckpt`` leaves
+``save_state`` / ``load_state`` as they are and logs a warning saying why:
+their models and optimizers are written by their own engines (DeepSpeed's
+checkpoint engine, torch.distributed.checkpoint inside Accelerate's FSDP
+helpers, Megatron's or XLA's savers) into layouts of their own, which this
+module does not write (see docs/INTEGRATIONS.md).
 
 Nothing is patched globally: the accelerator instance gets its own
 ``save_state`` / ``load_state`` (``accelerator.save_state.__wrapped__`` is the
@@ -41,19 +66,21 @@ import re
 import shutil
 from typing import Any, List, Optional
 
-from ._common import atomic_directory, require
+from ._common import agree, atomic_directory, process_ranks, require
 
 require("accelerate", "accelerate", "accelerate")
 from accelerate import Accelerator  # noqa: E402
 from accelerate.checkpointing import load_accelerator_state, save_accelerator_state  # noqa: E402
 from accelerate.utils import (  # noqa: E402
-    MODEL_NAME, OPTIMIZER_NAME, SAFE_MODEL_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, WEIGHTS_NAME, DistributedType)
+    MODEL_NAME, OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_MODEL_NAME, SAFE_WEIGHTS_NAME, SCHEDULER_NAME, WEIGHTS_NAME,
+    DistributedType)
 from accelerate.utils.other import TORCH_SAFE_GLOBALS, clean_state_dict_for_safetensors  # noqa: E402
 
 import torch  # noqa: E402
 
 from .. import safetensors as _st  # noqa: E402
 from .. import serialization as _ser  # noqa: E402
+from .._manager_dist import _failures  # noqa: E402
 from ..engine import fsync_dir  # noqa: E402
 
 __all__ = ["use_fastckpt", "restore"]
@@ -63,12 +90,21 @@ log = logging.getLogger("fastckpt")
 _SUPPORTED = (DistributedType.NO, DistributedType.MULTI_CPU, DistributedType.MULTI_GPU)
 
 
+_WHY = {
+    "DEEPSPEED": "DeepSpeed writes the model and optimizer with its own checkpoint engine, in its own layout (to route "
+                 "those files through fastckpt: fastckpt.integrations.deepspeed.FastCheckpointEngine)",
+    "FSDP": "FSDP's model and optimizer are written by Accelerate's save_fsdp_model / save_fsdp_optimizer "
+            "(torch.distributed.checkpoint with its own FileSystemWriter for sharded state dicts)",
+    "MEGATRON_LM": "Megatron-LM writes the model, optimizer and scheduler with its own checkpointing",
+    "XLA": "XLA writes through xm.save",
+}
+
+
 def _unsupported(acc: Accelerator) -> Optional[str]:
-    if acc.num_processes != 1:
-        return f"{acc.num_processes} processes (fastckpt's Accelerate integration handles one process)"
-    if acc.distributed_type not in _SUPPORTED:
-        return f"distributed type {acc.distributed_type} (its models and optimizers are saved by their own engine)"
-    return None
+    if acc.distributed_type in _SUPPORTED:
+        return None
+    kind = getattr(acc.distributed_type, "name", str(acc.distributed_type))
+    return f"distributed type {kind}: " + _WHY.get(kind, "its models and optimizers are saved by their own engine")
 
 
 def _numbered(name: str, i: int) -> str:
@@ -86,15 +122,26 @@ def _save_state(acc: Accelerator, original, output_dir: Optional[str] = None, sa
     if why is not None:
         log.warning("fastckpt: accelerator.save_state is Accelerate's own here: %s", why)
         return original(output_dir, safe_serialization=safe_serialization, **save_model_func_kwargs)
+    ranks = process_ranks(acc.num_processes)
+    main = acc.is_main_process
     cfg = acc.project_configuration
     base = None
     if cfg.automatic_checkpoint_naming:
         base = os.path.join(acc.project_dir, "checkpoints")
-        os.makedirs(base, exist_ok=True)
         output_dir = os.path.join(base, f"checkpoint_{cfg.iteration}")
-        if os.path.exists(output_dir):  # Accelerate's own refusal
-            raise ValueError(f"Checkpoint directory {output_dir} ({cfg.iteration}) already exists. Please manually "
-                             "override `self.save_iteration` with what iteration to start with.")
+        err = None
+        try:
+            if main:
+                os.makedirs(base, exist_ok=True)
+                if os.path.exists(output_dir):  # Accelerate's own refusal
+                    raise ValueError(f"Checkpoint directory {output_dir} ({cfg.iteration}) already exists. Please "
+                                     "manually override `self.save_iteration` with what iteration to start with.")
+        except _failures() as e:  # noqa: BLE001
+            if ranks is None:
+                raise
+            err = e
+        if ranks is not None:
+            agree(ranks, err, output_dir, "checking its name")
     elif output_dir is None:
         raise ValueError("accelerator.save_state: no output_dir given and automatic checkpoint naming is disabled")
     output_dir = os.path.expanduser(os.fspath(output_dir))
@@ -103,25 +150,28 @@ def _save_state(acc: Accelerator, original, output_dir: Optional[str] = None, sa
         weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
         for hook in acc._save_model_state_pre_hook.values():  # what Accelerate's save_state does, same arguments
             hook(acc._models, weights, tmp)
-        for i, state in enumerate(weights):
-            if safe_serialization:
-                _st.save_file(clean_state_dict_for_safetensors(state),
-                              os.path.join(tmp, _numbered(SAFE_WEIGHTS_NAME, i)), metadata={"format": "pt"})
-            else:
-                _ser.save(state, os.path.join(tmp, _numbered(WEIGHTS_NAME, i)))
-        for i, opt in enumerate(acc._optimizers):
-            _ser.save(opt.state_dict(), os.path.join(tmp, _numbered(f"{OPTIMIZER_NAME}.bin", i)))
-        for i, sched in enumerate(acc._schedulers):
-            _ser.save(sched.state_dict(), os.path.join(tmp, _numbered(f"{SCHEDULER_NAME}.bin", i)))
-        # samplers, GradScaler, RNG states: Accelerate's own code (small files), made durable by the commit
-        save_accelerator_state(tmp, [], [], [], acc._dataloaders, acc.state.process_index, acc.step, acc.scaler,
-                               save_on_each_node=cfg.save_on_each_node, safe_serialization=safe_serialization)
-        for i, obj in enumerate(acc._custom_objects):
-            _ser.save(obj.state_dict(), os.path.join(tmp, f"custom_checkpoint_{i}.pkl"))
+        if main:  # the shared state: the main process's
+            for i, state in enumerate(weights):
+                if safe_serialization:
+                    _st.save_file(clean_state_dict_for_safetensors(state),
+                                  os.path.join(tmp, _numbered(SAFE_WEIGHTS_NAME, i)), metadata={"format": "pt"})
+                else:
+                    _ser.save(state, os.path.join(tmp, _numbered(WEIGHTS_NAME, i)))
+            for i, opt in enumerate(acc._optimizers):
+                _ser.save(opt.state_dict(), os.path.join(tmp, _numbered(f"{OPTIMIZER_NAME}.bin", i)))
+            for i, sched in enumerate(acc._schedulers):
+                _ser.save(sched.state_dict(), os.path.join(tmp, _numbered(f"{SCHEDULER_NAME}.bin", i)))
+            for i, obj in enumerate(acc._custom_objects):
+                _ser.save(obj.state_dict(), os.path.join(tmp, f"custom_checkpoint_{i}.pkl"))
+        # Accelerate's own code for the small files: samplers, GradScaler (main process only: one writer per name)
+        # and this process's RNG states (every process); made durable by the commit
+        save_accelerator_state(tmp, [], [], [], acc._dataloaders if main else [], acc.state.process_index, acc.step,
+                               acc.scaler if main else None, save_on_each_node=False,
+                               safe_serialization=safe_serialization)
 
-    atomic_directory(output_dir, write)
-    log.info("fastckpt: accelerator state saved to %s", output_dir)
-    if base is not None and cfg.total_limit is not None:  # rotation, once the new checkpoint is committed
+    def rotate() -> None:  # once the new checkpoint is committed (Accelerate removes old ones first)
+        if base is None or cfg.total_limit is None:
+            return
         folders = sorted((os.path.join(base, f) for f in os.listdir(base) if not f.startswith(".")),
                          key=_checkpoint_number)
         doomed = folders[:max(0, len(folders) - cfg.total_limit)]
@@ -129,6 +179,10 @@ def _save_state(acc: Accelerator, original, output_dir: Optional[str] = None, sa
             shutil.rmtree(folder)
         if doomed:
             fsync_dir(base)
+
+    atomic_directory(output_dir, write, ranks=ranks, own=[f"{RNG_STATE_NAME}_{acc.state.process_index}.pkl"],
+                     after_commit=rotate)
+    log.info("fastckpt: accelerator state saved to %s", output_dir)
     cfg.iteration += 1
     return output_dir
 
@@ -140,26 +194,52 @@ def _load(path: str, map_location: Any = None, **load_kwargs) -> Any:
         return _ser.load(path, map_location=map_location, **load_kwargs)
 
 
+def _find_input_dir(acc: Accelerator, input_dir: Optional[str]) -> str:
+    if input_dir is not None:
+        input_dir = os.path.expanduser(os.fspath(input_dir))
+        if not os.path.isdir(input_dir):
+            raise ValueError(f"Tried to find {input_dir} but folder does not exist")
+        return input_dir
+    if acc.project_configuration.automatic_checkpoint_naming:
+        base = os.path.join(acc.project_dir, "checkpoints")
+        folders = [os.path.join(base, f) for f in os.listdir(base) if not f.startswith(".")]  # no temporaries
+        if not folders:
+            raise FileNotFoundError(f"no checkpoint in {base}")
+        return sorted(folders, key=_checkpoint_number)[-1]
+    raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+
+
 def _load_state(acc: Accelerator, original, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
                 **load_model_func_kwargs) -> None:
     why = _unsupported(acc)
     if why is not None:
         log.warning("fastckpt: accelerator.load_state is Accelerate's own here: %s", why)
         return original(input_dir, load_kwargs, **load_model_func_kwargs)
-    if input_dir is not None:
-        input_dir = os.path.expanduser(os.fspath(input_dir))
-        if not os.path.isdir(input_dir):
-            raise ValueError(f"Tried to find {input_dir} but folder does not exist")
-    elif acc.project_configuration.automatic_checkpoint_naming:
-        base = os.path.join(acc.project_dir, "checkpoints")
-        folders = [os.path.join(base, f) for f in os.listdir(base) if not f.startswith(".")]  # no temporaries
-        if not folders:
-            raise FileNotFoundError(f"no checkpoint in {base}")
-        input_dir = sorted(folders, key=_checkpoint_number)[-1]
-    else:
-        raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
+    ranks = process_ranks(acc.num_processes)
+    if ranks is None:
+        return _load_here(acc, _find_input_dir(acc, input_dir), load_kwargs, load_model_func_kwargs)
+    # several processes: the main process picks the directory (the newest, with automatic naming) for all
+    shown = os.fspath(input_dir) if input_dir is not None else os.path.join(acc.project_dir, "checkpoints")
+    err, found = None, None
+    if acc.is_main_process:
+        try:
+            found = _find_input_dir(acc, input_dir)
+        except _failures() as e:  # noqa: BLE001
+            err = e
+    found = agree(ranks, err, shown, "finding it", found, action="load")
+    err = None
+    try:
+        _load_here(acc, found, load_kwargs, load_model_func_kwargs)
+    except _failures() as e:  # noqa: BLE001
+        err = e
+    agree(ranks, err, found, "reading its files", action="load")
+
+
+def _load_here(acc: Accelerator, input_dir: str, load_kwargs: Optional[dict], load_model_func_kwargs: dict) -> None:
+    """What ``load_state`` reads in this process from ``input_dir``."""
     log.info("fastckpt: loading accelerator state from %s", input_dir)
     load_kwargs = dict(load_kwargs or {})
+    load_model_func_kwargs = dict(load_model_func_kwargs)
     models: List[torch.nn.Module] = list(acc._models)
     for hook in acc._load_model_state_pre_hook.values():
         hook(models, input_dir)

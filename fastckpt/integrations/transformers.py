@@ -20,8 +20,27 @@ model) go through :func:`fastckpt.safetensors.save_file`, the optimizer
 made durable by the commit. The files are the formats the Trainer reads:
 ``resume_from_checkpoint`` works unchanged, with this mixin or without it.
 
-Scope: one process (``world_size == 1``), no DeepSpeed/FSDP/XLA/SageMaker;
-elsewhere the stock ``_save_checkpoint`` runs and a warning says why. Routing
+Several processes (data parallel, DDP: ``torchrun`` / ``accelerate launch``):
+the save is collective, as the Trainer's is. The main process makes the
+temporary directory; the Trainer's own code writes, in every process, into
+``checkpoint-N`` inside it: the main process the shared state (weights,
+optimizer, scheduler, scaler, trainer state, training args), every process its
+own ``rng_state_<process index>.pth`` (fsync'd by that process); after a
+barrier the main process fsyncs the rest and renames the directory into place
+(one rename), fsyncs ``output_dir`` and rotates; a last barrier. A failure on
+any process fails the checkpoint on every process (its own error there, a
+RuntimeError naming it elsewhere; ``train()`` raises on every process), the
+temporary directory is removed and no ``checkpoint-N`` appears; the waits are
+bounded by the process group's timeout (``ddp_timeout``), and on gloo a
+process that died is noticed at once. ``output_dir`` must be on a filesystem that every
+process sees; with ``save_on_each_node`` the main process alone writes the
+shared files there (the Trainer would have every node's first process write
+them under the same names). ``resume_from_checkpoint`` is the Trainer's own in
+every process.
+
+Scope: no DeepSpeed/FSDP/XLA/SageMaker model parallelism (their checkpoint
+files are written by their own engines); there the stock ``_save_checkpoint``
+runs and a warning says why. Routing
 ``save_pretrained``'s weights writer: transformers' ``modeling_utils.safe_save_file``
 is replaced once by a dispatcher that calls fastckpt only inside a
 ``FastTrainerMixin`` save on the same thread (everything else gets the
@@ -35,7 +54,7 @@ import os
 import threading
 from typing import Any, Optional
 
-from ._common import atomic_directory, require
+from ._common import atomic_directory, process_ranks, require
 
 require("transformers", "transformers", "transformers")
 import transformers.modeling_utils as _mu  # noqa: E402
@@ -90,8 +109,6 @@ class FastTrainerMixin:
     _fastckpt_staging: Optional[str] = None
 
     def _fastckpt_unsupported(self) -> Optional[str]:
-        if self.args.world_size > 1:
-            return f"world_size={self.args.world_size}"
         for flag in ("is_deepspeed_enabled", "is_fsdp_enabled", "is_fsdp_xla_v1_enabled"):
             if getattr(self, flag, False):
                 return flag
@@ -109,43 +126,54 @@ class FastTrainerMixin:
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         why = self._fastckpt_unsupported()
-        if why is not None or not self.args.should_save:
-            if why is not None:
-                log.warning("fastckpt: Trainer checkpoint written by transformers itself here (%s)", why)
+        if why is not None:
+            log.warning("fastckpt: Trainer checkpoint written by transformers itself here (%s)", why)
             return super()._save_checkpoint(model, trial)
+        args = self.args
+        ranks = process_ranks(args.world_size)
         run_dir = self._get_output_dir(trial=trial)
         name = f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         final = os.path.join(run_dir, name)
 
         def write(tmp: str) -> None:
             self._fastckpt_staging = tmp
-            push, self.args.push_to_hub = self.args.push_to_hub, False  # pushed below, from the final directory
+            # pushed below, from the final directory; the main process alone writes the shared files into the one
+            # directory (with save_on_each_node, the Trainer has the first process of every node write them)
+            push, each_node = args.push_to_hub, args.save_on_each_node
+            args.push_to_hub = args.save_on_each_node = False
             try:
                 with _fast_weights():
                     super(FastTrainerMixin, self)._save_checkpoint(model, trial)
+                # The Trainer looked for the best checkpoint in the temporary directory: look where it will be.
+                best = self.state.best_global_step
+                if best:
+                    best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
+                    if best == self.state.global_step or os.path.exists(best_dir):
+                        self.state.best_model_checkpoint = best_dir
+                        if args.should_save:
+                            self.state.save_to_json(os.path.join(tmp, name, TRAINER_STATE_NAME))
             finally:
                 self._fastckpt_staging = None
-                self.args.push_to_hub = push
-            # The Trainer looked for the best checkpoint in the temporary directory: look where it will be.
-            best = self.state.best_global_step
-            if best:
-                best_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{best}")
-                if best == self.state.global_step or os.path.exists(best_dir):
-                    self.state.best_model_checkpoint = best_dir
-                    self.state.save_to_json(os.path.join(tmp, name, TRAINER_STATE_NAME))
+                args.push_to_hub, args.save_on_each_node = push, each_node
 
-        atomic_directory(final, write, inner=name)
-        if self.args.push_to_hub:
-            self._push_from_checkpoint(final)
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        def rotate() -> None:  # the main process, once checkpoint-N is committed
+            rotate_checkpoints(output_dir=run_dir, save_total_limit=args.save_total_limit,
+                               best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+        own = [f"rng_state_{args.process_index}.pth"] if ranks is not None else []
+        atomic_directory(final, write, inner=name, ranks=ranks, own=own, after_commit=rotate)
+        if args.push_to_hub:
+            self._push_from_checkpoint(final)  # the Trainer's: the main process pushes
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         if self._fastckpt_staging is None or self._fastckpt_unsupported() is not None:
             return super()._save_optimizer_and_scheduler(output_dir)
+        if not self.args.should_save:  # as the Trainer: the main process writes them
+            return None
         _ser.save(self.optimizer.state_dict(), os.path.join(output_dir, OPTIMIZER_NAME))
         if self.lr_scheduler is not None:
             _ser.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+        return None
 
 
 class FastTrainer(FastTrainerMixin, Trainer):

@@ -3,7 +3,9 @@ import copy
 import errno
 import os
 import random
+import signal
 import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,20 +16,11 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
+import dist_launch  # noqa: E402
 import fastckpt  # noqa: E402
 from fastckpt import _C  # noqa: E402
 from fastckpt.integrations.accelerate import restore, use_fastckpt  # noqa: E402
-
-
-class Counter:
-    def __init__(self):
-        self.n = 0
-
-    def state_dict(self):
-        return {"n": self.n}
-
-    def load_state_dict(self, sd):
-        self.n = sd["n"]
+from helpers_integrations.accelerate_dist import Counter  # noqa: E402
 
 
 def setup(fast=True, seed=0, project=None, **cfg):
@@ -180,3 +173,39 @@ def test_restore_and_errors(tmp_path):
     (tmp_path / "file").write_bytes(b"x")
     with pytest.raises(NotADirectoryError, match="file"):
         acc.save_state(str(tmp_path / "file"))
+
+
+# ---------------------------------------------------------------- several processes (gloo)
+DIST_WORKER = Path(__file__).resolve().parent / "helpers_integrations" / "accelerate_dist.py"
+needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                                reason="torch.distributed with gloo is not available")
+
+
+@needs_gloo
+def test_two_processes_save_load_resume_bitwise_failures_and_rotation(tmp_path):
+    """One torchrun job of 2 processes, several checks (helpers_integrations/accelerate_dist.py):
+    the files are stock Accelerate's (one random_states_<i>.pkl per process); bitwise resume, every
+    process's RNG included, for ours read by ours, ours read by stock, stock read by ours; a failure
+    on rank 1 and one on rank 0 fail the save on both ranks, the previous checkpoint unchanged and no
+    temporary left; a load failure on one rank fails both; rotation after the commit and load_state()
+    of the newest on both ranks."""
+    r = dist_launch.torchrun(DIST_WORKER, "checks", tmp_path, timeout=400)
+    assert r.returncode == 0, dist_launch.report(r)
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")] == [
+        "ok same-files-as-stock", "ok ours-read-by-ours", "ok ours-read-by-stock", "ok stock-read-by-ours",
+        "ok failure-on-rank-1", "ok failure-on-rank-0", "ok load-failure-on-rank-1",
+        "ok rotation-and-load-latest"], dist_launch.report(r)
+
+
+@needs_gloo
+def test_a_process_killed_mid_save_fails_the_save_on_the_main_process(tmp_path):
+    """Rank 1 is killed (SIGKILL) in the middle of a save while rank 0 waits at the barrier: rank 0
+    raises (no hang) naming the checkpoint directory, which is left as the previous save wrote it, and
+    removes the temporary directory."""
+    rank0, rank1 = dist_launch.ranks(DIST_WORKER, "kill", tmp_path, timeout=300)
+    assert rank1.returncode == -signal.SIGKILL, dist_launch.report([rank0, rank1])
+    assert rank0.returncode == 0, dist_launch.report([rank0, rank1])
+    assert "ok rank0-failed:" in rank0.stdout and "lost contact" in rank0.stdout, rank0.stdout
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["custom_checkpoint_0.pkl", "model.safetensors", "optimizer.bin",
+                                                     "random_states_0.pkl", "random_states_1.pkl", "scheduler.bin"]

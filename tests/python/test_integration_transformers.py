@@ -2,7 +2,9 @@
 import errno
 import json
 import os
+import signal
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,29 +13,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 pytest.importorskip("transformers", reason="transformers is not installed (pip install 'fastckpt-io[transformers]')")
 pytest.importorskip("accelerate", reason="transformers' Trainer needs accelerate")
-from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+from transformers import Trainer, TrainingArguments  # noqa: E402
 
+import dist_launch  # noqa: E402
+import fastckpt  # noqa: E402
+from helpers_integrations.transformers_dist import Tokens  # noqa: E402
+from helpers_integrations.transformers_dist import model as tiny_gpt2  # noqa: E402
 from fastckpt import _C  # noqa: E402
 from fastckpt.integrations.transformers import FastTrainer  # noqa: E402
 
 
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n=48, length=16):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, 64, (n, length), generator=g)
-
-    def __len__(self):
-        return len(self.ids)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def model():
-    torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0)
-    return GPT2LMHeadModel(cfg)
+    return tiny_gpt2(dropout=0.0)
 
 
 def run(cls, out, max_steps=6, resume=None, **kw):
@@ -41,7 +32,7 @@ def run(cls, out, max_steps=6, resume=None, **kw):
                              per_device_train_batch_size=4, learning_rate=1e-2, report_to=[], use_cpu=True,
                              seed=0, data_seed=0, logging_strategy="no", disable_tqdm=True,
                              dataloader_num_workers=0, **kw)
-    t = cls(model=model(), args=args, train_dataset=Tokens())
+    t = cls(model=model(), args=args, train_dataset=Tokens(n=48))
     t.train(resume_from_checkpoint=resume)
     return t
 
@@ -116,3 +107,42 @@ def test_failure_mid_checkpoint_leaves_earlier_ones_and_no_half_directory(tmp_pa
         _C.fault_clear()
     assert sorted(os.listdir(out)) == ["checkpoint-2", "checkpoint-4"]
     assert {n: (out / "checkpoint-2" / n).read_bytes() for n in os.listdir(out / "checkpoint-2")} == before
+
+
+# ---------------------------------------------------------------- several processes (DDP, gloo)
+DIST_WORKER = Path(__file__).resolve().parent / "helpers_integrations" / "transformers_dist.py"
+needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                                reason="torch.distributed with gloo is not available")
+
+
+@needs_gloo
+def test_two_processes_checkpoints_resume_bitwise_and_a_failure_on_one_rank(tmp_path):
+    """One torchrun job of 2 processes, several checks (helpers_integrations/transformers_dist.py):
+    checkpoint-N holds the stock Trainer's files (one rng_state_<i>.pth per process) and is rotated;
+    resume is bitwise against the uninterrupted run (dropout on: every process's RNG state matters)
+    for ours resumed by ours, ours by the stock Trainer, the stock Trainer's by ours; a failure on
+    rank 1 mid-checkpoint fails train() on both ranks with no checkpoint-4 and no temporary left."""
+    r = dist_launch.torchrun(DIST_WORKER, "checks", tmp_path, timeout=500)
+    assert r.returncode == 0, dist_launch.report(r)
+    assert [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")] == [
+        "ok checkpoints-and-rotation", "ok ours-resumed-by-ours", "ok ours-resumed-by-stock",
+        "ok stock-resumed-by-ours", "ok failure-on-rank-1"], dist_launch.report(r)
+
+
+@needs_gloo
+def test_the_main_process_killed_mid_checkpoint(tmp_path):
+    """Rank 0 is killed (SIGKILL) while writing checkpoint-4, rank 1 waiting at the barrier: rank 1's
+    train() raises (no hang) naming checkpoint-4; no checkpoint-4 appears, checkpoint-2 is complete,
+    and what is left is a temporary directory (that `rm` or CheckpointManager.clean_temporaries removes)."""
+    rank0, rank1 = dist_launch.ranks(DIST_WORKER, "kill", tmp_path, timeout=300)
+    assert rank0.returncode == -signal.SIGKILL, dist_launch.report([rank0, rank1])
+    assert rank1.returncode == 0 and "ok rank1-failed:" in rank1.stdout, dist_launch.report([rank0, rank1])
+    out = tmp_path / "k"
+    assert [n for n in os.listdir(out) if not n.startswith(".")] == ["checkpoint-2"]
+    assert json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())["global_step"] == 2
+    from safetensors.torch import load_file
+    assert "transformer.wte.weight" in load_file(out / "checkpoint-2" / "model.safetensors")
+    assert {"rng_state_0.pth", "rng_state_1.pth", "optimizer.pt"} <= set(os.listdir(out / "checkpoint-2"))
+    assert all(".checkpoint-4.fastckpt-tmp." in n for n in os.listdir(out) if n.startswith("."))
+    fastckpt.CheckpointManager(out).close()  # its constructor removes temporaries of processes that are gone
+    assert os.listdir(out) == ["checkpoint-2"]

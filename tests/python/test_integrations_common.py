@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from fastckpt._manager_dist import PeerFailed, Ranks
 from fastckpt.integrations import _common
 
 
@@ -70,3 +71,45 @@ def test_a_failed_write_leaves_the_old_directory_and_names_the_users_path(tmp_pa
     with pytest.raises(NotADirectoryError):
         (tmp_path / "f").write_bytes(b"")
         _common.atomic_directory(tmp_path / "f", fill({}))
+
+
+class Rank1Of2(Ranks):
+    """This process as rank 1 of 2, rank 0's side of every collective scripted (what it sends)."""
+
+    def __init__(self, *rank0):
+        self.rank, self.world_size, self.dist = 1, 2, True
+        self.rank0 = list(rank0)
+        self.sent = []
+
+    def gather(self, obj, background=False):
+        self.sent.append(obj)
+        return [self.rank0.pop(0), obj]
+
+
+def test_a_process_that_does_not_see_rank_0s_temporary_directory_fails_the_save(tmp_path):
+    ranks = Rank1Of2((None, str(tmp_path / ".ck.fastckpt-tmp.elsewhere.dcp")), (None, None), None)
+    with pytest.raises(FileNotFoundError, match="rank 1 does not see rank 0's temporary directory") as ei:
+        _common.atomic_directory(tmp_path / "ck", fill({"x": b"1"}), ranks=ranks)
+    assert str(tmp_path / "ck") in str(ei.value)
+    assert ranks.sent[1][0].startswith("FileNotFoundError")  # rank 0 was told, then the cleanup barrier
+    assert len(ranks.sent) == 3 and os.listdir(tmp_path) == []
+
+
+def test_rank_1_writes_its_own_files_and_learns_that_rank_0s_commit_failed(tmp_path):
+    tmp = tmp_path / ".ck.fastckpt-tmp.rank0.dcp"
+    tmp.mkdir()  # what rank 0 made
+    ranks = Rank1Of2((None, str(tmp)), (None, None), ("OSError: [Errno 5] rename failed", None), None)
+    with pytest.raises(PeerFailed, match="failed on rank 0: OSError") as ei:
+        _common.atomic_directory(tmp_path / "ck", fill({"mine": b"1"}), ranks=ranks, own=["mine", "absent"])
+    assert str(tmp_path / "ck") in str(ei.value)
+    assert os.listdir(tmp) == ["mine"]  # rank 1 does not remove rank 0's directory: rank 0 does
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_lost_peer_is_an_error_naming_the_directory(tmp_path):
+    class Lost(Rank1Of2):
+        def gather(self, obj, background=False):
+            raise RuntimeError("Connection closed by peer")
+    with pytest.raises(_common.LostContact, match="lost contact with the other processes") as ei:
+        _common.atomic_directory(tmp_path / "ck", fill({}), ranks=Lost())
+    assert str(tmp_path / "ck") in str(ei.value)

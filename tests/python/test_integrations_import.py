@@ -14,6 +14,7 @@ CASES = {
     "accelerate": ("accelerate", "accelerate"),
     "transformers": ("transformers", "transformers"),
     "deepspeed": ("deepspeed", "deepspeed"),
+    "torchtitan": ("torchtitan", "torchtitan"),
 }
 
 
@@ -43,7 +44,7 @@ else:
 def test_import_fastckpt_imports_no_framework():
     r = run("""
 import sys, fastckpt, fastckpt.integrations
-print(sorted(m for m in ("lightning", "accelerate", "transformers", "deepspeed") if m in sys.modules))
+print(sorted(m for m in ("lightning", "accelerate", "transformers", "deepspeed", "torchtitan") if m in sys.modules))
 """)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"

@@ -1,0 +1,74 @@
+"""Launching a script as a job of several processes for the integration tests:
+under torchrun, or rank by rank with torchrun's environment (so that a rank
+that is killed is not followed by torchrun's agent stopping the others)."""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import List
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra) -> dict:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("FASTCKPT_TEST_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                    "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
+    e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
+             TRANSFORMERS_OFFLINE="1")
+    e.update(extra)
+    return e
+
+
+def torchrun(script, *args, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node nproc script args``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(script), *map(str, args)]
+    return subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def ranks(script, *args, world: int = 2, timeout: float = 300) -> List[subprocess.CompletedProcess]:
+    """Every rank of ``script args`` started directly, with RANK, WORLD_SIZE,
+    LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them; waits for all
+    (killing any still running past ``timeout``: its return code is then
+    -SIGKILL) and returns one CompletedProcess each."""
+    port = str(free_port())
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(world)]  # no pipe to fill
+    procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=ROOT, text=True,
+                              stdout=files[r][0], stderr=files[r][1],
+                              env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(world)]
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            p.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    out = []
+    for p, (o, e) in zip(procs, files):
+        o.seek(0)
+        e.seek(0)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o.read(), e.read()))
+        o.close()
+        e.close()
+    return out
+
+
+def report(results) -> str:
+    if isinstance(results, subprocess.CompletedProcess):
+        results = [results]
+    return "\n".join(f"--- exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}" for r in results)
