@@ -13,6 +13,10 @@ BENCH_ARGS      ?=
 # make bench writes its report here (outside the tracked tree); BENCH_OUT=benchmarks/results updates the committed one.
 BENCH_OUT       ?= build/bench
 PYTEST_ARGS ?=
+# make test runs the Python tests on PYTEST_WORKERS processes (pytest-xdist; 0: one process, pytest's
+# order), the longest first and a module's expensive fixtures built once (tests/conftest.py).
+PYTEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
+PYTEST_XDIST    = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
 
 .PHONY: all setup build test test-cpp test-python powerloss-long fuzz-sanitized bench bench-full clean distclean
 
@@ -35,7 +39,13 @@ test-cpp: $(STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ctest --test-dir $(CMAKE_DIR) --output-on-failure
 
 test-python: build
-	$(PY) -m pytest -q --durations=25 tests/python tests/powerloss $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_XDIST) tests/python tests/powerloss $(PYTEST_ARGS)
+
+# Refresh tests/durations.json (the expected time of each test that takes a second or more, which
+# tests/conftest.py uses to start the longest tests first): the whole suite, as make test runs it.
+.PHONY: test-durations
+test-durations: build
+	FASTCKPT_TEST_DURATIONS_OUT=tests/durations.json $(PY) -m pytest -q $(PYTEST_XDIST) tests/python tests/powerloss $(PYTEST_ARGS)
 
 test: test-cpp test-python
 

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
-say() { printf '[setup] %s\n' "$*"; }
+START=$SECONDS
+say() { printf '[setup +%ss] %s\n' "$((SECONDS - START))" "$*"; }
 
 # System packages: liburing (io_uring backend), fio (the disk's own limit in
 # the benchmark), a C++ toolchain and cmake/ninja for the C++ tests; fuse3 and

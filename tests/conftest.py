@@ -1,0 +1,84 @@
+"""Scheduling of the test suite on several workers (pytest-xdist, `make test`).
+
+`make test` runs ``pytest -n N --dist loadgroup --no-loadscope-reorder``: every
+test is a unit of work of its own, except the tests of a module whose
+module-scoped fixtures are expensive (a crash driver's run, a mounted FUSE
+filesystem, a fuzz corpus), which stay together on one worker (an
+``xdist_group`` named after the module) so that the fixture is built once.
+The units go to whichever worker is free, longest first (longest-processing-
+time-first keeps the last minutes of the run from being one long test on one
+worker while the other idles): the expected durations come from
+``tests/durations.json``, seconds per test id, written by a run with
+``FASTCKPT_TEST_DURATIONS_OUT=tests/durations.json`` (``make test-durations``).
+A test that is not in it counts as short. Serial runs keep pytest's order.
+"""
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+DURATIONS = HERE / "durations.json"
+# Tests shorter than this are left out of durations.json (they count as DEFAULT_S).
+RECORD_MIN_S, DEFAULT_S = 1.0, 0.3
+# Modules whose module-scoped fixtures are worth building once: their tests share one worker.
+GROUPED = {
+    "tests/powerloss/test_powerloss.py",
+    "tests/python/test_collective_load_device.py",
+    "tests/python/test_crash_short.py",
+    "tests/python/test_dcp.py",
+    "tests/python/test_ddp_resume.py",
+    "tests/python/test_fuzz_dcp.py",
+    "tests/python/test_fuzz_load.py",
+    "tests/python/test_hostile.py",
+    "tests/python/test_zip_bounds.py",
+}
+
+
+def _distributed(config) -> bool:
+    return getattr(config.option, "numprocesses", None) not in (None, 0) or hasattr(config, "workerinput")
+
+
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    if not _distributed(config):
+        return
+    try:
+        expected = json.loads(DURATIONS.read_text())
+    except (OSError, ValueError):
+        expected = {}
+    cost = {}  # unit of work -> expected seconds
+    unit = {}
+    for item in items:
+        mod = _module(item.nodeid)
+        if mod in GROUPED:
+            item.add_marker(pytest.mark.xdist_group(mod))
+            unit[item.nodeid] = "group:" + mod
+        else:
+            unit[item.nodeid] = item.nodeid
+        u = unit[item.nodeid]
+        cost[u] = cost.get(u, 0.0) + float(expected.get(item.nodeid, DEFAULT_S))
+    # Stable: the tests of a group keep their order; equal costs keep pytest's.
+    items.sort(key=lambda it: -cost[unit[it.nodeid]])
+
+
+# ---------------------------------------------------------------- recording durations
+
+_seen = {}
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("FASTCKPT_TEST_DURATIONS_OUT"):
+        _seen[report.nodeid] = _seen.get(report.nodeid, 0.0) + report.duration  # setup + call + teardown
+
+
+def pytest_sessionfinish(session, exitstatus):
+    out = os.environ.get("FASTCKPT_TEST_DURATIONS_OUT")
+    if not out or hasattr(session.config, "workerinput"):  # the controller writes (it sees every report)
+        return
+    rows = {k: round(v, 1) for k, v in sorted(_seen.items(), key=lambda kv: -kv[1]) if v >= RECORD_MIN_S}
+    Path(out).write_text(json.dumps(rows, indent=0) + "\n")
