@@ -40,9 +40,54 @@ from ._manager_dist import _failures
 log = logging.getLogger("fastckpt")
 
 
-def team_prefix() -> str:
-    """Rank 0: the key prefix of one manager's remote-tier ranks in the job's store."""
-    return f"fastckpt-remote/{uuid.uuid4().hex}"
+def team(mgr: Any) -> bool:
+    """Whether every rank of ``mgr`` uploads its part of each step: sharded and collective modes with several ranks."""
+    return mgr._remote_url is not None and mgr.world_size > 1 and (mgr.sharded or mgr.collective)
+
+
+def open_rank0(mgr: Any, url: Optional[str], storage_options: Optional[Dict[str, Any]],
+               keep_last_remote: Optional[int]) -> Optional[str]:
+    """Rank 0, in the manager's constructor: its remote tier (the store checked);
+    returns the key prefix of the ranks' uploads in the job's store, which every
+    rank learns, where every rank uploads its part (:func:`team`)."""
+    if url is None:
+        return None
+    prefix = f"fastckpt-remote/{uuid.uuid4().hex}" if team(mgr) else None
+    mgr._remote = RemoteTier(mgr, url, storage_options, keep_last_remote, prefix)
+    return prefix
+
+
+def open_others(mgr: Any, url: Optional[str], storage_options: Optional[Dict[str, Any]],
+                keep_last_remote: Optional[int], prefix: Optional[str]) -> None:
+    """Collective where every rank uploads its part (nothing elsewhere): every
+    other rank opens the store (checked) and starts serving rank 0's uploads;
+    any rank's failure raises on every rank."""
+    if not team(mgr):
+        return
+    err = None
+    if mgr.rank != 0:
+        try:
+            mgr._remote = RemoteTier(mgr, url, storage_options, keep_last_remote, prefix)
+        except _failures() as e:  # noqa: BLE001 - every rank learns of it
+            err = e
+    try:
+        mgr._ranks.agree(err, f"opening the remote tier {url}")
+    except BaseException:
+        if mgr._remote is not None:
+            mgr._remote.close(wait=False)
+            mgr._remote = None
+        raise
+
+
+def close_all(mgr: Any) -> None:
+    """Collective where every rank uploads its part (nothing elsewhere), in
+    ``close()``: every rank serves rank 0's last uploads until it says they
+    ended, then a barrier (rank 0 keeps the job's store up until every rank is done with it)."""
+    if not team(mgr):
+        return
+    if mgr._remote is not None:
+        mgr._remote.close(wait=True)
+    mgr._ranks.agree(None, "closing the remote tier")
 
 
 class RemoteTier:
@@ -99,8 +144,13 @@ class RemoteTier:
         return st
 
     def wait(self, timeout: Optional[float] = None) -> Optional[int]:
-        """Block until no upload is queued or running (another rank: until rank 0
-        ruled on every step it had queued); raise the last failure (once)."""
+        """Rank 0: block until no upload is queued or running; raise the last failure
+        (once; a step that failed on other ranks: :class:`fastckpt.remote.team.RanksFailed`
+        naming them). Another rank that uploads its part (sharded and collective
+        modes): block until rank 0 ruled on every step it had queued when this was
+        called (after the manager's collective ``wait()`` that covers the
+        asynchronous saves); raise this rank's own failure or rank 0's verdict that a
+        step failed (once)."""
         if self.worker is not None:
             return self.worker.wait(timeout)
         done = self.rep.wait(timeout)

@@ -75,9 +75,8 @@ from typing import Any, List, NamedTuple, Optional, Set, Union
 from ._manager_async import async_save as _collective_async_save
 from ._manager_dist import Ranks, _failures, _register
 from ._manager_policy import TMP_MARK, StepDirectory, _failure_kind, _unwrap
-from ._manager_remote import RemoteTier
+from . import _manager_remote as _remote_tier
 from ._manager_remote import candidates as _remote_candidates
-from ._manager_remote import team_prefix as _team_prefix
 from .async_save import AsyncSaver, SaveFuture, _fail_inherited, default_saver
 from .serialization import load as _load
 from .serialization import save as _save
@@ -123,12 +122,10 @@ class CheckpointManager:
             :func:`fastckpt.wait_for_saves` also waits for).
         replicate_to: an fsspec URL (``s3://bucket/run``, ``gs://...``,
             ``file:///shared/...``): every committed step is uploaded there in
-            the background, its manifest last (by rank 0, once every rank
-            uploaded its part: its shards in sharded mode, a share of the
-            file's parts in collective mode; rank 0 alone otherwise), and
-            :meth:`load_latest` restores from it when no local checkpoint is
-            left (fastckpt/_manager_remote.py). The store is checked now, on
-            every rank that uploads.
+            the background, its manifest last (every rank its part in sharded
+            and collective modes, else rank 0), and :meth:`load_latest` restores
+            from it when no local checkpoint is left
+            (fastckpt/_manager_remote.py). The store is checked now.
         storage_options: passed to fsspec for ``replicate_to``.
         keep_last_remote: complete remote steps to keep (None: all).
 
@@ -159,35 +156,18 @@ class CheckpointManager:
         self._ranks = Ranks(process_group)       # the coordination
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         self.collective = bool(collective) and not sharded and self.world_size > 1
-        self._remote_url, self._remote = replicate_to, None  # the remote tier: rank 0's RemoteTier
-        # every rank uploads its part of each step (fastckpt/_manager_remote.py): sharded and collective modes
-        self._remote_team = replicate_to is not None and self.world_size > 1 and (sharded or self.collective)
+        self._remote_url, self._remote = replicate_to, None  # the remote tier (fastckpt/_manager_remote.py)
         err, prefix = None, None
         if self.rank == 0:
             try:
                 self._dir.prepare(clean=False)
                 if clean:
                     self.clean_temporaries()
-                if replicate_to is not None:
-                    prefix = _team_prefix() if self._remote_team else None
-                    self._remote = RemoteTier(self, replicate_to, storage_options, keep_last_remote, prefix)
+                prefix = _remote_tier.open_rank0(self, replicate_to, storage_options, keep_last_remote)
             except _failures() as e:  # noqa: BLE001 - every rank learns of it
                 err = e
         prefix = self._ranks.agree(err, "preparing the checkpoint directory", prefix)
-        if self._remote_team:  # every other rank opens the store (checked) and serves rank 0's uploads
-            err = None
-            if self.rank != 0:
-                try:
-                    self._remote = RemoteTier(self, replicate_to, storage_options, keep_last_remote, prefix)
-                except _failures() as e:  # noqa: BLE001
-                    err = e
-            try:
-                self._ranks.agree(err, f"opening the remote tier {replicate_to}")
-            except BaseException:
-                if self._remote is not None:
-                    self._remote.close(wait=False)
-                    self._remote = None
-                raise
+        _remote_tier.open_others(self, replicate_to, storage_options, keep_last_remote, prefix)  # collective
         if sharded:
             self._ranks.open_async_group()
         _register(self)
@@ -207,12 +187,10 @@ class CheckpointManager:
         self._writing = set()
 
     def _busy(self) -> Set[str]:
-        """The final names of this manager's saves in flight, and of the steps that
-        every rank is uploading or will upload (rollback and retention leave them alone)."""
+        """The final names of saves in flight and steps to upload (rollback and retention leave them alone)."""
         with self._lock:
             names = set(self._writing)
-        remote = self._remote
-        return names | remote.busy() if remote is not None else names
+        return names | (self._remote.busy() if self._remote is not None else set())
 
     # ------------------------------------------------------------ names
     def name_for(self, step: int) -> str:
@@ -404,11 +382,7 @@ class CheckpointManager:
         exit handler, not collective)."""
         try:
             self.wait()
-            if self._remote_team:  # every rank serves rank 0's last uploads; rank 0 keeps the job's store up meanwhile
-                remote = self._remote
-                if remote is not None:
-                    remote.close(wait=True)
-                self._ranks.agree(None, "closing the remote tier")
+            _remote_tier.close_all(self)  # collective where every rank uploads its part
         finally:
             self._release(wait=False)
 
@@ -424,22 +398,15 @@ class CheckpointManager:
         self._ranks.release()
 
     def wait_remote(self, timeout: Optional[float] = None) -> Optional[int]:
-        """Wait until every committed step queued for the remote tier is
-        uploaded; return the newest step complete there; raise the last upload
-        failure (once). Not collective.
-
-        Rank 0 queues the steps. Where every rank uploads its part (sharded and
-        collective modes with several ranks), every rank waits until rank 0 has
-        ruled on every step it had queued when this was called, and raises this
-        rank's own failure or rank 0's verdict that a step failed (rank 0 raises
-        every rank's, naming them); call it after :meth:`wait` to cover the
-        asynchronous saves. Elsewhere other ranks, and no ``replicate_to``: None."""
+        """Wait until every committed step queued for the remote tier is uploaded;
+        return the newest step complete there; raise the last upload failure
+        (once). Not collective. None where this rank takes no part (see
+        :meth:`fastckpt._manager_remote.RemoteTier.wait`)."""
         return None if self._remote is None else self._remote.wait(timeout)
 
     def remote_status(self) -> Optional[dict]:
-        """The remote tier as this rank sees it: uploading/queued step, last
-        complete, last error, bytes this rank uploaded (None on ranks that take
-        no part in the uploads, and without ``replicate_to``)."""
+        """This rank's view of the remote tier: uploading/queued step, last complete,
+        last error, bytes it uploaded (None where it takes no part)."""
         return None if self._remote is None else self._remote.status()
 
     def __enter__(self) -> "CheckpointManager":

@@ -31,13 +31,18 @@ no sign of life for that long) rather than by a group's timeout.
 Keys, under a prefix of the manager's (``fastckpt-remote/<uuid>``)::
 
     submitted       rank 0: the index of the last step queued (1, 2, ...), set before it can become a job
-    job/<n>         rank 0: job n {"index", "step", "name", "ino", "mode", ...}; mode "files" ("files"[r]:
-                    rank r's relative paths), "parts" ("key", "token", "size", "part": the shared upload),
-                    "skip" (a step cancelled before it began), "stop" (rank 0's replicator closed)
+    msg/<r>/<k>     rank 0 to rank r, its k-th message (k = 1, 2, ...): "job" (job n: "index", "step",
+                    "name", "ino", "mode" "files" with "files": rank r's relative paths, or "parts" with
+                    "key", "token", "size", "part": the shared upload), "verdict" (job n: "ok", "error";
+                    ok: the manifest is written), "skip" (a step cancelled before it began), "stop"
+                    (rank 0's replicator closed); "wake": rank r's own, to stop waiting when it closes
     rep/<n>/<r>     rank r's report on job n: {"entries": [...]}, {"parts": [[number, etag, crc, length]]}
-                    or {"error": "..."}
-    res/<n>         rank 0's verdict on job n: {"ok", "step", "error"} (ok: the manifest is written)
+                    or {"error": "..."}; then it adds 1 to nrep/<n>
     hb/<r>          rank r's sign of life while it works on a job ("<n>:<count>"), "bye" once it stopped
+
+A rank waits for its next message with one long wait (no polling; a store's
+timeouts would be logged by torch), rank 0 polls the count of reports and the
+signs of life about once a second while a job runs.
 
 Every rank opens the step under its path as it sees it (the directory is
 shared) and checks that its inode is the one rank 0 planned the job with: a
@@ -54,7 +59,7 @@ import os
 import re
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from . import manifest as mf
 from ._policy import TransferOptions, retry
@@ -135,15 +140,23 @@ class Board:
     def has(self, key: str) -> bool:
         return bool(self._store.check([self._k(key)]))
 
-    def wait(self, keys: List[str], timeout_s: float) -> bool:
-        """Whether every key is there within ``timeout_s`` (False: not yet)."""
-        try:
-            self._store.wait([self._k(k) for k in keys], datetime.timedelta(seconds=timeout_s))
-            return True
-        except Exception as e:  # noqa: BLE001 - the stores' timeouts are RuntimeErrors of several kinds
-            if type(e).__name__ != "DistNetworkError" and "timeout" in str(e).split("\n", 1)[0].lower():
-                return False
-            raise
+    def set_many(self, items: Dict[str, Any]) -> None:
+        keys = list(items)
+        self._store.multi_set([self._k(k) for k in keys], [json.dumps(items[k]) for k in keys])
+
+    def add(self, key: str, n: int) -> int:
+        return int(self._store.add(self._k(key), n))
+
+    def wait_for(self, key: str) -> Any:
+        """The value of ``key`` once it is set: one long wait (a day at a time),
+        never a poll: a c10d store logs every timed-out wait."""
+        while True:
+            try:
+                self._store.wait([self._k(key)], datetime.timedelta(days=1))
+                return self.get(key)
+            except Exception as e:  # noqa: BLE001 - the stores' timeouts are RuntimeErrors of several kinds
+                if type(e).__name__ == "DistNetworkError" or "timeout" not in str(e).split("\n", 1)[0].lower():
+                    raise
 
     def delete(self, keys: List[str]) -> None:
         for k in keys:
@@ -232,32 +245,29 @@ class _Liveness:
 
 def _share(store: Store, job: Dict[str, Any], rank: int, path: str, opts: TransferOptions,
            stats: TransferStats, up: Optional[Upload] = None) -> Dict[str, Any]:
-    """This rank's part of ``job`` (the step at ``path`` as this rank sees
-    it): its report. ``up``: rank 0's own handle of a shared upload."""
-    step = job["step"]
+    """This rank's part of ``job`` (its message: "files" are this rank's) for
+    the step at ``path`` as this rank sees it: its report. ``up``: rank 0's own
+    handle of a shared upload."""
     if job["mode"] == "files":
-        mine = job["files"][rank]
-        if not mine:
+        if not job["files"]:
             return {"entries": []}
-        opened = LocalCheckpoint(path, files=mine, ino=job["ino"])
+        opened = LocalCheckpoint(path, files=job["files"], ino=job["ino"])
         try:
-            return {"entries": upload_step_files(store, step, opened, opts, stats)}
+            return {"entries": upload_step_files(store, job["step"], opened, opts, stats)}
         finally:
             opened.close()
-    # "parts": this rank's share of the parts of one upload
-    parts = _plan(job["size"], job["part"], 1)
+    parts = _plan(job["size"], job["part"], 1)  # "parts": this rank's share of the parts of one upload
     mine = split_parts(parts, job["world"])[rank]
     if not mine:
         return {"parts": []}
-    key = job["key"]
     opened = LocalCheckpoint(path, ino=job["ino"])
     try:
         fd, size = opened.fds[opened.rels[0]]
         if size != job["size"]:
             raise OSError(errno.ESTALE, f"{path} has {size} bytes here, {job['size']} on rank 0", path)
         if up is None:
-            up = store.join_upload(key, job["token"])
-        sent = send_parts(up, fd, mine, opts, path, store.key_url(key), stats, total=len(parts))
+            up = store.join_upload(job["key"], job["token"])
+        sent = send_parts(up, fd, mine, opts, path, store.key_url(job["key"]), stats, total=len(parts))
     finally:
         opened.close()
     return {"parts": [[n, e, c, length] for n, (e, c, length) in sorted(sent.items())]}
@@ -273,13 +283,24 @@ class Coordinator:
         self.opts = (opts or TransferOptions()).resolved()
         self.timeout = float(self.opts.peer_timeout)
         self.interval = _interval(self.timeout)
+        self.poll = min(1.0, self.interval)
         self._submit = Board(store, prefix)       # submitted(): the threads that commit steps (under a lock)
         self._submit_lock = threading.Lock()
         self._board = self._submit.clone()        # the replicator's thread
         self._ticker = _Ticker(self._submit.clone(), 0, self.interval)
-        self._n = 0
-        self._cleaned = 0  # jobs below this one had their keys deleted
+        self._n = 0                               # jobs so far
+        self._k = 0                               # messages sent to every rank so far
+        self._read = {r: 0 for r in range(1, world)}  # the messages each rank surely read (deleted)
         self._closed = False
+
+    def _send(self, msgs: Dict[int, Dict[str, Any]]) -> int:
+        """Message k+1 to every other rank (``msgs[r]``); returns k+1."""
+        self._k += 1
+        self._board.set_many({f"msg/{r}/{self._k}": m for r, m in msgs.items()})
+        return self._k
+
+    def _to_all(self, msg: Dict[str, Any]) -> int:
+        return self._send({r: msg for r in range(1, self.world)})
 
     def submitted(self, index: int) -> None:
         """A step was queued as ``index`` (before it can become a job: a rank's
@@ -289,17 +310,16 @@ class Coordinator:
 
     def skip(self, index: int, step: int) -> None:
         """The step queued as ``index`` was cancelled before it began."""
-        self._n += 1
-        self._board.set(f"job/{self._n}", {"index": index, "step": step, "mode": "skip"})
+        self._to_all({"kind": "skip", "index": index, "step": step})
 
     def idle(self) -> None:
         """The replicator finished a step (its retention too): rank 0 stops
         showing signs of life until the next job."""
         self._ticker.stop()
 
-    def _plan(self, store: Store, step: int, path: str, index: int) -> Dict[str, Any]:
-        name = os.path.basename(path.rstrip(os.sep))
-        job = self._empty(index, step, name)
+    def _plan(self, store: Store, job: Dict[str, Any], path: str) -> List[List[str]]:
+        """Fills ``job`` for the step at ``path``; returns every rank's files."""
+        files: List[List[str]] = [[] for _ in range(self.world)]
         before = os.stat(path).st_ino
         opened = LocalCheckpoint(path)  # lists it (and proves it can be opened)
         opened.close()
@@ -307,23 +327,17 @@ class Coordinator:
             raise OSError(errno.ESTALE, f"{path} was replaced (saved again) while its upload was being planned", path)
         job.update(ino=before, kind=opened.kind)
         if opened.kind == "directory":
-            job["mode"] = "files"
             for rel in opened.rels:
-                job["files"][owner_of(rel, self.world)].append(rel)
-            return job
+                files[owner_of(rel, self.world)].append(rel)
+            return files
         size = os.stat(path).st_size
         parts = plan_parts(store, size, self.opts)
-        if not store.shared_uploads or len(parts) < 2:  # one writer: rank 0 alone
-            job["mode"] = "files"
-            job["files"][0] = [name]
-            return job
-        job.update(mode="parts", key=f"{mf.step_prefix(step)}/{name}", size=size, part=parts[0][2])
-        return job
-
-    def _empty(self, index: int, step: int, name: str) -> Dict[str, Any]:
-        """A job that asks nothing of any rank."""
-        return {"index": index, "step": step, "name": name, "world": self.world, "mode": "files", "ino": None,
-                "files": [[] for _ in range(self.world)]}
+        if store.shared_uploads and len(parts) > 1:
+            job.update(mode="parts", key=f"{mf.step_prefix(job['step'])}/{job['name']}", size=size,
+                       part=parts[0][2])
+        else:  # one writer: rank 0 alone
+            files[0] = [job["name"]]
+        return files
 
     def replicate(self, store: Store, step: int, path: str, index: int,
                   stats: Optional[TransferStats] = None) -> Dict[str, Any]:
@@ -337,35 +351,42 @@ class Coordinator:
         self._n += 1
         n = self._n
         self._ticker.start(n)
+        name = os.path.basename(path.rstrip(os.sep))
+        job: Dict[str, Any] = {"kind": "job", "n": n, "index": index, "step": step, "name": name,
+                               "world": self.world, "mode": "files", "ino": None}
+        files: List[List[str]] = [[] for _ in range(self.world)]
         up: Optional[Upload] = None
         url = store.key_url(mf.step_prefix(step))
         failures: Dict[int, str] = {}
         own: Optional[BaseException] = None
         m: Optional[Dict[str, Any]] = None
+        k = None
+        silent: set = set()
         try:
             try:
-                job = self._plan(store, step, path, index)
+                files = self._plan(store, job, path)
                 if job["mode"] == "parts":
-                    what = f"upload of {path} to {store.key_url(job['key'])}"
-                    up = retry(lambda: store.begin_upload(job["key"], job["size"]), what,
-                               store.key_url(job["key"]), self.opts)
+                    key_url = store.key_url(job["key"])
+                    up = retry(lambda: store.begin_upload(job["key"], job["size"]), f"upload of {path} to {key_url}",
+                               key_url, self.opts)
                     job["token"] = up.token
             except Exception as e:  # noqa: BLE001 - a job that asks nothing of the others, then the error
-                job = self._empty(index, step, os.path.basename(path.rstrip(os.sep)))
+                job.update(mode="files", ino=None)
+                files = [[] for _ in range(self.world)]
                 own, failures[0] = e, _text(e)
-            self._board.set(f"job/{n}", job)
+            k = self._send({r: dict(job, files=files[r]) for r in range(1, self.world)})
             mine: Dict[str, Any] = {}
             if own is None:
                 try:
-                    mine = _share(store, job, 0, path, self.opts, stats, up)
+                    mine = _share(store, dict(job, files=files[0]), 0, path, self.opts, stats, up)
                 except Exception as e:  # noqa: BLE001 - reported with the others'
                     own, failures[0] = e, _text(e)
-            reports = self._collect(n)
+            reports, silent = self._collect(n)
             for r in range(1, self.world):
                 rep = reports[r]
                 if "error" in rep:
                     failures[r] = rep["error"]
-                elif not self._covers(job, r, rep):
+                elif not self._covers(job, files, r, rep):
                     failures[r] = f"it reported another part of the step than it was given: {rep}"
             if not failures:
                 reports[0] = mine
@@ -376,8 +397,10 @@ class Coordinator:
             abort_upload(up)
         err = None if m is not None else self._failure(step, url, own, failures)
         try:
-            self._board.set(f"res/{n}", {"ok": m is not None, "step": step, "error": None if err is None else _text(err)})
-            self._clean(n)
+            if k is not None:
+                self._to_all({"kind": "verdict", "n": n, "index": index, "step": step, "ok": m is not None,
+                              "error": None if err is None else _text(err)})
+                self._clean(n, k, silent)
         except Exception as e:  # noqa: BLE001 - the other ranks find rank 0 silent and give up
             log.warning("fastckpt.remote: could not tell the other ranks the outcome of step %d: %s", step,
                         _first_line(e))
@@ -387,35 +410,40 @@ class Coordinator:
             raise err from own
         return m
 
-    def _covers(self, job: Dict[str, Any], r: int, rep: Dict[str, Any]) -> bool:
+    def _covers(self, job: Dict[str, Any], files: List[List[str]], r: int, rep: Dict[str, Any]) -> bool:
         if job["mode"] == "files":
-            return sorted(e["path"] for e in rep.get("entries", [])) == sorted(job["files"][r])
+            return sorted(e["path"] for e in rep.get("entries", [])) == sorted(files[r])
         want = [p[0] for p in split_parts(_plan(job["size"], job["part"], 1), self.world)[r]]
         return [p[0] for p in rep.get("parts", [])] == want
 
-    def _collect(self, n: int) -> Dict[int, Dict[str, Any]]:
-        """Every other rank's report on job n; a rank that stopped or died
-        gives an error report."""
+    def _collect(self, n: int) -> Tuple[Dict[int, Dict[str, Any]], set]:
+        """Every other rank's report on job n (the count of reports polled about
+        once a second), and the ranks that stopped or died before reporting
+        (an error report each)."""
         reports: Dict[int, Dict[str, Any]] = {}
+        silent = set()
         pending = set(range(1, self.world))
         live = _Liveness(self._board, pending, self.timeout)
+        seen = 0
         while pending:
-            keys = [f"rep/{n}/{r}" for r in sorted(pending)]
-            if self._board.wait(keys, self.interval):
-                for r, v in zip(sorted(pending), self._board.get_many(keys)):
-                    reports[r] = v
-                break
-            for r in sorted(pending):
-                if self._board.has(f"rep/{n}/{r}"):
-                    reports[r] = self._board.get(f"rep/{n}/{r}")
-                    pending.discard(r)
+            count = self._board.add(f"nrep/{n}", 0)
+            if count != seen:
+                seen = count
+                ranks = sorted(pending)
+                for r, got in zip(ranks, self._board.get_many([f"rep/{n}/{r}" for r in ranks])):
+                    if got is not None:
+                        reports[r] = got
+                        pending.discard(r)
             for r, why in live.gone(pending).items():
-                if self._board.has(f"rep/{n}/{r}"):  # it reported, then stopped
-                    reports[r] = self._board.get(f"rep/{n}/{r}")
-                else:
-                    reports[r] = {"error": f"{why}; no report on step {n}"}
+                got = self._board.get_many([f"rep/{n}/{r}"])[0]  # it may have reported just now
+                if got is None:
+                    got = {"error": f"{why}; no report on its part"}
+                    silent.add(r)
+                reports[r] = got
                 pending.discard(r)
-        return reports
+            if pending:
+                time.sleep(self.poll)
+        return reports, silent
 
     def _commit(self, store: Store, job: Dict[str, Any], reports: Dict[int, Dict[str, Any]], path: str,
                 up: Optional[Upload]) -> Dict[str, Any]:
@@ -438,14 +466,15 @@ class Coordinator:
         return RanksFailed(code, f"step {step} was not replicated to {url} (no manifest written): {why}", url,
                            dict(failures))
 
-    def _clean(self, n: int) -> None:
-        """Job n ended and every rank reported on it, so every rank is past the
-        jobs and verdicts before it: their keys go (the store stays small)."""
-        keys = [f"rep/{n}/{r}" for r in range(1, self.world)]
-        for k in range(self._cleaned + 1, n):
-            keys += [f"job/{k}", f"res/{k}"]
+    def _clean(self, n: int, k: int, silent: set) -> None:
+        """Job n (message k) ended: its reports go, and every message that a rank
+        surely read (it reported on job n: it read message k and those before)."""
+        keys = [f"rep/{n}/{r}" for r in range(1, self.world)] + [f"nrep/{n}"]
+        for r in range(1, self.world):
+            if r not in silent:
+                keys += [f"msg/{r}/{i}" for i in range(self._read[r] + 1, k + 1)]
+                self._read[r] = k
         self._board.delete(keys)
-        self._cleaned = n - 1
 
     def close(self) -> None:
         """Tell every rank that no job comes any more."""
@@ -453,8 +482,7 @@ class Coordinator:
             return
         self._closed = True
         try:
-            self._n += 1
-            self._board.set(f"job/{self._n}", {"mode": "stop"})
+            self._to_all({"kind": "stop"})
         except Exception as e:  # noqa: BLE001
             log.warning("fastckpt.remote: could not tell the other ranks that uploads ended: %s", e)
         self._ticker.close()
@@ -473,12 +501,14 @@ class Worker:
         self.timeout = float(self.opts.peer_timeout)
         self.interval = _interval(self.timeout)
         self.stats = TransferStats()
-        self._caller = Board(store, prefix)      # wait(): the caller's thread (under the lock)
+        self._caller = Board(store, prefix)      # wait() and close(): the caller's threads (under the lock)
         self._caller_lock = threading.Lock()
         self._board = self._caller.clone()       # the worker's thread
         self._ticker = _Ticker(self._caller.clone(), rank, self.interval)
         self._cv = threading.Condition()
+        self._k = 0                              # messages read
         self._index = 0                          # the last step (by its queue index) whose verdict is known here
+        self._phase = "idle"                     # "uploading" its part, "awaiting" rank 0's verdict, or "idle"
         self._job_step: Optional[int] = None
         self._last_done: Optional[int] = None
         self._error: Optional[str] = None
@@ -491,33 +521,36 @@ class Worker:
         self._thread.start()
 
     # --- the worker's thread
+    def _next(self) -> Dict[str, Any]:
+        with self._cv:
+            self._k += 1
+            k = self._k
+        return self._board.wait_for(f"msg/{self.rank}/{k}")
+
+    def _quit(self) -> bool:
+        with self._cv:
+            return self._closing and not self._serve_to_stop
+
     def _loop(self) -> None:
-        n = 1
         try:
             while True:
-                job = self._next(n)
-                if job is None or job.get("mode") == "stop":
+                msg = self._next()
+                kind = msg.get("kind")
+                if kind == "stop" or self._quit():
                     return
-                if job["mode"] == "skip":
-                    self._learn(job["index"], job["step"], None, skipped=True)
-                    n += 1
+                if kind == "wake":  # close() gave up on rank 0 while this thread was idle
+                    if self._closing:
+                        return
                     continue
-                self._ticker.start(n)
-                with self._cv:
-                    self._job_step = job["step"]
-                try:
-                    report = _share(self.remote, job, self.rank, os.path.join(self.directory, job["name"]),
-                                    self.opts, self.stats)
-                except Exception as e:  # noqa: BLE001 - reported to rank 0, raised by wait()
-                    log.error("fastckpt.remote: rank %d: replicating its part of step %d to %s failed: %s",
-                              self.rank, job["step"], self.url, e)
-                    report = {"error": _text(e)}
-                    with self._cv:
-                        self._unraised = e
-                self._board.set(f"rep/{n}/{self.rank}", report)
-                self._ticker.stop()
-                self._learn(job["index"], job["step"], self._verdict(n, job["step"]))
-                n += 1
+                if kind == "skip":
+                    self._learn(msg["index"], msg["step"], None)
+                    continue
+                if kind == "verdict":  # of a job this rank did not report on (it was taken for dead)
+                    self._learn(msg["index"], msg["step"], msg)
+                    continue
+                self._serve(msg)
+        except _Stop:
+            return
         except Exception as e:  # noqa: BLE001 - the store broke (rank 0's process, which serves it, is gone?)
             log.warning("fastckpt.remote: rank %d stops serving uploads to %s: %s", self.rank, self.url,
                         _first_line(e))
@@ -526,43 +559,42 @@ class Worker:
         finally:
             with self._cv:
                 self._stopped = True
-                self._job_step = None
+                self._phase, self._job_step = "idle", None
                 self._cv.notify_all()
             self._ticker.close(bye=True)
 
-    def _next(self, n: int) -> Optional[Dict[str, Any]]:
-        """Job n, once rank 0 posts it; None when closing and rank 0 is not
-        coming (close(wait=False), or no sign of life for peer_timeout)."""
-        live = None
-        while True:
-            if self._board.wait([f"job/{n}"], self.interval):
-                return self._board.get(f"job/{n}")
+    def _serve(self, job: Dict[str, Any]) -> None:
+        n, step = job["n"], job["step"]
+        self._ticker.start(n)
+        with self._cv:
+            self._phase, self._job_step = "uploading", step
+        try:
+            report = _share(self.remote, job, self.rank, os.path.join(self.directory, job["name"]), self.opts,
+                            self.stats)
+        except Exception as e:  # noqa: BLE001 - reported to rank 0, raised by wait()
+            log.error("fastckpt.remote: rank %d: replicating its part of step %d to %s failed: %s", self.rank,
+                      step, self.url, e)
+            report = {"error": _text(e)}
             with self._cv:
-                closing, serve = self._closing, self._serve_to_stop
-            if closing and not serve:
-                return None
-            if closing:
-                live = live or _Liveness(self._board, [0], self.timeout)
-                gone = live.gone([0])
-                if gone:
-                    log.warning("fastckpt.remote: rank %d: closing without rank 0's word that uploads ended: %s",
-                                self.rank, gone[0])
-                    return None
+                self._unraised = e
+        finally:
+            self._ticker.stop()
+        self._board.set(f"rep/{n}/{self.rank}", report)
+        self._board.add(f"nrep/{n}", 1)
+        with self._cv:
+            self._phase = "awaiting"
+        verdict = self._next()
+        if verdict.get("kind") != "verdict":  # "wake" (closing) or "stop": the outcome is unknown here
+            with self._cv:
+                self._error, self._error_step = f"the outcome of step {step} is unknown: rank 0 did not say", step
+            raise _Stop()
+        self._learn(verdict["index"], step, verdict)
 
-    def _verdict(self, n: int, step: int) -> Dict[str, Any]:
-        live = _Liveness(self._board, [0], self.timeout)
-        while not self._board.wait([f"res/{n}"], self.interval):
-            gone = live.gone([0])
-            if gone:
-                return {"ok": False, "step": step,
-                        "error": f"the outcome of step {step} is unknown: {gone[0]} before its verdict"}
-        return self._board.get(f"res/{n}")
-
-    def _learn(self, index: int, step: int, res: Optional[Dict[str, Any]], skipped: bool = False) -> None:
+    def _learn(self, index: int, step: int, res: Optional[Dict[str, Any]]) -> None:
         with self._cv:
             self._index = max(self._index, index)
-            self._job_step = None
-            if not skipped:
+            self._phase, self._job_step = "idle", None
+            if res is not None:  # None: skipped
                 if res.get("ok"):
                     self._last_done, self._error, self._error_step = step, None, None
                 else:
@@ -580,43 +612,77 @@ class Worker:
                     "last_complete": self._last_done, "last_error": self._error,
                     "last_error_step": self._error_step, "bytes_uploaded": self.stats.bytes}
 
+    def _rank0_gone(self, live: "_Liveness") -> Optional[str]:
+        with self._caller_lock:
+            return live.gone([0]).get(0)
+
     def wait(self, timeout: Optional[float] = None) -> Optional[int]:
         """Block until rank 0 ruled on every step it had queued when this was
         called; return the newest step complete remotely (as far as this rank
         knows). Raises this rank's failure, or rank 0's verdict that a step
         failed (once); TimeoutError after ``timeout``; RuntimeError when rank 0
-        gives no sign of life for peer_timeout meanwhile."""
+        gives no sign of life for peer_timeout meanwhile (while this rank is
+        not uploading)."""
         with self._caller_lock:
             q = self._caller.get("submitted") if self._caller.has("submitted") else 0
-            deadline = None if timeout is None else time.monotonic() + timeout
-            live = None
-            with self._cv:
-                while self._index < q and not self._stopped:
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise TimeoutError(f"uploads to {self.url} still running after {timeout} s")
-                    if self._cv.wait(self.interval if left is None else min(left, self.interval)):
-                        continue
-                    if self._job_step is None:  # between jobs: rank 0 should be working on the next
-                        live = live or _Liveness(self._caller, [0], self.timeout)
-                        gone = live.gone([0])
-                        if gone:
-                            raise RuntimeError(f"fastckpt.remote: rank {self.rank}: waiting for the uploads to "
-                                               f"{self.url}: {gone[0]}")
-                    else:
-                        live = None
-                err, self._unraised = self._unraised, None
-                done = self._last_done
+        deadline = None if timeout is None else time.monotonic() + timeout
+        live = _Liveness(self._caller, [0], self.timeout)
+        with self._cv:
+            while self._index < q and not self._stopped:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"uploads to {self.url} still running after {timeout} s")
+                if self._cv.wait(self.interval if left is None else min(left, self.interval)):
+                    continue
+                if self._phase == "uploading":  # rank 0 waits for this rank: its own upload is bounded
+                    live = _Liveness(self._caller, [0], self.timeout)
+                    continue
+                gone = self._rank0_gone(live)
+                if gone:
+                    raise RuntimeError(f"fastckpt.remote: rank {self.rank}: waiting for the uploads to "
+                                       f"{self.url}: {gone}")
+            err, self._unraised = self._unraised, None
+            done = self._last_done
+            if err is None and self._index < q:  # the thread stopped
+                err = RuntimeError(f"fastckpt.remote: rank {self.rank}: {self._error or 'no longer serving uploads'}")
         if err is not None:
             raise err
         return done
 
     def close(self, wait: bool = True) -> None:
         """Stop serving: with ``wait``, once rank 0 said that no job comes any
-        more (or gave no sign of life for peer_timeout); without, after the job
-        in hand."""
+        more (or gave no sign of life for peer_timeout while this rank waited
+        for it); without, after the part in hand."""
         with self._cv:
             self._closing = True
             self._serve_to_stop = self._serve_to_stop and wait
             self._cv.notify_all()
-        self._thread.join()
+        live = _Liveness(self._caller, [0], self.timeout)
+        while True:
+            self._thread.join(self.interval if wait else 0)
+            if not self._thread.is_alive():
+                return
+            with self._cv:
+                phase = self._phase
+            if wait and phase == "uploading":
+                live = _Liveness(self._caller, [0], self.timeout)
+                continue
+            gone = self._rank0_gone(live) if wait else "not waiting for rank 0"
+            if gone:
+                if wait:
+                    log.warning("fastckpt.remote: rank %d: closing without rank 0's word that uploads ended: %s",
+                                self.rank, gone)
+                with self._cv:
+                    self._serve_to_stop = False
+                    k = self._k
+                try:  # wake the thread from its wait for rank 0's next message (the one it waits for, or the next)
+                    with self._caller_lock:
+                        self._caller.set_many({f"msg/{self.rank}/{i}": {"kind": "wake"} for i in (k, k + 1) if i})
+                except Exception as e:  # noqa: BLE001 - the store is gone: so is the thread's wait
+                    log.debug("fastckpt.remote: rank %d: could not wake its thread: %s", self.rank, e)
+                self._thread.join()
+                return
+
+
+class _Stop(Exception):
+    """The worker's thread ends (closing while it waited for a verdict)."""

@@ -197,3 +197,34 @@ def test_a_step_saved_again_is_not_mixed(tmp_path):
         LocalCheckpoint(d, files=["__1_0.distcp"], ino=ino)
     assert ei.value.errno == errno.ESTALE and ei.value.filename == str(d)
     assert LocalCheckpoint(d, files=["__1_0.distcp"], ino=os.stat(d).st_ino).fds
+
+
+def test_a_step_stays_pending_until_every_rank_uploaded_it(tmp_path, monkeypatch):
+    """The manager's retention leaves alone what pending_names() names: a step queued or being
+    uploaded (each rank opens its files only when its part begins)."""
+    import threading
+    from fastckpt.remote import team as team_mod
+    gate, started = threading.Event(), threading.Event()
+    real = team_mod._share
+
+    def slow(store, job, rank, *a, **kw):
+        if rank == 1:
+            started.set()
+            gate.wait(30)
+        return real(store, job, rank, *a, **kw)
+
+    monkeypatch.setattr(team_mod, "_share", slow)
+    team = Team(f"file://{tmp_path / 'tier'}", None, 2, tmp_path / "ckpt")
+    try:
+        for s in (1, 2):
+            _sharded(tmp_path / "ckpt" / f"step_{s}", 2, s)
+        f1 = team.rep.submit(1, tmp_path / "ckpt" / "step_1")
+        assert started.wait(30)
+        team.rep.submit(2, tmp_path / "ckpt" / "step_2")
+        assert sorted(team.rep.pending_names()) == ["step_1", "step_2"]
+        gate.set()
+        assert f1.result(30)["step"] == 1 and team.rep.wait(30) == 2
+        assert team.rep.pending_names() == [] and team.workers[1].wait(30) == 2
+    finally:
+        gate.set()
+        team.close()
