@@ -20,6 +20,12 @@ newest ``keep_last_remote`` are deleted (never the step just completed, so a
 step is deleted only after a newer one is complete), as are incomplete steps
 older than it. A failure is logged, kept by the step's future and raised by
 :meth:`wait`; it never touches the local checkpoint.
+
+With a ``team`` (rank 0's :class:`fastckpt.remote.team.Coordinator`), each
+step is a job of every rank of the job, each uploading its part, and the
+manifest is written once every rank reported success; the step's files are
+then opened by each rank when its part begins (:meth:`Replicator.pending_names`
+names the steps that must stay on disk meanwhile).
 """
 
 import concurrent.futures
