@@ -140,6 +140,14 @@ class Ranks:
                 raise PeerFailed(f"{who}: {what} failed on rank {r}: {m}")
         return got[0][1]
 
+    def store(self) -> Any:
+        """A new client of the job's key-value store (torch.distributed's default
+        c10d Store: the TCPStore of torchrun or ``env://``, a FileStore...), for
+        the remote tier's ranks to talk from their background threads without a
+        process group (fastckpt/remote/team.py); each thread clones its own."""
+        from torch.distributed import distributed_c10d as c10d
+        return c10d._get_default_store().clone()
+
     # ------------------------------------------------------------ the manager's own groups
     def _new_group(self) -> Any:
         """Collective: a gloo group of the user's group's ranks, with its

@@ -25,6 +25,8 @@ remote_part_size     FASTCKPT_REMOTE_PART_SIZE     bytes per part of a remote up
 remote_parallelism   FASTCKPT_REMOTE_PARALLELISM   parts in flight per remote transfer (8): memory <= parts x part size
 remote_attempts      FASTCKPT_REMOTE_ATTEMPTS      tries of a remote request before its error is raised (5)
 remote_bandwidth     FASTCKPT_REMOTE_BANDWIDTH     bytes/s cap of a remote transfer (0: no cap)
+remote_peer_timeout  FASTCKPT_REMOTE_PEER_TIMEOUT  seconds without a sign of life before a rank of a shared
+                                                   upload is taken for dead (120)
 ===================  ============================  =======================================================
 
 The first nine configure the C++ engine (:func:`config`); the others are read
@@ -50,7 +52,8 @@ PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
             "remote_part_size": ("FASTCKPT_REMOTE_PART_SIZE", 16 << 20, 1 << 10),
             "remote_parallelism": ("FASTCKPT_REMOTE_PARALLELISM", 8, 1),
             "remote_attempts": ("FASTCKPT_REMOTE_ATTEMPTS", 5, 1),
-            "remote_bandwidth": ("FASTCKPT_REMOTE_BANDWIDTH", 0, 0)}
+            "remote_bandwidth": ("FASTCKPT_REMOTE_BANDWIDTH", 0, 0),
+            "remote_peer_timeout": ("FASTCKPT_REMOTE_PEER_TIMEOUT", 120, 1)}
 
 _lock = threading.Lock()
 _overrides: Dict[str, object] = {}

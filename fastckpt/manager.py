@@ -75,7 +75,7 @@ from typing import Any, List, NamedTuple, Optional, Set, Union
 from ._manager_async import async_save as _collective_async_save
 from ._manager_dist import Ranks, _failures, _register
 from ._manager_policy import TMP_MARK, StepDirectory, _failure_kind, _unwrap
-from ._manager_remote import RemoteTier
+from . import _manager_remote as _remote_tier
 from ._manager_remote import candidates as _remote_candidates
 from .async_save import AsyncSaver, SaveFuture, _fail_inherited, default_saver
 from .serialization import load as _load
@@ -122,9 +122,10 @@ class CheckpointManager:
             :func:`fastckpt.wait_for_saves` also waits for).
         replicate_to: an fsspec URL (``s3://bucket/run``, ``gs://...``,
             ``file:///shared/...``): every committed step is uploaded there in
-            the background by rank 0, its manifest last, and
-            :meth:`load_latest` restores from it when no local checkpoint is
-            left (fastckpt/_manager_remote.py). The store is checked now.
+            the background, its manifest last (every rank its part in sharded
+            and collective modes, else rank 0), and :meth:`load_latest` restores
+            from it when no local checkpoint is left
+            (fastckpt/_manager_remote.py). The store is checked now.
         storage_options: passed to fsspec for ``replicate_to``.
         keep_last_remote: complete remote steps to keep (None: all).
 
@@ -155,18 +156,18 @@ class CheckpointManager:
         self._ranks = Ranks(process_group)       # the coordination
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         self.collective = bool(collective) and not sharded and self.world_size > 1
-        self._remote_url, self._remote = replicate_to, None  # the remote tier: rank 0's RemoteTier
-        err = None
+        self._remote_url, self._remote = replicate_to, None  # the remote tier (fastckpt/_manager_remote.py)
+        err, prefix = None, None
         if self.rank == 0:
             try:
                 self._dir.prepare(clean=False)
                 if clean:
                     self.clean_temporaries()
-                if replicate_to is not None:
-                    self._remote = RemoteTier(self, replicate_to, storage_options, keep_last_remote)
+                prefix = _remote_tier.open_rank0(self, replicate_to, storage_options, keep_last_remote)
             except _failures() as e:  # noqa: BLE001 - every rank learns of it
                 err = e
-        self._ranks.agree(err, "preparing the checkpoint directory")
+        prefix = self._ranks.agree(err, "preparing the checkpoint directory", prefix)
+        _remote_tier.open_others(self, replicate_to, storage_options, keep_last_remote, prefix)  # collective
         if sharded:
             self._ranks.open_async_group()
         _register(self)
@@ -186,9 +187,10 @@ class CheckpointManager:
         self._writing = set()
 
     def _busy(self) -> Set[str]:
-        """The final names of this manager's saves in flight (rollback and retention leave them alone)."""
+        """The final names of saves in flight and steps to upload (rollback and retention leave them alone)."""
         with self._lock:
-            return set(self._writing)
+            names = set(self._writing)
+        return names | (self._remote.busy() if self._remote is not None else set())
 
     # ------------------------------------------------------------ names
     def name_for(self, step: int) -> str:
@@ -380,6 +382,7 @@ class CheckpointManager:
         exit handler, not collective)."""
         try:
             self.wait()
+            _remote_tier.close_all(self)  # collective where every rank uploads its part
         finally:
             self._release(wait=False)
 
@@ -395,13 +398,15 @@ class CheckpointManager:
         self._ranks.release()
 
     def wait_remote(self, timeout: Optional[float] = None) -> Optional[int]:
-        """Rank 0: wait until every committed step queued for the remote tier is
-        uploaded; return the newest step complete there; raise the last upload
-        failure (once). Other ranks, or no ``replicate_to``: None. Not collective."""
+        """Wait until every committed step queued for the remote tier is uploaded;
+        return the newest step complete there; raise the last upload failure
+        (once). Not collective. None where this rank takes no part (see
+        :meth:`fastckpt._manager_remote.RemoteTier.wait`)."""
         return None if self._remote is None else self._remote.wait(timeout)
 
     def remote_status(self) -> Optional[dict]:
-        """Rank 0's remote tier: uploading/queued step, last complete, last error (None elsewhere)."""
+        """This rank's view of the remote tier: uploading/queued step, last complete,
+        last error, bytes it uploaded (None where it takes no part)."""
         return None if self._remote is None else self._remote.status()
 
     def __enter__(self) -> "CheckpointManager":

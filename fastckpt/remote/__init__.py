@@ -5,9 +5,11 @@ Rooms (one concern each): :mod:`.store` (URL -> a checked store, the
 clients), :mod:`._policy` (retries, bandwidth cap), :mod:`.transfer`
 (parallel multipart upload and ranged download of one file, CRC-32),
 :mod:`.manifest` (the step layout and its commit marker),
-:mod:`.replicator` (background replication, retention, restore) and
-:mod:`.urlio` (``fastckpt.save``/``load`` of a URL). Optional dependencies:
-``pip install 'fastckpt-io[s3]'`` (s3fs) or ``'fastckpt-io[gcs]'`` (gcsfs).
+:mod:`.replicator` (background replication, retention, restore),
+:mod:`.team` (a step uploaded by every rank of a job, each its part, rank 0
+writing the manifest) and :mod:`.urlio` (``fastckpt.save``/``load`` of a
+URL). Optional dependencies: ``pip install 'fastckpt-io[s3]'`` (s3fs) or
+``'fastckpt-io[gcs]'`` (gcsfs).
 """
 
 from ._policy import TransferOptions

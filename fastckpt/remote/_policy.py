@@ -44,20 +44,24 @@ class TransferOptions:
         bandwidth: bytes per second of one transfer (0: no cap).
         backoff_s: first backoff; doubled after each failed try, capped at
             ``max_backoff_s``, with up to 50% random jitter.
+        peer_timeout: seconds without a sign of life from a rank taking part
+            in a step's upload (:mod:`fastckpt.remote.team`) before it is
+            taken for dead and the step fails.
     """
     part_size: Optional[int] = None
     parallelism: Optional[int] = None
     attempts: Optional[int] = None
     bandwidth: Optional[int] = None
+    peer_timeout: Optional[int] = None
     backoff_s: float = 0.2
     max_backoff_s: float = 10.0
 
     def resolved(self) -> "TransferOptions":
         r = dataclasses.replace(self)
-        for f in ("part_size", "parallelism", "attempts", "bandwidth"):
+        for f in ("part_size", "parallelism", "attempts", "bandwidth", "peer_timeout"):
             if getattr(r, f) is None:
                 setattr(r, f, knobs.get("remote_" + f))
-        if r.part_size < 1 or r.parallelism < 1 or r.attempts < 1 or r.bandwidth < 0:
+        if r.part_size < 1 or r.parallelism < 1 or r.attempts < 1 or r.bandwidth < 0 or r.peer_timeout <= 0:
             raise ValueError(f"fastckpt.remote: invalid transfer options {r}")
         return r
 

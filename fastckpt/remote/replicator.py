@@ -20,9 +20,16 @@ newest ``keep_last_remote`` are deleted (never the step just completed, so a
 step is deleted only after a newer one is complete), as are incomplete steps
 older than it. A failure is logged, kept by the step's future and raised by
 :meth:`wait`; it never touches the local checkpoint.
+
+With a ``team`` (rank 0's :class:`fastckpt.remote.team.Coordinator`), each
+step is a job of every rank of the job, each uploading its part, and the
+manifest is written once every rank reported success; the step's files are
+then opened by each rank when its part begins (:meth:`Replicator.pending_names`
+names the steps that must stay on disk meanwhile).
 """
 
 import concurrent.futures
+import errno
 import logging
 import os
 import shutil
@@ -70,9 +77,13 @@ class LocalCheckpoint:
     when done. ``files`` (relative paths) restricts a directory to some of
     its files: a rank's own shards in sharded (DCP) mode, where each rank
     uploads its files with :func:`upload_step_files` and rank 0 writes the
-    manifest with every rank's entries (:func:`commit_step`)."""
+    manifest with every rank's entries (:func:`commit_step`). ``ino``: the
+    inode the checkpoint (file or directory) must have, as another rank saw
+    it; one saved again since (another inode) raises OSError(ESTALE), so that
+    two saves' files are never mixed. A directory's files are opened relative
+    to the directory opened once (``ino`` is that directory's)."""
 
-    def __init__(self, path: Union[str, os.PathLike], files: Optional[List[str]] = None):
+    def __init__(self, path: Union[str, os.PathLike], files: Optional[List[str]] = None, ino: Optional[int] = None):
         self.path = os.path.abspath(os.fspath(path))
         self.kind, self.name, self.rels = _local_files(self.path)
         if files is not None:
@@ -81,14 +92,28 @@ class LocalCheckpoint:
                 raise FileNotFoundError(2, f"{self.path}: no file(s) {unknown} in the checkpoint", self.path)
             self.rels = sorted(files)
         self.fds: Dict[str, Tuple[int, int]] = {}
+        base = None
         try:
-            for rel in self.rels:
-                full = self.path if self.kind == "file" else os.path.join(self.path, rel)
-                fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
-                self.fds[rel] = (fd, os.fstat(fd).st_size)
+            base = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECTORY if self.kind == "directory" else 0))
+            self.ino = os.fstat(base).st_ino
+            if ino is not None and self.ino != ino:
+                raise OSError(errno.ESTALE, f"{self.path} was replaced (saved again) since its upload was planned: "
+                              "not uploading a mix of two saves", self.path)
+            if self.kind == "file":
+                self.fds[self.name], base = (base, os.fstat(base).st_size), None
+            else:
+                for rel in self.rels:
+                    try:
+                        fd = os.open(rel, os.O_RDONLY | os.O_CLOEXEC, dir_fd=base)
+                    except OSError as e:  # named after the checkpoint's file, not the relative path
+                        raise OSError(e.errno, e.strerror, os.path.join(self.path, rel)) from None
+                    self.fds[rel] = (fd, os.fstat(fd).st_size)
         except BaseException:
             self.close()
             raise
+        finally:
+            if base is not None:
+                os.close(base)
 
     def local(self, rel: str) -> str:
         return self.path if self.kind == "file" else os.path.join(self.path, rel)
@@ -216,9 +241,13 @@ def _restore_one(store: Store, local_dir: str, step: int, listed: Dict[str, int]
 
 
 class _Request:
-    def __init__(self, step: int, opened: LocalCheckpoint):
-        self.step, self.opened = step, opened
+    def __init__(self, step: int, path: str, opened: Optional[LocalCheckpoint], index: int):
+        self.step, self.path, self.opened, self.index = step, path, opened, index
         self.future: "concurrent.futures.Future[Dict[str, Any]]" = concurrent.futures.Future()
+
+    def close(self) -> None:
+        if self.opened is not None:
+            self.opened.close()
 
 
 class Replicator:
@@ -233,6 +262,11 @@ class Replicator:
         clean_stale: at construction, abort unfinished uploads and delete
             incomplete steps a killed process left (this replicator is then
             the store prefix's only writer).
+        team: rank 0's :class:`fastckpt.remote.team.Coordinator` when every
+            rank of a job uploads its part of each step (sharded and
+            collective checkpoints of a CheckpointManager); the step's files
+            are then opened by each rank when its upload begins, not by
+            :meth:`submit`, and must stay until it ends (:meth:`pending_names`).
 
     Raises (at construction):
         MissingDependencyError, PermissionError, FileNotFoundError, OSError: see :func:`open_store`.
@@ -240,7 +274,7 @@ class Replicator:
 
     def __init__(self, url: str, storage_options: Optional[Dict[str, Any]] = None, *,
                  keep_last_remote: Optional[int] = None, transfer: Optional[TransferOptions] = None,
-                 clean_stale: bool = True):
+                 clean_stale: bool = True, team: Any = None):
         if keep_last_remote is not None and keep_last_remote < 1:
             raise ValueError(f"keep_last_remote must be None or >= 1, got {keep_last_remote}")
         self.opts = (transfer or TransferOptions()).resolved()
@@ -257,6 +291,9 @@ class Replicator:
         self._unraised: Optional[BaseException] = None  # what wait() raises next
         self._closed = False
         self._thread: Optional[threading.Thread] = None
+        self.team = team
+        self._index = 0  # requests submitted so far
+        self._submit_lock = threading.Lock()
         if clean_stale:
             _clean_stale(self.store, self.opts)
 
@@ -264,25 +301,37 @@ class Replicator:
     def submit(self, step: int, path: Union[str, os.PathLike]) -> "concurrent.futures.Future[Dict[str, Any]]":
         """Queue the committed local checkpoint ``path`` (a file or a DCP
         directory) as ``step``; return at once with a future of its manifest.
-        Its files are opened now. A step still queued is superseded (its
-        future cancelled). Raises FileNotFoundError if ``path`` has no files."""
-        opened = LocalCheckpoint(os.fspath(path))
-        req = _Request(int(step), opened)
+        Its files are opened now (with a ``team``: by every rank when its
+        upload begins). A step still queued is superseded (its future
+        cancelled). Raises FileNotFoundError if ``path`` has no files."""
+        path = os.fspath(path)
+        with self._submit_lock:
+            opened = LocalCheckpoint(path) if self.team is None else None
+            with self._cv:
+                if self._closed:
+                    if opened is not None:
+                        opened.close()
+                    raise RuntimeError(f"Replicator for {self.url} is closed")
+                self._index += 1
+                index = self._index
+            if self.team is not None:
+                self.team.submitted(index)  # before it can become a job (the other ranks' wait())
+            req = _Request(int(step), path, opened, index)
+            self._enqueue(req)
+        return req.future
+
+    def _enqueue(self, req: _Request) -> None:
         with self._cv:
-            if self._closed:
-                opened.close()
-                raise RuntimeError(f"Replicator for {self.url} is closed")
             old, self._queued = self._queued, req
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="fastckpt-replicator", daemon=True)
                 self._thread.start()
             self._cv.notify_all()
         if old is not None:
-            old.opened.close()
+            old.close()
             old.future.cancel()
             log.info("fastckpt.remote: step %d superseded by step %d before its upload to %s began",
                      old.step, req.step, self.url)
-        return req.future
 
     def _loop(self) -> None:
         while True:
@@ -300,8 +349,12 @@ class Replicator:
                 except BaseException as e:
                     err = e
                     log.error("fastckpt.remote: replicating step %d (%s) to %s failed: %s", req.step,
-                              req.opened.path, self.url, e)
-            req.opened.close()  # before wait() can return
+                              req.path, self.url, e)
+            elif self.team is not None:
+                self._tell_team(lambda: self.team.skip(req.index, req.step))
+            if self.team is not None:
+                self._tell_team(self.team.idle)
+            req.close()  # before wait() can return
             with self._cv:
                 if err is not None:
                     self._error, self._error_step, self._unraised = err, req.step, err
@@ -315,9 +368,18 @@ class Replicator:
             elif m is not None:
                 req.future.set_result(m)
 
+    def _tell_team(self, fn) -> None:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - the other ranks find rank 0 silent and give up
+            log.warning("fastckpt.remote: could not tell the other ranks: %s", e)
+
     def _replicate(self, req: _Request) -> Dict[str, Any]:
-        entries = upload_step_files(self.store, req.step, req.opened, self.opts, self.stats)
-        m = commit_step(self.store, req.step, req.opened.kind, req.opened.name, entries, self.opts)
+        if self.team is not None:
+            m = self.team.replicate(self.store, req.step, req.path, req.index, self.stats)
+        else:
+            entries = upload_step_files(self.store, req.step, req.opened, self.opts, self.stats)
+            m = commit_step(self.store, req.step, req.opened.kind, req.opened.name, entries, self.opts)
         log.info("fastckpt.remote: step %d is complete at %s", req.step, self.store.key_url(mf.step_prefix(req.step)))
         try:
             self._retain(req.step)
@@ -347,6 +409,12 @@ class Replicator:
                     "last_error": None if self._error is None else str(self._error),
                     "last_error_step": self._error_step, "bytes_uploaded": self.stats.bytes}
 
+    def pending_names(self) -> List[str]:
+        """The local names (file or directory) of the steps queued or being
+        uploaded; with a ``team``, they must stay on disk until their upload ends."""
+        with self._cv:
+            return [os.path.basename(r.path.rstrip(os.sep)) for r in (self._queued, self._running) if r is not None]
+
     def wait(self, timeout: Optional[float] = None) -> Optional[int]:
         """Block until no upload is queued or running; return the newest step
         completed. Raises the failure of the last upload if it failed (once),
@@ -371,10 +439,12 @@ class Replicator:
             self._cv.notify_all()
             t = self._thread
         if dropped is not None:
-            dropped.opened.close()
+            dropped.close()
             dropped.future.cancel()
         if t is not None:
             t.join()
+        if self.team is not None:
+            self.team.close()  # the other ranks stop waiting for jobs
 
     def __enter__(self) -> "Replicator":
         return self

@@ -14,7 +14,11 @@ complete: S3's multipart upload (CompleteMultipartUpload is atomic), the
 engine's commit for ``file://`` (a temporary file in the same directory,
 fdatasync, rename, directory fsync), and for other fsspec filesystems one
 stream written in order (gcsfs makes an object visible when its upload is
-finalized).
+finalized). S3's multipart upload can also be *shared*: one process creates
+it, any process that knows its id (:attr:`Upload.token`) sends parts of it
+(:meth:`Store.join_upload`), the creator completes it: the ranks of a job
+upload one file together (:mod:`fastckpt.remote.team`). The other stores
+cannot (``shared_uploads`` is False): a shared upload there is one rank's.
 
 The clients' own retries are turned off (s3fs's loop, botocore's
 ``max_attempts``) unless ``storage_options`` set them: the transfers retry
@@ -24,6 +28,7 @@ failing store is tried.
 
 import copy
 import errno
+import hashlib
 import logging
 import os
 from typing import Any, Dict, List, Optional, Tuple
@@ -114,6 +119,12 @@ class Upload:
     """One object being uploaded; visible under its key only after :meth:`complete`."""
 
     parallel = True  # parts may be sent at once, in any order
+    token: Optional[str] = None  # what another process needs to join it (Store.join_upload), if it can
+
+    def expected_etag(self, parts: List[Tuple[int, Any]]) -> Optional[str]:
+        """The ETag the complete object has when ``parts`` (number, what
+        put_part returned) made it, where the store's ETags tell that; else None."""
+        return None
 
     def put_part(self, number: int, offset: int, data: bytes) -> Any:
         raise NotImplementedError
@@ -129,6 +140,7 @@ class Store:
     """A root URL and its fsspec filesystem; keys are '/'-separated, relative to the root."""
 
     min_part = 1  # the smallest part but the last one
+    shared_uploads = False  # whether join_upload works: several processes send the parts of one upload
 
     def __init__(self, url: str, fs, root: str):
         self.url = url.rstrip("/")
@@ -149,6 +161,10 @@ class Store:
         """The object's size; FileNotFoundError if there is none."""
         self.fs.invalidate_cache()
         return int(self.fs.size(self._path(key)))
+
+    def head(self, key: str) -> Tuple[int, Optional[str]]:
+        """(size, ETag or None) of the object; FileNotFoundError if there is none."""
+        return self.size(key), None
 
     def get_range(self, key: str, start: int, end: int) -> bytes:
         return self.fs.cat_file(self._path(key), start=start, end=end)
@@ -183,6 +199,11 @@ class Store:
     def begin_upload(self, key: str, size: int) -> Upload:
         raise NotImplementedError
 
+    def join_upload(self, key: str, token: str) -> Upload:
+        """The upload another process began (its :attr:`Upload.token`), to send
+        parts of it; only where ``shared_uploads``."""
+        raise NotImplementedError(f"{self.url}: uploads cannot be shared between processes here")
+
     def abort_stale_uploads(self, prefix: str = "") -> int:
         """Remove uploads left unfinished under ``prefix`` (a killed process's);
         return how many. Only safe while no other process uploads there."""
@@ -192,11 +213,27 @@ class Store:
 # ---------------------------------------------------------------- S3 (s3fs)
 
 class _S3Upload(Upload):
-    def __init__(self, store: "S3Store", key: str):
+    def __init__(self, store: "S3Store", key: str, upload_id: Optional[str] = None):
         self.s, self.key = store, key
         self.bucket, self.obj = store._bucket_key(key)
-        r = store.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.obj)
-        self.upload_id = r["UploadId"]
+        if upload_id is None:
+            upload_id = store.fs.call_s3("create_multipart_upload", Bucket=self.bucket, Key=self.obj)["UploadId"]
+        self.upload_id = self.token = upload_id
+
+    def expected_etag(self, parts):
+        """S3's ETag of a multipart object: the MD5 of its parts' binary MD5s
+        (their ETags), a dash, the number of parts. None if a part's ETag is
+        not an MD5 (SSE-KMS, some S3-compatible stores)."""
+        digests = []
+        for _, e in sorted(parts):
+            e = str(e).strip('"')
+            if len(e) != 32:
+                return None
+            try:
+                digests.append(bytes.fromhex(e))
+            except ValueError:
+                return None
+        return f"{hashlib.md5(b''.join(digests), usedforsecurity=False).hexdigest()}-{len(digests)}"
 
     def put_part(self, number, offset, data):
         r = self.s.fs.call_s3("upload_part", Bucket=self.bucket, Key=self.obj, PartNumber=number,
@@ -215,6 +252,7 @@ class S3Store(Store):
     """S3 and S3-compatible stores through s3fs's client (aiobotocore)."""
 
     min_part = S3_MIN_PART
+    shared_uploads = True
 
     def __init__(self, url: str, opts: Dict[str, Any]):
         import s3fs
@@ -254,8 +292,12 @@ class S3Store(Store):
             raise
 
     def size(self, key):
+        return self.head(key)[0]
+
+    def head(self, key):
         b, k = self._bucket_key(key)
-        return int(self.fs.call_s3("head_object", Bucket=b, Key=k)["ContentLength"])
+        r = self.fs.call_s3("head_object", Bucket=b, Key=k)
+        return int(r["ContentLength"]), (str(r["ETag"]).strip('"') if r.get("ETag") else None)
 
     def get_range(self, key, start, end):
         return self.fs.cat_file(self._path(key), start=start, end=end)
@@ -287,6 +329,9 @@ class S3Store(Store):
 
     def begin_upload(self, key, size):
         return _S3Upload(self, key)
+
+    def join_upload(self, key, token):
+        return _S3Upload(self, key, token)
 
     def abort_stale_uploads(self, prefix=""):
         b, k = self._bucket_key(prefix)

@@ -8,7 +8,11 @@ computes the file's zip CRC-32 (the engine's ``_C.crc32``) while reading, caps
 the bandwidth if asked, retries each request under the one policy
 (:mod:`fastckpt.remote._policy`), and makes the object visible only when it
 is complete (:meth:`Store.begin_upload`); on failure the upload is aborted
-and an ``OSError`` names the URL, the file and the last cause.
+and an ``OSError`` names the URL, the file and the last cause. A complete
+whose answer was lost is checked against the object (:func:`complete_upload`).
+Its pieces (:func:`plan_parts`, :func:`split_parts`, :func:`send_parts`,
+:func:`complete_upload`) also serve an upload shared by the ranks of a job,
+each sending its share of the parts (:mod:`fastckpt.remote.team`).
 
 :func:`download` reads an object with parallel ranged reads into a local
 file committed by the engine (temporary name, fdatasync, rename, directory
@@ -18,18 +22,22 @@ fsync) only if its size and CRC-32 are the expected ones; else a
 for :func:`fastckpt.load`).
 """
 
+import logging
 import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import _C
 from ..engine import get_engine
 from ..errors import FormatError
 from ._policy import Throttle, TransferOptions, retry
-from .store import Store
+from .store import Store, Upload
 
-__all__ = ["upload", "download", "download_to_fd", "TransferStats"]
+__all__ = ["upload", "download", "download_to_fd", "TransferStats", "plan_parts", "split_parts", "send_parts",
+           "complete_upload", "abort_upload", "remote_crc"]
+
+log = logging.getLogger("fastckpt.remote")
 
 _MAX_PARTS = 10_000  # S3's limit on the parts of one upload
 
@@ -80,28 +88,37 @@ def _plan(size: int, part: int, min_part: int) -> List[Tuple[int, int, int]]:
     return [(i + 1, off, min(part, size - off)) for i, off in enumerate(range(0, size, part))] or [(1, 0, 0)]
 
 
-def upload(store: Store, key: str, fd: int, size: int, opts: Optional[TransferOptions] = None,
-           name: str = "", stats: Optional[TransferStats] = None) -> int:
-    """Upload ``size`` bytes of the open file ``fd`` (``name`` for messages)
-    to ``key``; return their zip CRC-32. Raises OSError naming the URL, the
-    file and the last cause (the upload aborted, nothing visible)."""
-    opts = (opts or TransferOptions()).resolved()
-    url = store.key_url(key)
+Part = Tuple[int, int, int]          # (part number, offset, length)
+Sent = Dict[int, Tuple[Any, int, int]]  # part number -> (what the store returned for it, CRC-32, length)
+
+
+def plan_parts(store: Store, size: int, opts: TransferOptions) -> List[Part]:
+    """The parts of an upload of ``size`` bytes to ``store``: (number, offset,
+    length), numbered from 1; one part means one request (no multipart upload)."""
+    return _plan(size, opts.resolved().part_size, store.min_part)
+
+
+def split_parts(parts: List[Part], world: int) -> List[List[Part]]:
+    """``parts`` cut into ``world`` contiguous shares, as even as whole parts
+    allow (share r: parts[r*n//world : (r+1)*n//world]; some are empty when
+    there are fewer parts than ranks)."""
+    n = len(parts)
+    return [parts[r * n // world:(r + 1) * n // world] for r in range(world)]
+
+
+def send_parts(up: Upload, fd: int, parts: List[Part], opts: TransferOptions, name: str, url: str,
+               stats: Optional[TransferStats] = None, total: Optional[int] = None) -> Sent:
+    """Send ``parts`` of the open file ``fd`` as parts of ``up``,
+    ``opts.parallelism`` at a time (at most parallelism x part size bytes held),
+    under the retry policy and the bandwidth cap; return what each part
+    returned with its CRC-32. The first failure is raised (OSError naming the
+    URL, the file and the part) once the parts in flight end; nothing is aborted here."""
+    opts = opts.resolved()
     stats = stats or TransferStats()
     throttle = Throttle(opts.bandwidth)
     what = f"upload of {name or 'fd %d' % fd} to {url}"
-    parts = _plan(size, opts.part_size, store.min_part)
-    crcs: Dict[int, Tuple[int, int]] = {}
-    if len(parts) == 1:  # one request (S3 put_object, a local commit): atomic
-        data = _pread_exact(fd, size, 0, name)
-        stats.hold(size)
-        crc = _C.crc32(data) if size else 0
-        throttle.take(size)
-        retry(lambda: store.put(key, data), what, url, opts)
-        stats.release(size)
-        return crc
-    up = retry(lambda: store.begin_upload(key, size), what, url, opts)
-    etags: Dict[int, object] = {}
+    total = total or (parts[-1][0] if parts else 0)
+    sent: Sent = {}
     lock = threading.Lock()
 
     def send(p):
@@ -111,24 +128,118 @@ def upload(store: Store, key: str, fd: int, size: int, opts: Optional[TransferOp
             data = _pread_exact(fd, n, off, name)
             c = _C.crc32(data) if n else 0
             throttle.take(n)
-            etag = retry(lambda: up.put_part(number, off, data), f"{what} (part {number} of {len(parts)})", url,
-                         opts)
+            etag = retry(lambda: up.put_part(number, off, data), f"{what} (part {number} of {total})", url, opts)
         finally:
             stats.release(n)
         with lock:
-            etags[number] = etag
-            crcs[number] = (c, n)
+            sent[number] = (etag, c, n)
 
+    _parallel(parts, send, opts.parallelism if up.parallel else 1)
+    return sent
+
+
+def complete_upload(store: Store, up: Upload, key: str, sent: Sent, size: int, opts: TransferOptions,
+                    what: str) -> int:
+    """Complete ``up`` from every part's ``sent`` entry (all of the object's
+    parts, whichever process sent them); return the object's CRC-32.
+
+    A complete whose answer is lost (a reset or timed-out connection after the
+    store did it; its retry then finds no such upload) is not a failure if the
+    object is there as uploaded: its size, and its ETag (S3's multipart form,
+    computed from the parts' ETags) or, where that cannot tell, the CRC-32 of
+    a ranged read of it. Otherwise the complete's error is raised, an OSError
+    naming the URL, its cause and what the check found."""
+    opts = opts.resolved()
+    url = store.key_url(key)
+    etags = sorted((number, e) for number, (e, _, _) in sent.items())
+    crc = _combine({number: (c, n) for number, (_, c, n) in sent.items()})
     try:
-        _parallel(parts, send, opts.parallelism if up.parallel else 1)
-        retry(lambda: up.complete(sorted(etags.items())), what, url, opts)
-    except BaseException:
-        try:
-            up.abort()
-        except Exception:
-            pass  # the store's own expiry (or the next Replicator's cleanup) removes it
-        raise
+        retry(lambda: up.complete(etags), what, url, opts)
+    except OSError as e:
+        ok, found = _check_object(store, key, size, up.expected_etag(etags), crc, opts)
+        if not ok:
+            raise OSError(e.errno, f"{e.strerror} (and {found})", url) from e
+        log.warning("fastckpt.remote: %s: the answer to completing it was lost (%s), but the object is complete "
+                    "(%s)", url, e, found)
+    return crc
+
+
+def _check_object(store: Store, key: str, size: int, etag: Optional[str], crc: int,
+                  opts: TransferOptions) -> Tuple[bool, str]:
+    """Whether the object at ``key`` is the one uploaded (its size, then its
+    ETag if the store's tells, else the CRC-32 of its bytes), and what was found."""
+    url = store.key_url(key)
+    try:
+        got_size, got_etag = retry(lambda: store.head(key), f"checking {url}", url, opts)
+    except OSError as e:
+        if isinstance(e, FileNotFoundError) or isinstance(e.__cause__, FileNotFoundError):
+            return False, f"{url} does not exist"
+        return False, f"{url} could not be checked: {e}"
+    if got_size != size:
+        return False, f"{url} has {got_size} bytes, not the {size} uploaded"
+    if etag is not None and got_etag == etag:
+        return True, f"its size and ETag {etag} are the upload's"
+    try:  # no ETag to tell by, or another one (an older object of that size?): the bytes decide
+        got = remote_crc(store, key, size, opts)
+    except (OSError, FormatError) as e:
+        return False, f"{url} could not be read back: {e}"
+    if got != crc:
+        return False, f"{url} holds other bytes (CRC-32 {got:08x}, not {crc:08x})"
+    return True, f"its size and the CRC-32 {crc:08x} of its bytes, read back, are the upload's"
+
+
+def remote_crc(store: Store, key: str, size: int, opts: Optional[TransferOptions] = None) -> int:
+    """The CRC-32 of the object's ``size`` bytes, read with parallel ranged reads (nothing kept)."""
+    opts = (opts or TransferOptions()).resolved()
+    url = store.key_url(key)
+    crcs: Dict[int, Tuple[int, int]] = {}
+    lock = threading.Lock()
+
+    def fetch(p):
+        number, off, n = p
+        data = retry(lambda: store.get_range(key, off, off + n), f"reading {url} (bytes {off}-{off + n})", url, opts)
+        if len(data) != n:
+            raise FormatError(f"{url}: a ranged read of bytes {off}-{off + n} returned {len(data)} bytes")
+        with lock:
+            crcs[number] = (_C.crc32(data) if n else 0, n)
+
+    _parallel(_plan(size, opts.part_size, 1), fetch, opts.parallelism)
     return _combine(crcs)
+
+
+def upload(store: Store, key: str, fd: int, size: int, opts: Optional[TransferOptions] = None,
+           name: str = "", stats: Optional[TransferStats] = None) -> int:
+    """Upload ``size`` bytes of the open file ``fd`` (``name`` for messages)
+    to ``key``; return their zip CRC-32. Raises OSError naming the URL, the
+    file and the last cause (the upload aborted, nothing visible)."""
+    opts = (opts or TransferOptions()).resolved()
+    url = store.key_url(key)
+    stats = stats or TransferStats()
+    what = f"upload of {name or 'fd %d' % fd} to {url}"
+    parts = plan_parts(store, size, opts)
+    if len(parts) == 1:  # one request (S3 put_object, a local commit): atomic
+        data = _pread_exact(fd, size, 0, name)
+        stats.hold(size)
+        crc = _C.crc32(data) if size else 0
+        Throttle(opts.bandwidth).take(size)
+        retry(lambda: store.put(key, data), what, url, opts)
+        stats.release(size)
+        return crc
+    up = retry(lambda: store.begin_upload(key, size), what, url, opts)
+    try:
+        sent = send_parts(up, fd, parts, opts, name, url, stats)
+        return complete_upload(store, up, key, sent, size, opts, what)
+    except BaseException:
+        abort_upload(up)
+        raise
+
+
+def abort_upload(up: Upload) -> None:
+    """Abort ``up``, quietly: the store's own expiry (or the next Replicator's cleanup) removes what is left."""
+    try:
+        up.abort()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _combine(crcs: Dict[int, Tuple[int, int]]) -> int:

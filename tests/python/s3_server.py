@@ -12,9 +12,11 @@ to it over HTTP exactly as they talk to S3.
 ``FaultProxy`` forwards every HTTP request to moto unchanged (the request's
 bytes and headers, so SigV4 signatures still match) and can, for chosen
 requests (the Nth matching one, the next K, or a fraction of them), answer 500
-InternalError, stall (read the request and never answer), or cut the
-connection (TCP reset). It also counts requests and the most upload requests
-in progress at once.
+InternalError, stall (read the request and never answer), cut the
+connection (TCP reset), or forward the request and then cut the connection
+instead of passing the answer on ("drop_reply": the server did the work, the
+client never hears of it). It also counts requests and the most upload
+requests in progress at once.
 """
 
 import http.client
@@ -112,14 +114,15 @@ class MotoServer:
 # ---------------------------------------------------------------- the fault proxy
 
 class Fault:
-    """What to do with matching requests: ``kind`` is "500", "stall" or "reset";
+    """What to do with matching requests: ``kind`` is "500", "stall", "reset"
+    or "drop_reply" (forwarded, then the connection is reset instead of answering);
     requests number ``nth`` .. ``nth + count - 1`` among those ``match``
     accepts (count=None: every one from nth on), each hit with probability
     ``fraction``."""
 
     def __init__(self, kind: str, nth: int = 1, count: Optional[int] = 1, fraction: float = 1.0,
                  match: Optional[Callable[[str, str], bool]] = None, seed: int = 0):
-        assert kind in ("500", "stall", "reset"), kind
+        assert kind in ("500", "stall", "reset", "drop_reply"), kind
         self.kind, self.nth, self.count, self.fraction = kind, nth, count, fraction
         self.match = match or (lambda method, path: True)
         self.seen = 0
@@ -141,6 +144,11 @@ class Fault:
 def is_part_upload(method: str, path: str) -> bool:
     """An S3 UploadPart request (PUT ...?partNumber=..&uploadId=..)."""
     return method == "PUT" and "uploadId=" in path and "partNumber=" in path
+
+
+def is_complete_upload(method: str, path: str) -> bool:
+    """An S3 CompleteMultipartUpload request (POST ...?uploadId=..)."""
+    return method == "POST" and "uploadId=" in path
 
 
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
@@ -168,6 +176,11 @@ class _Handler(BaseHTTPRequestHandler):
         n = int(self.headers.get("Content-Length") or 0)
         return self.rfile.read(n) if n else b""
 
+    def _reset(self):
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.close_connection = True
+        self.connection.close()
+
     def _proxy(self):
         proxy = self.server.owner
         part = is_part_upload(self.command, self.path)
@@ -179,9 +192,7 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             body = self._body()
             if fault == "reset":
-                self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                self.close_connection = True
-                self.connection.close()
+                self._reset()
                 return
             if fault == "stall":
                 proxy._stop.wait(proxy.stall_s)
@@ -210,6 +221,9 @@ class _Handler(BaseHTTPRequestHandler):
             conn.endheaders(body if body else None)
             resp = conn.getresponse()
             data = resp.read()
+            if fault == "drop_reply":  # the server did it; the client is told nothing
+                self._reset()
+                return
             self.send_response_only(resp.status, resp.reason)
             head = self.command == "HEAD"  # its Content-Length is the object's: passed on as it is
             for k, v in resp.getheaders():

@@ -438,6 +438,8 @@ def test_remote_benchmark_follows_the_standalone_contract(tmp_path):
                         "--dir", str(tmp_path), "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     rep = _strict_json(out.read_text())
-    assert [r[0].split()[0] for r in rep["rows"]] == ["upload"] * 3 + ["download"] * 3 + ["restore"]
+    assert [r[0].split()[0] for r in rep["rows"]] == ["upload"] * 4 + ["download"] * 3 + ["restore"]
+    split = rep["raw"]["split_bytes_per_process"]  # one upload, a share of its parts per process
+    assert sum(split) == rep["raw"]["bytes"] and len(split) == 2 and min(split) > 0
     assert all(r[1] > 0 and r[2] > 0 for r in rep["rows"]) and "moto" in rep["notes"][0]
     assert rep["errors"] == [] and rep["raw"]["bytes"] >= 32 << 20

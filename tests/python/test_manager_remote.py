@@ -123,9 +123,9 @@ def test_remote_steps_newer_than_latest_are_not_restored(tmp_path, tier):
     url, opts = tier
     d = tmp_path / "a"
     with CheckpointManager(d, keep_last=None, replicate_to=url, storage_options=opts) as m:
-        m.save(1, state(1))
-        m.save(2, state(2))
-        m.wait_remote()
+        for step in (1, 2):
+            m.save(step, state(step))
+            m.wait_remote()  # (step 1 still queued when step 2 comes would be superseded: never uploaded)
         (d / "latest").write_text(m.name_for(1) + "\n")  # a rollback: latest names step 1
         os.unlink(m.path_for(1))                        # ... whose local copy is gone
         with pytest.warns(RuntimeWarning):

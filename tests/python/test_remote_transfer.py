@@ -13,7 +13,7 @@ from fastckpt.errors import MissingDependencyError
 from fastckpt.remote import TransferOptions, TransferStats, download, open_store, upload
 from fastckpt.remote import _policy
 
-from s3_server import is_part_upload
+from s3_server import is_complete_upload, is_part_upload
 
 MiB = 1 << 20
 FAST = dict(backoff_s=0.01, max_backoff_s=0.05)
@@ -143,6 +143,46 @@ def test_persistent_500_fails_clearly_and_leaves_nothing(s3, tmp_path):
     assert fault.fired == 3  # attempts bound the time spent
     assert _objects(srv, url) == {} and _unfinished(srv, url) == []  # aborted: nothing visible, nothing left
     assert (tmp_path / "f").read_bytes() == before
+
+
+def test_a_lost_answer_to_complete_is_checked_not_failed(s3, tmp_path, caplog):
+    """CompleteMultipartUpload done by the server, its answer lost (the connection reset after it was
+    forwarded): the retry finds no such upload, the object is checked (size, multipart ETag) and the
+    upload succeeds."""
+    url, opts, proxy, srv = s3
+    data = _file(tmp_path / "f", 11 * MiB)
+    fault = proxy.add("drop_reply", count=None, match=is_complete_upload)
+    with caplog.at_level("WARNING", logger="fastckpt.remote"):
+        crc = _up(open_store(url, opts), "d/f", tmp_path / "f",
+                  TransferOptions(part_size=5 * MiB, attempts=3, **FAST))
+    assert crc == zlib.crc32(data) and fault.fired >= 1
+    b, k = _bucket_key(url, "d/f")
+    assert srv.boto3_client().get_object(Bucket=b, Key=k)["Body"].read() == data
+    assert _unfinished(srv, url) == []  # completed, not aborted
+    assert any("answer to completing it was lost" in r.getMessage() and "ETag" in r.getMessage()
+               for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+def test_a_failed_complete_stays_a_failure(s3, tmp_path):
+    """A complete that the server refuses every time (500, never forwarded) is an OSError naming the
+    URL and the cause, with what the check of the object found; a same-sized older object at the key
+    is told apart by its bytes (its ETag differs, the CRC-32 read back too)."""
+    url, opts, proxy, srv = s3
+    _file(tmp_path / "f", 11 * MiB)
+    store = open_store(url, opts)
+    topts = TransferOptions(part_size=5 * MiB, attempts=2, **FAST)
+    proxy.add("500", count=None, match=is_complete_upload)
+    with pytest.raises(OSError) as ei:
+        _up(store, "f", tmp_path / "f", topts)
+    msg = str(ei.value)
+    assert ei.value.filename == url + "/f" and "injected by the test proxy" in msg and "does not exist" in msg, msg
+    assert _objects(srv, url) == {} and _unfinished(srv, url) == []
+    b, k = _bucket_key(url, "f")
+    srv.boto3_client().put_object(Bucket=b, Key=k, Body=b"o" * (11 * MiB))  # an older object, same size
+    with pytest.raises(OSError) as ei:
+        _up(store, "f", tmp_path / "f", topts)
+    assert "holds other bytes" in str(ei.value), ei.value
+    assert srv.boto3_client().get_object(Bucket=b, Key=k)["Body"].read() == b"o" * (11 * MiB)
 
 
 def test_stalled_server_times_out_with_a_clear_error(s3, tmp_path):
