@@ -33,18 +33,14 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable, Dict, List, Optional
 
+from dist_launch import free_port
+
 REGION = "us-east-1"
 BUCKET = "fastckpt-test"
 # moto: the requests before authentication is enforced (create_user,
 # create_access_key, put_user_policy, create_bucket) and then some slack for
 # the requests boto3 may make on the way; counted by the server.
 _NO_AUTH_ACTIONS = 4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MotoServer:

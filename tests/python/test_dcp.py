@@ -10,7 +10,6 @@ import io
 import os
 import pickle
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,8 @@ import pytest
 import torch
 
 import torch.distributed as dist
+
+from dist_launch import free_port as _free_port
 
 if not dist.is_available():
     pytest.skip("this torch has no torch.distributed", allow_module_level=True)
@@ -42,12 +43,6 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 
 # ---------------------------------------------------------------- multi-process helpers
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _launch(scenario, world_size, work):
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size),

@@ -16,7 +16,6 @@ world-size-2 test.
 import errno
 import io
 import os
-import socket
 import subprocess
 import sys
 import warnings
@@ -25,6 +24,8 @@ import zlib
 import pytest
 import torch
 import torch.distributed as dist
+
+from dist_launch import free_port as _free_port
 
 if __name__ != "__main__" and not dist.is_available():
     pytest.skip("this torch has no torch.distributed", allow_module_level=True)
@@ -301,12 +302,6 @@ def test_corrupt_compressed_record_names_the_file(tmp_path, how):
 
 
 # ---------------------------------------------------------------- world size 2
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _run_ranks(scenario, world_size, work, timeout=240):
     if not dist.is_gloo_available():

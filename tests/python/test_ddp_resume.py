@@ -13,7 +13,6 @@ seconds.
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import torch
 
 import fastckpt
 from conftest import temp_files
+from dist_launch import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_train.py"
@@ -37,12 +37,6 @@ pytestmark = [
     pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
     pytest.mark.filterwarnings("ignore:TypedStorage is deprecated"),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def base_env(**extra) -> dict:
