@@ -133,9 +133,11 @@ def bench(size: int, rounds: int, directory: str) -> dict:
     times: dict = {op: [] for op in OPS}
     cpus: dict = {op: [] for op in OPS}
     cold, checked, nbytes = True, [], 0
+    disk_ops: list = []
     for r in range(rounds):
-        if r == 0:
-            ops = list(OPS)
+        # the disk's measurements after the loads, their order rotated round by round (no slot of its own)
+        k = r % len(disk_ops) if disk_ops else 0
+        ops = list(OPS) + disk_ops[k:] + disk_ops[:k]
         for op in ops:
             # each loader reads the file its own library wrote (both are standard safetensors files);
             # the disk's measurements read the file fastckpt loads
@@ -157,11 +159,13 @@ def bench(size: int, rounds: int, directory: str) -> dict:
                 if fio:
                     fio_points.update((fio_op(bs, qd), (bs, qd)) for bs, qd in FIO_POINTS
                                       if os.path.getsize(files["ours"]) >= bs)
-                ops += [DISK_ENGINE] + list(fio_points)
-                for d in [DISK_ENGINE] + list(fio_points):
+                disk_ops = [DISK_ENGINE] + list(fio_points)
+                ops += disk_ops
+                for d in disk_ops:
                     times[d], cpus[d] = [], []
     return {"size": size, "bytes": nbytes, "rounds": rounds, "cold_cache": cold, "checked": checked,
-            "ops": ops, "fio": fio is not None,
+            "ops": list(OPS) + disk_ops, "fio": fio is not None,
+            "per_round": times,
             "seconds": {op: statistics.median(v) for op, v in times.items()},
             "cpu_seconds": {op: statistics.median(v) for op, v in cpus.items()},
             "file_bytes": {k: os.path.getsize(p) for k, p in files.items()}}
@@ -208,7 +212,10 @@ def report(res: dict) -> dict:
                       "disk rows: the file fastckpt loads read with the page cache dropped first; the engine's read "
                       "goes into memory faulted in before the clock (the load's I/O alone), fio's time is scaled to "
                       "the whole file" + ("" if res["fio"] else f" ({FIO_MISSING})"),
-                      disk_note],
+                      disk_note,
+                      "per round, safetensors' load time over fastckpt's: " + ", ".join(
+                          f"{a / b:.2f}" for a, b in zip(res["per_round"]["safetensors.load_file, pages touched"],
+                                                          res["per_round"]["fastckpt.safetensors.load_file"]))],
             "errors": errors, "raw": res}
 
 
