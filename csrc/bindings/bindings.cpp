@@ -84,6 +84,7 @@ py::dict read_stats_dict(const ReadStats& s) {
   d["requests"] = s.requests;
   d["direct_requests"] = s.direct_requests;
   d["cached_bytes"] = s.cached_bytes;
+  d["prefaulted_bytes"] = s.prefaulted_bytes;
   d["seconds"] = s.seconds;
   d["direct"] = s.direct;
   d["backend"] = s.backend;

@@ -456,9 +456,15 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
   std::unique_ptr<IoQueue> q;
   std::thread prefaulter;
   std::atomic<bool> stop_prefault{false};
+  // The prefault helper's next job; the submitter moves it past every direct
+  // job it submits (whose pages the read then faults in itself), so that the
+  // two never fault the same destination.
+  std::atomic<size_t> prefault_next{0};
+  std::atomic<uint64_t> prefaulted{0};
   auto cleanup = [&]() noexcept {
     stop_prefault = true;
     if (prefaulter.joinable()) prefaulter.join();
+    st.prefaulted_bytes = prefaulted.load();
     std::vector<int> unreaped;
     if (q) {
       q->drain();
@@ -641,23 +647,41 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
     // destinations in ahead of the reads, in file order, in parallel with the
     // submissions, the copies out of staging and the CRCs: the direct jobs'
     // and the staged parts' of at least kPrefaultPart bytes (memory already
-    // resident costs it a page-table walk). A read or copy that gets ahead of
-    // it faults its pages itself, as without it.
+    // resident costs it a page-table walk). It starts after the first
+    // queue_depth jobs, which the first submissions fault in themselves, and
+    // it skips every direct job submitted before it got there (the submitter
+    // moves prefault_next on): two threads faulting the same pages cost more
+    // than one (page-table lock contention, a second walk; on this VM a tenth
+    // of a load's CPU). A read or copy that gets ahead of it faults its pages
+    // itself, as without it.
     uint64_t fault_bytes = 0;
     for (const Job& j : jobs) {
       if (j.direct_dst) fault_bytes += j.len;
       for (size_t p = j.part_begin; p < j.part_end; ++p)
         if (parts[p].len >= kPrefaultPart) fault_bytes += parts[p].len;
     }
-    if (cfg.prefault && fault_bytes >= kPrefaultMin) {
+    prefault_next = std::min<size_t>(jobs.size(), cfg.queue_depth);
+    if (cfg.prefault && fault_bytes >= kPrefaultMin && prefault_next < jobs.size()) {
       try {
-        prefaulter = std::thread([&jobs, &parts, &stop_prefault]() {
-          for (const Job& j : jobs) {
-            if (stop_prefault.load(std::memory_order_relaxed)) return;
-            if (j.direct_dst && sys::populate_write_raw(j.direct_dst, j.len) < 0) return;  // unsupported: stop
-            for (size_t p = j.part_begin; p < j.part_end; ++p)
-              if (parts[p].len >= kPrefaultPart && sys::populate_write_raw(parts[p].dst, parts[p].len) < 0) return;
+        prefaulter = std::thread([&jobs, &parts, &stop_prefault, &prefault_next, &prefaulted]() {
+          uint64_t done = 0;
+          for (;;) {
+            const size_t i = prefault_next.fetch_add(1);
+            if (i >= jobs.size() || stop_prefault.load(std::memory_order_relaxed)) break;
+            const Job& j = jobs[i];
+            if (j.direct_dst) {
+              if (sys::populate_write_raw(j.direct_dst, j.len) < 0) break;  // unsupported: stop
+              done += j.len;
+            }
+            bool ok = true;
+            for (size_t p = j.part_begin; ok && p < j.part_end; ++p) {
+              if (parts[p].len < kPrefaultPart) continue;
+              ok = sys::populate_write_raw(parts[p].dst, parts[p].len) >= 0;
+              if (ok) done += parts[p].len;
+            }
+            if (!ok) break;
           }
+          prefaulted = done;
         });
       } catch (const std::system_error&) {
         // No thread to be had (a process at its thread limit): the reads fault
@@ -679,6 +703,10 @@ ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector
         if (j.direct_dst) {
           req.buf = j.direct_dst;
           ++st.direct_requests;
+          // This read faults its destination in itself: the helper skips it.
+          size_t pf = prefault_next.load(std::memory_order_relaxed);
+          while (pf <= next && !prefault_next.compare_exchange_weak(pf, next + 1, std::memory_order_relaxed)) {
+          }
         } else {
           const int b = bufs.try_take(pool, *q, cfg.queue_depth);
           if (b < 0) break;  // wait for one of ours to come back

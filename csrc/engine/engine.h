@@ -225,6 +225,7 @@ struct ReadStats {
   uint64_t requests = 0;
   uint64_t direct_requests = 0;  // read straight into caller memory (no copy)
   uint64_t cached_bytes = 0;     // of bytes_read, served from the page cache (no request, no staging)
+  uint64_t prefaulted_bytes = 0;  // destination bytes the prefault helper faulted in (EngineConfig::prefault)
   double seconds = 0;
   bool direct = false;
   std::string backend;
