@@ -236,7 +236,7 @@ def test_torch_layout_keeps_format_version(tmp_path):
 
 # ------------------------------------------------- memory the loaded storages get
 
-def test_large_storages_load_into_aligned_resizable_memory_of_their_own(tmp_path):
+def test_large_storages_load_into_aligned_memory_of_their_own(tmp_path):
     """Storages of DIRECT_MIN bytes or more are read O_DIRECT straight into
     4 KiB-aligned memory (no copy out of staging); each is a storage of its own,
     exactly its size and, as torch.load's, not resizable; small ones take torch's
