@@ -11,7 +11,6 @@ mid-upload (rank 0 names it after peer_timeout, no manifest; the next start clea
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import torch
 from fastckpt.remote import Replicator, list_steps, open_store
 from fastckpt.remote import manifest as mf
 
+from dist_launch import free_port
 from s3_server import is_complete_upload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,14 +32,8 @@ pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="t
               pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path, scenario, tiers, world=2):
-    port = _free_port()
+    port = free_port()
     procs, logs = [], []
     for r in range(world):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_",
