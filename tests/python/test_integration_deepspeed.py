@@ -65,6 +65,9 @@ WORKER = textwrap.dedent("""
     import os, sys, torch
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     import deepspeed
+    # One process: no shared-memory all-reduce, which DeepSpeed's CPU backend would otherwise JIT-compile
+    # at initialize (about 40 s on a fresh machine); DeepSpeed keeps this dict for such edits.
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     from fastckpt.integrations.deepspeed import FastCheckpointEngine
     cfg = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2}
     def make(seed):
