@@ -476,7 +476,10 @@ def _host_storage(nbytes: int) -> torch.Tensor:
     whose tensor reaches past its record is then torch's error (a FormatError
     here), never a reallocation of memory that a read still in flight
     (:meth:`_Records.read_behind`) fills, nor a tensor holding bytes no record had."""
-    t = _C.empty_aligned(nbytes, _zip.ALIGNMENT) if nbytes >= _zip.DIRECT_MIN else torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes >= _zip.DIRECT_MIN:
+        t = _C.empty_aligned(nbytes, _zip.ALIGNMENT)
+    else:
+        t = torch.empty(nbytes, dtype=torch.uint8)
     _C.set_resizable(t, False)
     return t
 

@@ -35,6 +35,29 @@ def torchrun(script, *args, nproc: int = 2, timeout: float = 300) -> subprocess.
     return subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def kill_all(procs) -> None:
+    """Kill and reap every process of ``procs`` still running (none is left behind a test)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def reap(procs, timeout: float, wait_for=None) -> None:
+    """Wait until the processes ``wait_for`` (indices into ``procs``; all by
+    default) have exited, ``timeout`` seconds at most in all, then
+    :func:`kill_all` of ``procs`` (a process killed here has return code -SIGKILL)."""
+    deadline = time.monotonic() + timeout
+    try:
+        for i, p in enumerate(procs):
+            if wait_for is None or i in wait_for:
+                p.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        kill_all(procs)
+
+
 def ranks(script, *args, world: int = 2, timeout: float = 300) -> List[subprocess.CompletedProcess]:
     """Every rank of ``script args`` started directly, with RANK, WORLD_SIZE,
     LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them; waits for all
@@ -47,17 +70,7 @@ def ranks(script, *args, world: int = 2, timeout: float = 300) -> List[subproces
                               env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for r in range(world)]
-    deadline = time.monotonic() + timeout
-    try:
-        for p in procs:
-            p.wait(max(0.1, deadline - time.monotonic()))
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    reap(procs, timeout)
     out = []
     for p, (o, e) in zip(procs, files):
         o.seek(0)

@@ -17,6 +17,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from test_collective_save import last_line, leftovers, reference_bytes, run_ranks  # noqa: E402
 from test_collective_save import worker  # noqa: E402
+from dist_launch import kill_all  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -130,9 +131,6 @@ def test_rank_killed_at_random_moments_of_a_collective_load(tmp_path):
                         f"rank {r} after rank {victim}'s kill at {kill_at:.2f} s: {out}"
                 seen.append("ok" if line == "OK" else "raised")
         finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
+            kill_all(procs)
     print(f"load took {took:.2f} s uninterrupted; survivors: {seen}")
     assert "raised" in seen, seen  # not vacuous: some kill landed inside a load

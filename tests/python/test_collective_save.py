@@ -16,6 +16,7 @@ from fastckpt import serialization
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import collective_worker as worker  # noqa: E402
+from dist_launch import kill_all  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -40,10 +41,7 @@ def run_ranks(tmp_path: Path, world: int, path, case: str, mode: str = "ok", tim
             out, _ = p.communicate(timeout=timeout)
             outs.append((p.returncode, out))
     finally:
-        for p in procs:  # none left behind when a rank hangs
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)  # none left behind when a rank hangs
     return outs
 
 

@@ -22,7 +22,7 @@ import torch
 from fastckpt.remote import Replicator, list_steps, open_store
 from fastckpt.remote import manifest as mf
 
-from dist_launch import free_port
+from dist_launch import free_port, kill_all, reap
 from s3_server import is_complete_upload
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,17 +56,7 @@ def _report(procs, logs):
 
 
 def _finish(procs, logs, scenario, ranks=None, timeout=240):
-    try:
-        for r, p in enumerate(procs):
-            if ranks is None or r in ranks:
-                p.wait(timeout)
-    except subprocess.TimeoutExpired:
-        pass
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    reap(procs, timeout, wait_for=ranks)
     report = _report(procs, logs)
     for r, (p, lg) in enumerate(zip(procs, logs)):
         if ranks is None or r in ranks:
@@ -109,10 +99,7 @@ def test_a_rank_killed_mid_upload(tmp_path, s3):
         procs[1].send_signal(signal.SIGKILL)  # mid-upload of its file of step 2
         _finish(procs, logs, "kill", ranks=[0])
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+        kill_all(procs)
     store = open_store(url, opts)
     assert list_steps(store) == [1] and sorted(mf.list_step_prefixes(store)) == [1, 2]  # step 2: no manifest
     Replicator(url, opts).close()  # the next start deletes what the killed step left

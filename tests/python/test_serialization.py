@@ -28,7 +28,7 @@ from torch import nn
 
 import fastckpt
 from fastckpt import _C
-from conftest import fd_count, temp_files
+from conftest import fd_count, fd_table, temp_files
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental"),
@@ -389,18 +389,6 @@ def flip_byte(path, offset):
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xA5]))
-
-
-def fd_table():
-    """Open descriptors -> what they point at (for messages when fd_count differs)."""
-    fd_count()  # collects garbage first
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out[fd] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the listing's own descriptor
-            pass
-    return out
 
 
 def torch_load(f, **kw):
