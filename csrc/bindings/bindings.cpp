@@ -3,7 +3,14 @@
 // errors become OSError(errno, message, path), fastckpt.FormatError
 // (truncated files) and ValueError (misuse). No I/O decisions here.
 #include <fcntl.h>
-#include <torch/extension.h>
+// Not <torch/extension.h>: it brings in the whole C++ frontend (autograd, nn,
+// optim, data), which took two thirds of the extension's compile time. These
+// are what the bindings use: pybind11 with torch's tensor casters, THPVariable,
+// at::empty and the CPU allocator.
+#include <ATen/ops/empty.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <pybind11/stl.h>
 
