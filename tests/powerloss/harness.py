@@ -23,7 +23,9 @@ from typing import Dict, Iterator, List, Optional, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.join(os.path.dirname(HERE), "python"))
 import crashfs  # noqa: E402
+import fastspawn  # noqa: E402
 import scenarios  # noqa: E402
 
 
@@ -105,7 +107,7 @@ def record(name: str, params: dict, workdir: str, env: Optional[Dict[str, str]] 
     """Runs scenario ``name`` on a fresh crashfs mount under ``workdir``; returns its op log."""
     with mounted(workdir) as (mnt, daemon):
         cenv = dict(os.environ, PYTHONPATH=ROOT, **(env or {}))
-        child = subprocess.Popen([sys.executable, os.path.join(HERE, "scenarios.py"), name, mnt, json.dumps(params)],
+        child = fastspawn.Popen([sys.executable, os.path.join(HERE, "scenarios.py"), name, mnt, json.dumps(params)],
                                  env=cenv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             out, _ = child.communicate(timeout=timeout)

@@ -10,6 +10,8 @@ import time
 from pathlib import Path
 from typing import List
 
+import fastspawn
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -65,7 +67,7 @@ def ranks(script, *args, world: int = 2, timeout: float = 300) -> List[subproces
     -SIGKILL) and returns one CompletedProcess each."""
     port = str(free_port())
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(world)]  # no pipe to fill
-    procs = [subprocess.Popen([sys.executable, str(script), *map(str, args)], cwd=ROOT, text=True,
+    procs = [fastspawn.Popen([sys.executable, str(script), *map(str, args)], cwd=ROOT, text=True,
                               stdout=files[r][0], stderr=files[r][1],
                               env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))

@@ -17,6 +17,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from test_collective_save import last_line, leftovers, reference_bytes, run_ranks  # noqa: E402
 from test_collective_save import worker  # noqa: E402
+import fastspawn  # noqa: E402
 from dist_launch import kill_all  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -71,7 +72,7 @@ SURVIVOR_WAIT = PG_TIMEOUT + 30  # s after the kill: a survivor still running by
 def _start_load_ranks(tmp_path, path, world, delay_ms):
     store = tmp_path / f"store.{os.urandom(4).hex()}"
     env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen([sys.executable, str(HERE / "collective_crash_worker.py"), str(store), str(r),
+    procs = [fastspawn.Popen([sys.executable, str(HERE / "collective_crash_worker.py"), str(store), str(r),
                                str(world), str(path), str(delay_ms), str(PG_TIMEOUT)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for r in range(world)]

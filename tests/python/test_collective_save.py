@@ -16,6 +16,7 @@ from fastckpt import serialization
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import collective_worker as worker  # noqa: E402
+import fastspawn  # noqa: E402
 from dist_launch import kill_all  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
@@ -32,7 +33,7 @@ def run_ranks(tmp_path: Path, world: int, path, case: str, mode: str = "ok", tim
     for r in range(world):
         env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1",
                    **(rank_env(r) if rank_env else {}))
-        procs.append(subprocess.Popen([sys.executable, str(HERE / worker_script), str(store), str(r), str(world),
+        procs.append(fastspawn.Popen([sys.executable, str(HERE / worker_script), str(store), str(r), str(world),
                                        str(paths[r]), case, mode, *extra], stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True, env=env))
     outs = []

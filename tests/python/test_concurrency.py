@@ -14,6 +14,7 @@ import torch
 import fastckpt
 from fastckpt import _C
 
+import fastspawn  # noqa: E402
 from conftest import same_state, temp_files
 
 WRITER = textwrap.dedent("""
@@ -47,7 +48,7 @@ def test_same_state_can_fail():
 def test_two_processes_save_to_one_path(tmp_path, delay_ms, reps):
     path = tmp_path / "ckpt.pt"
     start = time.time() + 4.0  # both have imported torch by then
-    procs = [subprocess.Popen([sys.executable, "-c", WRITER, str(path), str(seed), str(start), str(delay_ms), str(reps)],
+    procs = [fastspawn.Popen([sys.executable, "-c", WRITER, str(path), str(seed), str(start), str(delay_ms), str(reps)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for seed in (1, 2)]
     outs = [p.communicate(timeout=120)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs

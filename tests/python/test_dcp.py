@@ -20,6 +20,7 @@ import torch
 
 import torch.distributed as dist
 
+import fastspawn  # noqa: E402
 from dist_launch import free_port as _free_port
 
 if not dist.is_available():
@@ -51,7 +52,7 @@ def _launch(scenario, world_size, work):
     procs = []
     for r in range(world_size):
         env["RANK"] = str(r)
-        procs.append(subprocess.Popen([sys.executable, HELPER, scenario, str(work)], env=dict(env),
+        procs.append(fastspawn.Popen([sys.executable, HELPER, scenario, str(work)], env=dict(env),
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     return procs
 

@@ -25,6 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+import fastspawn  # noqa: E402
 from dist_launch import free_port as _free_port
 
 if __name__ != "__main__" and not dist.is_available():
@@ -312,7 +313,7 @@ def _run_ranks(scenario, world_size, work, timeout=240):
     procs = []
     for r in range(world_size):
         env["RANK"] = str(r)
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), scenario, str(work)],
+        procs.append(fastspawn.Popen([sys.executable, os.path.abspath(__file__), scenario, str(work)],
                                       env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     wait_for_ranks(procs, scenario, timeout)
 

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 import fastckpt
+import fastspawn  # noqa: E402
 from conftest import temp_files
 from dist_launch import free_port
 
@@ -65,7 +66,7 @@ class Job:
             e = base_env(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **(env or {}))
             err = open(workdir / f"rank{rank}-{n}.err", "w")
-            self.procs.append(subprocess.Popen([sys.executable, str(script), *args], env=e, cwd=ROOT, stderr=err,
+            self.procs.append(fastspawn.Popen([sys.executable, str(script), *args], env=e, cwd=ROOT, stderr=err,
                                                stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL, text=True))
             err.close()
         self.errs = [workdir / f"rank{r}-{n}.err" for r in range(world)]

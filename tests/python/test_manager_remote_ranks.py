@@ -22,6 +22,7 @@ import torch
 from fastckpt.remote import Replicator, list_steps, open_store
 from fastckpt.remote import manifest as mf
 
+import fastspawn  # noqa: E402
 from dist_launch import free_port, kill_all, reap
 from s3_server import is_complete_upload
 
@@ -44,7 +45,7 @@ def _launch(tmp_path, scenario, tiers, world=2):
                    FASTCKPT_REMOTE_PEER_TIMEOUT="3")
         log = open(tmp_path / f"rank{r}.log", "w")
         argv = [sys.executable, str(WORKER), scenario, str(tmp_path / "work"), json.dumps(tiers)]
-        procs.append(subprocess.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
+        procs.append(fastspawn.Popen(argv, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT))
         logs.append(tmp_path / f"rank{r}.log")
         log.close()
     return procs, logs
