@@ -27,6 +27,7 @@ import fastckpt
 from fastckpt import _C, _zip
 from fastckpt.async_save import AsyncSaver, SaveResult, default_saver
 from fastckpt.manager import CheckpointManager
+import fastspawn  # noqa: E402
 from conftest import temp_files
 
 pytestmark = pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
@@ -211,7 +212,7 @@ def test_exit_waits_for_pending_saves_and_logs_unobserved_failures(tmp_path):
         fastckpt.async_save({{"t": torch.arange(1000)}}, {str(tmp_path / "bad.pt")!r})
         print("returned", flush=True)
     """)
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    r = fastspawn.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "returned"
     assert torch.equal(fastckpt.load(tmp_path / "slow.pt")["t"], torch.arange(1000))  # exit waited for it

@@ -25,6 +25,7 @@ if REPO not in sys.path:  # the checkout's benchmarks package (not part of the i
 
 from benchmarks import bench_quick, bench_tune, harness, workload  # noqa: E402
 from fastckpt import cli  # noqa: E402
+import fastspawn  # noqa: E402
 
 
 def _args(*argv):
@@ -415,7 +416,7 @@ def test_safetensors_benchmark_follows_the_standalone_contract(tmp_path):
     against the saved state (an error otherwise), and a target is stated per pair."""
     pytest.importorskip("safetensors")
     out = tmp_path / "st.json"
-    p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_safetensors.py"), "--size", "8M",
+    p = fastspawn.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_safetensors.py"), "--size", "8M",
                         "--rounds", "1", "--dir", str(tmp_path), "--json", str(out)],
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -445,7 +446,7 @@ def test_remote_benchmark_follows_the_standalone_contract(tmp_path):
     pytest.importorskip("moto", reason="moto (the local S3 endpoint) is not installed")
     pytest.importorskip("s3fs", reason="s3fs is not installed")
     out = tmp_path / "remote.json"
-    p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_remote.py"), "--quick",
+    p = fastspawn.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_remote.py"), "--quick",
                         "--dir", str(tmp_path), "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     rep = _strict_json(out.read_text())

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import fastspawn  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -13,7 +14,7 @@ def test_frameworks_benchmark_follows_the_standalone_contract(tmp_path):
     pytest.importorskip("lightning", reason="lightning is not installed")
     pytest.importorskip("accelerate", reason="accelerate is not installed")
     out = tmp_path / "fw.json"
-    p = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_frameworks.py"), "--size", "8M",
+    p = fastspawn.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_frameworks.py"), "--size", "8M",
                         "--rounds", "1", "--dir", str(tmp_path), "--json", str(out)],
                        capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=REPO))
     assert p.returncode == 0, p.stderr[-3000:]

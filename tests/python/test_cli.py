@@ -25,6 +25,7 @@ import fastckpt
 from fastckpt import _C, _zip
 from fastckpt.cli import main
 
+import fastspawn  # noqa: E402
 from conftest import temp_files, uring_refusal
 import hostile_pickles as H
 
@@ -839,12 +840,12 @@ def test_convert_memory_is_bounded(tmp_path):
     make = ("import torch, fastckpt, sys\n"
             f"fastckpt.save({{f'layer{{i}}.weight': torch.full(({numel},), float(i)) for i in range({n})}}, sys.argv[1])")
     env = cli_env(FASTCKPT_BUFFER_SIZE="1M", FASTCKPT_BUFFER_COUNT="4")
-    subprocess.run([sys.executable, "-c", make, str(src)], check=True, env=env)
+    fastspawn.run([sys.executable, "-c", make, str(src)], check=True, env=env)
     steps = [(src, tmp_path / "big.safetensors", "safetensors"), (tmp_path / "big.safetensors", tmp_path / "bigd", "dcp"),
              (tmp_path / "bigd", tmp_path / "back.pt", "fastckpt")]
     bound = size // 4
     for a, b, to in steps:
-        r = subprocess.run([sys.executable, "-c", BOUNDED, "convert", str(a), str(b), "--to", to],
+        r = fastspawn.run([sys.executable, "-c", BOUNDED, "convert", str(a), str(b), "--to", to],
                            env=env, capture_output=True, text=True, timeout=120)
         res = json.loads(r.stdout.strip().splitlines()[-1])
         assert res["rc"] == 0, r.stderr
@@ -950,7 +951,7 @@ def test_errors_are_messages_not_tracebacks(tmp_path, capsys):
 def test_subprocess_python_m_and_console_script(tmp_path):
     p = tmp_path / "ck.pt"
     fastckpt.save({"w": torch.ones(3), "step": 7}, p)
-    r = subprocess.run([sys.executable, "-m", "fastckpt", "inspect", "--json", str(p)],
+    r = fastspawn.run([sys.executable, "-m", "fastckpt", "inspect", "--json", str(p)],
                        capture_output=True, text=True, env=cli_env(), timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["totals"]["tensors"] == 1

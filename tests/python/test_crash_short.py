@@ -21,6 +21,7 @@ import sys
 
 import pytest
 import torch.distributed as dist
+import fastspawn  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DRIVER = os.path.join(ROOT, "tests", "crash", "crash_driver.py")
@@ -36,7 +37,7 @@ def short_run(tmp_path_factory):
     kinds = SINGLE + (WORLD_2 if dist.is_available() and dist.is_gloo_available() else ())
     kills = sum(KILLS[k] for k in kinds)  # the driver gives the first kinds the remainder: 4,4,4,3,3,3
     d = tmp_path_factory.mktemp("crash")
-    r = subprocess.run([sys.executable, DRIVER, "--kills", str(kills), "--kinds", ",".join(kinds), "--seed", "11",
+    r = fastspawn.run([sys.executable, DRIVER, "--kills", str(kills), "--kinds", ",".join(kinds), "--seed", "11",
                         "--dir", str(d)], capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
@@ -53,7 +54,7 @@ def world3_run(request, tmp_path_factory):
         pytest.skip("this torch has no gloo backend")
     kind = request.param
     d = tmp_path_factory.mktemp(kind)
-    r = subprocess.run([sys.executable, DRIVER, "--kills", str(COLLECTIVE_KILLS), "--kinds", kind,
+    r = fastspawn.run([sys.executable, DRIVER, "--kills", str(COLLECTIVE_KILLS), "--kinds", kind,
                         "--seed", "5", "--dir", str(d)], capture_output=True, text=True, timeout=400)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
@@ -248,7 +249,7 @@ def test_driver_can_fail_collective_cleanup(tmp_path, live):
     d.mkdir()
     fastckpt.save(cd.collective_state(1), d / "ckpt.pt")
     name = _planted_temp(d, live)  # live: this pytest process, alive while the check runs
-    r = subprocess.run([sys.executable, "-c", CLEANUP_CHECK, os.path.dirname(DRIVER), str(tmp_path), name,
+    r = fastspawn.run([sys.executable, "-c", CLEANUP_CHECK, os.path.dirname(DRIVER), str(tmp_path), name,
                         "1" if live else "0"], capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
@@ -288,7 +289,7 @@ def test_driver_catches_a_broken_collective_save(tmp_path, broken):
     env = dict(os.environ)
     if broken:
         env["FASTCKPT_CRASH_BREAK"] = "leave_temp"
-    r = subprocess.run([sys.executable, "-c", BROKEN_ROUND, os.path.dirname(DRIVER), str(tmp_path)],
+    r = fastspawn.run([sys.executable, "-c", BROKEN_ROUND, os.path.dirname(DRIVER), str(tmp_path)],
                        capture_output=True, text=True, timeout=300, env=env)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out

@@ -166,7 +166,7 @@ def reference(tmp_path_factory):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD), "--master_addr",
            "127.0.0.1", "--master_port", str(free_port()), str(EXAMPLE), "--ckpt-dir", str(d / "ckpt"), *ARGS,
            "--dump", str(dump)]
-    r = subprocess.run(cmd, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
+    r = fastspawn.run(cmd, env=base_env(), cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "fresh-start" in r.stdout and f"ckpt-end {STEPS}" in r.stdout
     assert sorted(os.listdir(d / "ckpt")) == ["latest", f"step_{STEPS - EVERY:08d}.pt", f"step_{STEPS:08d}.pt"]

@@ -15,6 +15,7 @@ import torch
 
 import fastckpt
 from fastckpt import _C
+import fastspawn  # noqa: E402
 from conftest import drop_page_cache, fd_count, make_config, temp_files, uring_refusal
 
 SIZES = [0, 1, 4095, 4096, 4097, 3 * (64 << 10) + 5, (5 << 20) + 123]
@@ -364,10 +365,10 @@ def test_concurrent_writers_share_one_engine(backend, tmp_path):
 def test_knobs_env_and_override(tmp_path):
     env = dict(os.environ, FASTCKPT_BACKEND="threads", FASTCKPT_BUFFER_SIZE="1M", FASTCKPT_QUEUE_DEPTH="3")
     code = "import fastckpt; e = fastckpt.get_engine(); print(e.backend, e.config.buffer_size, e.config.queue_depth)"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    out = fastspawn.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["threads", str(1 << 20), "3"]
     bad = dict(os.environ, FASTCKPT_BUFFER_SIZE="12345")
-    r = subprocess.run([sys.executable, "-c", code], env=bad, capture_output=True, text=True)
+    r = fastspawn.run([sys.executable, "-c", code], env=bad, capture_output=True, text=True)
     assert r.returncode != 0 and "multiple of 4096" in r.stderr
 
     base = fastckpt.knobs.config().buffer_size
@@ -398,7 +399,7 @@ def test_kill_during_save_leaves_previous_file(tmp_path):
         w.commit()
         print("committed", flush=True)
     """)
-    p = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    p = fastspawn.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     assert p.stdout.readline().strip() == "writing"
     time.sleep(0.1)
     os.kill(p.pid, signal.SIGKILL)
@@ -445,7 +446,7 @@ _SLOW_SAVE = textwrap.dedent("""
 def _start_slow_saves(target, n):
     """n processes in the middle of fastckpt.save(..., target), all at once."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    procs = [subprocess.Popen([sys.executable, "-c", _SLOW_SAVE, str(target)], env=env) for _ in range(n)]
+    procs = [fastspawn.Popen([sys.executable, "-c", _SLOW_SAVE, str(target)], env=env) for _ in range(n)]
     for p in procs:
         _wait_for(lambda: _temps_of(target, p.pid) or p.poll() is not None, "the child's temporary file")
     assert all(p.poll() is None for p in procs), "a slow save ended before it could be killed"

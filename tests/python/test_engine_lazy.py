@@ -12,6 +12,7 @@ import torch
 
 import fastckpt
 from fastckpt import _C
+import fastspawn  # noqa: E402
 from conftest import drop_page_cache, make_config, uring_refusal
 
 MiB = 1 << 20
@@ -54,7 +55,7 @@ def test_fresh_process_small_load_touches_only_what_it_used(tmp_path, backend):
     env = dict(os.environ, FASTCKPT_BACKEND=backend)
     for k in ("FASTCKPT_BUFFER_SIZE", "FASTCKPT_BUFFER_COUNT"):
         env.pop(k, None)  # the defaults: 8 x 8 MiB
-    r = subprocess.run([sys.executable, "-c", _FRESH_LOAD, str(path), ",".join(sd)], env=env,
+    r = fastspawn.run([sys.executable, "-c", _FRESH_LOAD, str(path), ",".join(sd)], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -100,7 +101,7 @@ def test_fresh_process_small_cached_load_makes_no_backend_and_touches_no_buffer(
     fastckpt.save(_small_state(), path)
     path.read_bytes()  # into the page cache (fastckpt.save writes with O_DIRECT)
     env = dict(os.environ, FASTCKPT_BACKEND=backend)
-    r = subprocess.run([sys.executable, "-c", _FRESH_CACHED_LOAD, str(path)], env=env,
+    r = fastspawn.run([sys.executable, "-c", _FRESH_CACHED_LOAD, str(path)], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
@@ -203,7 +204,7 @@ def test_import_fastckpt_leaves_the_manager_and_dcp_for_later():
         assert callable(fastckpt.async_save) and not isinstance(fastckpt.async_save, type(sys))
         print("ok")
     """)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = fastspawn.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
     assert lines == ["", "ok"], lines

@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+import fastspawn  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -12,7 +13,7 @@ def _torchrun(script, *args):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "examples" / script), *map(str, args)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    r = fastspawn.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     return sorted(re.findall(r"rank \d+: trained steps \d+\.\.\d+, weight sum -?[\d.]+", r.stdout))
 

@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.metadata import (  # noqa: E402
 )
 
 from fastckpt.dcp import FastReader, FastWriter  # noqa: E402
+import fastspawn  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
@@ -77,7 +78,7 @@ def test_the_attacks_are_real(tmp_path):
     for name in ATTACKS:
         marker = tmp_path / f"m-{name}"
         data = H.code_attacks(str(marker))[name]
-        subprocess.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
+        fastspawn.run([sys.executable, "-c", "import pickle, sys; pickle.loads(sys.stdin.buffer.read())"],
                        input=data, capture_output=True)
         assert marker.exists(), name
 
@@ -309,7 +310,7 @@ def _run_crafted(kind, dirs, warm):
                     "the peak RSS of each input")
     code = _SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), kind=kind, warm=warm,
                           dirs=list(dirs.values()))
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=600)
+    r = fastspawn.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=600)
     rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
     assert len(rows) == len(dirs), (r.returncode, r.stdout[-2000:], r.stderr[-3000:])
     return {name: row for name, row in zip(dirs, rows)}
@@ -395,7 +396,7 @@ def test_deep_nesting_for_torch_unpickler_is_refused_not_a_crash(tmp_path, where
         target = '{"w": torch.zeros(3)}'
     code = _DEEP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), d=str(tmp_path / "ck"),
                                target=target)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    r = fastspawn.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert r.stdout.startswith("FormatError") and re.search(r"nested more than \d+ deep", r.stdout), r.stdout
     assert str(tmp_path / "ck") in r.stdout
@@ -420,7 +421,7 @@ def _as_unprivileged(argv):
         except (OSError, subprocess.SubprocessError) as e:
             pytest.skip(f"running as root and cannot drop CAP_DAC_OVERRIDE ({e}): permission bits do not apply")
         kw["preexec_fn"] = _drop_dac
-    return subprocess.run([sys.executable, "-m", "fastckpt"] + [str(a) for a in argv], capture_output=True,
+    return fastspawn.run([sys.executable, "-m", "fastckpt"] + [str(a) for a in argv], capture_output=True,
                           text=True, env=_env(), **kw)
 
 
@@ -484,7 +485,7 @@ def test_deep_nesting_in_a_torch_save_file_is_refused_not_a_crash(tmp_path, how)
     path = tmp_path / "deep.pt"
     path.write_bytes(H.record(H.deep_tuple_key(1_000_000)))
     code = _DEEP_LOAD_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), path=str(path), how=how)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    r = fastspawn.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert r.stdout.startswith("FormatError") and re.search(r"nested more than \d+ deep", r.stdout), r.stdout
     assert "data.pkl" in r.stdout, r.stdout

@@ -17,6 +17,7 @@ except Exception as e:  # noqa: BLE001 - deepspeed missing, or its import failin
 
 from fastckpt import _C  # noqa: E402
 from fastckpt.integrations.deepspeed import FastCheckpointEngine  # noqa: E402
+import fastspawn  # noqa: E402
 from dist_launch import free_port  # noqa: E402
 
 from conftest import temp_files  # noqa: E402
@@ -97,7 +98,7 @@ WORKER = textwrap.dedent("""
 def test_real_deepspeed_engine_on_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(HERE)), DS_ACCELERATOR="cpu")
     port = str(free_port())
-    r = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path / "ck"), port], capture_output=True, text=True,
+    r = fastspawn.run([sys.executable, "-c", WORKER, str(tmp_path / "ck"), port], capture_output=True, text=True,
                        env=env, timeout=600)
     last = r.stderr.strip().splitlines()[-1] if r.stderr.strip() else ""
     if r.returncode != 0 and "fastckpt" not in last and ("No module named" in last or "ccl" in last.lower()):

@@ -16,6 +16,7 @@ import fastckpt  # noqa: E402
 from fastckpt import _C  # noqa: E402
 from fastckpt.integrations.lightning import AsyncFastCheckpointIO, FastCheckpointIO  # noqa: E402
 
+import fastspawn  # noqa: E402
 from conftest import temp_files  # noqa: E402
 
 
@@ -110,7 +111,7 @@ def test_trainer_top_k_files_are_fastckpt_files_and_resume_is_exact(tmp_path, pl
         ck = torch.load(p, weights_only=False)  # torch reads them unchanged
         assert ck["epoch"] in (3, 4) and "optimizer_states" in ck and ck["hyper_parameters"]["width"] == 128
         assert fastckpt.load(p, weights_only=False)["global_step"] == ck["global_step"]
-    r = subprocess.run([sys.executable, "-m", "fastckpt", "verify", str(ckdir / "last.ckpt")],
+    r = fastspawn.run([sys.executable, "-m", "fastckpt", "verify", str(ckdir / "last.ckpt")],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
 

@@ -21,6 +21,7 @@ from fastckpt.remote import Replicator, TransferOptions, open_store, read_manife
 from fastckpt.remote import manifest as mf
 from fastckpt.remote import replicator as rep_mod
 
+import fastspawn  # noqa: E402
 from conftest import same_state
 from s3_server import is_part_upload
 
@@ -272,7 +273,7 @@ def test_sigkill_mid_upload(s3, tmp_path):
     proxy.add("stall", nth=3, count=None, match=is_part_upload)  # holds the upload after two parts
     code = _KILLED.format(here=HERE, url=url, opts=opts, path=str(tmp_path / "big.pt"))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), HERE]))
-    p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p = fastspawn.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120
         while sum(1 for m, q, _ in proxy.requests if is_part_upload(m, q)) < 2:

@@ -23,6 +23,7 @@ import fastckpt
 from fastckpt import _zip
 
 from test_fuzz_load import _with_pickle
+import fastspawn  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SMALL, BIG = 7, _zip.DIRECT_MIN // 4 + 1000  # a bf16 tensor in torch's memory; a float32 one read O_DIRECT
@@ -116,7 +117,7 @@ def test_repeated_loads_in_one_process_do_not_crash(tmp_path):
             "            raise SystemExit('loaded ' + p)\n"
             "print('ok')\n")
     env = dict(os.environ, PYTHONFAULTHANDLER="1")
-    r = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, env=env, timeout=300)
+    r = fastspawn.run([sys.executable, "-c", code, *paths], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout[-2000:], r.stderr[-4000:])
 
 
