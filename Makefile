@@ -3,6 +3,7 @@ VENV       ?= .venv
 PY         := $(VENV)/bin/python
 CMAKE_DIR  ?= build/cmake
 STAMP      := $(VENV)/.fastckpt-setup
+SYS_STAMP  := build/.system-packages
 # make bench: BENCH_DIR is a directory on the disk to measure (the repository's by default; not a tmpfs).
 BENCH_DIR       ?= $(CURDIR)
 BENCH_SIZES     ?= 256M,1G,4G
@@ -22,7 +23,11 @@ PYTEST_XDIST    = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dis
 
 all: build
 
-$(STAMP): .ci/setup.sh requirements-dev.txt setup.py pyproject.toml
+$(SYS_STAMP): .ci/setup-system.sh
+	bash .ci/setup-system.sh
+	@mkdir -p $(dir $@) && touch $@
+
+$(STAMP): $(SYS_STAMP) .ci/setup.sh requirements-dev.txt setup.py pyproject.toml
 	bash .ci/setup.sh
 	touch $@
 
@@ -33,7 +38,8 @@ build: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 	$(PY) -c "import fastckpt._C"
 
-test-cpp: $(STAMP)
+# The C++ tests need the system packages only (CMake, the compiler, liburing), not the virtual environment.
+test-cpp: $(SYS_STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" cmake -S . -B $(CMAKE_DIR) -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" cmake --build $(CMAKE_DIR)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ctest --test-dir $(CMAKE_DIR) --output-on-failure
@@ -47,7 +53,11 @@ test-python: build
 test-durations: build
 	FASTCKPT_TEST_DURATIONS_OUT=tests/durations.json $(PY) -m pytest -q $(PYTEST_XDIST) tests/python tests/powerloss $(PYTEST_ARGS)
 
-test: test-cpp test-python
+# The C++ tests build and run while .ci/setup.sh installs the Python side (pip keeps one CPU busy, the other
+# would idle); --output-sync prints each one's output whole when it ends. Then every Python test.
+test: $(SYS_STAMP)
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-cpp setup
+	$(MAKE) --no-print-directory test-python
 
 # The long power-loss run (tests/powerloss): larger checkpoints, more saves, the buffered, thread
 # and flush-interval engine configurations; prints cut points, crash states checked and

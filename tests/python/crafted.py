@@ -26,7 +26,6 @@ import torch
 
 import fastckpt
 from fastckpt import _zip
-import fastspawn  # noqa: E402
 
 # What a damaged or hostile file may raise from fastckpt.load: FormatError, an
 # OSError, or the weights-only unpickler's refusal.
@@ -351,7 +350,7 @@ class MemoryProbe:
         here = os.path.dirname(os.path.abspath(__file__))
         env = dict(os.environ, FASTCKPT_PROBE_WARM=str(self.warm_path), MALLOC_MMAP_THRESHOLD_=str(128 << 10),
                    PYTHONPATH=os.pathsep.join([here] + [p for p in [os.environ.get("PYTHONPATH")] if p]), **self.env)
-        self.proc = fastspawn.Popen([sys.executable, "-c", "import crafted; crafted._worker()"],
+        self.proc = subprocess.Popen([sys.executable, "-c", "import crafted; crafted._worker()"],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
 
     def load(self, path, verify: bool, as_file: bool = False) -> Tuple[int, Optional[str]]:

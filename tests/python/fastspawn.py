@@ -24,8 +24,8 @@ for more gets ``torch.set_num_threads(n)``, one without OMP_NUM_THREADS keeps 1
 (a fresh process would take the CPU count; no test depends on it). Commands
 that need a fresh interpreter fall back to ``subprocess.Popen``: other
 executables, interpreter options other than ``-u``/``-B``, an environment whose
-LD_PRELOAD, LD_LIBRARY_PATH, PYTHONHASHSEED, PYTHONHOME, PYTHONMALLOC, ... (see
-_STARTUP_ENV) differ from the server's, ``preexec_fn``, ``pass_fds``,
+LD_*, glibc's MALLOC_* and GLIBC_TUNABLES, PYTHONHASHSEED, PYTHONHOME,
+PYTHONMALLOC, ... (see _startup_env) differ from the server's, ``preexec_fn``, ``pass_fds``,
 ``start_new_session``, user or group changes, and every command when
 FASTCKPT_TEST_FORKSERVER=0. The tests about process start-up, exit and fork
 (test_manager_exit, test_integrations_import, test_engine's fork tests, ...)
@@ -46,6 +46,12 @@ _PRELOAD = ("torch", "torch.distributed", "numpy")
 _STARTUP_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH",
                 "PYTHONMALLOC", "PYTHONDEVMODE", "PYTHONWARNINGS", "PYTHONOPTIMIZE")
 _MAX_MSG = 4 << 20
+
+
+def _startup_env(env):
+    """The variables of ``env`` that act at start-up: _STARTUP_ENV, glibc's malloc tunables
+    (MALLOC_*_, GLIBC_TUNABLES), and the allocator preloads' own."""
+    return [k for k in env if k in _STARTUP_ENV or k.startswith(("MALLOC_", "GLIBC_", "LD_"))] + list(_STARTUP_ENV)
 
 
 def _plan(args, env):
@@ -332,7 +338,8 @@ class Popen(subprocess.Popen):
         address = None
         if plan is not None:
             address = _server.address_for_request()
-            if address is not None and any(child_env.get(k) != _server.env.get(k) for k in _STARTUP_ENV):
+            if address is not None and any(child_env.get(k) != _server.env.get(k)
+                                           for k in set(_startup_env(child_env)) | set(_startup_env(_server.env))):
                 address = None
         if address is None:
             kw = dict(process_group=process_group) if sys.version_info >= (3, 11) else {}
@@ -340,8 +347,8 @@ class Popen(subprocess.Popen):
                                           creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread,
                                           errwrite, restore_signals, gid, gids, uid, umask, start_new_session, **kw)
         kind, target, rest, unbuffered = plan
-        fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1,
-               errwrite if errwrite != -1 else (c2pwrite if c2pwrite != -1 else 2)]
+        # -1: inherited from this process, as subprocess does (stderr=STDOUT arrives as errwrite == c2pwrite)
+        fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1, errwrite if errwrite != -1 else 2]
         request = {"kind": kind, "target": target, "rest": rest, "unbuffered": unbuffered,
                    "cwd": os.fspath(cwd) if cwd is not None else None,
                    "env": {os.fsdecode(k): os.fsdecode(v) for k, v in child_env.items()}}
