@@ -9,11 +9,12 @@ measure what it allows. The disk: fio (O_DIRECT, io_uring, at harness.FIO_POINTS
 installed) and the engine's own parallel read of the file fastckpt loads into memory already
 faulted in (the load's I/O alone: same requests, no fault of fresh memory, no tensors); the
 faster median of these is "the disk limit". The memory: the load's allocations in a fresh
-process with every page faulted in and no I/O (a load ends with the data in fresh memory:
-fastckpt's own, or fresh page-cache pages for safetensors' mmap; on a VM that is slow, about
-3 GB/s here). The larger of the two is the limit, and safetensors' load median over it is the
-most ANY loader of this file could gain over safetensors in this run: when that bound is under
-1.3, issue 15's load target cannot be met on this machine, whatever the loader does.
+process with every page faulted in on every CPU and no I/O (a loader that returns memory of its
+own, as fastckpt's does, must fault all of it in; on a VM that is slow, 3-9 GB/s here; an mmap
+of the page cache, as safetensors', skips the zeroing and is not bound by it). The larger of the
+two is the limit, and safetensors' load median over it is the most a loader of this file that
+returns memory of its own could gain over safetensors in this run (with the disk row alone: any
+loader): when that bound is under 1.3, issue 15's load target cannot be met on this machine.
 
 The state: the model part of benchmarks/workload.py's synthetic state dict (transformer-like
 layers, float32 and bfloat16, three large matrices), about --size bytes. Every operation runs in a
@@ -71,8 +72,8 @@ def cpu():
 
 sd = state() if ".save" in op or check else None
 if op == "memory":
-    # what any load that ends with the data in memory of its own (or in fresh page-cache pages, as an mmap's)
-    # pays at least: the same allocations as load_file's, every page faulted in, no I/O
+    # what a load that ends with the data in memory of its own pays at least: the same allocations as
+    # load_file's, every page faulted in, no I/O
     from fastckpt.serialization import _host_storage
     src = fst._open(path)
     sizes = [e.end - e.begin for e in src.entries if e.end > e.begin]
@@ -210,10 +211,10 @@ def bench(size: int, rounds: int, directory: str) -> dict:
 
 
 def disk_bound(res: dict) -> tuple:
-    """(the limit's op, its median seconds, safetensors' load median over it): the most any loader of the
-    file could gain over safetensors' load in this run. A load needs the disk's time (the faster of the disk
-    rows) and the time to fault in fresh memory for the data (the memory row; safetensors' mmap fills fresh
-    page-cache pages, fastckpt memory of its own): at least the larger of the two."""
+    """(the limit's op, its median seconds, safetensors' load median over it): the most a loader of the
+    file could gain over safetensors' load in this run. Every load needs the disk's time (the faster of the
+    disk rows); one that returns memory of its own, as fastckpt's, also the time to fault that memory in (the
+    memory row): at least the larger of the two."""
     s = res["seconds"]
     disk = min((op for op in res["ops"] if op.startswith("disk:")), key=lambda op: s[op])
     if MEMORY in s and s[MEMORY] > s[disk]:

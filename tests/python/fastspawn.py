@@ -43,18 +43,22 @@ import threading
 _PRELOAD = ("torch", "torch.distributed", "numpy")
 # Environment variables that act when the interpreter or its libraries start: a child that sets them
 # differently from the server needs a fresh process.
-_STARTUP_ENV = ("LD_PRELOAD", "LD_LIBRARY_PATH", "PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH",
-                "PYTHONMALLOC", "PYTHONDEVMODE", "PYTHONWARNINGS", "PYTHONOPTIMIZE")
+# (Besides these, every LD_*, MALLOC_* and GLIBC_* variable: the loader's and glibc's malloc tunables.)
+_STARTUP_ENV = ("PYTHONHASHSEED", "PYTHONHOME", "PYTHONSAFEPATH", "PYTHONMALLOC", "PYTHONDEVMODE",
+                "PYTHONWARNINGS", "PYTHONOPTIMIZE")
 _MAX_MSG = 4 << 20
 
 
-def _startup_env(env):
-    """The variables of ``env`` that act at start-up: _STARTUP_ENV, glibc's malloc tunables
-    (MALLOC_*_, GLIBC_TUNABLES), and the allocator preloads' own."""
-    return [k for k in env if k in _STARTUP_ENV or k.startswith(("MALLOC_", "GLIBC_", "LD_"))] + list(_STARTUP_ENV)
+def _startup_env(env) -> set:
+    """The variables of ``env`` that act at start-up."""
+    return {k for k in env if k in _STARTUP_ENV or k.startswith(("MALLOC_", "GLIBC_", "LD_"))}
 
 
-def _plan(args, env):
+def _pythonpath() -> list:
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+def _plan(args):
     """(kind, target, rest, unbuffered) when ``args`` can run in a forked child, else None."""
     args = [os.fspath(a) for a in args]
     if not args or args[0] != sys.executable:
@@ -121,9 +125,8 @@ def _child(request, fds, close):
         sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), errors="backslashreplace",
                                       line_buffering=True)
         sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
-        extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
         first = os.path.dirname(os.path.abspath(target)) if kind == "script" else (os.getcwd() if kind == "-m" else "")
-        sys.path[:] = [first] + extra + request["base_path"]
+        sys.path[:] = [first] + _pythonpath() + request["base_path"]
         sys.dont_write_bytecode = request["dont_write_bytecode"] or bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
         threads = os.environ.get("OMP_NUM_THREADS", "")
         if threads.isdigit() and int(threads) > 1 and "torch" in sys.modules:
@@ -172,9 +175,8 @@ def serve(listen_fd: int) -> None:
             __import__(m)
         except ImportError:
             pass
-    base_path = list(sys.path[1:])  # without this file's directory
-    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    base_path = [p for p in base_path if p not in extra]
+    extra = _pythonpath()
+    base_path = [p for p in sys.path[1:] if p not in extra]  # without this file's directory and PYTHONPATH
     listener = socket.socket(fileno=listen_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -227,7 +229,10 @@ def serve(listen_fd: int) -> None:
             except OSError as e:
                 for fd in fds:
                     os.close(fd)
-                conn.sendall(struct.pack("<q", -e.errno))
+                try:
+                    conn.sendall(struct.pack("<q", -e.errno))
+                except OSError:
+                    pass
                 conn.close()
                 continue
             if pid == 0:
@@ -334,12 +339,12 @@ class Popen(subprocess.Popen):
         if (_enabled() and not shell and executable is None and preexec_fn is None and not pass_fds
                 and not start_new_session and process_group in (None, -1) and gid is None and gids is None
                 and uid is None and umask < 0 and not isinstance(args, (str, bytes, os.PathLike))):
-            plan = _plan(args, child_env)
+            plan = _plan(args)
         address = None
         if plan is not None:
             address = _server.address_for_request()
             if address is not None and any(child_env.get(k) != _server.env.get(k)
-                                           for k in set(_startup_env(child_env)) | set(_startup_env(_server.env))):
+                                           for k in _startup_env(child_env) | _startup_env(_server.env)):
                 address = None
         if address is None:
             kw = dict(process_group=process_group) if sys.version_info >= (3, 11) else {}

@@ -129,3 +129,24 @@ def test_new_session_and_other_executables_are_plain_subprocesses():
     assert p.wait(60) == 0 and not p.forked
     p = fastspawn.Popen(["true"])
     assert p.wait(60) == 0 and not p.forked
+
+
+def test_a_dead_server_ends_the_wait_and_the_next_command_gets_a_new_one():
+    """The server killed under a running child: waiting for that child does not hang (it reports 255, the
+    status being lost with the server), and the next command starts through a new server."""
+    p = fastspawn.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=_env())
+    assert p.forked
+    server = fastspawn._server.proc
+    os.kill(server.pid, signal.SIGKILL)
+    server.wait(30)
+    try:
+        assert p.wait(30) == 255
+    finally:
+        try:
+            os.kill(p.pid, signal.SIGKILL)  # the orphaned child itself
+        except ProcessLookupError:
+            pass
+    r = fastspawn.run([sys.executable, "-c", "print('again')"], env=_env(), capture_output=True, text=True,
+                      timeout=60)
+    assert (r.returncode, r.stdout) == (0, "again\n")
+    assert fastspawn._server.proc is not server
