@@ -32,7 +32,7 @@ REPO = os.path.dirname(HERE)
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from benchmarks.harness import parse_size, emit_standalone, pair_targets  # noqa: E402
-from fastckpt._units import human  # noqa: E402
+from fastckpt._core.units import human  # noqa: E402
 
 OPS = ["Lightning TorchCheckpointIO+fsync", "Lightning FastCheckpointIO",
        "Accelerate save_state+fsync", "Accelerate save_state, use_fastckpt"]

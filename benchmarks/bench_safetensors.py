@@ -44,7 +44,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 from benchmarks.harness import (FIO_MISSING, FIO_POINTS, drop_caches, emit_standalone, find_fio,  # noqa: E402
                                 pair_targets, parse_size, run_fio)
-from fastckpt._units import human  # noqa: E402
+from fastckpt._core.units import human  # noqa: E402
 
 OPS = ["safetensors.save_file+fsync", "fastckpt.safetensors.save_file",
        "safetensors.load_file, pages touched", "fastckpt.safetensors.load_file"]
@@ -106,7 +106,7 @@ if op == "memory":
 if op.startswith("disk: engine"):
     # the load's reads alone: the same destinations as load_file's (_host_storage), faulted in first
     from fastckpt import _C
-    from fastckpt.engine import get_engine
+    from fastckpt._core.engine import get_engine
     from fastckpt.serialization import _host_storage
     src = fst._open(path)
     ranges = [(_host_storage(e.end - e.begin).fill_(1), src.data_start + e.begin)

@@ -261,7 +261,7 @@ class AsyncSaveMethod(Method):
     (pickling + the host snapshot) is in the record's ``returned`` and the report's 'caller blocked'."""
 
     key = "async"
-    label = "fastckpt.async_save"
+    label = "fastckpt.saver"
     has_load = False  # the file is fastckpt.save's: see the fastckpt.load row
 
     def __init__(self, mod):
@@ -273,7 +273,7 @@ class AsyncSaveMethod(Method):
         import importlib
         import pickle
 
-        am = importlib.import_module("fastckpt.async_save")  # the module (fastckpt.async_save is the function)
+        am = importlib.import_module("fastckpt.saver")  # the module (fastckpt.async_save is the function)
         ser = importlib.import_module("fastckpt.serialization")
         _, storages = ser._pickle(sd, pickle, ser.DEFAULT_PROTOCOL)
         saver = am.default_saver()

@@ -423,7 +423,7 @@ def _detach_from_parent() -> None:
     """In a forked child: never touch the parent's engines. Their worker threads do not exist here
     (destroying one would wait for them forever) and an io_uring ring's registered buffers are the
     parent's pages, so the child gets engines of its own on first use."""
-    from fastckpt import engine as _engine
+    from fastckpt._core import engine as _engine
     _parent_engines.extend(_engine._engines.values())
     _engine._engines.clear()
 

@@ -64,7 +64,7 @@ except ImportError:  # a checkout whose extension was built in place but not ins
 if REPO_ROOT not in sys.path:  # the checkout's `benchmarks` package
     sys.path.insert(1, REPO_ROOT)
 from benchmarks import harness as fb  # noqa: E402
-from fastckpt._units import human  # noqa: E402  (the package's one size formatter)
+from fastckpt._core.units import human  # noqa: E402  (the package's one size formatter)
 
 DEFAULT_SIZES = "256M,1G,4G"
 DEFAULT_OUT = os.path.join(REPO_ROOT, "build", "bench")  # the committed report (HERE/results) only by --out
@@ -104,7 +104,7 @@ DS_INSTALL = ".ci/install_deepspeed.sh"
 # chart lines: (series name, save-row predicate, load-row predicate), in legend order
 SERIES = [
     ("fastckpt", lambda r: r["key"] == "fastckpt", lambda r: r["key"] == "fastckpt"),
-    ("fastckpt.async_save", lambda r: r["key"] == "async", None),
+    ("fastckpt.saver", lambda r: r["key"] == "async", None),
     ("torch", lambda r: r["key"] == "torch", lambda r: r["key"] == "torch"),
     ("DCP stock (best t)", lambda r: r["key"] == "dcp", lambda r: r["key"] == "dcp"),
     ("DCP FastWriter/Reader", lambda r: r["key"] == "fastdcp", lambda r: r["key"] == "fastdcp"),

@@ -4,11 +4,9 @@ import torch  # noqa: F401  (loads libtorch, which fastckpt._C links against)
 
 from .errors import FormatError, UnsupportedURLError
 from . import knobs
-from .engine import get_engine, reset_engine
+from ._core.engine import get_engine, reset_engine
 from .serialization import load, save
-# Eager: the submodule shares the function's name (importing it later would
-# rebind fastckpt.async_save to the module).
-from .async_save import async_save, wait_for_saves
+from .saver import async_save, wait_for_saves
 
 __all__ = ["save", "load", "async_save", "wait_for_saves", "CheckpointManager", "FormatError", "UnsupportedURLError", "knobs",
            "get_engine", "reset_engine"]

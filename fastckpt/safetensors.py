@@ -31,10 +31,11 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
-from . import _C, _staging
-from ._paths import check_save_target, raise_named_after_target
-from ._sources import SAFETENSORS_MAX_HEADER, ST_DTYPES, ST_NAMES, SafetensorsSource, dtype_name
-from .engine import get_engine
+from . import _C
+from .staging import device as _staging
+from ._core.paths import check_save_target, raise_named_after_target
+from .cli.sources import SAFETENSORS_MAX_HEADER, ST_DTYPES, ST_NAMES, SafetensorsSource, dtype_name
+from ._core.engine import get_engine
 from .errors import FormatError
 from .serialization import _host_storage
 

@@ -30,8 +30,11 @@ from typing import Any, Callable, Dict, IO, Iterator, List, Optional, Tuple, Uni
 import torch
 import torch.serialization as ts
 
-from . import _C, _paths, _staging, _torch_rules, _unpickle, _zip
-from .engine import get_engine
+from . import _C
+from ._core import paths as _paths
+from .staging import device as _staging
+from .formats import torch_rules as _torch_rules, unpickler as _unpickle, zip as _zip
+from ._core.engine import get_engine
 from .errors import FormatError
 
 __all__ = ["save", "load"]
@@ -219,7 +222,7 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
         _disable_byteorder_record: as for torch.save: no ``byteorder`` record.
         group: a ``torch.distributed`` process group whose every rank calls
             save with the same object and the same path on a filesystem they
-            share (collective save, see :mod:`fastckpt._collective`): each rank
+            share (collective save, see :mod:`fastckpt.collective.save`): each rank
             writes a balanced share of the storages' bytes into one temporary
             file, rank 0 the rest and the commit; every rank returns after the
             commit or raises (ValueError when the ranks' objects differ,
@@ -234,7 +237,7 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
             save's file; a failure before the nodes rename leaves every node's
             previous file; a rename that fails on some node raises a "partial
             commit" OSError on every rank whose ``committed_nodes`` lists the
-            nodes holding the new file (see :mod:`fastckpt._collective`).
+            nodes holding the new file (see :mod:`fastckpt.collective.save`).
             ``"node"`` without ``group`` is a ValueError.
 
     torch's settings are honoured as torch.save honours them:
@@ -277,13 +280,13 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
         return
     ts._check_save_filelike(f)
     if placement != "shared" and group is None:
-        from ._collective import PLACEMENTS
+        from .collective.save import PLACEMENTS
         raise ValueError(f"fastckpt.save: placement={placement!r} needs group= (a process group)" if placement in
                          PLACEMENTS else f"fastckpt.save: placement={placement!r} is not one of {PLACEMENTS}")
     if group is not None:
         if not _use_new_zipfile_serialization:
             raise ValueError("fastckpt.save: group= writes the zip format only (_use_new_zipfile_serialization=True)")
-        from . import _collective
+        from .collective import save as _collective
         _collective.save(obj, f, group, pickle_module, pickle_protocol, byteorder=not _disable_byteorder_record,
                          placement=placement)
         return
@@ -387,7 +390,7 @@ def _write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment:
     ``byteorder=False`` leaves out the byteorder record; ``skip_data`` writes no
     storage bytes (zero-filled records, CRC 0); ``compute_crc32`` defaults to
     torch's setting (False: every CRC is 0).
-    Engine errors name ``f`` (see :func:`fastckpt._paths.raise_named_after_target`)."""
+    Engine errors name ``f`` (see :func:`fastckpt._core.paths.raise_named_after_target`)."""
     if alignment is None:
         alignment = _torch_rules.storage_alignment()
     crc_on = _torch_rules.compute_crc32() if compute_crc32 is None else compute_crc32
@@ -1221,7 +1224,7 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         if pickle_load_args and weights_only:
             warnings.warn("pickle_load_args only works if `weights_only=False`.", stacklevel=2)
         pickle_load_args.setdefault("encoding", "utf-8")  # torch.load's default
-        from . import _collective_load
+        from .collective import load as _collective_load
         return _collective_load.load(f, group, map_location, weights_only, pickle_module, verify, pickle_load_args)
     # torch.load receives the decided weights_only (an explicit value: it
     # decides the same again, without a second warning).

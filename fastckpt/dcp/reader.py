@@ -44,12 +44,14 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import _C, _dist_exit, _unpickle
-from .._torch_rules import contiguous_stride, itemsize
-from .._owner import check_directory_owner
-from ..engine import get_engine
+from .. import _C
+from .._core import dist_exit as _dist_exit
+from ..formats import unpickler as _unpickle
+from ..formats.torch_rules import contiguous_stride, itemsize
+from .._core.owner import check_directory_owner
+from .._core.engine import get_engine
 from ..errors import FormatError
-from . import _blob
+from ..formats import dcp as _blob
 
 __all__ = ["FastReader"]
 
@@ -115,7 +117,7 @@ class FastReader(StorageReader):
             (default). ``False`` keeps the stock behaviour, for checkpoints you
             trust; ``torch.serialization.add_safe_globals`` allows more classes.
             ``.metadata`` is always read by fastckpt's restricted unpickler
-            (:mod:`fastckpt._unpickle`), whatever this says.
+            (:mod:`fastckpt.formats.unpickler`), whatever this says.
 
     Raises (from ``dcp.load``, possibly wrapped by it):
         FileNotFoundError: no ``.metadata`` (not a checkpoint, or a save that
@@ -287,7 +289,7 @@ class FastReader(StorageReader):
 
 def load_metadata(p: str, directory: Union[str, os.PathLike]) -> Metadata:
     """The Metadata in file `p` of DCP checkpoint `directory`, unpickled by
-    fastckpt's restricted unpickler (:mod:`fastckpt._unpickle`): only DCP's
+    fastckpt's restricted unpickler (:mod:`fastckpt.formats.unpickler`): only DCP's
     metadata classes, nothing from the file run, nothing allocated that its
     size cannot account for. `p` must be a regular file.
 
@@ -322,7 +324,7 @@ def _reason(e: BaseException) -> str:
 
 def _guard_archive(data: bytes, where: str) -> None:
     """Walk the data.pkl of the torch.save archive `data` with fastckpt's size
-    and nesting guards (:func:`fastckpt._unpickle.check`) before torch's
+    and nesting guards (:func:`fastckpt.formats.unpickler.check`) before torch's
     unpickler sees it: torch's weights-only unpickler would hash a deeply
     nested key (a C stack overflow) or grow as the file says."""
     index = _blob.parse_tail(data, 0, len(data), where)

@@ -50,13 +50,15 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.futures import Future
 
-from .. import _C, _dist_exit, _staging
-from .._owner import check_directory_owner
-from .._paths import check_dcp_target
-from .._torch_rules import itemsize
-from ..engine import fsync_dir, get_engine
-from . import _blob
-from ._staging import Stager
+from .. import _C
+from .._core import dist_exit as _dist_exit
+from ..staging import device as _staging
+from .._core.owner import check_directory_owner
+from .._core.paths import check_dcp_target
+from ..formats.torch_rules import itemsize
+from .._core.engine import fsync_dir, get_engine
+from ..formats import dcp as _blob
+from ..staging.statedict import Stager
 
 try:
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -197,7 +199,7 @@ def _host_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def _host_tensors(entries: List[_Entry], planner: SavePlanner, on_resolve=None):
     """(entry, tensor or None, host pieces or None) in order, through the one
-    staging pipeline (:class:`fastckpt._staging.ToHost`): a device tensor's
+    staging pipeline (:class:`fastckpt.staging.device.ToHost`): a device tensor's
     bytes are copied into the bounded staging pool ahead of the writes, on a
     copy stream of *its own device*, and each piece is handed out only after
     the event recorded on that stream fired. `on_resolve` sees every tensor

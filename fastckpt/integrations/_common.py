@@ -7,10 +7,10 @@ import os
 import shutil
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
-from .._manager_dist import PeerFailed, Ranks, _failures
-from .._manager_policy import _replace_dir, _temp_name
-from .._paths import check_dcp_target
-from ..engine import fsync_dir
+from ..manager.ranks import PeerFailed, Ranks, _failures
+from ..manager.policy import _replace_dir, _temp_name
+from .._core.paths import check_dcp_target
+from .._core.engine import fsync_dir
 
 __all__ = ["require", "atomic_directory", "fsync_tree", "process_ranks", "agree", "LostContact"]
 
@@ -115,7 +115,7 @@ def agree(ranks: Ranks, err: Optional[BaseException], path: str, stage: str, pay
     """Collective: every process learns whether any failed while ``stage``
     (a barrier; the wait is bounded by the process group's timeout, and a
     process that died is noticed at once on gloo). Raises ``err`` on the
-    process that failed, :class:`~fastckpt._manager_dist.PeerFailed` (a
+    process that failed, :class:`~fastckpt.manager.ranks.PeerFailed` (a
     RuntimeError naming that rank and its error) on the others, and a
     :class:`LostContact` (a RuntimeError naming ``path``) when the collective
     itself fails (a process died or stopped answering). Returns rank 0's

@@ -80,8 +80,8 @@ import torch  # noqa: E402
 
 from .. import safetensors as _st  # noqa: E402
 from .. import serialization as _ser  # noqa: E402
-from .._manager_dist import _failures  # noqa: E402
-from ..engine import fsync_dir  # noqa: E402
+from ..manager.ranks import _failures  # noqa: E402
+from .._core.engine import fsync_dir  # noqa: E402
 
 __all__ = ["use_fastckpt", "restore"]
 

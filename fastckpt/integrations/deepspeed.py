@@ -29,7 +29,7 @@ require("deepspeed", "deepspeed", "deepspeed")
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine  # noqa: E402
 
 from .. import serialization as _ser  # noqa: E402
-from ..engine import fsync_dir  # noqa: E402
+from .._core.engine import fsync_dir  # noqa: E402
 
 __all__ = ["FastCheckpointEngine"]
 

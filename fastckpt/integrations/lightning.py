@@ -30,8 +30,8 @@ require("lightning", "lightning", "lightning")
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
 
 from .. import serialization as _ser  # noqa: E402
-from ..async_save import AsyncSaver, SaveFuture  # noqa: E402
-from ..engine import fsync_dir  # noqa: E402
+from ..saver import AsyncSaver, SaveFuture  # noqa: E402
+from .._core.engine import fsync_dir  # noqa: E402
 
 __all__ = ["FastCheckpointIO", "AsyncFastCheckpointIO"]
 

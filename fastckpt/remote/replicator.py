@@ -38,7 +38,7 @@ import uuid
 import warnings
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from ..engine import fsync_dir
+from .._core.engine import fsync_dir
 from ..errors import FormatError
 from . import manifest as mf
 from ._policy import TransferOptions

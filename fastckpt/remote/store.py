@@ -34,8 +34,8 @@ import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _C
-from .._paths import _URL, is_url  # noqa: F401 (re-exported)
-from ..engine import fsync_dir, get_engine
+from .._core.paths import _URL, is_url  # noqa: F401 (re-exported)
+from .._core.engine import fsync_dir, get_engine
 from ..errors import MissingDependencyError
 from ._policy import S3_MIN_PART, TransferOptions, retry
 

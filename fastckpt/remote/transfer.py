@@ -29,7 +29,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import _C
-from ..engine import get_engine
+from .._core.engine import get_engine
 from ..errors import FormatError
 from ._policy import Throttle, TransferOptions, retry
 from .store import Store, Upload

@@ -270,7 +270,7 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
             state = collective_state(gen)
             mgr = fastckpt.CheckpointManager(directory, keep_last=2)
             if os.environ.get(BREAK_ENV) == "latest_first":
-                from fastckpt import _manager_async
+                from fastckpt.manager import asyncsave as _manager_async
                 real = _manager_async.write_snapshot
 
                 def write_snapshot(path, snap, group):

@@ -22,7 +22,7 @@ def main() -> int:
             print("asan_canary: libasan is not loaded; refusing to corrupt the heap", file=sys.stderr)
             return 2
     from fastckpt import _C
-    from fastckpt.engine import get_engine
+    from fastckpt._core.engine import get_engine
 
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p

@@ -69,7 +69,9 @@ def main() -> int:
     import torch.distributed as dist
 
     import fastckpt
-    from fastckpt import _C, _collective, _collective_stage, _staging, serialization
+    from fastckpt import _C, serialization
+    from fastckpt.collective import save as _collective, stage as _collective_stage
+    from fastckpt.staging import device as _staging
 
     serialization._new_serialization_id = lambda: worker.SID
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,

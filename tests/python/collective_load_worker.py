@@ -78,7 +78,7 @@ def sim_setup(mode: str, rank: int, log):
     import torch.distributed as dist
 
     import sim_device
-    from fastckpt import _collective_exchange
+    from fastckpt.collective import exchange as _collective_exchange
 
     class FailingSim(sim_device.SimDevice):
         def to_device_async(self, dst, src):
@@ -206,7 +206,8 @@ def main() -> int:
     import torch.distributed as dist
 
     import fastckpt
-    from fastckpt import _C, _collective, serialization
+    from fastckpt import _C, serialization
+    from fastckpt.collective import save as _collective
 
     if mode == "gpu_nccl":
         torch.cuda.set_device(0)
@@ -231,7 +232,8 @@ def main() -> int:
     serialization._Records.read_into = counting
     log = []
     if mode in SIM_MODES or mode.startswith("nccl_"):
-        from fastckpt import _paths, _staging
+        from fastckpt._core import paths as _paths
+        from fastckpt.staging import device as _staging
         opened = [0]
         open_for_reading = _paths.open_for_reading
 
@@ -254,7 +256,7 @@ def main() -> int:
         serialization._Records.read_into = reading
         sim, ml = sim_setup(mode, rank, log) if mode in SIM_MODES else (None, "cpu")
         if mode.startswith("nccl_"):  # the group's backend reported as NCCL's (the collectives still gloo's)
-            from fastckpt import _collective_exchange
+            from fastckpt.collective import exchange as _collective_exchange
             _collective_exchange.backend_name = lambda dist, group: "nccl"
     exchange = _collective._Group.exchange
 

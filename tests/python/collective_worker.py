@@ -136,7 +136,8 @@ def main() -> int:
     import torch.distributed as dist
 
     import fastckpt
-    from fastckpt import _C, _collective, serialization
+    from fastckpt import _C, serialization
+    from fastckpt.collective import save as _collective
 
     serialization._new_serialization_id = lambda: SID
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,

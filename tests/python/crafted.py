@@ -25,7 +25,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 import fastckpt
-from fastckpt import _zip
+from fastckpt.formats import zip as _zip
 
 # What a damaged or hostile file may raise from fastckpt.load: FormatError, an
 # OSError, or the weights-only unpickler's refusal.
@@ -309,7 +309,8 @@ def _worker() -> None:
     trim = getattr(libc, "malloc_trim", None)
     warm = os.environ["FASTCKPT_PROBE_WARM"]
     if os.environ.get("FASTCKPT_PROBE_BREAK") == "bounds":  # to show that the oracle can fail
-        from fastckpt import _zip as z, serialization as ser
+        from fastckpt.formats import zip as z
+        from fastckpt import serialization as ser
         z.check_layout = lambda entries, cd_off, bad: 0
         ser._Records.claim = lambda self, names: None
     fastckpt.load(warm, verify=True)  # engine, buffers and torch's lazy state, before any baseline

@@ -1,4 +1,4 @@
-"""Crafted pickles for the tests of fastckpt's restricted unpickler (fastckpt._unpickle)
+"""Crafted pickles for the tests of fastckpt's restricted unpickler (fastckpt.formats.unpickler)
 and the fuzzers of every parser that unpickles: not mutations of valid files but
 structures built to make an unpickler run code or allocate far more than the
 data holds. Each builder returns bytes; `SIZE_ATTACKS` and `CODE_ATTACKS` name them.

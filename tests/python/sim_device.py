@@ -30,7 +30,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from fastckpt import _staging
+from fastckpt.staging import device as _staging
 
 POISON = 0xA5
 

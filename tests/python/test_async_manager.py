@@ -24,9 +24,10 @@ import torch
 from torch import nn
 
 import fastckpt
-from fastckpt import _C, _zip
-from fastckpt.async_save import AsyncSaver, SaveResult, default_saver
-from fastckpt.manager import CheckpointManager
+from fastckpt import _C
+from fastckpt.formats import zip as _zip
+from fastckpt.saver import AsyncSaver, SaveResult, default_saver
+from fastckpt.manager.manager import CheckpointManager
 import fastspawn  # noqa: E402
 from conftest import temp_files
 
@@ -331,7 +332,7 @@ def test_a_snapshot_is_written_as_it_was_pickled(tmp_path):
     """The manager's collective async save hands the snapshot to fastckpt.save
     through _Replay: the file is the one fastckpt.save(state) writes (shared
     storages, views, empty tensors, non-tensors), whatever the state became since."""
-    from fastckpt._manager_async import _Replay
+    from fastckpt.manager.asyncsave import _Replay
     saver = AsyncSaver()
     model, _, state = make_state()
     expected = copy.deepcopy(state)

@@ -19,7 +19,7 @@ from torch.utils.serialization import config as torch_config
 
 import fastckpt
 from fastckpt import _C
-from fastckpt.async_save import AsyncSaver
+from fastckpt.saver import AsyncSaver
 from fastckpt.serialization import _LEGACY_MAGIC
 
 from conftest import temp_files

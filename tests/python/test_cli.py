@@ -22,8 +22,9 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import _C, _zip
-from fastckpt.cli import main
+from fastckpt import _C
+from fastckpt.formats import zip as _zip
+from fastckpt.cli.main import main
 
 import fastspawn  # noqa: E402
 from conftest import temp_files, uring_refusal
@@ -179,7 +180,7 @@ def _entries(report):
 def test_inspect_fastckpt_text_and_json(tmp_path, capsys, monkeypatch):
     p = tmp_path / "ckpt.pt"
     fastckpt.save(full_state(), p)
-    from fastckpt._sources import ZipSource
+    from fastckpt.cli.sources import ZipSource
 
     def no_data(self, *a):  # inspect must not read tensor data
         raise AssertionError("inspect read tensor data")
@@ -252,7 +253,7 @@ def test_inspect_stock_torch_save_and_cuda_location(tmp_path, capsys):
 def test_inspect_safetensors(tmp_path, capsys, monkeypatch):
     p = tmp_path / "m.safetensors"
     write_source("safetensors", p)
-    from fastckpt._sources import SafetensorsSource
+    from fastckpt.cli.sources import SafetensorsSource
     monkeypatch.setattr(SafetensorsSource, "read", lambda *a: (_ for _ in ()).throw(AssertionError("read")))
     rc, out, err = run(capsys, "inspect", "--json", p)
     assert rc == 0, err
@@ -371,7 +372,7 @@ def test_verify_flipped_bit_names_the_tensor(tmp_path, capsys):
     fastckpt.save(state, p)
     arch = _zip.Archive.open(str(p))
     # the record that holds model.bf16: find it through the pickle, then flip one bit of its data
-    from fastckpt._sources import ZipSource, storage_of
+    from fastckpt.cli.sources import ZipSource, storage_of
     with ZipSource(str(p)) as src:
         rec = storage_of(src.tree()["model"]["bf16"]).key
     data = bytearray(p.read_bytes())
@@ -396,7 +397,7 @@ def test_verify_many_small_records_in_few_reads(tmp_path, capsys, monkeypatch):
     """verify reads small records many per engine call (their CRC-32s computed
     during the reads), not one call per record, and still names each damaged
     record and tensor: small ones (batched) and a large one (streamed)."""
-    import fastckpt._sources as sources
+    import fastckpt.cli.sources as sources
     state = {f"s{i}": torch.full((3,), float(i)) for i in range(3000)}
     state["big"] = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: streamed in CHUNK pieces
     p = tmp_path / "many.pt"
@@ -407,7 +408,7 @@ def test_verify_many_small_records_in_few_reads(tmp_path, capsys, monkeypatch):
     rc, out, err = run(capsys, "verify", p)
     assert rc == 0, out + err
     assert len(calls) < 100, f"{len(calls)} engine reads to verify 3001 records"
-    from fastckpt._sources import ZipSource, storage_of
+    from fastckpt.cli.sources import ZipSource, storage_of
     with ZipSource(str(p)) as src:
         tree = src.tree()
         small, big = storage_of(tree["s1234"]).key, storage_of(tree["big"]).key
@@ -616,7 +617,7 @@ def stock_check(path, kind, state, shares=True):
         assert_same(state, torch.load(path, weights_only=True, mmap=True), exact_types=False, ordered=False)
     elif kind == "safetensors":
         flat = safetensors_torch.load_file(str(path))
-        from fastckpt._convert import key_str
+        from fastckpt.cli.convert import key_str
         want = {}
 
         def rec(o, p):
@@ -812,7 +813,7 @@ import json, sys, time
 def status(key):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(key + ":"))
-import torch, tqdm, fastckpt, fastckpt.cli, fastckpt._convert, fastckpt.dcp   # code, not data
+import torch, tqdm, fastckpt, fastckpt.cli, fastckpt.cli.convert, fastckpt.dcp   # code, not data
 import torch.distributed.checkpoint
 try:
     with open("/proc/self/clear_refs", "w") as f:

@@ -21,7 +21,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fastckpt import _collective, _collective_stage, _torch_rules, serialization
+from fastckpt.collective import save as _collective, stage as _collective_stage
+from fastckpt.formats import torch_rules as _torch_rules
+from fastckpt import serialization
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

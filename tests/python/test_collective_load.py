@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import fastckpt
-from fastckpt import _zip
+from fastckpt.formats import zip as _zip
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

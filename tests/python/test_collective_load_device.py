@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 import fastckpt
-from fastckpt import _collective_exchange, _collective_load, _zip
+from fastckpt.collective import exchange as _collective_exchange, load as _collective_load
+from fastckpt.formats import zip as _zip
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))

@@ -135,7 +135,7 @@ def test_replicas_on_different_devices_save_rank0s_file(tmp_path, world):
 
 
 def test_device_blind_pickles_hide_only_storage_locations():
-    from fastckpt._collective import device_blind
+    from fastckpt.collective.save import device_blind
     import pickle
     for proto in (2, 4, 5):
         base = {"w": torch.ones(3), "v": [torch.zeros(2, dtype=torch.int8)], "cfg": ("storage", 1, 2, "cuda:1", 5)}

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo  # noqa: E402
 import fastckpt  # noqa: E402
 from fastckpt import FormatError, _C  # noqa: E402
 from fastckpt.dcp import FastReader, FastWriter  # noqa: E402
-from fastckpt.dcp import _blob  # noqa: E402
+from fastckpt.formats import dcp as _blob  # noqa: E402
 
 from conftest import dcp_unwrapped, fd_count, temp_files, wait_for_ranks  # noqa: E402
 

@@ -471,7 +471,7 @@ def test_temporary_name_format(tmp_path):
     info = _C.parse_temp_name(name, "step.pt")
     assert info["pid"] == os.getpid() and info["host"] == _C.temp_host() and info["start"] > 0
     # CheckpointManager's pattern still finds the pid right after the mark.
-    from fastckpt._manager_policy import _TMP_RE
+    from fastckpt.manager.policy import _TMP_RE
     assert int(_TMP_RE.match(name).group(1)) == os.getpid()
 
 
@@ -770,7 +770,7 @@ _FORK_LOCKS_SCRIPT = textwrap.dedent("""
     writer = FastWriter(os.path.join(d, "dcp"))
     mgr = fastckpt.CheckpointManager(os.path.join(d, "mgr"))
     locks = [A._default_lock, A.default_saver()._cv, A.default_saver().stager._lock, M._exit_lock, mgr._lock,
-             sys.modules["fastckpt._staging"]._pools_lock, writer._stager._lock]
+             sys.modules["fastckpt.staging.device"]._pools_lock, writer._stager._lock]
     held, release = threading.Event(), threading.Event()
 
     def hold():  # another thread of the parent holds every lock at fork()

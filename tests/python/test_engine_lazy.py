@@ -214,7 +214,7 @@ def test_parsing_a_small_checkpoint_reads_it_once(tmp_path, monkeypatch):
     """The zip directory of a small file (<= 1 MiB) is parsed from one read of
     the whole file, not a block, the tail and a batch of local headers one after
     the other; a larger file still reads its local headers in a batch."""
-    from fastckpt import _zip
+    from fastckpt.formats import zip as _zip
     small, large = tmp_path / "small.pt", tmp_path / "large.pt"
     fastckpt.save(_small_state(), small)
     fastckpt.save({"big": torch.zeros(600_000), **_small_state()}, large)

@@ -403,7 +403,7 @@ def test_real_enospc_on_a_full_filesystem(small_tmpfs, backend_name):
 
 def _pinned_state():
     s = torch.cuda.memory.host_memory_stats()
-    from fastckpt import _staging
+    from fastckpt.staging import device as _staging
     return (s.get("allocated_bytes.current", 0), s.get("active_requests.current", 0),
             sum(len(p._free) for p in _staging._pools.values()),
             sum(p._lent for p in _staging._pools.values()))

@@ -51,7 +51,8 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner  # noqa: E402
 
 import fastckpt  # noqa: E402
-from fastckpt.dcp import FastReader, FastWriter, _blob  # noqa: E402
+from fastckpt.dcp import FastReader, FastWriter
+from fastckpt.formats import dcp as _blob  # noqa: E402
 
 import hostile_pickles as H  # noqa: E402
 

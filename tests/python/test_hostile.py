@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.cli import main
+from fastckpt.cli.main import main
 
 import hostile_pickles as H
 
@@ -85,7 +85,7 @@ def test_the_attacks_are_real(tmp_path):
 
 @pytest.mark.parametrize("name", ATTACKS)
 def test_restricted_unpickler_runs_no_code(tmp_path, name):
-    from fastckpt import _unpickle
+    from fastckpt.formats import unpickler as _unpickle
     marker = tmp_path / "pwned"
     data = H.code_attacks(str(marker))[name]
     with pytest.raises(pickle.UnpicklingError) as ei:
@@ -190,7 +190,7 @@ def _big_metadata(tensors=600, chunks=4):
 
 @pytest.mark.parametrize("protocol", [2, 4, 5])
 def test_real_metadata_passes_the_walk(protocol):
-    from fastckpt import _unpickle
+    from fastckpt.formats import unpickler as _unpickle
     md = _big_metadata()
     data = pickle.dumps(md, protocol=protocol)
     cost = _unpickle._walk(data, "x", _unpickle.dcp_metadata_class, False)
@@ -200,7 +200,7 @@ def test_real_metadata_passes_the_walk(protocol):
 
 def test_user_safe_globals_are_allowed_in_metadata():
     import torch.serialization as ts
-    from fastckpt import _unpickle
+    from fastckpt.formats import unpickler as _unpickle
 
     md = _big_metadata(2, 1)
     md.planner_data = {"k": fastckpt.FormatError("x")}  # a class DCP metadata does not use
@@ -232,7 +232,7 @@ def _load_staged(d, target):
 
 
 def test_record_builder_takes_the_fast_path(tmp_path):
-    from fastckpt.dcp import _blob
+    from fastckpt.formats import dcp as _blob
     d = tmp_path / "ck"
     _record_ckpt(d, _blob.tensor_pickle(torch.float32, (3,)))
     target = {"w": torch.zeros(3)}
@@ -298,7 +298,7 @@ def crafted_dirs(tmp_path_factory):
     warm = base / "warm"
     _write_dcp(warm)
     out["warm"] = str(warm)
-    from fastckpt.dcp import _blob
+    from fastckpt.formats import dcp as _blob
     _record_ckpt(base / "warm-record", _blob.tensor_pickle(torch.float32, (3,)))
     out["warm-record"] = str(base / "warm-record")
     return out

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from fastckpt._manager_dist import PeerFailed, Ranks
+from fastckpt.manager.ranks import PeerFailed, Ranks
 from fastckpt.integrations import _common
 
 

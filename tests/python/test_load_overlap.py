@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import _C, _zip
+from fastckpt import _C
+from fastckpt.formats import zip as _zip
 from fastckpt import serialization as ser
 
 from conftest import drop_page_cache

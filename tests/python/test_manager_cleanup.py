@@ -96,8 +96,8 @@ def test_manager_and_convert_temporary_names_carry_this_host(tmp_path, monkeypat
     with the pid, host and start time (the engine's format, plus a suffix):
     a crash leaves something only this host removes."""
     pytest.importorskip("torch.distributed.checkpoint")
-    from fastckpt import _manager_dist as m
-    from fastckpt._manager_policy import _parse_temp
+    from fastckpt.manager import ranks as m
+    from fastckpt.manager.policy import _parse_temp
     seen = []
     real = m._dcp_writer
 
@@ -120,7 +120,7 @@ def test_manager_and_convert_temporary_names_carry_this_host(tmp_path, monkeypat
         target, info, kind = _parse_temp(name)
         assert (target, kind) == ("step_00000001", "dcp") and info == engine_info
 
-    from fastckpt import _convert
+    from fastckpt.cli import convert as _convert
     from fastckpt import dcp as fdcp
     made = []
 
@@ -133,7 +133,7 @@ def test_manager_and_convert_temporary_names_carry_this_host(tmp_path, monkeypat
 
     fastckpt.save({"w": torch.ones(4)}, tmp_path / "src.pt")
     monkeypatch.setattr(fdcp, "FastWriter", writer)
-    from fastckpt._sources import open_source
+    from fastckpt.cli.sources import open_source
     src = open_source(str(tmp_path / "src.pt"))
     with pytest.raises(Boom):
         _convert.write_dcp(src, str(tmp_path / "out.dcp"))

@@ -13,7 +13,7 @@ import torch
 
 import fastckpt
 from fastckpt import _C
-from fastckpt.manager import CheckpointManager
+from fastckpt.manager.manager import CheckpointManager
 from conftest import temp_files
 
 pytestmark = [pytest.mark.filterwarnings("ignore:TypedStorage is deprecated"),

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import _manager_dist, _manager_policy, manager
-from fastckpt._manager_dist import Ranks
-from fastckpt._manager_policy import LATEST, StepDirectory
+from fastckpt.manager import ranks as _manager_dist, policy as _manager_policy, manager
+from fastckpt.manager.ranks import Ranks
+from fastckpt.manager.policy import LATEST, StepDirectory
 
 PKG = os.path.dirname(fastckpt.__file__)
 

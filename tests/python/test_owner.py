@@ -16,8 +16,8 @@ import torch
 
 import fastckpt
 from fastckpt import knobs
-from fastckpt._owner import check_directory_owner
-from fastckpt.manager import CheckpointManager
+from fastckpt._core.owner import check_directory_owner
+from fastckpt.manager.manager import CheckpointManager
 from conftest import dcp_unwrapped
 
 OTHER = 4242  # a uid that owns nothing on this machine

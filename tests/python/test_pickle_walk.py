@@ -1,5 +1,5 @@
 """The C++ safety walk of a pickle (``_C.pickle_check`` behind
-``fastckpt._unpickle.check``) against the Python walk, the reference
+``fastckpt.formats.unpickler.check``) against the Python walk, the reference
 (``_unpickle.check_reference``): the same verdict (accepted with the same
 estimate, or refused with the same exception type and message) on
 
@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import _unpickle
+from fastckpt.formats import unpickler as _unpickle
 
 import crafted
 import hostile_pickles as hp

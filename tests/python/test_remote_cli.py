@@ -5,7 +5,7 @@ import json
 import torch
 
 import fastckpt
-from fastckpt import cli
+from fastckpt.cli import main as cli
 
 from conftest import same_state
 

@@ -307,7 +307,7 @@ def test_sharded_index_naming_the_wrong_shard_is_a_format_error(tmp_path):
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_load_onto_a_device_goes_through_staging(tmp_path, seed, monkeypatch):
-    from fastckpt import _staging
+    from fastckpt.staging import device as _staging
     monkeypatch.setattr(_staging, "default_chunk", lambda: 64 << 10)
     sd = make_state(seed)
     p = str(tmp_path / "a.safetensors")

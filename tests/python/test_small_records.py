@@ -21,8 +21,9 @@ import torch
 from torch.utils.serialization import config as torch_config
 
 import fastckpt
-from fastckpt import _C, _zip
-from fastckpt.engine import get_engine
+from fastckpt import _C
+from fastckpt.formats import zip as _zip
+from fastckpt._core.engine import get_engine
 
 DIRECT_MIN = 65536  # the threshold of docs/FORMAT.md 1.3, spelled out
 
@@ -186,7 +187,7 @@ def test_large_records_are_read_with_direct_io(tmp_path):
 
 
 def test_inspect_and_verify_packed_file(tmp_path, capsys):
-    from fastckpt.cli import main
+    from fastckpt.cli.main import main
     sd = {f"p{i}": torch.full((i % 5 + 1,), float(i)) for i in range(300)}
     sd["w"] = torch.randn(128, 128)
     p = tmp_path / "s.pt"

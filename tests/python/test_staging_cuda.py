@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import _staging, serialization
+from fastckpt.staging import device as _staging
+from fastckpt import serialization
 
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA device (the CUDA path is tested on the simulated device: test_staging_sim.py)",
@@ -109,7 +110,7 @@ def test_cuda_load_through_the_pool(tmp_path, how):
 
 
 def test_cuda_async_save_snapshot_is_registered_and_exact(tmp_path):
-    from fastckpt.async_save import AsyncSaver
+    from fastckpt.saver import AsyncSaver
     sd = make_state(4)
     dev = to_device_late(sd, DEVICES[-1])
     before = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)

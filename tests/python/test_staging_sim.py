@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 
 import fastckpt
-from fastckpt import _staging, serialization
-from fastckpt.async_save import AsyncSaver
+from fastckpt.staging import device as _staging
+from fastckpt import serialization
+from fastckpt.saver import AsyncSaver
 from sim_device import POISON, SimDevice, SimEvent, StagingViolation
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
@@ -383,7 +384,7 @@ def test_load_verify_names_the_damaged_tensor_on_the_device_path(tmp_path):
     sd = {"a": torch.zeros(1 << 16), "b": torch.ones(1 << 16)}
     path = tmp_path / "c.pt"
     fastckpt.save(sd, path)
-    from fastckpt import _zip
+    from fastckpt.formats import zip as _zip
     with open(path, "rb") as fh:
         rec = _zip.Archive.parse(fh, str(path)).records["data/1"]
     with open(path, "r+b") as fh:
@@ -405,7 +406,7 @@ def test_callable_that_keeps_some_storages_on_the_host_verifies_them(tmp_path):
     sd = {"a": torch.zeros(1 << 16), "b": torch.ones(1 << 16)}
     path = tmp_path / "c.pt"
     fastckpt.save(sd, path)
-    from fastckpt import _zip
+    from fastckpt.formats import zip as _zip
     with open(path, "rb") as fh:
         rec = _zip.Archive.parse(fh, str(path)).records["data/1"]
     with SimDevice(seed=17) as sim:
@@ -545,7 +546,7 @@ def test_device_load_verifies_a_storage_read_in_many_pieces(tmp_path):
     with SimDevice(seed=15) as sim:
         assert_same_state(fastckpt.load(path, map_location="sim:1"), sd)
         assert sim.violations == []
-    from fastckpt import _zip
+    from fastckpt.formats import zip as _zip
     with open(path, "rb") as fh:
         rec = _zip.Archive.parse(fh, str(path)).records["data/1"]
     with open(path, "r+b") as fh:

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt import _zip
+from fastckpt.formats import zip as _zip
 
 from test_fuzz_load import _with_pickle
 import fastspawn  # noqa: E402

@@ -31,7 +31,8 @@ from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer
 from torchtitan.components.optimizer.optimizer import OptimizersContainer, ParamGroupConfig
 
 from fastckpt import _C
-from fastckpt.dcp import FastReader, _blob
+from fastckpt.dcp import FastReader
+from fastckpt.formats import dcp as _blob
 from fastckpt.integrations.torchtitan import FastCheckpointManager
 
 ROOT = sys.argv[1]

@@ -33,7 +33,8 @@ import zipfile
 import torch
 import torch.distributed as dist
 
-from fastckpt import CheckpointManager, _C, _collective
+from fastckpt import CheckpointManager, _C
+from fastckpt.collective import save as _collective
 import fastckpt
 
 

@@ -17,7 +17,9 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from fastckpt import CheckpointManager, _C, _collective, _collective_load, _zip
+from fastckpt import CheckpointManager, _C
+from fastckpt.collective import save as _collective, load as _collective_load
+from fastckpt.formats import zip as _zip
 
 
 def main(ckpt: str) -> None:

@@ -63,8 +63,12 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _C, _collective_exchange as xch, _paths, _staging, _zip
-from ._collective import _Group, cut_runs
+from .. import _C
+from . import exchange as xch
+from .._core import paths as _paths
+from ..staging import device as _staging
+from ..formats import zip as _zip
+from .save import _Group, cut_runs
 
 _CUT_ALIGN = 4096
 # Each holder reads its share in rounds of about this many bytes; a round's
@@ -93,7 +97,7 @@ def _identity(archive: "_zip.Archive", small: Dict[str, bytes]) -> bytes:
 
 def _storage_records(archive: "_zip.Archive") -> List[str]:
     """Every storage record ("data/<key>"), in file order."""
-    from .serialization import _SMALL_RECORDS
+    from ..serialization import _SMALL_RECORDS
     recs = archive.records
     names = [n for n in recs if n.startswith("data/") and n not in _SMALL_RECORDS]
     return sorted(names, key=lambda n: recs[n].data_offset)
@@ -194,7 +198,7 @@ def _staged_rounds(shares: List[List[Tuple[str, int, int]]], part: int) -> List[
 def _staged_records(flow: "_Load", map_location):
     """serialization._DeviceRecords whose finish() (called when torch's
     unpickling is done, the destinations known) is the collective exchange."""
-    from . import serialization as ser
+    from .. import serialization as ser
 
     class Staged(ser._DeviceRecords):
         agreed = False  # this rank joined step 3's agreement
@@ -210,7 +214,7 @@ def _staged_records(flow: "_Load", map_location):
 def _device_bound(map_location, small: Dict[str, bytes]) -> bool:
     """Whether this rank's result goes (in part) to a device the staging
     knows, as fastckpt.load decides it (the byte order this machine's)."""
-    from . import serialization as ser
+    from .. import serialization as ser
     if small.get("byteorder", sys.byteorder.encode()).decode("ascii", "replace") != sys.byteorder:
         return False
     if map_location is None:
@@ -270,7 +274,7 @@ class _Load:
 
     def checked(self, rounds) -> List[str]:
         """The records whose CRC-32 fails (serialization._check_storages' verdict)."""
-        from . import serialization as ser
+        from .. import serialization as ser
         chk = ser._Records(self.path, self.archive, -1, self.verify)
         chk.update(dict.fromkeys(self.names))
         if self.verify is not False:
@@ -344,7 +348,7 @@ class _Load:
 def load(f, group, map_location, weights_only: bool, pickle_module, verify: Optional[bool],
          pickle_load_args: Dict[str, Any]):
     """serialization.load with ``group`` (see the module's docstring)."""
-    from . import serialization as ser
+    from .. import serialization as ser
 
     path = os.fsdecode(os.fspath(f))
     flow = _Load(path, group, verify)

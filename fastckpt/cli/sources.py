@@ -6,14 +6,14 @@ leaves (dtype, shape, stride and storage offset, no data; each knows its
 storage on demand, so that a caller holds at most the piece it is working on:
 
 - :class:`ZipSource`: fastckpt and stock ``torch.save`` archives. The zip
-  directory is parsed by :mod:`fastckpt._zip`; ``data.pkl`` is unpickled by
+  directory is parsed by :mod:`fastckpt.formats.zip`; ``data.pkl`` is unpickled by
   torch's own weights-only unpickler with ``map_location="meta"`` (no code from
   the file runs and no storage is read); storages are read through the engine.
 - :class:`SafetensorsSource`: the JSON header is parsed and checked; tensor
   bytes are read through the engine.
 - :class:`DcpSource`: a ``torch.distributed.checkpoint`` directory. ``.metadata``
   is unpickled by fastckpt's one restricted, size-guarded unpickler
-  (:mod:`fastckpt._unpickle`, through ``fastckpt.dcp.reader.load_metadata``),
+  (:mod:`fastckpt.formats.unpickler`, through ``fastckpt.dcp.reader.load_metadata``),
   which knows only DCP's metadata classes; tensors are read one at a time with :class:`fastckpt.dcp.FastReader`
   (which checks CRC-32s), non-tensor values with ``torch.load(weights_only=True)``.
 - :class:`LoadedSource`: anything else ``fastckpt.load`` reads (torch's legacy
@@ -39,11 +39,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.serialization as ts
 
-from . import _unpickle, _C, _zip
-from . import serialization as _serialization
-from ._torch_rules import contiguous_stride, itemsize
-from .engine import get_engine
-from .errors import FormatError
+from ..formats import unpickler as _unpickle, zip as _zip
+from .. import _C
+from .. import serialization as _serialization
+from ..formats.torch_rules import contiguous_stride, itemsize
+from .._core.engine import get_engine
+from ..errors import FormatError
 
 log = logging.getLogger("fastckpt")
 
@@ -650,7 +651,7 @@ def decode_layout(j: Any, tensors: Dict[str, torch.Tensor]) -> Any:
 
 def read_dcp_metadata(directory: str):
     """The Metadata of a DCP checkpoint, unpickled without running code from it."""
-    from .dcp.reader import load_metadata
+    from ..dcp.reader import load_metadata
     p = os.path.join(directory, ".metadata")
     md = load_metadata(p, directory)
     for index, info in md.storage_data.items():
@@ -751,7 +752,7 @@ class DcpSource(Source):
 
     def _fast_reader(self):
         if self._reader is None:
-            from .dcp import FastReader
+            from ..dcp import FastReader
             r = FastReader(self.path, verify=self.verify, thread_count=1)
             r.set_up_storage_reader(self.md, True)
             self._reader = r
@@ -841,7 +842,7 @@ class LoadedSource(Source):
 
     def __init__(self, path: str, kind: str, why: str):
         super().__init__()
-        from .serialization import load
+        from ..serialization import load
         self.path = path
         self.kind = kind
         self.why = why
@@ -863,7 +864,7 @@ def sniff(path: str) -> str:
         size = os.fstat(f.fileno()).st_size
     if head[:4] == b"PK\x03\x04":
         return "zip"
-    from .serialization import _is_legacy
+    from ..serialization import _is_legacy
     if _is_legacy(head):
         return "torch-legacy"
     if len(head) >= 9:

@@ -24,10 +24,10 @@ import warnings
 from pathlib import Path
 from typing import AbstractSet, List, Optional, Set, Tuple, Union
 
-from . import _C
-from ._owner import check_directory_owner
-from .engine import fsync_dir, get_engine
-from .errors import FormatError
+from .. import _C
+from .._core.owner import check_directory_owner
+from .._core.engine import fsync_dir, get_engine
+from ..errors import FormatError
 
 log = logging.getLogger("fastckpt")
 

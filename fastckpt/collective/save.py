@@ -72,8 +72,11 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from . import _C, _collective_stage, _dist_exit, _paths, _torch_rules, _zip
-from .engine import get_engine
+from .. import _C
+from . import stage as _collective_stage
+from .._core import dist_exit as _dist_exit, paths as _paths
+from ..formats import torch_rules as _torch_rules, zip as _zip
+from .._core.engine import get_engine
 
 _BODY_ALIGN = 4096
 # Rank 0's writes of small pieces are coalesced into runs of about this size.
@@ -313,7 +316,7 @@ class _Group:
 def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: bool = True,
          placement: str = "shared") -> None:
     """serialization.save with ``group`` (see the module's docstring)."""
-    from . import serialization as ser
+    from .. import serialization as ser
     import torch.serialization as ts
 
     if placement not in PLACEMENTS:

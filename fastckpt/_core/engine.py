@@ -20,7 +20,7 @@ import os
 import threading
 from typing import Dict, Tuple
 
-from . import _C, knobs
+from .. import _C, knobs
 
 __all__ = ["get_engine", "reset_engine", "fsync_dir"]
 

@@ -32,20 +32,20 @@ the collective save runs on the writer thread: change them only between saves).
 import os
 from typing import Any
 
-from ._manager_dist import PeerFailed, _failures
-from .async_save import SaveFuture, _Snapshot
-from .serialization import save as _save
+from .ranks import PeerFailed, _failures
+from ..saver import SaveFuture, _Snapshot
+from ..serialization import save as _save
 
 
 class _Replay:
     """The ``pickle_module`` through which ``fastckpt.save`` writes a snapshot
-    (:class:`fastckpt.async_save._Snapshot`) as it was pickled: its ``dump``
+    (:class:`fastckpt.saver._Snapshot`) as it was pickled: its ``dump``
     hands every staged storage, in key order, to the persistent-id hook of the
     save's pickler (which then numbers them as the snapshot did: keys "0",
     "1", ...) and writes the snapshot's ``data.pkl`` as it is, with the
     storages' locations of the moment of the snapshot (``cuda:0`` for a
     device storage staged in host memory)."""
-    __name__ = "fastckpt._manager_async._Replay"
+    __name__ = "fastckpt.manager.asyncsave._Replay"
 
     class Pickler:
         def __init__(self, file, protocol=None, **_kwargs):

@@ -31,8 +31,9 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .. import _C, _unpickle
-from .._torch_rules import StorageRef, contiguous_stride, itemsize, v3_dtypes
+from .. import _C
+from . import unpickler as _unpickle
+from .torch_rules import StorageRef, contiguous_stride, itemsize, v3_dtypes
 from ..errors import FormatError
 
 __all__ = ["ALIGN", "ALIGN_MIN", "RECORD_ALIGN", "TensorBlob", "plan_tensor_blob", "ZipIndex",
@@ -40,10 +41,7 @@ __all__ = ["ALIGN", "ALIGN_MIN", "RECORD_ALIGN", "TensorBlob", "plan_tensor_blob
 
 # The zip container is the one of single-file checkpoints (docs/FORMAT.md 1.1),
 # and so is the rule of which tensors get 4 KiB alignment (1.3).
-from .._zip import (  # noqa: E402
-    ALIGNMENT, DIRECT_MIN, LOCAL_HEADER_SIZE, LOCAL_SIG, TORCH_ALIGNMENT, Entry, NeedMore, _local,
-    central_directory, descriptor, local_header, parse_directory, record_alignment,
-)
+from .zip import ALIGNMENT, DIRECT_MIN, LOCAL_HEADER_SIZE, LOCAL_SIG, TORCH_ALIGNMENT, Entry, NeedMore, _local, central_directory, descriptor, local_header, parse_directory, record_alignment
 
 ALIGN = ALIGNMENT           # file alignment of tensor bytes
 ALIGN_MIN = DIRECT_MIN      # tensors smaller than this are only 64-byte aligned (no 4 KiB hole for a bias)
@@ -346,7 +344,7 @@ _torch_dtypes: Dict[str, torch.dtype] = {}
 
 
 def _layout_class(module: str, name: str):
-    """The policy for data.pkl (see :mod:`fastckpt._unpickle`): torch.save's tensor
+    """The policy for data.pkl (see :mod:`fastckpt.formats.unpickler`): torch.save's tensor
     rebuild functions (replaced by ones that only record the layout), storage
     types, dtypes and OrderedDict; any other global is Unsupported."""
     if module == "torch._utils" and name == "_rebuild_tensor_v2":

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence, Tuple
 import torch
 import torch.serialization as ts
 
-from . import _zip
+from . import zip as _zip
 
 __all__ = ["weights_only_policy", "reads_no_data", "storage_alignment", "compute_crc32", "StorageRef",
            "v3_dtypes", "itemsize", "contiguous_stride"]
@@ -76,7 +76,7 @@ def reads_no_data(map_location: Any) -> bool:
 def storage_alignment() -> int:
     """torch's ``config.save.storage_alignment`` (64 by default): the alignment
     of a new file's records; its large storage records are aligned to a
-    multiple of it and of 4096 (:func:`fastckpt._zip.record_alignment`)."""
+    multiple of it and of 4096 (:func:`fastckpt.formats.zip.record_alignment`)."""
     get = getattr(ts, "_get_storage_alignment", None)
     return max(1, int(get())) if get else _zip.TORCH_ALIGNMENT
 

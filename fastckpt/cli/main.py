@@ -113,7 +113,7 @@ def _existing(path: str, what: str = "file or directory") -> str:
 # ---------------------------------------------------------------- URLs (fastckpt.remote)
 
 def _is_url(s: Any) -> bool:
-    from ._paths import is_url
+    from .._core.paths import is_url
     return is_url(s)
 
 
@@ -141,8 +141,8 @@ def _with_urls(func):
         names = [n for n in ("path", "src", "dst") if _is_url(getattr(args, n, None))]
         if not names:
             return func(args)
-        from .errors import FormatError
-        from .remote import urlio
+        from ..errors import FormatError
+        from ..remote import urlio
         opts = _storage_options(args)
         with tempfile.TemporaryDirectory(prefix="fastckpt-cli-") as tmp:
             subst, upload_to = {}, None
@@ -180,11 +180,11 @@ def _with_urls(func):
 
 
 def cmd_inspect(args) -> int:
-    from ._inspect import inspect_data, inspect_text
-    from ._sources import open_source
+    from .inspect import inspect_data, inspect_text
+    from .sources import open_source
     _existing(args.path)
     if os.path.isdir(args.path) and not os.path.exists(os.path.join(args.path, ".metadata")):
-        from ._inspect import _is_manager_dir
+        from .inspect import _is_manager_dir
         if _is_manager_dir(args.path):
             return _inspect_manager(args)
     with open_source(args.path) as src:
@@ -217,7 +217,7 @@ def _inspect_manager(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from ._inspect import count_problems, has_unverified, verify, verify_text
+    from .inspect import count_problems, has_unverified, verify, verify_text
     _existing(args.path)
     _return_freed_memory()
     rep = verify(args.path, _Bar(_progress_enabled(args)))
@@ -232,9 +232,9 @@ def cmd_verify(args) -> int:
 
 
 def cmd_convert(args) -> int:
-    from . import _convert
-    from ._units import human
-    from ._sources import is_dcp_dir, open_source
+    from . import convert as _convert
+    from .._core.units import human
+    from .sources import is_dcp_dir, open_source
     src_path, dst = args.src, args.dst
     _existing(src_path)
     to = args.to or _convert.infer_target(dst)
@@ -272,7 +272,7 @@ def cmd_convert(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from ._doctor import diagnose, doctor_text
+    from .doctor import diagnose, doctor_text
     d = args.dir
     if not os.path.isdir(d):
         raise UsageError(f"{d}: no such directory" if not os.path.exists(d) else f"{d}: not a directory")
@@ -334,7 +334,7 @@ def _add_common(p: argparse.ArgumentParser, top: bool) -> None:
 
 def _version_line() -> str:
     import torch
-    from . import __version__
+    from .. import __version__
     return f"fastckpt {__version__} (torch {torch.__version__})"
 
 
@@ -495,8 +495,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 def _describe(e: BaseException, verbose: int) -> str:
-    from .errors import FormatError
-    from ._convert import ConvertError
+    from ..errors import FormatError
+    from .convert import ConvertError
     if isinstance(e, (Failed, ConvertError)):
         return str(e)
     if isinstance(e, FormatError):
@@ -504,7 +504,7 @@ def _describe(e: BaseException, verbose: int) -> str:
     if isinstance(e, pickle.UnpicklingError):
         return str(e)
     if isinstance(e, OSError):
-        from ._inspect import _err
+        from .inspect import _err
         return _err(e)
     tail = "" if verbose else " (run with -v for the traceback)"
     return f"{type(e).__name__}: {e}{tail}"

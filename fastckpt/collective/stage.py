@@ -8,7 +8,7 @@ hands out exactly those ranges:
 
 * a CPU storage: a view of its own memory (no copy);
 * a storage on a device with a staging copier (CUDA, the tests' simulated
-  device): through the one staging pipeline (:class:`fastckpt._staging.ToHost`),
+  device): through the one staging pipeline (:class:`fastckpt.staging.device.ToHost`),
   copied ahead into the bounded staging pool on the device's copy stream,
   each piece handed out only after its copy's event fired, the buffer reused
   once the piece is consumed. The device-to-host copies of later pieces run
@@ -27,7 +27,8 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import _C, _staging
+from .. import _C
+from ..staging import device as _staging
 
 # Sampled CRCs: a storage of up to SAMPLE_WHOLE bytes is checksummed whole,
 # a larger one in SAMPLE_BLOCKS blocks of SAMPLE_BLOCK bytes spread evenly

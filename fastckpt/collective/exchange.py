@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _staging
-from ._collective import _Group
+from ..staging import device as _staging
+from .save import _Group
 
 log = logging.getLogger("fastckpt")
 

@@ -32,7 +32,7 @@ import os
 import stat
 from typing import Optional, Union
 
-from . import knobs
+from .. import knobs
 
 __all__ = ["check_directory_owner"]
 

@@ -1,6 +1,6 @@
 """``fastckpt convert``: between fastckpt/torch.save files, safetensors files and DCP directories.
 
-Every conversion streams: the source is opened as a :class:`fastckpt._sources.Source`
+Every conversion streams: the source is opened as a :class:`fastckpt.cli.sources.Source`
 (an object tree of meta tensors plus reads of byte ranges), and the target is
 written piece by piece through the engine (temporary name, fdatasync, rename,
 directory fsync), so memory stays bounded whatever the checkpoint's size:
@@ -31,13 +31,11 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _C, _zip, knobs
-from ._sources import (
-    LAYOUT_KEY, SEPARATOR, ST_NAMES, LazyValue, Source, Storage, byte_span, dtype_name, encode_layout,
-    is_dense, storage_of, walk,
-)
-from ._torch_rules import StorageRef, itemsize, v3_dtypes
-from .engine import get_engine
+from .. import _C, knobs
+from ..formats import zip as _zip
+from .sources import LAYOUT_KEY, SEPARATOR, ST_NAMES, LazyValue, Source, Storage, byte_span, dtype_name, encode_layout, is_dense, storage_of, walk
+from ..formats.torch_rules import StorageRef, itemsize, v3_dtypes
+from .._core.engine import get_engine
 
 log = logging.getLogger("fastckpt")
 
@@ -157,7 +155,7 @@ def write_file(source: Source, dst: str, torch_layout: bool = False, progress: P
     """A torch.save archive: fastckpt's layout (docs/FORMAT.md 1.3: large storage
     records 4 KiB-aligned, the others packed at torch's alignment), or with
     `torch_layout` torch.save's own (every record 64-byte aligned)."""
-    from .serialization import _write_archive
+    from ..serialization import _write_archive
     tree = source.tree(values=True)
     data_pkl, storages = pickle_tree(tree, source, progress)
     if torch_layout:
@@ -333,7 +331,7 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from .dcp import FastWriter
+    from ..dcp import FastWriter
 
     tree = source.tree(values=True)
     _check_for_dcp(tree)
@@ -357,7 +355,7 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
     parent, name = os.path.split(final)
     # The checkpoint manager's temporary names (this host, this process): only this host's
     # CheckpointManager.clean_temporaries removes them, once this process is gone.
-    from ._manager_policy import _replace_dir, _temp_name
+    from ..manager.policy import _replace_dir, _temp_name
     tmp = os.path.join(parent, _temp_name(name, "dcp"))
     try:
         with warnings.catch_warnings():

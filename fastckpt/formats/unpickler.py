@@ -34,7 +34,7 @@ command's DCP sources) go through :func:`loads`, in two steps:
 
 A policy is a ``find_class(module, name)`` callable that returns the object
 to use or raises; :func:`dcp_metadata_class` is the one for DCP metadata, and
-``fastckpt.dcp._blob`` has the one for tensor records' ``data.pkl``.
+``fastckpt.formats.dcp`` has the one for tensor records' ``data.pkl``.
 :func:`check` is the walk alone (every global accepted), for pickles that
 torch's weights-only unpickler then judges class by class.
 Every message names the caller's ``where`` (the user's path) and, for a
@@ -47,7 +47,7 @@ import pickletools
 import sys
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from .errors import FormatError
+from ..errors import FormatError
 
 __all__ = ["loads", "check", "check_reference", "Refused", "dcp_metadata_class", "MAX_DEPTH", "MAX_OBJECT_DEPTH", "MAX_RATIO", "MIN_BUDGET"]
 
@@ -425,7 +425,7 @@ def check(data: bytes, where: str, *, persistent: bool = True, max_depth: int = 
     n = len(data)
     if n >= 1 << 32:  # the C++ walk numbers its values in 32 bits
         return check_reference(data, where, persistent=persistent, max_depth=max_depth)
-    from . import _C
+    from .. import _C
     kind, msg, pos, cost = _C.pickle_check(data, persistent, max_depth, MAX_RATIO, MIN_BUDGET, _max_str_digits())
     if kind == 0:
         return cost

@@ -23,7 +23,7 @@ the tensors it writes (:meth:`Stager.owner_of`), not from state kept on the
 writer, so overlapping or out-of-order saves release exactly what they used.
 
 Buffers for device tensors are exact-size host memory page-locked once
-through :mod:`fastckpt._staging` (the device-to-host copies run on each
+through :mod:`fastckpt.staging.device` (the device-to-host copies run on each
 tensor's device's copy stream and ``stage()`` waits for each copy's own
 event); others are plain memory aligned to 4 KiB.
 """
@@ -40,7 +40,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from .. import _C
-from .. import _staging as _host_staging
+from . import device as _host_staging
 
 log = logging.getLogger("fastckpt")
 
@@ -62,7 +62,7 @@ def _dtensor_type():
 
 def _aligned_empty(size, dtype: torch.dtype, copier) -> Tuple[torch.Tensor, Any]:
     """A 4 KiB-aligned host tensor, exactly `size`; page-locked through
-    `copier` (a :class:`fastckpt._staging.HostBuffer`, returned too) when the
+    `copier` (a :class:`fastckpt.staging.device.HostBuffer`, returned too) when the
     source lives on a device."""
     nbytes = torch.Size(size).numel() * torch.empty((), dtype=dtype).element_size()
     if copier is not None:

@@ -43,7 +43,7 @@ from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optiona
 
 import torch
 
-from . import _C
+from .. import _C
 
 log = logging.getLogger("fastckpt")
 
@@ -296,7 +296,7 @@ _pools_lock = threading.Lock()
 
 
 def default_chunk() -> int:
-    from . import knobs
+    from .. import knobs
     return 4 * knobs.config().buffer_size
 
 

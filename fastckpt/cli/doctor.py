@@ -17,8 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from . import _C, knobs
-from ._units import human
+from .. import _C, knobs
+from .._core.units import human
 
 # statfs(2) f_type values (linux/magic.h and filesystems' own headers)
 FS_MAGIC = {
@@ -209,7 +209,7 @@ def _limit(n: int) -> Optional[int]:
 
 def diagnose(directory: str) -> Dict[str, Any]:
     """Everything doctor reports, as a dict (``doctor --json``)."""
-    from . import __version__
+    from .. import __version__
     d = os.path.abspath(directory)
     magic = _statfs_magic(d)
     mount = _mount_of(d)

@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
-from .errors import FormatError
+from ..errors import FormatError
 
 ALIGNMENT = 4096       # file alignment of large storage records: read with O_DIRECT straight into place
 DIRECT_MIN = 64 << 10  # storage records of at least this many bytes get ALIGNMENT (docs/FORMAT.md 1.3)

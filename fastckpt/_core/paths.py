@@ -21,7 +21,7 @@ import re
 import stat
 from typing import Optional, Union
 
-from .errors import UnsupportedURLError
+from ..errors import UnsupportedURLError
 
 __all__ = ["is_url", "check_save_target", "check_dcp_target", "check_not_url", "open_for_reading", "raise_named_after_target"]
 

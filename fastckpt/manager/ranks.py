@@ -28,7 +28,7 @@ import weakref
 from datetime import timedelta
 from typing import Any, List, Optional, Tuple
 
-from . import _dist_exit
+from .._core import dist_exit as _dist_exit
 
 log = logging.getLogger("fastckpt")
 
@@ -81,7 +81,7 @@ def _dcp_writer(path: str) -> Any:
     """The storage writer of sharded checkpoints: fastckpt.dcp's FastWriter
     (the engine). It takes the stock FileSystemWriter's path argument, which
     can stand in for it here."""
-    from .dcp import FastWriter
+    from ..dcp import FastWriter
     return FastWriter(path)
 
 
@@ -91,7 +91,7 @@ def _dcp_reader(path: str, verify: bool, weights_only: bool) -> Any:
     ``.metadata`` through fastckpt's restricted unpickler and non-tensor values
     through torch's weights-only one (the stock planner would hand them to
     ``torch.load(..., weights_only=False)``)."""
-    from .dcp import FastReader
+    from ..dcp import FastReader
     return FastReader(path, verify=verify, weights_only=weights_only)
 
 
@@ -190,7 +190,7 @@ class Ranks:
         into ``path`` in the background (DCP's collectives on the manager's own
         group, made here if :meth:`release` freed it). Returns DCP's future."""
         import torch.distributed.checkpoint as dcp
-        from .dcp import FastWriter
+        from ..dcp import FastWriter
         self.open_async_group()
         if self.async_writer is None:
             self.async_writer = FastWriter(path)

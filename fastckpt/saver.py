@@ -7,7 +7,7 @@ with :func:`fastckpt.save` (same file, same atomic durable commit). The caller
 may modify or free its tensors as soon as ``async_save`` returns.
 
 Staging memory is one contiguous *arena* per snapshot, exactly the state's
-size rounded up to 1 MiB (page-locked once through :mod:`fastckpt._staging`
+size rounded up to 1 MiB (page-locked once through :mod:`fastckpt.staging.device`
 when the state holds CUDA tensors, so device-to-host copies run at full
 speed; never rounded up to a power of two), taken
 from a small pool and given back when the write is done: saving the same
@@ -59,7 +59,9 @@ from typing import Any, Callable, List, Optional, Tuple
 import torch
 import torch.serialization as _ts
 
-from . import _staging, _torch_rules, knobs
+from .staging import device as _staging
+from .formats import torch_rules as _torch_rules
+from . import knobs
 from . import serialization as _ser
 
 __all__ = ["async_save", "wait_for_saves", "AsyncSaver", "SaveFuture", "SaveResult", "Stager", "default_saver"]
@@ -136,7 +138,7 @@ class Stager:
     (the in-flight limit), and only those large enough for the last snapshot;
     :meth:`clear` frees them. ``allocations`` and ``allocated_bytes`` count
     what was ever allocated. Device storages are copied through
-    :mod:`fastckpt._staging` (each copy on its device's copy stream, waited for
+    :mod:`fastckpt.staging.device` (each copy on its device's copy stream, waited for
     on its own event before ``snapshot`` returns).
     """
 

@@ -35,7 +35,7 @@ import uuid
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
-from ._manager_dist import _failures
+from .ranks import _failures
 
 log = logging.getLogger("fastckpt")
 
@@ -97,8 +97,8 @@ class RemoteTier:
 
     def __init__(self, mgr: Any, url: str, storage_options: Optional[Dict[str, Any]],
                  keep_last_remote: Optional[int], prefix: Optional[str] = None):
-        from .remote import Replicator, open_store  # fsspec and the store's client only when asked for
-        from .remote.team import Coordinator, Worker
+        from ..remote import Replicator, open_store  # fsspec and the store's client only when asked for
+        from ..remote.team import Coordinator, Worker
         self.mgr = mgr
         self.team = prefix is not None
         self.rep = self.worker = None
@@ -182,7 +182,7 @@ class RemoteTier:
         """Rank 0: remote ``step`` downloaded and verified into the manager's directory (replacing a
         damaged local copy), ``latest`` pointed at it; its name, or None when it fails its checks (the
         replicator warned: missing file, size or CRC-32 mismatch)."""
-        from .remote.replicator import restore_step
+        from ..remote.replicator import restore_step
         try:
             _, path = restore_step(self.rep.store, str(self.mgr.directory), step, self.rep.opts)
         except FileNotFoundError as e:

@@ -72,14 +72,14 @@ import weakref
 from pathlib import Path
 from typing import Any, List, NamedTuple, Optional, Set, Union
 
-from ._manager_async import async_save as _collective_async_save
-from ._manager_dist import Ranks, _failures, _register
-from ._manager_policy import TMP_MARK, StepDirectory, _failure_kind, _unwrap
-from . import _manager_remote as _remote_tier
-from ._manager_remote import candidates as _remote_candidates
-from .async_save import AsyncSaver, SaveFuture, _fail_inherited, default_saver
-from .serialization import load as _load
-from .serialization import save as _save
+from .asyncsave import async_save as _collective_async_save
+from .ranks import Ranks, _failures, _register
+from .policy import TMP_MARK, StepDirectory, _failure_kind, _unwrap
+from . import remote as _remote_tier
+from .remote import candidates as _remote_candidates
+from ..saver import AsyncSaver, SaveFuture, _fail_inherited, default_saver
+from ..serialization import load as _load
+from ..serialization import save as _save
 
 __all__ = ["CheckpointManager", "Restored", "TMP_MARK"]
 
@@ -117,7 +117,7 @@ class CheckpointManager:
         verify: check every storage's CRC-32 when loading (replicated mode).
         clean: delete leftover temporary files/directories of crashed saves
             now (see :meth:`clean_temporaries`).
-        saver: the :class:`~fastckpt.async_save.AsyncSaver` for
+        saver: the :class:`~fastckpt.saver.AsyncSaver` for
             :meth:`async_save` (default: the process-wide one, which
             :func:`fastckpt.wait_for_saves` also waits for).
         replicate_to: an fsspec URL (``s3://bucket/run``, ``gs://...``,
@@ -176,7 +176,7 @@ class CheckpointManager:
         """In a child made by ``fork()`` (only the forking thread survives; see
         fastckpt/_manager_dist.py): a new lock (another thread may have held
         it at fork()); the parent's saves in flight are not the child's: their
-        futures fail at once (see :func:`fastckpt.async_save._fail_inherited`)
+        futures fail at once (see :func:`fastckpt.saver._fail_inherited`)
         and the names they were writing are not the child's to protect, so the
         child's ``wait``, ``clean_temporaries`` and exit never wait for them."""
         self._lock = threading.Lock()
@@ -401,7 +401,7 @@ class CheckpointManager:
         """Wait until every committed step queued for the remote tier is uploaded;
         return the newest step complete there; raise the last upload failure
         (once). Not collective. None where this rank takes no part (see
-        :meth:`fastckpt._manager_remote.RemoteTier.wait`)."""
+        :meth:`fastckpt.manager.remote.RemoteTier.wait`)."""
         return None if self._remote is None else self._remote.wait(timeout)
 
     def remote_status(self) -> Optional[dict]:
@@ -498,7 +498,7 @@ class CheckpointManager:
         group; when rank 0's save is done, DCP's .metadata is written (after
         every rank's data), and rank 0 renames the directory, moves ``latest``
         and applies retention, still in the background."""
-        from .async_save import SaveResult
+        from ..saver import SaveResult
         # one sharded save in flight: every rank waits for its previous one first
         tmp = self._begin(step, name, wait_previous=True, tmp_dir=True)
         self._ranks.open_async_group()  # closed before: a new group (collective: every rank is here)
