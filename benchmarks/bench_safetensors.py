@@ -74,7 +74,7 @@ sd = state() if ".save" in op or check else None
 if op == "memory":
     # what a load that ends with the data in memory of its own pays at least: the same allocations as
     # load_file's, every page faulted in, no I/O
-    from fastckpt.serialization import _host_storage
+    from fastckpt.torchsave.reader import host_storage
     src = fst._open(path)
     sizes = [e.end - e.begin for e in src.entries if e.end > e.begin]
     src.close()
@@ -91,10 +91,10 @@ if op == "memory":
             b[off:off + n:4096].fill_(1)
 
     t0, c0 = time.perf_counter(), cpu()
-    bufs = [_host_storage(n) for n in sizes]
+    bufs = [host_storage(n) for n in sizes]
     pieces = []
     for b in bufs:
-        whole = b.numel() // 4096 * 4096  # (_host_storage's memory starts on a page)
+        whole = b.numel() // 4096 * 4096  # (host_storage's memory starts on a page)
         pieces += [(b, o, min(PIECE, whole - o)) for o in range(0, whole, PIECE)]
         if whole < b.numel():
             b[whole:].fill_(1)
@@ -104,12 +104,12 @@ if op == "memory":
     print(json.dumps({"seconds": seconds, "cpu": cpus, "bytes": sum(sizes), "ok": None}))
     sys.exit(0)
 if op.startswith("disk: engine"):
-    # the load's reads alone: the same destinations as load_file's (_host_storage), faulted in first
+    # the load's reads alone: the same destinations as load_file's (host_storage), faulted in first
     from fastckpt import _C
     from fastckpt._core.engine import get_engine
-    from fastckpt.serialization import _host_storage
+    from fastckpt.torchsave.reader import host_storage
     src = fst._open(path)
-    ranges = [(_host_storage(e.end - e.begin).fill_(1), src.data_start + e.begin)
+    ranges = [(host_storage(e.end - e.begin).fill_(1), src.data_start + e.begin)
               for e in src.entries if e.end > e.begin]
     t0, c0 = time.perf_counter(), cpu()
     _C.read_ranges(get_engine(), path, ranges, src.f.fileno())

@@ -275,7 +275,7 @@ class AsyncSaveMethod(Method):
 
         am = importlib.import_module("fastckpt.saver")  # the module (fastckpt.async_save is the function)
         ser = importlib.import_module("fastckpt.serialization")
-        _, storages = ser._pickle(sd, pickle, ser.DEFAULT_PROTOCOL)
+        _, storages = fastckpt.formats.pickler.pickle_with_storages(sd, pickle, fastckpt.formats.pickler.DEFAULT_PROTOCOL)
         saver = am.default_saver()
         arena, staged = saver.stager.snapshot(storages)
         del staged, storages

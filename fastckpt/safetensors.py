@@ -37,7 +37,7 @@ from ._core.paths import check_save_target, raise_named_after_target
 from .cli.sources import SAFETENSORS_MAX_HEADER, ST_DTYPES, ST_NAMES, SafetensorsSource, dtype_name
 from ._core.engine import get_engine
 from .errors import FormatError
-from .serialization import _host_storage
+from .torchsave.reader import host_storage
 
 __all__ = ["save_file", "load_file", "save_model", "load_model", "save_sharded", "load_sharded"]
 
@@ -254,7 +254,7 @@ def _read(src: SafetensorsSource, location: Any) -> Dict[str, torch.Tensor]:
                 jobs.append(_staging.LoadJob(e.name, src.data_start + e.begin, n, dst, copier))
             storage = dst
         else:
-            buf = _host_storage(n)
+            buf = host_storage(n)
             if n:
                 ranges.append((buf, src.data_start + e.begin))
             storage = buf.untyped_storage()

@@ -62,7 +62,10 @@ import torch.serialization as _ts
 from .staging import device as _staging
 from .formats import torch_rules as _torch_rules
 from . import knobs
+from ._core import paths as _paths
 from . import serialization as _ser
+from .formats.pickler import DEFAULT_PROTOCOL, pickle_with_storages
+from .torchsave.writer import EngineSink, as_bytes_tensor, write_archive
 
 __all__ = ["async_save", "wait_for_saves", "AsyncSaver", "SaveFuture", "SaveResult", "Stager", "default_saver"]
 
@@ -209,7 +212,7 @@ class Stager:
                 continue
             dst = whole[off:off + n]  # a view of the arena, exactly n bytes
             off += _align(n)
-            pairs.append((_ser._as_bytes_tensor(dst), _ser._as_bytes_tensor(src)))
+            pairs.append((as_bytes_tensor(dst), as_bytes_tensor(src)))
             staged.append(dst)
         _staging.snapshot_into(pairs)  # returns once every copy is complete
         return staged
@@ -229,7 +232,7 @@ class _NoData:
 
 class _Snapshot:
     """What the writer thread writes: a zip archive (``data_pkl``, the staged
-    storages and ``opts``, :func:`fastckpt.serialization._write_archive`'s
+    storages and ``opts``, :func:`fastckpt.torchsave.writer.write_archive`'s
     settings read in the caller's thread) or, for the legacy format, the
     whole file already serialized (``legacy``)."""
     __slots__ = ("data_pkl", "staged", "arena", "nbytes", "opts", "legacy")
@@ -267,7 +270,7 @@ def _take_snapshot(stager: "Stager", obj: Any, pickle_module: Any, pickle_protoc
         data = buf.getvalue()
         return _Snapshot(None, None, None, len(data), legacy=data)
     skip_data = bool(_ts._serialization_tls.skip_data)
-    data_pkl, storages = _ser._pickle(obj, pickle_module, pickle_protocol, skip_data=skip_data)
+    data_pkl, storages = pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data=skip_data)
     opts = dict(alignment=_torch_rules.storage_alignment(), compute_crc32=_torch_rules.compute_crc32(),
                 byteorder=not disable_byteorder_record, skip_data=skip_data)
     if skip_data:  # no storage bytes are written: none are copied (meta and fake tensors have none)
@@ -281,14 +284,14 @@ def _write_legacy(path: str, data: bytes) -> None:
     (what fastckpt.save's legacy path does around torch's writer)."""
     sink = None
     try:
-        sink = _ser._EngineSink(path, len(data))
+        sink = EngineSink(path, len(data))
         sink.write(data)
         sink.commit()
     except BaseException as e:
         if sink is not None:
             sink.abort()
         if isinstance(e, OSError):
-            _ser._paths.raise_named_after_target(e, path)
+            _paths.raise_named_after_target(e, path)
         raise
 
 
@@ -382,7 +385,7 @@ class AsyncSaver:
         raise exc
 
     # -- saving
-    def save(self, obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = _ser.DEFAULT_PROTOCOL,
+    def save(self, obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
              _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False,
              *, after: Optional[Callable[[], None]] = None) -> SaveFuture:
         """Snapshot ``obj`` and write it to ``f`` in the background; see :func:`async_save`.
@@ -394,7 +397,7 @@ class AsyncSaver:
         return self.submit(self.stage(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization,
                                       _disable_byteorder_record), after=after)
 
-    def stage(self, obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = _ser.DEFAULT_PROTOCOL,
+    def stage(self, obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
               _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False,
               *, zip_only: bool = False) -> "_Staged":
         """The first half of :meth:`save`: take an in-flight slot (waiting for
@@ -474,7 +477,7 @@ class AsyncSaver:
                 elif snap.legacy is not None:
                     _write_legacy(fut.path, snap.legacy)
                 else:
-                    _ser._write_archive(fut.path, snap.data_pkl, snap.staged, **snap.opts)
+                    write_archive(fut.path, snap.data_pkl, snap.staged, **snap.opts)
                 snap.staged = snap.legacy = None
                 if snap.arena is not None:  # none for skip_data and the legacy format
                     self.stager.release(snap.arena, keep=self.max_in_flight)
@@ -571,7 +574,7 @@ def default_saver() -> AsyncSaver:
         return _default
 
 
-def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = _ser.DEFAULT_PROTOCOL,
+def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
                _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False) -> SaveFuture:
     """Save like :func:`fastckpt.save`, in the background.
 
@@ -622,7 +625,7 @@ def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 
         >>> opt.step()            # safe: the snapshot is taken
         >>> fut.result()          # or fastckpt.wait_for_saves() before exiting
     """
-    if isinstance(f, (str, os.PathLike)): _ser._paths.check_save_target(f)  # noqa: E701  (before anything is staged)
+    if isinstance(f, (str, os.PathLike)): _paths.check_save_target(f)  # noqa: E701  (before anything is staged)
     return default_saver().save(obj, f, pickle_module, pickle_protocol,
                                 _use_new_zipfile_serialization, _disable_byteorder_record)
 

@@ -29,6 +29,11 @@ __all__ = ["is_url", "check_save_target", "check_dcp_target", "check_not_url", "
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
+def is_path(f) -> bool:
+    """A filesystem path (str or os.PathLike), as opposed to a file object."""
+    return isinstance(f, (str, os.PathLike))
+
+
 def is_url(s) -> bool:
     """``scheme://...`` (a str): fastckpt.save/load send it to fastckpt.remote."""
     return isinstance(s, str) and _URL.match(s) is not None

@@ -73,7 +73,7 @@ def engine_for_streaming():
 # ---------------------------------------------------------------- fastckpt / torch.save files
 
 class _Streamed:
-    """A storage of the new archive, streamed from the source by _write_archive."""
+    """A storage of the new archive, streamed from the source by write_archive."""
 
     def __init__(self, source: Source, storage: Storage, progress: Progress):
         self.source = source
@@ -155,13 +155,13 @@ def write_file(source: Source, dst: str, torch_layout: bool = False, progress: P
     """A torch.save archive: fastckpt's layout (docs/FORMAT.md 1.3: large storage
     records 4 KiB-aligned, the others packed at torch's alignment), or with
     `torch_layout` torch.save's own (every record 64-byte aligned)."""
-    from ..serialization import _write_archive
+    from ..torchsave.writer import write_archive
     tree = source.tree(values=True)
     data_pkl, storages = pickle_tree(tree, source, progress)
     if torch_layout:
-        _write_archive(dst, data_pkl, storages, alignment=_zip.TORCH_ALIGNMENT, direct_min=None)
+        write_archive(dst, data_pkl, storages, alignment=_zip.TORCH_ALIGNMENT, direct_min=None)
     else:
-        _write_archive(dst, data_pkl, storages)
+        write_archive(dst, data_pkl, storages)
     return {"storages": len(storages), "bytes": sum(s.nbytes() for s in storages)}
 
 

@@ -44,6 +44,7 @@ from .. import _C
 from .. import serialization as _serialization
 from ..formats.torch_rules import contiguous_stride, itemsize
 from .._core.engine import get_engine
+from ..torchsave.reader import Reader, Records, parse_checkpoint
 from ..errors import FormatError
 
 log = logging.getLogger("fastckpt")
@@ -309,10 +310,10 @@ class ZipSource(_FileSource):
 
     def _parse(self) -> None:
         path, fd = self.path, self.f.fileno()
-        self.archive = _serialization._parse_checkpoint(path, self.f)
+        self.archive = parse_checkpoint(path, self.f)
         recs = self.archive.records
         # the record reader of fastckpt.load: reads go to this open file, CRC-32s come with them
-        self.records = _serialization._Records(path, self.archive, fd, verify=False)
+        self.records = Records(path, self.archive, fd, verify=False)
         small_names = [n for n in recs if not n.startswith("data/")]
         # metadata records are small: always checked; callers decide what a mismatch means
         self.bad_small: List[str] = []
@@ -357,7 +358,7 @@ class ZipSource(_FileSource):
             raise FormatError(f"{self.path}: {self.byteorder}-endian data; this command reads native "
                               f"({sys.byteorder}-endian) archives piece by piece")
         path, recs = self.path, self.archive.records
-        reader = _serialization._Reader(self.archive, self.small, {})
+        reader = Reader(self.archive, self.small, {})
 
         def on_storage(pid, untyped) -> None:
             _, stype, key, location, numel = pid
@@ -864,8 +865,8 @@ def sniff(path: str) -> str:
         size = os.fstat(f.fileno()).st_size
     if head[:4] == b"PK\x03\x04":
         return "zip"
-    from ..serialization import _is_legacy
-    if _is_legacy(head):
+    from ..formats.pickle_scan import is_legacy
+    if is_legacy(head):
         return "torch-legacy"
     if len(head) >= 9:
         (n,) = struct.unpack("<Q", head[:8])

@@ -195,7 +195,7 @@ class StagedRun:
     `rounds[j][k]` is holder k's part of round j, [(record, offset, length,
     at: its place in the part's region)], every region within `part` bytes;
     `chunk` the ring's pool chunk (the same on every rank); `reader` reads this
-    rank's share with the engine (a serialization._Records on the file)."""
+    rank's share with the engine (a fastckpt.torchsave.reader.Records on the file)."""
 
     def __init__(self, g: _Group, path: str, holders: List[int], k_mine: int, reader, verify: Optional[bool],
                  rounds, part: int, chunk: int):

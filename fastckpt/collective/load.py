@@ -22,7 +22,7 @@ Flow (each step a collective over ``pg``, so a failure anywhere reaches every ra
 3. every rank decides where the result's storages go. Host result (no
    device map_location): it allocates them in host memory. Device result: it
    unpickles now (as ``fastckpt.load`` onto a device does) and gets empty
-   device storages (serialization._DeviceRecords). all_gather of (error,
+   device storages (fastckpt.torchsave.device.DeviceRecords). all_gather of (error,
    host/device, whether the backend carries every destination): the
    transport, the same on every rank, or an error on every rank.
 4. the storage records' bytes, in file order, are cut into R contiguous shares
@@ -68,6 +68,8 @@ from . import exchange as xch
 from .._core import paths as _paths
 from ..staging import device as _staging
 from ..formats import zip as _zip
+from ..formats import pickle_scan
+from ..torchsave import device, load as tload, reader
 from .save import _Group, cut_runs
 
 _CUT_ALIGN = 4096
@@ -97,9 +99,8 @@ def _identity(archive: "_zip.Archive", small: Dict[str, bytes]) -> bytes:
 
 def _storage_records(archive: "_zip.Archive") -> List[str]:
     """Every storage record ("data/<key>"), in file order."""
-    from ..serialization import _SMALL_RECORDS
     recs = archive.records
-    names = [n for n in recs if n.startswith("data/") and n not in _SMALL_RECORDS]
+    names = [n for n in recs if n.startswith("data/") and n not in reader.SMALL_RECORDS]
     return sorted(names, key=lambda n: recs[n].data_offset)
 
 
@@ -196,11 +197,10 @@ def _staged_rounds(shares: List[List[Tuple[str, int, int]]], part: int) -> List[
 
 
 def _staged_records(flow: "_Load", map_location):
-    """serialization._DeviceRecords whose finish() (called when torch's
+    """fastckpt.torchsave.device.DeviceRecords whose finish() (called when torch's
     unpickling is done, the destinations known) is the collective exchange."""
-    from .. import serialization as ser
 
-    class Staged(ser._DeviceRecords):
+    class Staged(device.DeviceRecords):
         agreed = False  # this rank joined step 3's agreement
 
         def finish(self, verify):
@@ -208,19 +208,18 @@ def _staged_records(flow: "_Load", map_location):
             dests.update((n, xch.Dest(u, None)) for n, u in self.host_jobs)
             return flow.exchange_staged(dests, self)
 
-    return Staged(flow.path, flow.archive, ser._Records(flow.path, flow.archive, -1, flow.verify), map_location)
+    return Staged(flow.path, flow.archive, reader.Records(flow.path, flow.archive, -1, flow.verify), map_location)
 
 
 def _device_bound(map_location, small: Dict[str, bytes]) -> bool:
     """Whether this rank's result goes (in part) to a device the staging
     knows, as fastckpt.load decides it (the byte order this machine's)."""
-    from .. import serialization as ser
     if small.get("byteorder", sys.byteorder.encode()).decode("ascii", "replace") != sys.byteorder:
         return False
     if map_location is None:
-        tags = {m.group(1).decode("ascii") for m in ser._LOCATION_TAG.finditer(small.get("data.pkl", b""))}
+        tags = pickle_scan.location_tags(small.get("data.pkl", b""))
         return any(_staging.copier_for_location(t) is not None for t in tags)
-    return ser._moves_off_cpu(map_location)
+    return device.moves_off_cpu(map_location)
 
 
 class _Load:
@@ -235,7 +234,7 @@ class _Load:
         self.archive: Any = None
         self.holders: List[int] = []
         self.names: List[str] = []
-        self.reader: Any = None  # a serialization._Records on the open file (holders)
+        self.reader: Any = None  # a fastckpt.torchsave.reader.Records on the open file (holders)
         self.k_mine = -1
         self.rounds: List[List[List[Any]]] = []
         self.got: List[Any] = []
@@ -273,13 +272,12 @@ class _Load:
         return out
 
     def checked(self, rounds) -> List[str]:
-        """The records whose CRC-32 fails (serialization._check_storages' verdict)."""
-        from .. import serialization as ser
-        chk = ser._Records(self.path, self.archive, -1, self.verify)
+        """The records whose CRC-32 fails (fastckpt.torchsave.reader.check_storages' verdict)."""
+        chk = reader.Records(self.path, self.archive, -1, self.verify)
         chk.update(dict.fromkeys(self.names))
         if self.verify is not False:
             chk.crcs = self.crcs(rounds)
-        return ser._check_storages(self.path, self.archive, chk, self.verify)
+        return reader.check_storages(self.path, self.archive, chk, self.verify)
 
     # -- step 4, host result
 
@@ -348,7 +346,6 @@ class _Load:
 def load(f, group, map_location, weights_only: bool, pickle_module, verify: Optional[bool],
          pickle_load_args: Dict[str, Any]):
     """serialization.load with ``group`` (see the module's docstring)."""
-    from .. import serialization as ser
 
     path = os.fsdecode(os.fspath(f))
     flow = _Load(path, group, verify)
@@ -368,13 +365,13 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
                     fd = fh.fileno()
                     head = fh.read(32)
                     fh.seek(0)
-                    if ser._is_legacy(head):
+                    if pickle_scan.is_legacy(head):
                         mine = (True, b"legacy", True)
                     else:
-                        archive = ser._parse_checkpoint(path, fh)
+                        archive = reader.parse_checkpoint(path, fh)
                         recs = archive.records
-                        small = ser._Records(path, archive, fd, True).read(
-                            [n for n in ser._SMALL_RECORDS if n in recs], [])
+                        small = reader.Records(path, archive, fd, True).read(
+                            [n for n in reader.SMALL_RECORDS if n in recs], [])
                         mine = (True, _identity(archive, small), False)
             except Exception as e:
                 err, mine = e, None
@@ -410,14 +407,14 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
         flow.archive, flow.holders = archive, holders
         flow.names = _storage_records(archive)
         flow.k_mine = holders.index(g.rank) if g.rank in holders else -1
-        flow.reader = ser._Records(path, archive, fd, verify)
+        flow.reader = reader.Records(path, archive, fd, verify)
 
         # 3-5 for a result on a device: unpickle now (device storages made
         # empty), the exchange when torch's unpickling is done (finish).
         if _device_bound(map_location, small):
             records = _staged_records(flow, map_location)
             try:
-                return ser._load_read(path, small, archive, records, [], map_location, weights_only, pickle_module,
+                return tload.unpickle_records(path, small, archive, records, [], map_location, weights_only, pickle_module,
                                       verify, pickle_load_args)
             except Exception as e:
                 if not records.agreed:  # failed before the agreement: the others learn it there
@@ -426,14 +423,14 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
                 raise
 
         # 3. a result in host memory: every rank makes the result's storages.
-        storages = ser._Records(path, archive, fd, verify)
+        storages = reader.Records(path, archive, fd, verify)
         err = None
         try:
             if "cpu" not in flow.backends:
                 raise xch.cannot_carry(path, flow.backend, "CPU tensors (the result's storages stay on the host)")
             storages.claim(flow.names)
             for n in flow.names:
-                storages[n] = ser._host_storage(archive.records[n].size)
+                storages[n] = reader.host_storage(archive.records[n].size)
         except Exception as e:
             err = e
         if flow.agree((False, False, "cpu"), err) == "host":
@@ -445,6 +442,6 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
         storages.fd = -1
         if verify is not False:
             storages.crcs.update(flow.crcs(flow.rounds))
-        bad = ser._check_storages(path, archive, storages, verify)
-    return ser._load_read(path, small, archive, storages, bad, map_location, weights_only, pickle_module,
+        bad = reader.check_storages(path, archive, storages, verify)
+    return tload.unpickle_records(path, small, archive, storages, bad, map_location, weights_only, pickle_module,
                           verify, pickle_load_args)

@@ -5,7 +5,7 @@ to what a single-process ``fastckpt.save(obj, path)`` writes (with the same
 serialization id), so stock ``torch.load`` and ``fastckpt verify`` read it.
 
 Who writes what. Every rank pickles ``obj`` and plans the layout
-(serialization._plan_archive) with rank 0's serialization id. The 4 KiB-aligned
+(fastckpt.formats.archive.plan_archive) with rank 0's serialization id. The 4 KiB-aligned
 bodies of the large storage records (records of _zip.DIRECT_MIN bytes or more
 start on 4 KiB) are concatenated in file order and cut into ``world``
 4 KiB-aligned contiguous shares, balanced so that every rank writes about the
@@ -73,6 +73,7 @@ import threading
 from typing import Any, Dict, List, Optional, Tuple
 
 from .. import _C
+from ..formats import archive, pickler
 from . import stage as _collective_stage
 from .._core import dist_exit as _dist_exit, paths as _paths
 from ..formats import torch_rules as _torch_rules, zip as _zip
@@ -316,7 +317,6 @@ class _Group:
 def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: bool = True,
          placement: str = "shared") -> None:
     """serialization.save with ``group`` (see the module's docstring)."""
-    from .. import serialization as ser
     import torch.serialization as ts
 
     if placement not in PLACEMENTS:
@@ -341,7 +341,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
             if ts._serialization_tls.skip_data:
                 raise ValueError(f"cannot save to {path!r} with group=: torch.serialization.skip_data "
                                  "is not supported by collective saves")
-            data_pkl, storages = ser._pickle(obj, pickle_module, pickle_protocol)
+            data_pkl, storages = pickler.pickle_with_storages(obj, pickle_module, pickle_protocol)
             # The storages' bytes: CPU ones in place, device ones staged range
             # by range when needed (_collective_stage).
             src = _collective_stage.Storages(storages, path)
@@ -350,7 +350,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
             settings = (alignment, crc_on, byteorder, sys.byteorder)
             # rank 0's pickle is the file's (the others' differ in their storages' device indices)
             mine = (_digest(data_pkl, src.sizes, settings), src.sample_crcs(),
-                    ser._new_serialization_id() if g.rank == 0 else None, node, os.path.abspath(path),
+                    archive.new_serialization_id() if g.rank == 0 else None, node, os.path.abspath(path),
                     data_pkl if g.rank == 0 else None)
         except Exception as e:
             err = e
@@ -372,7 +372,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
                 raise ValueError(f"cannot save to {path!r}: ranks hold different data: storage data/{bad} "
                                  f"of rank {r} differs from rank 0's (sampled CRC-32); nothing was written")
         data_pkl = agreed[0][5]
-        plan, entries, cd_offset, size = ser._plan_archive(data_pkl, storages, alignment, byteorder,
+        plan, entries, cd_offset, size = archive.plan_archive(data_pkl, storages, alignment, byteorder,
                                                            serialization_id=agreed[0][2])
         split: Dict[int, Any] = {}  # ranks per copy -> (bodies, shares)
         for ranks in copies.members:

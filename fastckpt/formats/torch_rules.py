@@ -13,7 +13,7 @@ torch's own functions.
 import os
 import pickle
 import warnings
-from typing import Any, Optional, Sequence, Tuple
+from typing import IO, Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.serialization as ts
@@ -23,6 +23,10 @@ from . import zip as _zip
 __all__ = ["weights_only_policy", "reads_no_data", "storage_alignment", "compute_crc32", "StorageRef",
            "v3_dtypes", "itemsize", "contiguous_stride"]
 
+
+# What torch.save and torch.load take as a file and as a map_location.
+FileLike = Union[str, os.PathLike, IO[bytes]]
+MapLocation = Union[None, str, torch.device, Dict[str, str], Callable]
 
 _TRUE_VALUES = ("1", "y", "yes", "true")  # torch.load's, for its TORCH_FORCE_* variables
 

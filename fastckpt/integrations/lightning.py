@@ -31,6 +31,7 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
 
 from .. import serialization as _ser  # noqa: E402
 from ..saver import AsyncSaver, SaveFuture  # noqa: E402
+from .._core import paths as _paths  # noqa: E402
 from .._core.engine import fsync_dir  # noqa: E402
 
 __all__ = ["FastCheckpointIO", "AsyncFastCheckpointIO"]
@@ -136,7 +137,7 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
         parent = os.path.dirname(p)
         if parent:
             os.makedirs(parent, exist_ok=True)
-        _ser._paths.check_save_target(p)  # a careless path fails here, before anything is staged
+        _paths.check_save_target(p)  # a careless path fails here, before anything is staged
         earlier: Optional[BaseException] = None
         try:
             self._saver.raise_unobserved()  # failures of earlier saves, known before this one starts

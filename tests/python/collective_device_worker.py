@@ -73,7 +73,7 @@ def main() -> int:
     from fastckpt.collective import save as _collective, stage as _collective_stage
     from fastckpt.staging import device as _staging
 
-    serialization._new_serialization_id = lambda: worker.SID
+    fastckpt.formats.archive.new_serialization_id = lambda: worker.SID
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=180))
     fail_stage = None

@@ -220,7 +220,7 @@ def main() -> int:
     if mode == "other1" and rank == 1:
         path += ".other"
     read = [0]
-    read_into = serialization._Records.read_into
+    read_into = fastckpt.torchsave.reader.Records.read_into
 
     def counting(self, items, fd=None):
         shares = [it for it in items if it[0].startswith("data/")]
@@ -229,7 +229,7 @@ def main() -> int:
             _C.fault_inject("read", errno=errno.EIO, times=0)
         return read_into(self, items, fd)
 
-    serialization._Records.read_into = counting
+    fastckpt.torchsave.reader.Records.read_into = counting
     log = []
     if mode in SIM_MODES or mode.startswith("nccl_"):
         from fastckpt._core import paths as _paths
@@ -242,18 +242,18 @@ def main() -> int:
             return open_for_reading(p)
         _paths.open_for_reading = counted_open
         host = [0]
-        host_storage = serialization._host_storage
+        host_storage = fastckpt.torchsave.reader.host_storage
 
         def counted_host(n):
             host[0] += n
             return host_storage(n)
-        serialization._host_storage = counted_host
+        fastckpt.torchsave.reader.host_storage = counted_host
 
         def reading(self, items, fd=None):
             if any(it[0].startswith("data/") for it in items):
                 log.append("r")
             return counting(self, items, fd)
-        serialization._Records.read_into = reading
+        fastckpt.torchsave.reader.Records.read_into = reading
         sim, ml = sim_setup(mode, rank, log) if mode in SIM_MODES else (None, "cpu")
         if mode.startswith("nccl_"):  # the group's backend reported as NCCL's (the collectives still gloo's)
             from fastckpt.collective import exchange as _collective_exchange

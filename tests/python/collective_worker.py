@@ -139,7 +139,7 @@ def main() -> int:
     from fastckpt import _C, serialization
     from fastckpt.collective import save as _collective
 
-    serialization._new_serialization_id = lambda: SID
+    fastckpt.formats.archive.new_serialization_id = lambda: SID
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=180))  # slow starts on a loaded machine
     if mode == "settings":

@@ -113,7 +113,7 @@ def test_snapshot_is_isolated_from_later_changes(tmp_path):
     state["model"]["extra"] = torch.ones(3)
     res = fut.result(timeout=60)
     assert isinstance(res, SaveResult) and res.path == str(path)
-    _, storages = fastckpt.serialization._pickle(expected, pickle, 2)
+    _, storages = fastckpt.formats.pickler.pickle_with_storages(expected, pickle, 2)
     assert res.nbytes == sum(s.nbytes() for s in storages) > 0
     assert res.snapshot_seconds >= 0 and res.write_seconds >= 0.15
     got = fastckpt.load(path, verify=True)

@@ -20,7 +20,7 @@ from torch.utils.serialization import config as torch_config
 import fastckpt
 from fastckpt import _C
 from fastckpt.saver import AsyncSaver
-from fastckpt.serialization import _LEGACY_MAGIC
+from fastckpt.formats.pickle_scan import LEGACY_MAGIC
 
 from conftest import temp_files
 
@@ -103,7 +103,7 @@ def test_async_save_legacy_format(tmp_path):
     sd["w"].add_(1)  # the snapshot was taken when async_save returned
     fut.result()
     data = (tmp_path / "a.pt").read_bytes()
-    assert data.startswith(_LEGACY_MAGIC) and not zipfile.is_zipfile(io.BytesIO(data))
+    assert data.startswith(LEGACY_MAGIC) and not zipfile.is_zipfile(io.BytesIO(data))
     assert len(data) == (tmp_path / "s.pt").stat().st_size
     for load in (torch.load, fastckpt.load):
         got = load(tmp_path / "a.pt")

@@ -239,11 +239,12 @@ def test_inspect_stock_torch_save_and_cuda_location(tmp_path, capsys):
     assert rep["format"] == "torch" and rep["archive"]["alignment"] == 64
     assert _entries(rep)["w"]["shape"] == [3, 2] and _entries(rep)["w"]["device"] == "cpu"
     # The device is the location tag saved in the pickle, reported without a device to map it to.
-    from fastckpt.serialization import _pickle, _write_archive
-    pkl, storages = _pickle({"w": torch.ones(3, 2)}, pickle, 2)
+    from fastckpt.formats.pickler import pickle_with_storages
+    from fastckpt.torchsave.writer import write_archive
+    pkl, storages = pickle_with_storages({"w": torch.ones(3, 2)}, pickle, 2)
     cuda_pkl = pkl.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:1")
     assert cuda_pkl != pkl
-    _write_archive(str(tmp_path / "cuda.pt"), cuda_pkl, storages)
+    write_archive(str(tmp_path / "cuda.pt"), cuda_pkl, storages)
     rc, out, err = run(capsys, "inspect", "--json", tmp_path / "cuda.pt")
     assert rc == 0, err
     rep = json.loads(out)
@@ -427,14 +428,14 @@ def test_verify_many_small_records_in_few_reads(tmp_path, capsys, monkeypatch):
 
 def test_load_and_verify_read_records_through_one_reader(tmp_path, capsys, monkeypatch):
     """fastckpt.load and the command's zip source (verify, inspect, convert)
-    read records through the same reader (serialization._Records.read_into):
+    read records through the same reader (fastckpt.torchsave.reader.Records.read_into):
     one code path turns records into engine reads and returns their CRC-32s."""
     from fastckpt import serialization
     p = tmp_path / "ck.pt"
     fastckpt.save({"w": torch.arange(1000.0), "big": torch.zeros(3 << 20)}, p)
     seen = []
-    real = serialization._Records.read_into
-    monkeypatch.setattr(serialization._Records, "read_into",
+    real = fastckpt.torchsave.reader.Records.read_into
+    monkeypatch.setattr(fastckpt.torchsave.reader.Records, "read_into",
                         lambda self, items, fd=None: seen.extend(n for n, *_ in items) or real(self, items, fd))
     fastckpt.load(p)
     assert "data.pkl" in seen and any(n.startswith("data/") for n in seen)

@@ -40,8 +40,8 @@ def expected_host_bytes(case: str, world: int):
     """What each rank needs on the host, from the plan of build(case):
     (per rank its share's bytes, the sampled bytes of all storages, the bytes
     rank 0 writes of the storages besides the shares, the storages' total)."""
-    data_pkl, storages = serialization._pickle(worker.build(case), pickle, 2)
-    plan, _entries, _cd, size = serialization._plan_archive(data_pkl, storages, _torch_rules.storage_alignment(),
+    data_pkl, storages = fastckpt.formats.pickler.pickle_with_storages(worker.build(case), pickle, 2)
+    plan, _entries, _cd, size = fastckpt.formats.archive.plan_archive(data_pkl, storages, _torch_rules.storage_alignment(),
                                                             True, serialization_id=worker.SID)
     bodies, shares = _collective._shares(plan, world, size)
     sizes = [s.nbytes() for s in storages]

@@ -53,14 +53,14 @@ def last_line(out: str) -> str:
 
 def reference_bytes(tmp_path: Path, case: str, settings: bool = False) -> bytes:
     ref = tmp_path / f"ref_{case}.pt"
-    orig = serialization._new_serialization_id
-    serialization._new_serialization_id = lambda: worker.SID
+    orig = fastckpt.formats.archive.new_serialization_id
+    fastckpt.formats.archive.new_serialization_id = lambda: worker.SID
     try:
         if settings:
             worker.torch_settings(True)
         fastckpt.save(worker.build(case), ref)
     finally:
-        serialization._new_serialization_id = orig
+        fastckpt.formats.archive.new_serialization_id = orig
         worker.torch_settings(False)
     return ref.read_bytes()
 
@@ -123,13 +123,13 @@ def test_replicas_on_different_devices_save_rank0s_file(tmp_path, world):
     for r, (rc, text) in enumerate(res):
         assert rc == 0 and last_line(text) == "OK", f"rank {r} (exit {rc}): {text}"
     ref = tmp_path / "ref.pt"
-    orig = serialization._new_serialization_id
-    serialization._new_serialization_id = lambda: worker.SID
+    orig = fastckpt.formats.archive.new_serialization_id
+    fastckpt.formats.archive.new_serialization_id = lambda: worker.SID
     try:
         with worker.device_tags(0):
             fastckpt.save(worker.build("mixed"), ref)
     finally:
-        serialization._new_serialization_id = orig
+        fastckpt.formats.archive.new_serialization_id = orig
     assert path.read_bytes() == ref.read_bytes() and b"cuda:0" in ref.read_bytes()
     assert_equal_objects(worker.build("mixed"), fastckpt.load(path, map_location="cpu"))
 
@@ -142,12 +142,12 @@ def test_device_blind_pickles_hide_only_storage_locations():
         pk = {}
         for i in (0, 1, 10):
             with worker.device_tags(i):
-                pk[i] = serialization._pickle(base, pickle, proto)[0]
+                pk[i] = fastckpt.formats.pickler.pickle_with_storages(base, pickle, proto)[0]
         assert pk[0] != pk[1] and device_blind(pk[0]) == device_blind(pk[1]) == device_blind(pk[10])
         assert b"cuda:1" in device_blind(pk[0])  # the user's own tuple is not a persistent id: kept
         other = dict(base, cfg=("storage", 1, 2, "cuda:2", 5))
         with worker.device_tags(0):
-            assert device_blind(serialization._pickle(other, pickle, proto)[0]) != device_blind(pk[0])
+            assert device_blind(fastckpt.formats.pickler.pickle_with_storages(other, pickle, proto)[0]) != device_blind(pk[0])
 
 
 def test_torch_save_settings_give_the_same_file(tmp_path):
@@ -241,14 +241,14 @@ def test_killed_creator_leaves_a_temp_that_the_next_save_removes(tmp_path):
 
 def test_group_none_is_the_single_process_save(tmp_path):
     a, b = tmp_path / "a.pt", tmp_path / "b.pt"
-    orig = serialization._new_serialization_id
-    serialization._new_serialization_id = lambda: worker.SID
+    orig = fastckpt.formats.archive.new_serialization_id
+    fastckpt.formats.archive.new_serialization_id = lambda: worker.SID
     try:
         obj = worker.build("mixed")
         fastckpt.save(obj, a)
         fastckpt.save(obj, b, group=None)
     finally:
-        serialization._new_serialization_id = orig
+        fastckpt.formats.archive.new_serialization_id = orig
     assert a.read_bytes() == b.read_bytes()
 
 

@@ -1,12 +1,13 @@
 """fastckpt.load unpickles while the storages are read, when that is safe:
 weights-only, map_location leaving storages on the CPU, and a pickle whose
-every global is data-blind (serialization._unpickling_reads_no_data). Any
+every global is data-blind (fastckpt.formats.pickle_scan.unpickling_reads_no_data). Any
 other pickle is unpickled after its storages are in. Whatever happens (a read
 error, an unpickling error, a damaged storage), the background read is joined
 before load returns or raises, and the errors are the same as without it."""
 
 import io
 import pickle
+import sys
 import threading
 import zipfile
 
@@ -50,12 +51,12 @@ def _equal(a, b):
 @pytest.fixture
 def behind_calls(monkeypatch):
     calls = []
-    real = ser._Records.read_behind
+    real = fastckpt.torchsave.reader.Records.read_behind
 
     def spy(self, storages):
         calls.append(list(storages))
         return real(self, storages)
-    monkeypatch.setattr(ser._Records, "read_behind", spy)
+    monkeypatch.setattr(fastckpt.torchsave.reader.Records, "read_behind", spy)
     return calls
 
 
@@ -102,13 +103,13 @@ def test_a_failing_background_read_raises_the_read_error(tmp_path, monkeypatch):
     fastckpt.save({"w": torch.randn(1 << 20)}, p)
     drop_page_cache(p)
     calls = []
-    real = ser._Records.read_behind
+    real = fastckpt.torchsave.reader.Records.read_behind
 
     def failing(self, storages):  # every read from here on fails: the storages', in the background
         calls.append(storages)
         _C.fault_inject("read", nth=1, errno=5, times=0)
         return real(self, storages)
-    monkeypatch.setattr(ser._Records, "read_behind", failing)
+    monkeypatch.setattr(fastckpt.torchsave.reader.Records, "read_behind", failing)
     try:
         with pytest.raises(OSError) as ei:
             fastckpt.load(p)
@@ -116,7 +117,7 @@ def test_a_failing_background_read_raises_the_read_error(tmp_path, monkeypatch):
         _C.fault_clear()
     assert ei.value.errno == 5 and str(p) in str(ei.value)
     assert calls
-    monkeypatch.setattr(ser._Records, "read_behind", real)
+    monkeypatch.setattr(fastckpt.torchsave.reader.Records, "read_behind", real)
     assert _no_reader_thread()
     assert torch.equal(fastckpt.load(p)["w"].view(torch.uint8)[:8], torch.load(p)["w"].view(torch.uint8)[:8])
 
@@ -186,7 +187,7 @@ def test_the_scan_is_conservative():
         with zipfile.ZipFile(b) as z:
             return {"data.pkl": z.read(next(n for n in z.namelist() if n.endswith("data.pkl"))),
                     "byteorder": byteorder}
-    ok = ser._unpickling_reads_no_data
+    ok = fastckpt.formats.pickle_scan.unpickling_reads_no_data
     assert ok(small(_plain_state()))
     assert not ok(small(_plain_state(), byteorder=b"big" if native == b"little" else b"little"))
     assert not ok({"data.pkl": small(_plain_state())["data.pkl"]})  # no byteorder record: torch's config decides
@@ -208,11 +209,11 @@ def test_a_storage_restored_off_the_cpu_waits_for_the_reads():
         def join(self):
             self.joins += 1
     recs = Records()
-    restore = ser._restore_behind(recs, None)
+    restore = fastckpt.torchsave.load._restore_behind(recs, None)
     s = torch.UntypedStorage(8)
     assert restore(s, "cpu") is s and recs.joins == 0
     assert restore(s, "meta").device.type == "meta" and recs.joins == 1
-    restore_cpu = ser._restore_behind(recs, "cpu")
+    restore_cpu = fastckpt.torchsave.load._restore_behind(recs, "cpu")
     assert restore_cpu(s, "meta") is s and recs.joins == 1  # map_location="cpu": everything stays
 
 
@@ -220,10 +221,10 @@ def test_a_foreign_byte_order_is_swapped_after_the_reads(tmp_path, behind_calls,
     """A file of the other byte order is byteswapped by torch as each storage is
     unpickled: it waits for its storages, and loads as torch.load loads it."""
     import types
-    other = "big" if ser.sys.byteorder == "little" else "little"
+    other = "big" if sys.byteorder == "little" else "little"
     p = tmp_path / "be.pt"
     sd = {"w": torch.arange(1 << 14, dtype=torch.int32)}
-    monkeypatch.setattr(ser, "sys", types.SimpleNamespace(**{**vars(__import__("sys")), "byteorder": other}))
+    monkeypatch.setattr(fastckpt.formats.archive, "sys", types.SimpleNamespace(**{**vars(__import__("sys")), "byteorder": other}))
     fastckpt.save(sd, p)
     monkeypatch.undo()
     got = fastckpt.load(p)

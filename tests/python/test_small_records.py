@@ -217,14 +217,15 @@ def test_inspect_and_verify_packed_file(tmp_path, capsys):
 
 
 def test_torch_layout_keeps_format_version(tmp_path):
-    """_write_archive(direct_min=None) (fastckpt convert --to torch) writes
+    """write_archive(direct_min=None) (fastckpt convert --to torch) writes
     torch.save's own layout, .format_version included: torch's offset
     arithmetic holds there."""
-    from fastckpt.serialization import _pickle, _write_archive
+    from fastckpt.formats.pickler import pickle_with_storages
+    from fastckpt.torchsave.writer import write_archive
     sd = mixed_state()
-    pkl, storages = _pickle(sd, pickle, 2)
+    pkl, storages = pickle_with_storages(sd, pickle, 2)
     p = tmp_path / "t.pt"
-    _write_archive(str(p), pkl, storages, alignment=64, direct_min=None)
+    write_archive(str(p), pkl, storages, alignment=64, direct_min=None)
     lay = layout(p)
     assert ".format_version" in lay and all(off % 64 == 0 for off, _, _ in lay.values())
     os.environ["TORCH_SERIALIZATION_DEBUG"] = "1"

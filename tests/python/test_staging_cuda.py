@@ -30,7 +30,7 @@ DEVICES = sorted({0, torch.cuda.device_count() - 1})  # cuda:0 and, where there 
 
 @pytest.fixture(autouse=True)
 def setup(monkeypatch):
-    monkeypatch.setattr(serialization.uuid, "uuid4", lambda: uuid.UUID(int=12))
+    monkeypatch.setattr(fastckpt.formats.archive.uuid, "uuid4", lambda: uuid.UUID(int=12))
     with fastckpt.knobs.override(buffer_size=CHUNK_KNOB):
         yield
     torch.cuda.synchronize()

@@ -44,7 +44,7 @@ POOL = CHUNK * _staging.POOL_BUFFERS
 def small_pool(monkeypatch):
     """Small pool buffers (so tensors span several and small ones share one)
     and a fixed serialization id (so that files can be compared bytewise)."""
-    monkeypatch.setattr(serialization.uuid, "uuid4", lambda: uuid.UUID(int=12))
+    monkeypatch.setattr(fastckpt.formats.archive.uuid, "uuid4", lambda: uuid.UUID(int=12))
     with fastckpt.knobs.override(buffer_size=CHUNK_KNOB):
         yield
 
@@ -351,12 +351,12 @@ def test_async_save_from_sim_devices_writes_the_cpu_file(tmp_path, spontaneous):
 def _host_bytes_read(monkeypatch):
     """Bytes of records _Records read into host memory, per load."""
     seen = []
-    orig = serialization._DeviceRecords.finish
+    orig = fastckpt.torchsave.device.DeviceRecords.finish
 
     def finish(self, verify):
         seen.append(self.host.allocated)
         return orig(self, verify)
-    monkeypatch.setattr(serialization._DeviceRecords, "finish", finish)
+    monkeypatch.setattr(fastckpt.torchsave.device.DeviceRecords, "finish", finish)
     return seen
 
 
@@ -466,7 +466,7 @@ def _save_with_locations(path, sd, tag_of, monkeypatch):
     def location_tag(storage):
         return tags.setdefault(storage._cdata, tag_of(len(tags)))
     with monkeypatch.context() as m:
-        m.setattr(serialization.ts, "location_tag", location_tag)
+        m.setattr(fastckpt.formats.pickler.ts, "location_tag", location_tag)
         fastckpt.save(sd, path)
     return len(tags)
 
@@ -523,13 +523,13 @@ def test_device_load_reads_the_file_it_parsed(tmp_path, monkeypatch):
     meanwhile is an error, never a mix of two checkpoints."""
     path = tmp_path / "c.pt"
     fastckpt.save(make_state(18), path)
-    orig = serialization._DeviceRecords.finish
+    orig = fastckpt.torchsave.device.DeviceRecords.finish
 
     def finish(self, verify):
         os.replace(tmp_path / "other.pt", path)
         return orig(self, verify)
     fastckpt.save(make_state(19), tmp_path / "other.pt")
-    monkeypatch.setattr(serialization._DeviceRecords, "finish", finish)
+    monkeypatch.setattr(fastckpt.torchsave.device.DeviceRecords, "finish", finish)
     with SimDevice(seed=18):
         with pytest.raises(fastckpt.FormatError, match="replaced or changed"):
             fastckpt.load(path, map_location="sim:0")

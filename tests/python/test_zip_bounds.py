@@ -236,7 +236,7 @@ def test_allocation_bound_holds_without_the_layout_check(tmp_path, monkeypatch):
     monkeypatch.setattr(_zip, "check_layout", lambda entries, cd_off, bad: 0)
     allocated = []
     real = torch.empty
-    monkeypatch.setattr(ser.torch, "empty", lambda *a, **k: allocated.append(a) or real(*a, **k))
+    monkeypatch.setattr(fastckpt.torchsave.reader.torch, "empty", lambda *a, **k: allocated.append(a) or real(*a, **k))
     with pytest.raises(fastckpt.FormatError, match=r"would allocate \d+ bytes for a \d+-byte file") as ei:
         fastckpt.load(path)
     assert str(path) in str(ei.value)
@@ -293,14 +293,14 @@ def test_storage_read_on_demand_is_checked_and_from_the_same_file(tmp_path, monk
         fastckpt.load(bad, weights_only=False)
     assert fastckpt.load(bad, weights_only=False, verify=False)["t"][5] == (5 ^ 0xFF)  # as stored
 
-    real = ser._read_archive
+    real = fastckpt.torchsave.reader.read_archive
 
     def then_replace(p, fh, verify, behind=None):  # another save renames a new file over it mid-load
         out = real(p, fh, verify, behind)
         fastckpt.save({"t": torch.zeros(3)}, p)
         return out
 
-    monkeypatch.setattr(ser, "_read_archive", then_replace)
+    monkeypatch.setattr(fastckpt.torchsave.load, "read_archive", then_replace)
     with pytest.raises(fastckpt.FormatError, match="replaced or changed") as ei:
         fastckpt.load(path, weights_only=False)
     assert str(path) in str(ei.value)

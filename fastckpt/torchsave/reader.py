@@ -1,0 +1,408 @@
+"""Reading a torch.save archive: its zip directory checked, the records that
+torch reads fetched in parallel batches through the engine (CRC-32s computed
+during the reads), on a background thread while torch unpickles where that is
+safe, within the file's size."""
+
+import contextlib
+import os
+import pickle
+import threading
+import warnings
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+
+import torch
+import torch.serialization as ts
+
+from .. import _C
+from .._core import paths as _paths
+from .._core.engine import get_engine
+from ..errors import FormatError
+from ..formats import unpickler as _unpickle, zip as _zip
+from ..formats.pickle_scan import referenced_storages
+from ..formats.torch_rules import FileLike
+
+
+# Records that torch.serialization._load reads besides data.pkl's storages; any
+# other record is read only if asked for.
+SMALL_RECORDS = ("data.pkl", ".format_version", ".storage_alignment", "byteorder", "version",
+                  ".data/serialization_id")
+
+
+def host_storage(nbytes: int) -> torch.Tensor:
+    """Memory for a storage of `nbytes` read from a file: 4 KiB-aligned from
+    _zip.DIRECT_MIN bytes on (an O_DIRECT read can go straight into it), torch's
+    allocator below. Not resizable, as torch.load's storages are not: a pickle
+    whose tensor reaches past its record is then torch's error (a FormatError
+    here), never a reallocation of memory that a read still in flight
+    (:meth:`Records.read_behind`) fills, nor a tensor holding bytes no record had."""
+    if nbytes >= _zip.DIRECT_MIN:
+        t = _C.empty_aligned(nbytes, _zip.ALIGNMENT)
+    else:
+        t = torch.empty(nbytes, dtype=torch.uint8)
+    _C.set_resizable(t, False)
+    return t
+
+
+class Records(dict):
+    """The storages of one archive read so far (record name -> uint8 tensor),
+    and the reading of records, for fastckpt.load and for the command's
+    ZipSource (inspect, verify, convert) alike: every read goes to the file the
+    archive was parsed from (:meth:`read_into`, the one place that turns
+    records into engine reads), and all that :meth:`read` allocates together
+    stays within the file's size (a check that stays on; docs/FORMAT.md 1.5).
+
+    ``verify``: as :func:`load`'s (None: the default, True, False). Unless
+    False, the engine computes each storage's CRC-32 while it reads it
+    (``crcs``); :meth:`bad` says which storages fail their check."""
+
+    def __init__(self, path: str, archive: "_zip.Archive", fd: int, verify: Optional[bool]):
+        super().__init__()
+        self.path, self.archive, self.fd, self.verify = path, archive, fd, verify
+        self.allocated = 0  # bytes of records read so far, small ones included
+        self.small_read: set = set()
+        self.crcs: Dict[str, int] = {}  # storage record -> CRC-32 of the bytes read (unless verify=False)
+        self._pending: Optional[Tuple[threading.Thread, Dict[str, Any], List[str]]] = None  # read_behind's
+
+    def bad(self, names) -> List[str]:
+        """Those of storages `names` whose bytes do not match their recorded
+        CRC-32. A record with CRC 0 (written without checksums) counts as bad
+        only with an explicit ``verify=True``; with ``verify=False``, none."""
+        if self.verify is False:
+            return []
+        recs = self.archive.records
+        return [n for n in names if self.crcs.get(n, 0) != recs[n].crc and (self.verify or recs[n].crc != 0)]
+
+    def claim(self, names: List[str]) -> None:
+        """Account for reading records `names`, before any memory is allocated."""
+        n = sum(self.archive.records[name].size for name in names)
+        if self.allocated + n > self.archive.file_size:
+            raise FormatError(f"{self.path}: reading records {names[:3]}... would allocate "
+                              f"{self.allocated + n} bytes for a {self.archive.file_size}-byte file")
+        self.allocated += n
+
+    def read_into(self, items: List[Tuple[str, int, Any, bool]], fd: Optional[int] = None) -> List[Optional[int]]:
+        """Fill each (record, offset in the record, destination, crc) with
+        that record's bytes, in one parallel batch of engine reads (from `fd`,
+        by default :attr:`fd`: the file parsed); returns per item the CRC-32 of
+        the bytes read when `crc` (computed by the engine during the reads),
+        else None. A destination must lie inside its record."""
+        recs = self.archive.records
+        ranges = []
+        for name, off, dest, crc in items:
+            n = dest.numel() if isinstance(dest, torch.Tensor) else len(dest)
+            if off < 0 or off + n > recs[name].size:
+                raise ValueError(f"{self.path}: read of bytes {off}..{off + n} of record {name!r} "
+                                 f"({recs[name].size} bytes)")
+            ranges.append((dest, recs[name].data_offset + off, crc))
+        out: List[Optional[int]] = [0 if crc else None for *_, crc in items]
+        keep = [i for i, (dest, *_) in enumerate(ranges)
+                if (dest.numel() if isinstance(dest, torch.Tensor) else len(dest))]
+        if keep:
+            st = _C.read_ranges(get_engine(), self.path, [ranges[i] for i in keep], self.fd if fd is None else fd)
+            for i, c in zip(keep, st.get("crcs") or []):
+                out[i] = c
+        return out
+
+    def read_behind(self, storages: List[str]) -> None:
+        """Allocate storages `storages` (they are in this dict at once) and fill
+        them on a background thread, from a duplicate of :attr:`fd`, while the
+        caller unpickles; :meth:`wait` must follow (it joins the thread, also
+        after an error). Only for pickles whose unpickling reads no storage
+        bytes (:func:`unpickling_reads_no_data`)."""
+        storages = [n for n in dict.fromkeys(storages) if n not in self]
+        self.claim(storages)
+        recs = self.archive.records
+        tensors = {n: host_storage(recs[n].size) for n in storages}
+        items = [(n, 0, t, self.verify is not False) for n, t in tensors.items()]
+        self.update(tensors)
+        # The thread reads through a duplicate of the descriptor: the caller
+        # closes its own when the archive has been read.
+        fd = os.dup(self.fd)
+        box: Dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                box["crcs"] = self.read_into(items, fd)
+            except BaseException as e:  # noqa: BLE001 (re-raised by wait())
+                box["error"] = e
+            finally:
+                os.close(fd)
+
+        t = threading.Thread(target=run, name="fastckpt-load", daemon=True)
+        self._pending = (t, box, [n for n, *_ in items])
+        try:
+            t.start()
+        except BaseException:
+            self._pending = None
+            os.close(fd)
+            raise
+
+    @property
+    def pending(self) -> bool:
+        """A :meth:`read_behind` not yet waited for."""
+        return self._pending is not None
+
+    def join(self) -> None:
+        """Wait until :meth:`read_behind`'s thread is done (its error, if any,
+        is kept for :meth:`wait`)."""
+        if self._pending is not None:
+            self._pending[0].join()
+
+    def wait(self, quiet: bool = False) -> None:
+        """Join :meth:`read_behind`'s thread: raise what the read raised (not
+        with `quiet`: another error is on its way), else record the CRC-32s the
+        engine computed."""
+        if self._pending is None:
+            return
+        t, box, names = self._pending
+        t.join()
+        self._pending = None
+        if "error" in box:
+            if quiet:
+                return
+            raise box["error"]
+        if self.verify is not False:
+            self.crcs.update((n, c or 0) for n, c in zip(names, box["crcs"]))
+
+    def read(self, small: List[str], storages: List[str], bad_small: Optional[List[str]] = None) -> Dict[str, bytes]:
+        """Read records `small` (returned as bytes, CRC-checked) and `storages`
+        (kept as uint8 tensors) that were not read yet, in one parallel batch
+        through the engine. A small record that fails its check raises
+        FormatError, or is appended to `bad_small` when that is given."""
+        small = [n for n in dict.fromkeys(small) if n not in self.small_read]
+        storages = [n for n in dict.fromkeys(storages) if n not in self]
+        self.claim(small + storages)
+        self.small_read.update(small)
+        recs = self.archive.records
+        bufs = {n: bytearray(recs[n].size) for n in small}
+        # Storages big enough to be aligned in the file get page-aligned memory:
+        # the engine reads them O_DIRECT straight in (no copy out of staging),
+        # while its helper thread faults the memory in ahead of the reads
+        # (knob `prefault`). Small ones take torch's allocator, as torch.load.
+        tensors = {n: host_storage(recs[n].size) for n in storages}
+        # The engine computes the CRC-32s while it reads (each piece as it
+        # lands, in parallel with the other reads): metadata records always
+        # (they are small), storages unless verify=False.
+        items = [(n, 0, b, True) for n, b in bufs.items()]
+        items += [(n, 0, t, self.verify is not False) for n, t in tensors.items()]
+        got = {n: crc for (n, *_), crc in zip(items, self.read_into(items)) if crc is not None}
+        for n in bufs:  # metadata records are always checked
+            e = recs[n]
+            if e.crc and got.get(n, 0) != e.crc:
+                if bad_small is not None:
+                    bad_small.append(n)
+                    continue
+                raise FormatError(f"{self.path}: checksum mismatch in record {n!r} "
+                                  f"(offset {e.data_offset}, {e.size} bytes)")
+        if self.verify is not False:
+            self.crcs.update((n, got.get(n, 0)) for n in tensors)
+        self.update(tensors)
+        return {n: bytes(b) for n, b in bufs.items()}
+
+    @contextlib.contextmanager
+    def reopened(self) -> Iterator[int]:
+        """The file opened again after the descriptor it was parsed from was
+        closed, checked to be that same file (device, inode, size, mtime):
+        reads in the block go to it (``fd``)."""
+        st = self.archive.stat
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise FormatError(f"{self.path}: the file went away while it was being loaded ({e})") from None
+        try:
+            now = os.fstat(fd)
+            if st is None or (now.st_dev, now.st_ino, now.st_size, now.st_mtime_ns) != \
+                    (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns):
+                raise FormatError(f"{self.path}: the file was replaced or changed while it was being loaded")
+            self.fd = fd
+            yield fd
+        finally:
+            self.fd = -1
+            os.close(fd)
+
+    def read_late(self, name: str, storage: bool):
+        """A record that was not read up front (data.pkl names a storage in a way
+        referenced_storages does not see, or torch asks for another record):
+        read from the same file, opened again and checked to be the same one."""
+        with self.reopened():
+            small = self.read([] if storage else [name], [name] if storage else [])
+        if not storage:
+            return small.get(name, b"")
+        if self.bad([name]):
+            raise FormatError(f"{self.path}: checksum mismatch (corrupt data) in record {name!r}")
+        return self[name]
+
+
+class Reader:
+    """What torch.serialization._load asks of a zip reader, over records that
+    were already read in parallel (`storages`: a Records also reads the others
+    on demand)."""
+
+    def __init__(self, archive: _zip.Archive, small: Dict[str, bytes], storages: Dict[str, torch.Tensor]):
+        self.archive = archive
+        self.small = small
+        self.storages = storages
+
+    def has_record(self, name: str) -> bool:
+        return name in self.archive.records
+
+    def get_record(self, name: str) -> bytes:
+        if name not in self.small:
+            if name not in self.archive.records or not isinstance(self.storages, Records):
+                raise FormatError(f"{self.archive.path}: record {name!r} is missing")
+            self.small[name] = self.storages.read_late(name, storage=False)
+        return self.small[name]
+
+    def get_all_records(self) -> List[str]:
+        return list(self.archive.records)
+
+    def get_record_offset(self, name: str) -> int:
+        return self.archive.records[name].data_offset
+
+    def get_record_header_offset(self, name: str) -> int:
+        return self.archive.records[name].header_offset
+
+    def get_record_offset_no_read(self, cursor: int, name: str, numel: int, alignment: int) -> int:
+        # torch predicts this from the layout; the central directory knows it.
+        return self.archive.records[name].data_offset
+
+    def get_storage_from_record(self, name: str, numel: int, dtype) -> torch.Tensor:
+        t = self.storages.get(name)
+        rec = self.archive.records.get(name)
+        if t is None and rec is not None and isinstance(self.storages, Records):
+            if rec.size != numel:  # checked before allocating
+                raise FormatError(f"{self.archive.path}: record {name!r} holds {rec.size} bytes, "
+                                  f"the pickle expects {numel}")
+            t = self.storages.read_late(name, storage=True)
+        if t is None:
+            raise FormatError(f"{self.archive.path}: the pickle refers to record {name!r}, which is missing")
+        if t.numel() != numel:
+            raise FormatError(f"{self.archive.path}: record {name!r} holds {t.numel()} bytes, "
+                              f"the pickle expects {numel}")
+        return t
+
+    def serialization_id(self) -> str:
+        return self.small.get(".data/serialization_id", b"").decode("ascii", "replace")
+
+
+def parse_checkpoint(path: str, fh) -> "_zip.Archive":
+    """The zip directory of the checkpoint open as `fh`, checked to be a
+    torch.save archive fastckpt can read (uncompressed, with data.pkl, not
+    TorchScript; records in order and disjoint, so that reading them all
+    allocates at most the file's size). Reads go to that one file even if
+    `path` is replaced."""
+    fd = fh.fileno()
+    archive = _zip.Archive.parse(fh, path, lambda ranges: _C.read_ranges(get_engine(), path, ranges, fd))
+    recs = archive.records
+    if "constants.pkl" in recs:
+        raise FormatError(f"{path}: this is a TorchScript archive; load it with torch.jit.load")
+    for n, e in recs.items():
+        if e.method != 0:
+            raise FormatError(f"{path}: record {n!r} is compressed (method {e.method}); "
+                              "checkpoints store records uncompressed")
+    if "data.pkl" not in recs:
+        raise FormatError(f"{path}: no data.pkl record (not a torch.save checkpoint)")
+    return archive
+
+
+def check_layout(f: FileLike, weights_only: bool = False) -> None:
+    """For the loads left to torch.load (file objects, mmap=True): refuse a zip
+    archive whose records are out of order or overlap, or whose sizes run past
+    the file (docs/FORMAT.md 1.5), before torch allocates its records, and, with
+    ``weights_only``, a data.pkl that _unpickle's walk refuses (nesting that
+    would overflow the C stack in torch's unpickler, memory far beyond its
+    size). Torch's legacy format and streams that cannot seek are left to
+    torch.load."""
+    def check(fh, name: str, **parse_args) -> None:
+        if fh.read(4) != b"PK\x03\x04":
+            return
+        archive = _zip.Archive.parse(fh, name, **parse_args)
+        pkl = archive.records.get("data.pkl")
+        if weights_only and pkl is not None and pkl.method == 0:
+            fh.seek(pkl.data_offset)
+            data = fh.read(pkl.size)
+            try:
+                _unpickle.check(data, f"{name}: data.pkl")
+            except _unpickle.Refused as e:
+                raise pickle.UnpicklingError(weights_only_message(name, str(e))) from None
+
+    if _paths.is_path(f):
+        with open(f, "rb") as fh:  # FileNotFoundError etc. as torch.load would raise them
+            check(fh, os.fspath(f))
+        return
+    seekable = getattr(f, "seekable", None)
+    if not (callable(seekable) and seekable()) or not hasattr(f, "read"):
+        return
+    pos = f.tell()
+    try:
+        f.seek(0)
+        check(f, str(getattr(f, "name", None) or f"<{type(f).__name__} object>"), use_fd=False)
+    finally:
+        f.seek(pos)
+
+
+def no_checksums(path: str, verify: Optional[bool]) -> None:
+    """A file whose storages record no checksums (torch's compute_crc32
+    disabled, or skip_data): ``verify=True`` refuses it, the default
+    (``None``) loads it unverified with a warning naming it."""
+    if verify:
+        raise FormatError(f"{path}: verify=True, but the file records no checksums "
+                          "(saved with torch's compute_crc32 disabled)")
+    warnings.warn(f"fastckpt.load: {path} records no checksums (saved with torch's compute_crc32 "
+                  "disabled, or under skip_data): its data cannot be verified; loading it unverified (verify=False "
+                  "silences this, verify=True refuses such files)", stacklevel=5)
+
+
+def read_archive(path: str, fh, verify: Optional[bool], behind: Optional[Callable[[bytes], bool]] = None):
+    """Parse and read the archive open as `fh`: every read goes to that one
+    file, even if `path` is atomically replaced meanwhile. Reads data.pkl and
+    the few small records torch reads, then, in one parallel batch, the storages
+    data.pkl refers to; no other record. The engine computes the storages'
+    CRC-32s during those reads (unless ``verify=False``). Returns (archive,
+    small records, storages: a Records that reads any other storage on
+    demand); :func:`check_storages` then says which fail their CRC check.
+
+    When ``behind(small records)`` says so, the storages are read on a
+    background thread (:meth:`Records.read_behind`) while the caller
+    unpickles; the caller must call ``storages.wait()`` before anything reads
+    their bytes."""
+    archive = parse_checkpoint(path, fh)
+    recs = archive.records
+    storages = Records(path, archive, fh.fileno(), verify)
+    small = storages.read([n for n in SMALL_RECORDS if n in recs], [])
+    wanted = referenced_storages(small["data.pkl"], recs)
+    if behind is not None and behind(small):
+        storages.read_behind(wanted)
+    else:
+        storages.read([], wanted)
+    storages.fd = -1  # `fh` is closed after this: later reads open the file again
+    if storages.allocated > archive.file_size:  # the bound, checked again where it is promised
+        storages.wait()
+        raise FormatError(f"{path}: {storages.allocated} bytes read from a {archive.file_size}-byte file")
+    return archive, small, storages
+
+
+def check_storages(path: str, archive: "_zip.Archive", storages: "Records", verify: Optional[bool]) -> List[str]:
+    """The storages read so far that fail their CRC-32 check (none with
+    ``verify=False``). A file whose storages all record CRC 0 (saved with
+    torch's compute_crc32 disabled) cannot be verified: FormatError with
+    ``verify=True``, a warning naming the file under the default
+    (``verify=None``), which loads it."""
+    if verify is False:
+        return []
+    recs = archive.records
+    nonempty = [n for n in storages if recs[n].size]
+    if nonempty and all(recs[n].crc == 0 for n in nonempty):
+        no_checksums(path, verify)
+        storages.verify = False  # nor the storages read later
+        return []
+    return storages.bad(list(storages))
+
+def weights_only_message(path: str, why: str) -> str:
+    """The refusal message: it starts as torch.load's does ("Weights only load
+    failed"), which callers match on, then says what fastckpt adds."""
+    return (f"Weights only load failed. fastckpt.load({path!r}): the weights-only unpickler refused the file; "
+            f"nothing from the file was run.\n{ts.UNSAFE_MESSAGE}\nWeightsUnpickler error: {why}\n"
+            "If you trust its source, load it with weights_only=False, "
+            "or allow the classes it needs with torch.serialization.add_safe_globals([...]) "
+            "(or the torch.serialization.safe_globals context manager).")
