@@ -261,7 +261,7 @@ class AsyncSaveMethod(Method):
     (pickling + the host snapshot) is in the record's ``returned`` and the report's 'caller blocked'."""
 
     key = "async"
-    label = "fastckpt.saver"
+    label = "fastckpt.async_save"
     has_load = False  # the file is fastckpt.save's: see the fastckpt.load row
 
     def __init__(self, mod):

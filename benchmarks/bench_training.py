@@ -62,7 +62,7 @@ import fastckpt  # noqa: E402
 from benchmarks.harness import parse_size  # noqa: E402  (one copy, shared with `fastckpt bench`)
 
 MiB, GiB = 1 << 20, 1 << 30
-MODES = ("none", "torch.save", "fastckpt.save", "fastckpt.saver")
+MODES = ("none", "torch.save", "fastckpt.save", "fastckpt.async_save")
 
 
 def fsync_path(path: str, directory: bool = False) -> None:
@@ -115,7 +115,7 @@ def make_saver(mode: str, path: str):
         return save
     if mode == "fastckpt.save":
         return lambda sd: fastckpt.save(sd, path)
-    if mode == "fastckpt.saver":
+    if mode == "fastckpt.async_save":
         return lambda sd: fastckpt.async_save(sd, path)
     return None
 
@@ -128,7 +128,7 @@ def run_mode(tr: Trainer, mode: str, steps: int, every: int, workdir: str) -> Di
         t0 = time.perf_counter()
         r = save(tr.state(0))
         out["first_block_s"] = time.perf_counter() - t0
-        if mode == "fastckpt.saver":
+        if mode == "fastckpt.async_save":
             r.result()
     for _ in range(2):  # untimed: the allocator and caches settle after the save
         tr.step()
@@ -149,7 +149,7 @@ def run_mode(tr: Trainer, mode: str, steps: int, every: int, workdir: str) -> Di
         else:
             step_s.append(t1 - t0)
     t_wait = time.perf_counter()
-    if mode == "fastckpt.saver":
+    if mode == "fastckpt.async_save":
         fastckpt.wait_for_saves()
         out["write_s"] = statistics.median(f.result().write_seconds for f in writes)
         out["snapshot_s"] = statistics.median(f.result().snapshot_seconds for f in writes)
@@ -219,7 +219,7 @@ def main(argv=None) -> int:
               f"{'overhead':>9s}  notes")
         for m in modes:
             notes = ""
-            if m == "fastckpt.saver":
+            if m == "fastckpt.async_save":
                 notes = (f"first call {med(m, 'first_block_s') * 1e3:.0f} ms (allocates the arena); background write "
                          f"{med(m, 'write_s') * 1e3:.0f} ms; final wait {med(m, 'final_wait_s') * 1e3:.0f} ms")
             elif m != "none":
@@ -227,11 +227,11 @@ def main(argv=None) -> int:
             over = f"{(med(m, 'per_step_s') / base - 1) * 100:8.1f}%" if base == base else "        -"
             print(f"{m:22s} {med(m, 'step_s') * 1e3:9.1f} {med(m, 'block_s') * 1e3:15.1f} "
                   f"{med(m, 'ckpt_per_step_s') * 1e3:13.1f} {med(m, 'per_step_s') * 1e3:12.1f} {over}  {notes}")
-        if "fastckpt.save" in results and "fastckpt.saver" in results:
-            frac = med("fastckpt.saver", "block_s") / med("fastckpt.save", "block_s")
+        if "fastckpt.save" in results and "fastckpt.async_save" in results:
+            frac = med("fastckpt.async_save", "block_s") / med("fastckpt.save", "block_s")
             print(f"\nasync_save blocks the loop for {frac * 100:.1f}% of fastckpt.save's time "
-                  f"({med('fastckpt.saver', 'block_s') * 1e3:.0f} ms vs {med('fastckpt.save', 'block_s') * 1e3:.0f} ms"
-                  f"; snapshot {nbytes / med('fastckpt.saver', 'snapshot_s') / 1e9:.1f} GB/s)")
+                  f"({med('fastckpt.async_save', 'block_s') * 1e3:.0f} ms vs {med('fastckpt.save', 'block_s') * 1e3:.0f} ms"
+                  f"; snapshot {nbytes / med('fastckpt.async_save', 'snapshot_s') / 1e9:.1f} GB/s)")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({"state_bytes": nbytes, "layers": tr.layers, "width": width, "batch": args.batch,

@@ -104,7 +104,7 @@ DS_INSTALL = ".ci/install_deepspeed.sh"
 # chart lines: (series name, save-row predicate, load-row predicate), in legend order
 SERIES = [
     ("fastckpt", lambda r: r["key"] == "fastckpt", lambda r: r["key"] == "fastckpt"),
-    ("fastckpt.saver", lambda r: r["key"] == "async", None),
+    ("fastckpt.async_save", lambda r: r["key"] == "async", None),
     ("torch", lambda r: r["key"] == "torch", lambda r: r["key"] == "torch"),
     ("DCP stock (best t)", lambda r: r["key"] == "dcp", lambda r: r["key"] == "dcp"),
     ("DCP FastWriter/Reader", lambda r: r["key"] == "fastdcp", lambda r: r["key"] == "fastdcp"),

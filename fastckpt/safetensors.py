@@ -31,17 +31,17 @@ from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
-from . import _C
+from ._core import engine as _engine
+from ._core.atomic import AtomicFile, write_file
 from .staging import device as _staging
 from ._core.paths import check_save_target, raise_named_after_target
-from .cli.sources import SAFETENSORS_MAX_HEADER, ST_DTYPES, ST_NAMES, SafetensorsSource, dtype_name
-from ._core.engine import get_engine
+from .formats import safetensors as _st
+from .formats.safetensors import ST_NAMES, dtype_name
 from .errors import FormatError
 from .torchsave.reader import host_storage
 
 __all__ = ["save_file", "load_file", "save_model", "load_model", "save_sharded", "load_sharded"]
 
-ALIGN = 4096                      # the data's start, and the tensors of whole 4 KiB multiples within it
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD = 5 * 10 ** 9       # transformers' save_pretrained default, "5GB"
 _PARALLEL_FILES = 4               # shards written or read at once
@@ -131,30 +131,8 @@ def _check_metadata(metadata: Any) -> Dict[str, str]:
 # ---------------------------------------------------------------- writing
 
 def _plan(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]]) -> Tuple[bytes, List[str], int]:
-    """(the padded header with its 8-byte length, the names in data order, the file's size). The tensors of
-    whole 4 KiB multiples come first (each then starts 4 KiB-aligned), the rest after them; within each
-    part the larger elements first, so that every tensor starts at a multiple of its element size."""
-    def nbytes(n: str) -> int:
-        return tensors[n].numel() * tensors[n].element_size()
-
-    def part(n: str) -> int:
-        return 0 if nbytes(n) and nbytes(n) % ALIGN == 0 else 1
-
-    order = sorted(tensors, key=lambda n: (part(n), -tensors[n].element_size(), n))
-    header: Dict[str, Any] = {}
-    if metadata is not None:
-        header["__metadata__"] = metadata
-    pos = 0
-    for n in order:
-        t = tensors[n]
-        header[n] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [pos, pos + nbytes(n)]}
-        pos += nbytes(n)
-    h = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    h += b" " * ((-(8 + len(h))) % ALIGN)
-    if len(h) > SAFETENSORS_MAX_HEADER:
-        raise ValueError(f"the safetensors header would be {len(h)} bytes, more than readers accept "
-                         f"({SAFETENSORS_MAX_HEADER})")
-    return len(h).to_bytes(8, "little") + h, order, 8 + len(h) + pos
+    """The one safetensors layout (:func:`fastckpt.formats.safetensors.plan`) of these tensors."""
+    return _st.plan({n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, metadata)
 
 
 def _bytes_of(t: torch.Tensor) -> torch.Tensor:
@@ -167,7 +145,7 @@ class _Prepared:
     def __init__(self, path: str, tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]]):
         self.path = path
         head, order, self.size = _plan(tensors, metadata)
-        self.writer = _C.Writer(get_engine(), path, self.size)
+        self.writer = AtomicFile(path, self.size)
         try:
             self.writer.write(head)
             for n in order:
@@ -225,17 +203,38 @@ def _location(device: Union[str, int, torch.device]) -> Any:
     return "cpu" if str(device) == "cpu" else device
 
 
-def _open(filename: PathLike) -> SafetensorsSource:
-    path = os.fsdecode(os.fspath(filename))
-    src = SafetensorsSource(path)
-    if src.problems:
-        src.close()
-        raise FormatError(f"{src.problems[0]} (the tensors must tile the data exactly: not a valid safetensors "
-                          "file)")
-    return src
+class _File:
+    """An open safetensors file and its parsed header (:func:`fastckpt.formats.safetensors.parse_header`):
+    ``entries``, ``metadata``, ``data_start``; every read goes to this open file."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.f = open(path, "rb")
+        try:
+            fd = self.f.fileno()
+            size = os.fstat(fd).st_size
+            n = _st.header_length(os.pread(fd, 8, 0), size, path)
+            raw = os.pread(fd, n, 8)
+            if len(raw) != n:
+                raise FormatError(f"{path}: truncated while reading the {n}-byte header")
+            self.metadata, self.entries, problems = _st.parse_header(raw, size, path)
+            self.data_start = 8 + n
+            if problems:
+                raise FormatError(f"{problems[0]} (the tensors must tile the data exactly: not a valid safetensors "
+                                  "file)")
+        except BaseException:
+            self.f.close()
+            raise
+
+    def close(self) -> None:
+        self.f.close()
 
 
-def _read(src: SafetensorsSource, location: Any) -> Dict[str, torch.Tensor]:
+def _open(filename: PathLike) -> _File:
+    return _File(os.fsdecode(os.fspath(filename)))
+
+
+def _read(src: _File, location: Any) -> Dict[str, torch.Tensor]:
     """Every tensor of the open file, each in memory of its own, read in parallel by the engine: into
     host memory, or through the staging pipeline's pinned buffers into device memory."""
     entries = sorted(src.entries, key=lambda e: e.begin)
@@ -261,10 +260,10 @@ def _read(src: SafetensorsSource, location: Any) -> Dict[str, torch.Tensor]:
         out[e.name] = torch.empty(0, dtype=e.dtype, device=storage.device).set_(storage).view(e.shape)
     fd = src.f.fileno()
     if ranges:
-        _C.read_ranges(get_engine(), src.path, ranges, fd)
+        _engine.read_ranges(src.path, ranges, fd)
     if jobs:
         def read(rs, crc):
-            return _C.read_ranges(get_engine(), src.path, rs, fd, crc).get("crcs")
+            return _engine.read_ranges(src.path, rs, fd, crc).get("crcs")
         _staging.load_into_device(read, jobs, False)
     if other is not None:
         out = {k: v.to(other) for k, v in out.items()}
@@ -429,20 +428,14 @@ def save_sharded(state_dict: Dict[str, torch.Tensor], save_directory: PathLike,
                 raise errors[0]
         if os.path.exists(index_path):
             os.unlink(index_path)
-            _C.fsync_dir(directory)
+            _engine.fsync_dir(directory)
         while prepared:
             prepared[0].commit()
             prepared.pop(0)
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state_dict.values())},
                      "weight_map": {n: f for f, names in shards.items() for n in names}}
-            w = _C.Writer(get_engine(), index_path)
-            try:
-                w.write(json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
-                w.commit()
-            except BaseException:
-                w.abort()
-                raise
+            write_file(index_path, json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
     except OSError as e:
         for p in prepared:
             p.abort()
@@ -466,7 +459,7 @@ def load_sharded(directory: PathLike, device: Union[str, int, torch.device] = "c
     if not os.path.exists(index_path):
         return load_file(os.path.join(directory, weights_name), device)
     size = os.path.getsize(index_path)
-    if size > SAFETENSORS_MAX_HEADER:
+    if size > _st.MAX_HEADER:
         raise FormatError(f"{index_path}: {size} bytes is too large for an index")
     try:
         with open(index_path, "rb") as f:

@@ -63,9 +63,9 @@ from .staging import device as _staging
 from .formats import torch_rules as _torch_rules
 from . import knobs
 from ._core import paths as _paths
-from . import serialization as _ser
 from .formats.pickler import DEFAULT_PROTOCOL, pickle_with_storages
-from .torchsave.writer import EngineSink, as_bytes_tensor, write_archive
+from ._core.atomic import write_file
+from .torchsave.writer import as_bytes_tensor, write_archive
 
 __all__ = ["async_save", "wait_for_saves", "AsyncSaver", "SaveFuture", "SaveResult", "Stager", "default_saver"]
 
@@ -279,22 +279,6 @@ def _take_snapshot(stager: "Stager", obj: Any, pickle_module: Any, pickle_protoc
     return _Snapshot(data_pkl, staged, arena, sum(s.nbytes() for s in storages), opts)
 
 
-def _write_legacy(path: str, data: bytes) -> None:
-    """Commit an already serialized legacy-format file through the engine
-    (what fastckpt.save's legacy path does around torch's writer)."""
-    sink = None
-    try:
-        sink = EngineSink(path, len(data))
-        sink.write(data)
-        sink.commit()
-    except BaseException as e:
-        if sink is not None:
-            sink.abort()
-        if isinstance(e, OSError):
-            _paths.raise_named_after_target(e, path)
-        raise
-
-
 # ---------------------------------------------------------------- the saver
 
 def _fail_inherited(fut: concurrent.futures.Future) -> None:
@@ -475,7 +459,7 @@ class AsyncSaver:
                 if write is not None:
                     write(fut.path, snap)
                 elif snap.legacy is not None:
-                    _write_legacy(fut.path, snap.legacy)
+                    write_file(fut.path, snap.legacy)
                 else:
                     write_archive(fut.path, snap.data_pkl, snap.staged, **snap.opts)
                 snap.staged = snap.legacy = None

@@ -22,7 +22,8 @@ from typing import Dict, Tuple
 
 from .. import _C, knobs
 
-__all__ = ["get_engine", "reset_engine", "fsync_dir"]
+__all__ = ["get_engine", "reset_engine", "fsync_dir", "read_ranges", "region_file", "crc32", "crc32_combine",
+           "empty_aligned"]
 
 log = logging.getLogger("fastckpt")
 _lock = threading.Lock()
@@ -65,6 +66,30 @@ def fsync_dir(path) -> None:
     The one directory fsync of the package (save, FastWriter, the manager, convert);
     the test-only FASTCKPT_TEST_SKIP_SYNC=dir|all switch (tests/powerloss) turns it off."""
     _C.fsync_dir(os.fspath(path))
+
+
+def read_ranges(path: str, ranges, fd: int = -1, crc: bool = False, engine: "_C.Engine" = None) -> dict:
+    """Fill each (destination, file offset[, crc]) of ``ranges`` from ``path``
+    (or from the open descriptor ``fd``) in one parallel batch of engine reads;
+    returns the engine's statistics, with each range's CRC-32 under ``"crcs"``
+    where one was asked for (computed during the reads). ``engine``: default, the
+    current knobs' one."""
+    return _C.read_ranges(engine or get_engine(), path, ranges, fd, crc)
+
+
+def region_file(target: str, tmp: str = "", create: bool = False, size: int = 0) -> "_C.RegionWriter":
+    """A writer of byte ranges at any offset of one temporary file committed over
+    ``target`` (``create``: a new temporary file of ``size`` bytes; else the
+    temporary file ``tmp`` that another process created): each of several
+    processes or threads writes its share, one commits."""
+    return _C.RegionWriter(get_engine(), target, tmp, create, size)
+
+
+# The CRC-32 of bytes (continued from a CRC), and of two pieces combined from theirs (zlib's crc32_combine).
+crc32 = _C.crc32
+crc32_combine = _C.crc32_combine
+# Page-aligned host memory as a uint8 tensor (a destination of O_DIRECT reads).
+empty_aligned = _C.empty_aligned
 
 
 def _after_fork_in_child() -> None:

@@ -1,6 +1,6 @@
 """The ``fastckpt`` command (inspect, verify, convert, doctor, bench). The
 library never imports it."""
 
-from .main import main
+from .command import main
 
 __all__ = ["main"]

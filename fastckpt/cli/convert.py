@@ -31,11 +31,13 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import _C, knobs
+from .._core.atomic import AtomicFile
+from .. import knobs
 from ..formats import zip as _zip
-from .sources import LAYOUT_KEY, SEPARATOR, ST_NAMES, LazyValue, Source, Storage, byte_span, dtype_name, encode_layout, is_dense, storage_of, walk
+from ..formats import safetensors as _st
+from ..formats.safetensors import LAYOUT_KEY, SEPARATOR, ST_NAMES, dtype_name
+from .sources import LazyValue, Source, Storage, byte_span, encode_layout, is_dense, storage_of, walk
 from ..formats.torch_rules import StorageRef, itemsize, v3_dtypes
-from .._core.engine import get_engine
 
 log = logging.getLogger("fastckpt")
 
@@ -260,23 +262,14 @@ def write_safetensors(source: Source, dst: str, drop_non_tensors: bool = False,
         except TypeError as e:
             raise ConvertError(f"the checkpoint's nesting cannot be recorded in safetensors metadata: {e}") \
                 from None
-    # Data: largest elements first, so that every tensor starts at a multiple of its element
-    # size. Header: in the checkpoint's order (which readers that keep JSON order then keep).
-    header: Dict[str, Any] = {"__metadata__": metadata}
-    for name, t in entries:
-        header[name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": None}
-    entries.sort(key=lambda e: -e[1].element_size())
-    pos = 0
-    for name, t in entries:
-        n = t.numel() * t.element_size()
-        header[name]["data_offsets"] = [pos, pos + n]
-        pos += n
-    hjson = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-    hjson += b" " * ((-len(hjson)) % 8)  # the data starts 8-byte aligned
-    total = 8 + len(hjson) + pos
-    w = _C.Writer(get_engine(), dst, total)
+    # The one safetensors layout (fastckpt.formats.safetensors.plan): what save_file writes.
+    head, order, total = _st.plan({name: (t.dtype, tuple(t.shape)) for name, t in entries}, metadata)
+    by_name = dict(entries)
+    entries = [(name, by_name[name]) for name in order]
+    pos = total - len(head)
+    w = AtomicFile(dst, total)
     try:
-        w.write(len(hjson).to_bytes(8, "little") + hjson)
+        w.write(head)
         for name, t in entries:
             _write_tensor_bytes(source, t, w.write, progress)
         if w.position != total:
@@ -355,8 +348,9 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
     parent, name = os.path.split(final)
     # The checkpoint manager's temporary names (this host, this process): only this host's
     # CheckpointManager.clean_temporaries removes them, once this process is gone.
-    from ..manager.policy import _replace_dir, _temp_name
-    tmp = os.path.join(parent, _temp_name(name, "dcp"))
+    from ..manager.policy import _replace_dir
+    from .._core.tempnames import temp_name
+    tmp = os.path.join(parent, temp_name(name, "dcp"))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "no process group: saving as a single process"

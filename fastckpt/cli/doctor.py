@@ -17,7 +17,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import _C, knobs
+from .. import knobs
+from .._core import probe
 from .._core.units import human
 
 # statfs(2) f_type values (linux/magic.h and filesystems' own headers)
@@ -66,23 +67,10 @@ def _mount_of(path: str) -> Optional[Dict[str, str]]:
     return best
 
 
-def _probe_config(backend: Optional[str] = None) -> "_C.EngineConfig":
-    cfg = knobs.config()
-    probe = _C.EngineConfig()
-    for k in knobs.NAMES:
-        setattr(probe, k, getattr(cfg, k))
-    probe.buffer_size = 64 << 10  # the probe needs no big buffers
-    probe.buffer_count = 2
-    probe.queue_depth = 1
-    if backend is not None:
-        probe.backend = backend
-    return probe
-
-
 def _io_uring(choice: Dict[str, Any]) -> Dict[str, Any]:
     """Whether io_uring works here: what the engine of the current knobs found when
     they say auto, else a probe engine of its own."""
-    out: Dict[str, Any] = {"compiled": bool(_C.uring_compiled())}
+    out: Dict[str, Any] = {"compiled": probe.uring_compiled()}
     try:
         with open("/proc/sys/kernel/io_uring_disabled") as f:
             out["kernel_io_uring_disabled"] = int(f.read().strip())
@@ -92,8 +80,7 @@ def _io_uring(choice: Dict[str, Any]) -> Dict[str, Any]:
         if knobs.config().backend == "auto" and choice.get("backend"):
             backend, refusal = choice["backend"], choice.get("refusal")
         else:
-            eng = _C.Engine(_probe_config("auto"))
-            backend, refusal = eng.backend, eng.uring_refusal
+            backend, refusal = probe.probe_backend("auto")
         out["usable"] = backend == "io_uring"
         out["refusal"] = refusal or None
         if not out["compiled"]:
@@ -115,8 +102,8 @@ def _io_uring(choice: Dict[str, Any]) -> Dict[str, Any]:
 def _engine_choice() -> Dict[str, Any]:
     """What the engine made with the current knobs uses."""
     try:
-        eng = _C.Engine(_probe_config())
-        return {"backend": eng.backend, "refusal": eng.uring_refusal or None}
+        backend, refusal = probe.probe_backend()
+        return {"backend": backend, "refusal": refusal or None}
     except OSError as e:  # FASTCKPT_BACKEND=uring and io_uring refused
         return {"backend": None, "error": str(e)}
 
@@ -125,7 +112,7 @@ def _o_direct(directory: str) -> Dict[str, Any]:
     """Open a temporary file in `directory` through the engine and see what it chose."""
     out: Dict[str, Any] = {}
     try:
-        out["alignment"] = dict(_C.dio_alignment(directory))
+        out["alignment"] = probe.dio_alignment(directory)
     except OSError as e:
         out["alignment"] = None
         out["alignment_error"] = str(e)
@@ -134,12 +121,7 @@ def _o_direct(directory: str) -> Dict[str, Any]:
         return out
     out["writable"] = True
     try:
-        eng = _C.Engine(_probe_config())
-        w = _C.Writer(eng, os.path.join(directory, ".fastckpt-doctor-probe"), 4096)
-        try:
-            out["usable"] = bool(w.direct)
-        finally:
-            w.abort()  # removes the temporary file
+        out["usable"] = probe.direct_writes(directory)
     except OSError as e:
         out.update(usable=None, reason=f"cannot create a file there: {e}")
         if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -238,7 +220,7 @@ def diagnose(directory: str) -> Dict[str, Any]:
         "io_uring": _io_uring(choice),
         "engine": choice,
         "o_direct": _o_direct(d),
-        "crc32": _C.crc32_impl(),
+        "crc32": probe.crc32_impl(),
         "cuda": cuda,
         "pinned_memory": pinned,
         "memory": {**_meminfo(), "staging_buffers": cfg.buffer_size * cfg.buffer_count,

@@ -23,9 +23,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import _C
 from ..formats import zip as _zip
-from .sources import DcpSource, LazyValue, SafetensorsSource, Source, ZipSource, _holds_structure, dtype_name, is_dcp_dir, open_source, sniff, storage_of, walk
+from ..formats.safetensors import dtype_name
+from .sources import DcpSource, LazyValue, SafetensorsSource, Source, ZipSource, _holds_structure, is_dcp_dir, open_source, sniff, storage_of, walk
 from ..formats.torch_rules import itemsize
 from .._core.units import human
 from ..errors import FormatError

@@ -39,37 +39,19 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.serialization as ts
 
+from .._core import engine as _engine
 from ..formats import unpickler as _unpickle, zip as _zip
-from .. import _C
-from .. import serialization as _serialization
 from ..formats.torch_rules import contiguous_stride, itemsize
-from .._core.engine import get_engine
 from ..torchsave.reader import Reader, Records, parse_checkpoint
 from ..errors import FormatError
+from ..formats import safetensors as _st
+from ..formats.safetensors import LAYOUT_KEY
 
 log = logging.getLogger("fastckpt")
 
 STORAGE_ATTR = "_fastckpt_storage"
 CHUNK = 8 << 20          # bytes per streamed piece
 ALIGN = 4096
-SAFETENSORS_MAX_HEADER = 100 << 20
-LAYOUT_KEY = "fastckpt.layout"  # safetensors __metadata__ entry: the nesting of the flattened names
-SEPARATOR = "."                 # joins nested keys into safetensors names
-
-# safetensors dtype names (https://github.com/huggingface/safetensors, "Format")
-_ST_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U64": "uint64",
-             "U32": "uint32", "U16": "uint16", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
-             "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
-             "F8_E8M0": "float8_e8m0fnu"}
-ST_DTYPES: Dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in _ST_NAMES.items() if hasattr(torch, v)}
-ST_NAMES: Dict[torch.dtype, str] = {v: k for k, v in ST_DTYPES.items()}
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 @dataclass(eq=False)
 class Storage:
     """One storage of a checkpoint: the bytes that one or more tensors view."""
@@ -121,7 +103,7 @@ def is_dense(t: torch.Tensor) -> bool:
 
 def aligned_buffer(n: int) -> torch.Tensor:
     """n bytes starting on an ALIGN boundary, so that aligned reads go straight in (O_DIRECT)."""
-    return _C.empty_aligned(n, ALIGN)
+    return _engine.empty_aligned(n, ALIGN)
 
 
 class LazyValue:
@@ -165,7 +147,7 @@ class Source:
         """:meth:`read`, returning the CRC-32 of the bytes read (sources that
         read through the engine have it computed during the read)."""
         self.read(storage, offset, out)
-        return _C.crc32(out)
+        return _engine.crc32(out)
 
     def close(self) -> None:
         if self._pool is not None:
@@ -410,7 +392,7 @@ class ZipSource(_FileSource):
 
         def fold(piece_crc: int, n: int) -> None:  # the pieces' CRC-32s, computed by the engine's reads
             nonlocal crc
-            crc = _C.crc32_combine(crc, piece_crc, n)
+            crc = _engine.crc32_combine(crc, piece_crc, n)
         super().stream(storage, start, length, consume, on_read, fold)
         if crc != storage.crc:
             raise self.crc_error(storage)
@@ -479,7 +461,7 @@ class ZipSource(_FileSource):
 
         def fold(piece_crc: int, n: int) -> None:
             nonlocal crc
-            crc = _C.crc32_combine(crc, piece_crc, n)
+            crc = _engine.crc32_combine(crc, piece_crc, n)
         try:
             self.stream(s, 0, s.nbytes, lambda piece: progress(piece.numel()) if progress else None, on_crc=fold)
         except (OSError, FormatError) as e:
@@ -490,22 +472,7 @@ class ZipSource(_FileSource):
 
 # ---------------------------------------------------------------- safetensors
 
-@dataclass
-class StEntry:
-    name: str
-    dtype: torch.dtype
-    shape: Tuple[int, ...]
-    begin: int
-    end: int
-
-
-def _no_duplicates(pairs):
-    d = {}
-    for k, v in pairs:
-        if k in d:
-            raise FormatError(f"duplicate key {k!r} in the JSON header")
-        d[k] = v
-    return d
+StEntry = _st.Entry
 
 
 class SafetensorsSource(_FileSource):
@@ -517,68 +484,13 @@ class SafetensorsSource(_FileSource):
         path = self.path
         size = os.fstat(self.f.fileno()).st_size
         self.file_size = size
-        head = os.pread(self.f.fileno(), 8, 0)
-        if len(head) < 8:
-            raise FormatError(f"{path}: {size} bytes is too short for a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > SAFETENSORS_MAX_HEADER or 8 + n > size:
-            raise FormatError(f"{path}: truncated or not a safetensors file: header of {n} bytes in a "
-                              f"{size}-byte file")
+        n = _st.header_length(os.pread(self.f.fileno(), 8, 0), size, path)
         raw = os.pread(self.f.fileno(), n, 8)
         if len(raw) != n:
             raise FormatError(f"{path}: truncated while reading the {n}-byte header")
-        try:
-            header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
-        except FormatError as e:
-            raise FormatError(f"{path}: {e}") from None
-        except (UnicodeDecodeError, ValueError) as e:
-            raise FormatError(f"{path}: the safetensors header is not valid JSON ({e})") from None
-        if not isinstance(header, dict):
-            raise FormatError(f"{path}: the safetensors header is not a JSON object")
+        self.metadata, self.entries, self.problems = _st.parse_header(raw, size, path)
         self.header_size = n
         self.data_start = 8 + n
-        buf_len = size - self.data_start
-        meta = header.pop("__metadata__", None)
-        if meta is not None and (not isinstance(meta, dict)
-                                 or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
-            raise FormatError(f"{path}: __metadata__ must map strings to strings")
-        self.metadata: Dict[str, str] = dict(meta or {})
-        self.entries: List[StEntry] = []
-        for name, info in header.items():
-            where = f"{path}: tensor {name!r}"
-            if not isinstance(info, dict):
-                raise FormatError(f"{where}: header entry is not an object")
-            dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-            if dt not in ST_DTYPES:
-                raise FormatError(f"{where}: unknown dtype {dt!r}")
-            if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-                raise FormatError(f"{where}: invalid shape {shape!r}")
-            if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
-                    or not 0 <= offs[0] <= offs[1]):
-                raise FormatError(f"{where}: invalid data_offsets {offs!r}")
-            numel = 1
-            for s in shape:
-                numel *= s
-            want = numel * itemsize(ST_DTYPES[dt])
-            if offs[1] - offs[0] != want:
-                raise FormatError(f"{where}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, "
-                                  f"a {dt} tensor of shape {shape} needs {want}")
-            if offs[1] > buf_len:
-                raise FormatError(f"{where}: bytes {offs[0]}..{offs[1]} of the data lie past the end of the file "
-                                  f"(the data has {buf_len} bytes: truncated?)")
-            self.entries.append(StEntry(name, ST_DTYPES[dt], tuple(shape), offs[0], offs[1]))
-        # What the reference implementation also insists on: the tensors tile the data exactly.
-        self.problems: List[str] = []
-        pos = 0
-        for e in sorted(self.entries, key=lambda e: (e.begin, e.end)):
-            if e.begin > pos:
-                self.problems.append(f"{path}: {e.begin - pos} unused bytes before tensor {e.name!r} "
-                                     f"(data offset {pos})")
-            elif e.begin < pos and e.end > e.begin:
-                self.problems.append(f"{path}: tensor {e.name!r} overlaps the tensor before it (data offset {e.begin})")
-            pos = max(pos, e.end)
-        if pos != buf_len:
-            self.problems.append(f"{path}: the file has {buf_len - pos} bytes after the last tensor's data")
         self.storages = {e.name: Storage(e.name, e.end - e.begin, e.dtype, location=None) for e in self.entries}
 
     def description(self) -> str:
@@ -602,7 +514,7 @@ class SafetensorsSource(_FileSource):
         if offset < 0 or offset + n > storage.nbytes:
             raise ValueError(f"read of bytes {offset}..{offset + n} of {storage.key} ({storage.nbytes} bytes)")
         e = self._by_name()[storage.key]
-        _C.read_ranges(get_engine(), self.path, [(out, self.data_start + e.begin + offset)], self.f.fileno())
+        _engine.read_ranges(self.path, [(out, self.data_start + e.begin + offset)], self.f.fileno())
 
     def _by_name(self) -> Dict[str, StEntry]:
         m = getattr(self, "_index", None)
@@ -870,7 +782,7 @@ def sniff(path: str) -> str:
         return "torch-legacy"
     if len(head) >= 9:
         (n,) = struct.unpack("<Q", head[:8])
-        if 2 <= n <= SAFETENSORS_MAX_HEADER and 8 + n <= size and head[8:9] == b"{":
+        if 2 <= n <= _st.MAX_HEADER and 8 + n <= size and head[8:9] == b"{":
             return "safetensors"
     return "unknown"
 

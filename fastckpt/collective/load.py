@@ -63,7 +63,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import _C
+from .._core import engine as _engine
 from . import exchange as xch
 from .._core import paths as _paths
 from ..staging import device as _staging
@@ -265,7 +265,7 @@ class _Load:
         for k, src in enumerate(self.holders):
             for p, c in zip([p for rnd in rounds for p in rnd[k]], self.got[src]):
                 n, off, ln = p[0], p[1], p[2]
-                out[n] = _C.crc32_combine(out.get(n, 0), c or 0, ln) if off else (c or 0)
+                out[n] = _engine.crc32_combine(out.get(n, 0), c or 0, ln) if off else (c or 0)
         for n in self.names:
             if self.archive.records[n].size == 0:
                 out[n] = 0

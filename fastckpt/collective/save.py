@@ -14,7 +14,7 @@ engine's staging where the filesystem allows) and computes each piece's CRC-32
 while copying it. Rank 0 writes everything else: local headers, small records,
 the record tails under 4 KiB, data descriptors and the central directory, once
 it has every rank's piece CRCs (each record's CRC is its pieces' combined with
-_C.crc32_combine, then its tail's).
+_engine.crc32_combine, then its tail's).
 
 Host memory. CPU storages are read in place. A rank brings to the host only
 the device bytes it needs (fastckpt/_collective_stage.py): the sampled blocks
@@ -72,12 +72,11 @@ import sys
 import threading
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import _C
+from .._core import engine as _engine
 from ..formats import archive, pickler
 from . import stage as _collective_stage
 from .._core import dist_exit as _dist_exit, paths as _paths
 from ..formats import torch_rules as _torch_rules, zip as _zip
-from .._core.engine import get_engine
 
 _BODY_ALIGN = 4096
 # Rank 0's writes of small pieces are coalesced into runs of about this size.
@@ -384,7 +383,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
         err, tmp = None, None
         if copies.lead:
             try:
-                writer = _C.RegionWriter(get_engine(), path, create=True, size=size)
+                writer = _engine.region_file(path, create=True, size=size)
                 tmp = os.path.abspath(writer.tmp_path)
             except Exception as e:
                 err = e
@@ -395,12 +394,12 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
         # inside the share it writes is found even where the samples missed it.
         err, crcs = None, []
         # The check runs on a thread of its own while this rank's writes wait
-        # for the disk (_C.crc32 releases the GIL).
+        # for the disk (_engine.crc32 releases the GIL).
         checker = _Checker(src, _share_ranges(plan, shares[(copies.local + 1) % len(copies.ranks)])
                            if len(copies.ranks) > 1 else [])
         try:
             if writer is None:
-                writer = _C.RegionWriter(get_engine(), path, tmp)
+                writer = _engine.region_file(path, tmp)
             crcs = _write_share(writer, src, _share_ranges(plan, shares[copies.local]))
             if not copies.lead:
                 writer.finish()
@@ -461,7 +460,7 @@ def _write_share(writer, src: "_collective_stage.Storages", ranges) -> List[int]
             crc = at = 0
             for v in views:
                 c = writer.write_at(v, off + at, True)
-                crc = _C.crc32_combine(crc, c, v.numel()) if at else c
+                crc = _engine.crc32_combine(crc, c, v.numel()) if at else c
                 at += v.numel()
             crcs.append(crc)
     finally:
@@ -493,7 +492,7 @@ class _Checker:
                 for _r, views in it:
                     crc = 0
                     for v in views:
-                        crc = _C.crc32(v, crc)
+                        crc = _engine.crc32(v, crc)
                     self.crcs.append(crc)
             finally:
                 it.close()
@@ -575,7 +574,7 @@ def _body_crcs(shares, all_crcs) -> Dict[int, int]:
     for i, ps in pieces.items():
         crc = 0
         for start, n, c in sorted(ps):
-            crc = _C.crc32_combine(crc, c, n) if start else c
+            crc = _engine.crc32_combine(crc, c, n) if start else c
         out[i] = crc
     return out
 
@@ -618,7 +617,7 @@ def _write_rest_from(writer, plan, entries, cd_offset: int, tails, bodies: Dict[
         size = entry.size
         if isinstance(payload, (bytes, bytearray)):
             put(entry.data_offset, bytes(payload))
-            crc = _C.crc32(payload) if crc_on and size else 0
+            crc = _engine.crc32(payload) if crc_on and size else 0
         else:
             body = bodies.get(i, 0)
             tail = b""
@@ -632,7 +631,7 @@ def _write_rest_from(writer, plan, entries, cd_offset: int, tails, bodies: Dict[
             crc = body_crcs.get(i, 0)
             if crc_on:
                 if tail:
-                    crc = _C.crc32_combine(crc, _C.crc32(tail), len(tail)) if body else _C.crc32(tail)
+                    crc = _engine.crc32_combine(crc, _engine.crc32(tail), len(tail)) if body else _engine.crc32(tail)
         entry.crc = crc
         d = _zip.descriptor(crc, size, entry.header_offset)
         if d:

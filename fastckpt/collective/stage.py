@@ -27,7 +27,7 @@ from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
-from .. import _C
+from .._core import engine as _engine
 from ..staging import device as _staging
 
 # Sampled CRCs: a storage of up to SAMPLE_WHOLE bytes is checksummed whole,
@@ -148,7 +148,7 @@ class Storages:
         try:
             for r, views in it:
                 for v in views:
-                    out[r[0]] = _C.crc32(v, out[r[0]])
+                    out[r[0]] = _engine.crc32(v, out[r[0]])
         finally:
             it.close()
         return out

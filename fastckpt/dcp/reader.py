@@ -44,7 +44,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from .. import _C
+from .._core import engine as _engine
 from .._core import dist_exit as _dist_exit
 from ..formats import unpickler as _unpickle
 from ..formats.torch_rules import contiguous_stride, itemsize
@@ -402,7 +402,7 @@ class _FileJob:
         keep = [i for i, (d, *_) in enumerate(ranges) if (d.numel() if isinstance(d, torch.Tensor) else len(d))]
         crcs: List[Optional[int]] = [0 if len(r) > 2 and r[2] else None for r in ranges]  # empty: CRC 0
         if keep:
-            st = _C.read_ranges(self.eng, self.path, [ranges[i] for i in keep])
+            st = _engine.read_ranges(self.path, [ranges[i] for i in keep], engine=self.eng)
             with self.lock:
                 self.stats["bytes_read"] += st["bytes_read"]
             for i, c in zip(keep, st.get("crcs") or []):

@@ -31,7 +31,6 @@ it, since DCP calls every StorageWriter method of one save from one thread.
 """
 
 import dataclasses
-import io
 import logging
 import os
 import pickle
@@ -50,7 +49,8 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.futures import Future
 
-from .. import _C
+from .._core import engine as _engine
+from .._core.atomic import AtomicFile, write_file
 from .._core import dist_exit as _dist_exit
 from ..staging import device as _staging
 from .._core.owner import check_directory_owner
@@ -131,29 +131,6 @@ class _Save:
         return METADATA
 
 
-class _EngineSink(io.RawIOBase):
-    """The raw stream under the stream transforms: bytes go to the engine Writer."""
-
-    def __init__(self, w):
-        super().__init__()
-        self._w = w
-
-    def writable(self) -> bool:
-        return True
-
-    def write(self, b) -> int:
-        n = memoryview(b).nbytes
-        if n:
-            self._w.write(b)
-        return n
-
-    def flush(self) -> None:  # the engine Writer flushes at commit
-        pass
-
-    def close(self) -> None:  # the file is committed or aborted by its Writer, not by a transform
-        pass
-
-
 TRANSFORM_CHUNK = 4 << 20  # tensor bytes are fed to the stream transforms in pieces this big
 
 
@@ -164,7 +141,7 @@ def _feed_tensor(out, pieces) -> int:
     for flat in pieces:
         for i in range(0, flat.numel(), TRANSFORM_CHUNK):
             piece = flat[i:i + TRANSFORM_CHUNK]
-            crc = _C.crc32(piece, crc)
+            crc = _engine.crc32(piece, crc)
             out.write(memoryview(piece.numpy()))
     return crc
 
@@ -406,13 +383,7 @@ class FastWriter(StorageWriter, AsyncStager):
         metadata.storage_data = storage_md
         metadata.storage_meta = StorageMeta(checkpoint_id=s.path, save_id=s.save_id)
         data = pickle.dumps(metadata)
-        w = _C.Writer(get_engine(), os.path.join(s.path, s.metadata_name()), len(data))
-        try:
-            w.write(data)
-            w.commit()  # temporary name, fdatasync, rename, directory fsync
-        except BaseException:
-            w.abort()
-            raise
+        write_file(os.path.join(s.path, s.metadata_name()), data)  # temporary name, fdatasync, rename, dir fsync
         parent = os.path.dirname(os.path.abspath(s.path))
         fsync_dir(parent)  # the checkpoint directory's own entry, if it was created by this save
 
@@ -481,7 +452,7 @@ class FastWriter(StorageWriter, AsyncStager):
         if self._transforms is not None:
             return self._write_transformed(directory, name, items, planner, stop, on_resolve)
         entries, total = self._layout(items, planner)
-        w = _C.Writer(get_engine(), os.path.join(directory, name), total)
+        w = AtomicFile(os.path.join(directory, name), total)
         try:
             for e, t, pieces in _host_tensors(entries, planner, on_resolve):
                 if stop.is_set():
@@ -524,8 +495,8 @@ class FastWriter(StorageWriter, AsyncStager):
                 payload = bytes(data.getbuffer()) if hasattr(data, "getbuffer") else bytes(data)
                 entries.append(_Entry(it, 0, 0, payload=payload))
         entries += [_Entry(it, 0, 0) for it in items if it.type != WriteItemType.BYTE_IO]
-        w = _C.Writer(get_engine(), os.path.join(directory, name), -1)
-        sink = _EngineSink(w)
+        w = AtomicFile(os.path.join(directory, name))
+        sink = w.raw()
         results: List[WriteResult] = []
         try:
             for e, t, pieces in _host_tensors(entries, planner, on_resolve):

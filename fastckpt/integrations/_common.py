@@ -8,7 +8,8 @@ import shutil
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
 from ..manager.ranks import PeerFailed, Ranks, _failures
-from ..manager.policy import _replace_dir, _temp_name
+from ..manager.policy import _replace_dir
+from .._core.tempnames import temp_name
 from .._core.paths import check_dcp_target
 from .._core.engine import fsync_dir
 
@@ -210,7 +211,7 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
         try:
             check_dcp_target(final)  # on the main process only: every process learns what is wrong with it
             os.makedirs(parent, exist_ok=True)
-            tmp = os.path.join(parent, _temp_name(name, "dcp"))
+            tmp = os.path.join(parent, temp_name(name, "dcp"))
             os.mkdir(tmp)
         except _failures() as e:  # noqa: BLE001
             if ranks is None:

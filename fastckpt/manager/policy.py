@@ -12,60 +12,27 @@ coordinates the ranks.
 """
 
 import errno
-import itertools
 import logging
 import os
 import pickle
 import re
 import shutil
 import stat
-import uuid
 import warnings
 from pathlib import Path
 from typing import AbstractSet, List, Optional, Set, Tuple, Union
 
-from .. import _C
+from .._core.atomic import write_file
+from .._core.tempnames import (TMP_MARK, parse_temp, remove_leftovers, temp_host, temp_name,
+                               writer_gone)
 from .._core.owner import check_directory_owner
-from .._core.engine import fsync_dir, get_engine
+from .._core.engine import fsync_dir
 from ..errors import FormatError
 
 log = logging.getLogger("fastckpt")
 
 LATEST = "latest"
 ABANDONED = "abandoned"               # checkpoints of an abandoned branch (a rollback) are moved here
-
-# Temporary names (docs/FORMAT.md 1.6): the engine's `.<name>.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>`
-# (csrc/engine/temp_file.h; parsed by _C.parse_temp_name), and the manager's (and `fastckpt convert`'s)
-# directories: the same, then `.dcp` (a sharded save in progress), `.del` (retention removing an old
-# one) or `.old` (a re-saved step's previous directory), made by _temp_name.
-TMP_MARK = ".fastckpt-tmp."
-_TMP_RE = re.compile(r"^\..+\.fastckpt-tmp\.(?:(\d+)\.)?")  # the pid, right after the mark
-_TMP_KINDS = ("dcp", "del", "old")
-_tmp_counter = itertools.count()
-
-
-# ------------------------------------------------------------------ temporary names
-
-def _process_start(pid: int) -> int:
-    """Start time of process ``pid`` in clock ticks since boot (/proc/PID/stat
-    field 22, as the engine's temporary names hold it); 0 when unknown."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-        return int(stat[stat.rindex(b")") + 2:].split()[19])  # fields from 3 (state) on: 22 is [19]
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _temp_name(name: str, kind: Optional[str] = None) -> str:
-    """A temporary name for ``name`` in the engine's format (this process's
-    pid, this host, its start time), then ``.kind`` (one of ``_TMP_KINDS``)
-    for directories, which the engine never touches."""
-    pid = os.getpid()
-    base = (f".{name}{TMP_MARK}{pid}.{_C.temp_host()}.{_process_start(pid)}."
-            f"{next(_tmp_counter)}.{uuid.uuid4().hex[:8]}")
-    return base if kind is None else f"{base}.{kind}"
-
 
 def _replace_dir(tmp: Union[str, os.PathLike], final: Union[str, os.PathLike]) -> None:
     """Rename the finished directory `tmp` to its sibling `final` and make the
@@ -77,49 +44,13 @@ def _replace_dir(tmp: Union[str, os.PathLike], final: Union[str, os.PathLike]) -
     `fastckpt convert` to DCP."""
     parent, name = os.path.split(os.fspath(final))
     if os.path.lexists(final):
-        aside = os.path.join(parent, _temp_name(name, "old"))
+        aside = os.path.join(parent, temp_name(name, "old"))
         os.rename(final, aside)
         os.rename(tmp, final)
         shutil.rmtree(aside, ignore_errors=True)
     else:
         os.rename(tmp, final)
     fsync_dir(parent)
-
-
-def _parse_temp(entry: str) -> Optional[Tuple[str, dict, Optional[str]]]:
-    """``(target, {"pid", "host", "start"}, kind)`` of a name made by the
-    engine or by :func:`_temp_name`, or None (not one: older names without a
-    host included)."""
-    for base, kind in [(entry, None)] + [(entry[:-len(k) - 1], k) for k in _TMP_KINDS if entry.endswith("." + k)]:
-        i = base.rfind(TMP_MARK)
-        if i < 2 or not base.startswith("."):
-            continue
-        info = _C.parse_temp_name(base, base[1:i])
-        if info is not None:
-            return base[1:i], info, kind
-    return None
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _writer_gone(info: dict) -> bool:
-    """Whether the process (of this host) that made a temporary name is
-    certainly gone: no such pid, or one that started at another time (the
-    pid was reused). False when in doubt (the engine's temp_writer_gone)."""
-    if not _pid_alive(info["pid"]):
-        return True
-    if not info["start"]:
-        return False
-    now = _process_start(info["pid"])
-    return now != 0 and now != info["start"]
 
 
 # ------------------------------------------------------------------ which failures are damage
@@ -229,7 +160,7 @@ class StepDirectory:
 
     def new_temp_dir(self, name: str) -> str:
         """Rank 0: the temporary directory a sharded save of ``name`` is written into; returns its name."""
-        tmp_name = _temp_name(name, "dcp")
+        tmp_name = temp_name(name, "dcp")
         (self.path / tmp_name).mkdir()
         return tmp_name
 
@@ -239,13 +170,7 @@ class StepDirectory:
         it (atomically), then move an abandoned branch aside and apply
         retention."""
         data = (name + "\n").encode()
-        w = _C.Writer(get_engine(), str(self.path / LATEST), len(data))
-        try:
-            w.write(data)
-            w.commit()  # temporary file, fdatasync, rename over `latest`, directory fsync
-        except BaseException:
-            w.abort()
-            raise
+        write_file(self.path / LATEST, data)  # temporary file, fdatasync, rename over `latest`, directory fsync
         self.abandon_newer(self.parse(name), busy)
         self.prune(busy)
 
@@ -295,7 +220,7 @@ class StepDirectory:
             p = self.path / name
             try:
                 if p.is_dir():  # rename first, so that a crash never leaves half a checkpoint under its name
-                    doomed = self.path / _temp_name(name, "del")
+                    doomed = self.path / temp_name(name, "del")
                     os.rename(p, doomed)
                     shutil.rmtree(doomed)
                 else:
@@ -329,11 +254,11 @@ class StepDirectory:
         foreign: List[str] = []
         unknown: List[str] = []
         engine_targets: Set[str] = set()
-        me, uid = _C.temp_host(), os.geteuid()
+        me, uid = temp_host(), os.geteuid()
         for name in sorted(os.listdir(self.path)):
             if TMP_MARK not in name:
                 continue
-            parsed = _parse_temp(name)
+            parsed = parse_temp(name)
             if parsed is None:
                 unknown.append(name)
                 continue
@@ -351,7 +276,7 @@ class StepDirectory:
                 continue
             if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)) or st.st_uid != uid:
                 continue
-            if not _writer_gone(info):
+            if not writer_gone(info):
                 log.debug("fastckpt.CheckpointManager: keeping %s (process %d is alive)", name, info["pid"])
                 continue
             try:
@@ -363,7 +288,7 @@ class StepDirectory:
             except FileNotFoundError:
                 pass
         for target in sorted(engine_targets):
-            removed.extend(_C.remove_leftovers(str(self.path / target)))
+            removed.extend(remove_leftovers(str(self.path / target)))
         removed.sort()
         if removed:
             fsync_dir(self.path)

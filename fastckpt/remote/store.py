@@ -33,9 +33,11 @@ import logging
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
-from .. import _C
+from .._core import engine as _engine
+from .._core.atomic import write_file
+from .._core.tempnames import remove_leftovers
 from .._core.paths import _URL, is_url  # noqa: F401 (re-exported)
-from .._core.engine import fsync_dir, get_engine
+from .._core.engine import fsync_dir
 from ..errors import MissingDependencyError
 from ._policy import S3_MIN_PART, TransferOptions, retry
 
@@ -348,7 +350,7 @@ class S3Store(Store):
 class _LocalUpload(Upload):
     def __init__(self, path: str, size: int):
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        self.w = _C.RegionWriter(get_engine(), path, create=True, size=size)
+        self.w = _engine.region_file(path, create=True, size=size)
         import threading
         self._lock = threading.Lock()
 
@@ -396,13 +398,7 @@ class LocalStore(Store):
     def put(self, key, data):
         path = self._path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        w = _C.Writer(get_engine(), path, len(data))
-        try:
-            w.write(data)
-            w.commit()
-        except BaseException:
-            w.abort()
-            raise
+        write_file(path, data)
 
     def list(self, prefix=""):
         base = self._path(prefix)
@@ -447,7 +443,7 @@ class LocalStore(Store):
         for d, _, files in os.walk(self._path(prefix)):
             for f in files:
                 if ".fastckpt-tmp." in f:
-                    n += len(_C.remove_leftovers(os.path.join(d, f.split(".fastckpt-tmp.")[0])))
+                    n += len(remove_leftovers(os.path.join(d, f.split(".fastckpt-tmp.")[0])))
         return n
 
 

@@ -4,7 +4,7 @@
 keep only an open descriptor: a file deleted by local retention meanwhile is
 still uploaded whole) as parts of ``part_size`` bytes, ``parallelism`` at a
 time: the bytes held in memory never exceed ``parallelism * part_size``. It
-computes the file's zip CRC-32 (the engine's ``_C.crc32``) while reading, caps
+computes the file's zip CRC-32 (the engine's ``_engine.crc32``) while reading, caps
 the bandwidth if asked, retries each request under the one policy
 (:mod:`fastckpt.remote._policy`), and makes the object visible only when it
 is complete (:meth:`Store.begin_upload`); on failure the upload is aborted
@@ -28,8 +28,7 @@ import threading
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from .. import _C
-from .._core.engine import get_engine
+from .._core import engine as _engine
 from ..errors import FormatError
 from ._policy import Throttle, TransferOptions, retry
 from .store import Store, Upload
@@ -126,7 +125,7 @@ def send_parts(up: Upload, fd: int, parts: List[Part], opts: TransferOptions, na
         stats.hold(n)
         try:
             data = _pread_exact(fd, n, off, name)
-            c = _C.crc32(data) if n else 0
+            c = _engine.crc32(data) if n else 0
             throttle.take(n)
             etag = retry(lambda: up.put_part(number, off, data), f"{what} (part {number} of {total})", url, opts)
         finally:
@@ -201,7 +200,7 @@ def remote_crc(store: Store, key: str, size: int, opts: Optional[TransferOptions
         if len(data) != n:
             raise FormatError(f"{url}: a ranged read of bytes {off}-{off + n} returned {len(data)} bytes")
         with lock:
-            crcs[number] = (_C.crc32(data) if n else 0, n)
+            crcs[number] = (_engine.crc32(data) if n else 0, n)
 
     _parallel(_plan(size, opts.part_size, 1), fetch, opts.parallelism)
     return _combine(crcs)
@@ -220,7 +219,7 @@ def upload(store: Store, key: str, fd: int, size: int, opts: Optional[TransferOp
     if len(parts) == 1:  # one request (S3 put_object, a local commit): atomic
         data = _pread_exact(fd, size, 0, name)
         stats.hold(size)
-        crc = _C.crc32(data) if size else 0
+        crc = _engine.crc32(data) if size else 0
         Throttle(opts.bandwidth).take(size)
         retry(lambda: store.put(key, data), what, url, opts)
         stats.release(size)
@@ -246,7 +245,7 @@ def _combine(crcs: Dict[int, Tuple[int, int]]) -> int:
     crc = None
     for number in sorted(crcs):
         c, n = crcs[number]
-        crc = c if crc is None else _C.crc32_combine(crc, c, n)
+        crc = c if crc is None else _engine.crc32_combine(crc, c, n)
     return crc or 0
 
 
@@ -290,7 +289,7 @@ def download(store: Store, key: str, path: str, size: Optional[int] = None, crc3
     stats = stats or TransferStats()
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    w = _C.RegionWriter(get_engine(), path, create=True, size=size)
+    w = _engine.region_file(path, create=True, size=size)
     lock = threading.Lock()
     crcs: Dict[int, Tuple[int, int]] = {}
     parts = _plan(size, opts.part_size, 1)

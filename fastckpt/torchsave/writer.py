@@ -12,7 +12,7 @@ import torch
 
 from .. import _C
 from .._core import paths as _paths
-from .._core.engine import get_engine
+from .._core.atomic import AtomicFile
 from ..formats import torch_rules as _torch_rules, zip as _zip
 from ..formats.archive import plan_archive
 from ..staging import device as _staging
@@ -21,45 +21,6 @@ from ..formats.torch_rules import FileLike
 
 def as_bytes_tensor(storage: torch.UntypedStorage) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-class EngineSink:
-    """Writes through the engine into a temporary file, committed atomically.
-    With ``crc=False`` (torch's compute_crc32 disabled) write_crc computes
-    nothing and returns 0."""
-
-    def __init__(self, path: str, expected: int, crc: bool = True):
-        self.w = _C.Writer(get_engine(), path, expected)
-        self.crc = crc
-
-    def write(self, b) -> int:
-        self.w.write(b)
-        return memoryview(b).nbytes if not isinstance(b, torch.Tensor) else b.nbytes
-
-    def write_crc(self, t: torch.Tensor, crc: int) -> int:
-        if not self.crc:
-            self.w.write(t)
-            return 0
-        return self.w.write_crc(t, crc)
-
-    def write_zeros(self, n: int) -> None:
-        self.w.write_zeros(n)
-
-    def write_parts(self, parts: List[Any]) -> None:
-        """Append several buffers in one engine call."""
-        if parts:
-            self.w.write_many(parts)
-
-    def flush(self) -> None:  # torch's legacy writer flushes; the commit makes it durable
-        pass
-
-    def commit(self) -> None:
-        self.w.commit()
-
-    def abort(self) -> None:
-        if self.w is not None:
-            self.w.abort()
-            self.w = None  # the engine Writer goes now (with its backend lease), not with the traceback
 
 
 class FileSink:
@@ -109,18 +70,8 @@ def save_legacy(obj: Any, f: FileLike, pickle_module: Any, pickle_protocol: int)
     if not _paths.is_path(f):
         torch.save(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization=False)
         return
-    path = os.fspath(f)
-    sink = None
-    try:
-        sink = EngineSink(path, -1)
+    with AtomicFile(f) as sink:
         torch.save(obj, sink, pickle_module, pickle_protocol, _use_new_zipfile_serialization=False)
-        sink.commit()
-    except BaseException as e:
-        if sink is not None:
-            sink.abort()
-        if isinstance(e, OSError):
-            _paths.raise_named_after_target(e, path)
-        raise
 
 
 # Storage records below this size are copied, with their local headers and
@@ -166,7 +117,7 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
     crc32 = zlib.crc32
     string_at = ctypes.string_at
     try:
-        sink = EngineSink(path, expected, crc_on) if path is not None else FileSink(f, crc_on)
+        sink = AtomicFile(path, expected, checksums=crc_on) if path is not None else FileSink(f, crc_on)
         parts: List[Any] = []  # headers, small records' bytes and descriptors, written in one call
         parts_bytes = 0
         for payload, header, entry in plan:

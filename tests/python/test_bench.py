@@ -24,7 +24,7 @@ if REPO not in sys.path:  # the checkout's benchmarks package (not part of the i
     sys.path.insert(0, REPO)
 
 from benchmarks import bench_quick, bench_tune, harness, workload  # noqa: E402
-from fastckpt.cli import main as cli  # noqa: E402
+from fastckpt.cli import command as cli  # noqa: E402
 import fastspawn  # noqa: E402
 
 
@@ -222,7 +222,7 @@ def _fake_save_load(size):
     dw, dr = 2.0 + f, 2.5 + f
     saves = [_row("fio bs=8M qd=8", "fio", "save", dw, dw, rss=math.nan, check=""),
              _row("fastckpt.save", "fastckpt", "save", 1.9 + f, dw, cpu=0.3, check="verified (by load)"),
-             _row("fastckpt.saver", "async", "save", 1.8 + f, dw, blocked=0.2),
+             _row("fastckpt.async_save", "async", "save", 1.8 + f, dw, blocked=0.2),
              _row("torch.save+fsync", "torch", "save", 0.4, dw, cpu=2.0, check="verified (by load)"),
              _row("DCP FileSystemWriter t=1", "dcp", "save", 0.9, dw),
              _row("DCP FileSystemWriter t=2", "dcp", "save", 1.1, dw, check="verified (by load)"),
@@ -332,7 +332,7 @@ def test_charts_draw_what_their_legends_and_labels_say(tmp_path, monkeypatch):
         for bar in container:
             drawn[names[round(bar.get_y() + bar.get_height() / 2)]] = (op, bar.get_width())
     # every measured side has a bar under its own name, and nothing else has one
-    assert drawn == {"fastckpt.save": ("save", 0.3), "fastckpt.saver": ("save", 0.5),
+    assert drawn == {"fastckpt.save": ("save", 0.3), "fastckpt.async_save": ("save", 0.5),
                      "torch.save+fsync": ("save", 2.0), "DCP FileSystemWriter t=1": ("save", 0.5),
                      "DCP FileSystemWriter t=2": ("save", 0.5), "safetensors save_file+fsync": ("save", 0.5),
                      "fastckpt.load": ("load", 0.5), "torch.load": ("load", 0.5),

@@ -24,7 +24,7 @@ import torch
 import fastckpt
 from fastckpt import _C
 from fastckpt.formats import zip as _zip
-from fastckpt.cli.main import main
+from fastckpt.cli import main
 
 import fastspawn  # noqa: E402
 from conftest import temp_files, uring_refusal

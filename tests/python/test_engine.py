@@ -471,7 +471,7 @@ def test_temporary_name_format(tmp_path):
     info = _C.parse_temp_name(name, "step.pt")
     assert info["pid"] == os.getpid() and info["host"] == _C.temp_host() and info["start"] > 0
     # CheckpointManager's pattern still finds the pid right after the mark.
-    from fastckpt.manager.policy import _TMP_RE
+    from fastckpt._core.tempnames import TMP_RE as _TMP_RE
     assert int(_TMP_RE.match(name).group(1)) == os.getpid()
 
 
@@ -761,8 +761,7 @@ _FORK_LOCKS_SCRIPT = textwrap.dedent("""
     import os, signal, sys, threading, time, torch, fastckpt
     import fastckpt.manager  # imported on first use otherwise
     from fastckpt.dcp import FastWriter
-    # the modules (fastckpt.async_save is also the name of the function)
-    A, M, S = (sys.modules[f"fastckpt.{m}"] for m in ("async_save", "_manager_dist", "serialization"))
+    A, M, S = (sys.modules[f"fastckpt.{m}"] for m in ("saver", "manager.ranks", "serialization"))
     d = sys.argv[1]
     torch.set_num_threads(1)  # torch's OpenMP pool does not survive fork() (see _FORK_SCRIPT)
     sd = {"w": torch.arange(1000, dtype=torch.float32)}

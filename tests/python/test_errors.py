@@ -280,7 +280,7 @@ def test_fastwriter_read_only_directory(shared_dir):
 def test_command_reports_permission_not_missing(shared_dir, capsys):
     """`fastckpt inspect` through a directory the user cannot search says
     "Permission denied", not "no such file or directory"."""
-    from fastckpt.cli import main as cli
+    from fastckpt.cli import command as cli
     locked = os.path.join(shared_dir, "locked")
     os.mkdir(locked, 0o700)
     p = os.path.join(locked, "x.pt")

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import fastckpt
-from fastckpt.cli.main import main
+from fastckpt.cli import main
 
 import hostile_pickles as H
 

@@ -97,7 +97,7 @@ def test_manager_and_convert_temporary_names_carry_this_host(tmp_path, monkeypat
     a crash leaves something only this host removes."""
     pytest.importorskip("torch.distributed.checkpoint")
     from fastckpt.manager import ranks as m
-    from fastckpt.manager.policy import _parse_temp
+    from fastckpt._core.tempnames import parse_temp as _parse_temp
     seen = []
     real = m._dcp_writer
 

@@ -162,7 +162,7 @@ def test_out_of_memory_propagates_instead_of_rolling_back(tmp_path, sharded, mon
             return real(state, storage_reader=storage_reader, **kw)
         monkeypatch.setattr(dcp, "load", load)
     else:
-        import fastckpt.manager as m
+        import fastckpt.manager.manager as m
         real = m._load
 
         def load(path, **kw):
@@ -204,7 +204,7 @@ def test_missing_or_incomplete_checkpoint_still_falls_back(tmp_path, sharded):
         for f in (tmp_path / "step_00000020").glob("*.distcp"):
             os.unlink(f)
     else:
-        import fastckpt.manager as m
+        import fastckpt.manager.manager as m
         real = m._load
         m_load = pytest.MonkeyPatch()
 

@@ -5,7 +5,7 @@ import json
 import torch
 
 import fastckpt
-from fastckpt.cli import main as cli
+from fastckpt.cli import command as cli
 
 from conftest import same_state
 

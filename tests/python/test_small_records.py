@@ -187,7 +187,7 @@ def test_large_records_are_read_with_direct_io(tmp_path):
 
 
 def test_inspect_and_verify_packed_file(tmp_path, capsys):
-    from fastckpt.cli.main import main
+    from fastckpt.cli import main
     sd = {f"p{i}": torch.full((i % 5 + 1,), float(i)) for i in range(300)}
     sd["w"] = torch.randn(128, 128)
     p = tmp_path / "s.pt"

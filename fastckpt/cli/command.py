@@ -282,8 +282,8 @@ def cmd_doctor(args) -> int:
 
 
 def _source_root() -> str:
-    """The directory above this package: a source checkout's root when fastckpt runs from one."""
-    return os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    """The directory above the fastckpt package: a source checkout's root when fastckpt runs from one."""
+    return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _bench_module():
@@ -314,7 +314,7 @@ def cmd_bench(args) -> int:
     mod = getattr(args, "_bench_module", None)
     if mod is None:
         raise Failed("fastckpt bench runs the benchmark harness of a source checkout (benchmarks/bench_quick.py), "
-                     f"and this installation has none beside its package ({os.path.dirname(os.path.abspath(__file__))}"
+                     f"and this installation has none beside its package ({os.path.join(_source_root(), 'fastckpt')}"
                      "): in a checkout of the fastckpt repository, run `python -m fastckpt bench DIR` or "
                      "`python benchmarks/bench_quick.py DIR` (with `make build` done there first)")
     return int(mod.run(args) or 0)

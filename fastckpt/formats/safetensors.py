@@ -1,0 +1,163 @@
+"""The safetensors format (https://github.com/huggingface/safetensors, "Format"):
+an 8-byte little-endian header length, a JSON header, then the tensors' bytes.
+Bytes in, plans out (no I/O): the dtype table, the one layout every fastckpt
+writer of safetensors files uses (``save_file``, ``save_sharded``, ``fastckpt
+convert``), and the header parser every reader uses.
+
+The layout: tensors whose size is a whole number of 4 KiB pages first, the
+others after them, within each part the larger elements first (so every tensor
+starts at a multiple of its element size), and the header padded with spaces
+so that the data starts on a 4 KiB boundary: the first part's tensors are then
+each 4 KiB-aligned in the file, and an O_DIRECT read lands them straight in
+their memory.
+"""
+
+import json
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from ..errors import FormatError
+from .torch_rules import itemsize
+
+__all__ = ["MAX_HEADER", "ALIGN", "LAYOUT_KEY", "SEPARATOR", "ST_DTYPES", "ST_NAMES", "dtype_name", "Entry", "plan",
+           "parse_header"]
+
+MAX_HEADER = 100 << 20          # the largest header readers accept (the reference implementation's limit)
+ALIGN = 4096                    # the data starts on, and page-sized tensors keep, this alignment
+LAYOUT_KEY = "fastckpt.layout"  # __metadata__ entry: the nesting of the flattened names
+SEPARATOR = "."                 # joins nested keys into safetensors names
+
+# safetensors dtype names
+_ST_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+             "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U64": "uint64",
+             "U32": "uint32", "U16": "uint16", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
+             "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+             "F8_E8M0": "float8_e8m0fnu"}
+ST_DTYPES: Dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in _ST_NAMES.items() if hasattr(torch, v)}
+ST_NAMES: Dict[torch.dtype, str] = {v: k for k, v in ST_DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass
+class Entry:
+    """One tensor of a file: its bytes are data[begin:end]."""
+    name: str
+    dtype: torch.dtype
+    shape: Tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
+    n = itemsize(dtype)
+    for s in shape:
+        n *= s
+    return n
+
+
+def plan(tensors: Mapping[str, Tuple[torch.dtype, Sequence[int]]],
+         metadata: Optional[Dict[str, str]]) -> Tuple[bytes, List[str], int]:
+    """The layout of a file of ``tensors`` (name -> (dtype, shape)): (the header
+    with its 8-byte length, padded so that the data starts on :data:`ALIGN`;
+    the names in data order; the file's size). ValueError: a dtype without a
+    safetensors name, or a header larger than readers accept."""
+    for n, (dt, _) in tensors.items():
+        if dt not in ST_NAMES:
+            raise ValueError(f"tensor `{n}`: dtype {dtype_name(dt)} has no safetensors name")
+    size = {n: _nbytes(dt, shape) for n, (dt, shape) in tensors.items()}
+
+    def part(n: str) -> int:
+        return 0 if size[n] and size[n] % ALIGN == 0 else 1
+
+    order = sorted(tensors, key=lambda n: (part(n), -itemsize(tensors[n][0]), n))
+    header: Dict[str, Any] = {}
+    if metadata is not None:
+        header["__metadata__"] = metadata
+    pos = 0
+    for n in order:
+        dt, shape = tensors[n]
+        header[n] = {"dtype": ST_NAMES[dt], "shape": list(shape), "data_offsets": [pos, pos + size[n]]}
+        pos += size[n]
+    h = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    h += b" " * ((-(8 + len(h))) % ALIGN)
+    if len(h) > MAX_HEADER:
+        raise ValueError(f"the safetensors header would be {len(h)} bytes, more than readers accept ({MAX_HEADER})")
+    return len(h).to_bytes(8, "little") + h, order, 8 + len(h) + pos
+
+
+def _no_duplicates(pairs):
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise FormatError(f"duplicate key {k!r} in the JSON header")
+        d[k] = v
+    return d
+
+
+def header_length(head: bytes, file_size: int, path: str) -> int:
+    """The header's length from the file's first 8 bytes, checked against the file's size."""
+    if len(head) < 8:
+        raise FormatError(f"{path}: {file_size} bytes is too short for a safetensors file")
+    n = int.from_bytes(head[:8], "little")
+    if n > MAX_HEADER or 8 + n > file_size:
+        raise FormatError(f"{path}: truncated or not a safetensors file: header of {n} bytes in a "
+                          f"{file_size}-byte file")
+    return n
+
+
+def parse_header(raw: bytes, file_size: int, path: str) -> Tuple[Dict[str, str], List[Entry], List[str]]:
+    """The header ``raw`` (the JSON after the 8-byte length) of a ``file_size``-byte
+    file: (its __metadata__, its tensors, the problems found: gaps, overlaps or
+    bytes after the last tensor, which the reference implementation refuses).
+    FormatError for what cannot be read at all; every message names ``path``."""
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except FormatError as e:
+        raise FormatError(f"{path}: {e}") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError(f"{path}: the safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path}: the safetensors header is not a JSON object")
+    buf_len = file_size - 8 - len(raw)
+    meta = header.pop("__metadata__", None)
+    if meta is not None and (not isinstance(meta, dict)
+                             or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items())):
+        raise FormatError(f"{path}: __metadata__ must map strings to strings")
+    entries: List[Entry] = []
+    for name, info in header.items():
+        where = f"{path}: tensor {name!r}"
+        if not isinstance(info, dict):
+            raise FormatError(f"{where}: header entry is not an object")
+        dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if dt not in ST_DTYPES:
+            raise FormatError(f"{where}: unknown dtype {dt!r}")
+        if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
+            raise FormatError(f"{where}: invalid shape {shape!r}")
+        if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
+                or not 0 <= offs[0] <= offs[1]):
+            raise FormatError(f"{where}: invalid data_offsets {offs!r}")
+        want = _nbytes(ST_DTYPES[dt], shape)
+        if offs[1] - offs[0] != want:
+            raise FormatError(f"{where}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, "
+                              f"a {dt} tensor of shape {shape} needs {want}")
+        if offs[1] > buf_len:
+            raise FormatError(f"{where}: bytes {offs[0]}..{offs[1]} of the data lie past the end of the file "
+                              f"(the data has {buf_len} bytes: truncated?)")
+        entries.append(Entry(name, ST_DTYPES[dt], tuple(shape), offs[0], offs[1]))
+    # What the reference implementation also insists on: the tensors tile the data exactly.
+    problems: List[str] = []
+    pos = 0
+    for e in sorted(entries, key=lambda e: (e.begin, e.end)):
+        if e.begin > pos:
+            problems.append(f"{path}: {e.begin - pos} unused bytes before tensor {e.name!r} (data offset {pos})")
+        elif e.begin < pos and e.end > e.begin:
+            problems.append(f"{path}: tensor {e.name!r} overlaps the tensor before it (data offset {e.begin})")
+        pos = max(pos, e.end)
+    if pos != buf_len:
+        problems.append(f"{path}: the file has {buf_len - pos} bytes after the last tensor's data")
+    return dict(meta or {}), entries, problems
