@@ -1,4 +1,4 @@
-// fastckpt._C: thin bindings over csrc/engine. Tensors and buffer-protocol
+// fastckpt._C: thin bindings over csrc/engine and csrc/pickle. Tensors and buffer-protocol
 // objects become (pointer, bytes); the GIL is released during I/O; engine
 // errors become OSError(errno, message, path), fastckpt.FormatError
 // (truncated files) and ValueError (misuse). No I/O decisions here.
@@ -23,9 +23,9 @@
 #include "../engine/error.h"
 #include "../engine/fault.h"
 #include "../engine/region_writer.h"
-#include "../engine/pickle_scan.h"
 #include "../engine/sys.h"
 #include "../engine/temp_file.h"
+#include "../pickle/pickle_scan.h"
 
 namespace py = pybind11;
 using namespace fastckpt;
