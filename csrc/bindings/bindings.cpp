@@ -19,12 +19,15 @@
 #include <vector>
 
 #include "../engine/config.h"
+#include "../engine/crc32.h"
 #include "../engine/engine.h"
 #include "../engine/error.h"
 #include "../engine/fault.h"
+#include "../engine/reader.h"
 #include "../engine/region_writer.h"
 #include "../engine/sys.h"
 #include "../engine/temp_file.h"
+#include "../engine/writer.h"
 #include "../pickle/pickle_scan.h"
 
 namespace py = pybind11;
