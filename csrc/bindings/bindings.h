@@ -42,6 +42,14 @@ class Span {
   uint64_t len_ = 0;
 };
 
+// f() run with the GIL released; its result is converted after the GIL is
+// taken back.
+template <class F>
+auto without_gil(F&& f) -> decltype(f()) {
+  py::gil_scoped_release nogil;
+  return f();
+}
+
 // Each area's functions and classes, added to the module in this order (a
 // signature names a class registered before it: Engine before the writers).
 void init_engine(py::module_& m);   // EngineConfig, Engine, uring_compiled

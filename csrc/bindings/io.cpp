@@ -147,12 +147,7 @@ void init_io(py::module_& m) {
       .def_property_readonly("tmp_path", [](PyWriter& w) { return w.get().tmp_path(); })
       .def("commit", [](PyWriter& w) {
         Writer& wr = w.get();
-        WriteStats st;
-        {
-          py::gil_scoped_release nogil;
-          st = wr.commit();
-        }
-        return stats_dict(st);
+        return stats_dict(without_gil([&] { return wr.commit(); }));
       }, "Make the file durable and rename it to its final name; returns statistics.")
       .def("abort", [](PyWriter& w) {
         if (!w.w) return;
@@ -193,22 +188,12 @@ void init_io(py::module_& m) {
            "Write the bytes of a contiguous CPU tensor or buffer at `offset`; with crc=True return their zip CRC-32.")
       .def("finish", [](PyRegionWriter& w) {
              RegionWriter& wr = w.get();
-             RegionStats st;
-             {
-               py::gil_scoped_release nogil;
-               st = wr.finish();
-             }
-             return stats_dict(st);
+             return stats_dict(without_gil([&] { return wr.finish(); }));
            },
            "Reap every write and fdatasync the file.")
       .def("commit", [](PyRegionWriter& w) {
              RegionWriter& wr = w.get();
-             RegionStats st;
-             {
-               py::gil_scoped_release nogil;
-               st = wr.commit();
-             }
-             return stats_dict(st);
+             return stats_dict(without_gil([&] { return wr.commit(); }));
            },
            "The creator only: finish(), rename over the target, fsync the directory.")
       .def("abort", [](PyRegionWriter& w) {
@@ -247,12 +232,7 @@ void init_io(py::module_& m) {
             ranges.push_back(ReadRange{spans.back().ptr(), spans.back().len(), static_cast<uint64_t>(off),
                                        want[i] ? &crcs[i] : nullptr});
           }
-          ReadStats st;
-          {
-            py::gil_scoped_release nogil;
-            st = read_ranges(*eng, path, ranges, fd);
-          }
-          py::dict d = read_stats_dict(st);
+          py::dict d = read_stats_dict(without_gil([&] { return read_ranges(*eng, path, ranges, fd); }));
           if (any_crc) {
             py::list out(n);
             for (size_t i = 0; i < n; ++i) out[i] = want[i] ? py::object(py::int_(crcs[i])) : py::object(py::none());

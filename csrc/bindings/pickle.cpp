@@ -10,12 +10,9 @@ void init_pickle(py::module_& m) {
         [](py::handle data, bool persistent, int64_t max_depth, uint64_t max_ratio, uint64_t min_budget,
            int64_t int_max_str_digits) {
           Span s(data, false);
-          PickleVerdict v;
-          {
-            py::gil_scoped_release nogil;
-            v = pickle_check(s.ptr(), s.len(), persistent, max_depth, max_ratio, min_budget,
-                                       int_max_str_digits);
-          }
+          const PickleVerdict v = without_gil([&] {
+            return pickle_check(s.ptr(), s.len(), persistent, max_depth, max_ratio, min_budget, int_max_str_digits);
+          });
           return py::make_tuple(static_cast<int>(v.kind), v.message, v.pos, v.cost);
         },
         py::arg("data"), py::arg("persistent"), py::arg("max_depth"), py::arg("max_ratio"), py::arg("min_budget"),
