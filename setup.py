@@ -1,7 +1,7 @@
 """Build fastckpt and its C++ extension (fastckpt._C).
 
-The engine's sources are taken from csrc/engine/ by glob, as CMakeLists.txt
-does. io_uring support is compiled in when liburing's headers and library are
+The engine's sources (csrc/engine/) and the pickle scanner's (csrc/pickle/)
+are taken by glob, as CMakeLists.txt does. io_uring support is compiled in when liburing's headers and library are
 found (Debian: liburing-dev); otherwise the build says so and the engine uses
 its thread backend only. The CRC-32 is ISA-L's (crc32_gzip_refl) when its
 header and library are found (Debian: libisal-dev; FASTCKPT_NO_ISAL=1 skips
@@ -89,6 +89,7 @@ def _find_isal():
 
 def _extension():
     sources = sorted(glob.glob(os.path.join("csrc", "engine", "*.cc")))
+    sources += sorted(glob.glob(os.path.join("csrc", "pickle", "*.cc")))
     sources += sorted(glob.glob(os.path.join("csrc", "bindings", "*.cpp")))
     debug = os.environ.get("DEBUG") == "1"
     cxx = ["-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter"]

@@ -13,6 +13,7 @@
 
 #include <condition_variable>
 #include <cstddef>
+#include <cstdint>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -32,6 +33,12 @@ class BufferPool {
   char* data(int index) const { return base_ + static_cast<size_t>(index) * size_; }
   // Buffer `index` as an iovec, for io_uring buffer registration.
   iovec iov(int index) const { return iovec{data(index), size_}; }
+  // Whether these buffers can carry O_DIRECT transfers of a file with these
+  // direct-I/O alignments (sys::dio_alignment): their memory is page-aligned
+  // (4096) and their size must be a multiple of the file offset alignment.
+  bool fits_direct_io(uint64_t mem_align, uint64_t offset_align) const {
+    return mem_align <= 4096 && offset_align <= size_ && size_ % offset_align == 0;
+  }
 
   // Blocks until a buffer is free. Hands out an already-touched buffer when
   // one is free (the one released last first), otherwise an untouched one

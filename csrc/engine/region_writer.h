@@ -26,25 +26,15 @@
 #pragma once
 
 #include <cstdint>
-#include <memory>
 #include <string>
-#include <vector>
 
 #include "engine.h"
+#include "write_session.h"
 
 namespace fastckpt {
 
-struct RegionStats {
-  uint64_t bytes = 0;           // bytes of the regions written by this process
-  uint64_t requests = 0;        // write requests issued (excluding requeues)
-  uint64_t direct_requests = 0; // of those, O_DIRECT
-  uint64_t requeued = 0;
-  double seconds = 0;           // open to finish/commit
-  bool direct = false;          // O_DIRECT was available for aligned pieces
-  std::string backend;
-  uint32_t alignment = 0;       // direct-I/O offset alignment (0: buffered only)
-  std::string fallback;         // why O_DIRECT was not used, if it was not
-  std::vector<std::string> leftovers_removed;  // owner only
+struct RegionStats : WriteStatsBase {
+  uint64_t direct_requests = 0;  // of the requests, O_DIRECT
 };
 
 class RegionWriter {
@@ -53,7 +43,6 @@ class RegionWriter {
   // (tmp is ignored; tmp_path() names it). create = false: open the existing
   // temporary file `tmp` of `target` (size is ignored).
   RegionWriter(Engine& engine, const std::string& target, const std::string& tmp, bool create, uint64_t size);
-  ~RegionWriter();
   RegionWriter(const RegionWriter&) = delete;
   RegionWriter& operator=(const RegionWriter&) = delete;
 
@@ -66,13 +55,13 @@ class RegionWriter {
   RegionStats finish();
   // Owner only: finish(), then rename over the target and fsync the directory.
   RegionStats commit();
-  void abort() noexcept;
+  void abort() noexcept { s_.abort(); }
 
-  bool owner() const { return owner_; }
-  bool direct() const { return direct_; }
-  const std::string& target() const { return target_; }
-  const std::string& tmp_path() const { return tmp_; }
-  const std::string& backend_name() const { return backend_; }
+  bool owner() const { return s_.owns_temp; }
+  bool direct() const { return s_.direct; }
+  const std::string& target() const { return s_.target; }
+  const std::string& tmp_path() const { return s_.tmp; }
+  const std::string& backend_name() const { return s_.backend; }
 
  private:
   void open_create(uint64_t size);
@@ -81,28 +70,10 @@ class RegionWriter {
   void submit(int buf, uint64_t len, uint64_t off);
   int take_buffer();
   void reap_one();
-  void release_buffers(const std::vector<int>& unreaped = {}) noexcept;
-  void ensure_open() const;
-  template <class F>
-  auto guarded(F&& f) -> decltype(f());
 
-  Engine& eng_;
-  const EngineConfig& cfg_;
-  std::string target_, dir_, tmp_, backend_;
-  BackendLease lease_;
-  std::unique_ptr<IoQueue> q_;
-  int fd_ = -1;         // buffered descriptor (the owner's holds the lock)
-  int fdd_ = -1;        // O_DIRECT descriptor, or -1
-  bool owner_ = false;
-  enum class State { Open, Finished, Committed, Aborted } state_ = State::Open;
-  bool direct_ = false;
+  WriteSession s_;  // lease, queue, buffers, descriptors, commit protocol
   bool probed_ = false;
-  uint32_t align_ = 0;
-  std::string fallback_;
-  std::vector<std::string> leftovers_;
-  HeldBuffers bufs_;
-  RegionStats st_;
-  double t0_ = 0;
+  RegionStats st_;  // bytes and requests so far
 };
 
 }  // namespace fastckpt

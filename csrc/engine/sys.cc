@@ -39,19 +39,24 @@ bool injected(Op op, const std::string& path, const char* name, int& tries, int6
   if (retryable(a.err) && ++tries < kMaxRetries) return true;
   throw_io(a.err, name, report ? *report : path, off, len);
 }
+
+// call() retried while it fails with EINTR (kMaxRetries at most, injected
+// ones counted too), the fault hook consulted before each try; returns its
+// last result, errno set when that is negative.
+template <class Call>
+int64_t retrying(Op op, const std::string& path, const char* name, Call call, int64_t off = -1, uint64_t len = 0) {
+  int tries = 0;
+  for (;;) {
+    if (injected(op, path, name, tries, off, len)) continue;
+    const int64_t r = call();
+    if (!(r < 0 && errno == EINTR && ++tries < kMaxRetries)) return r;
+  }
+}
 }  // namespace
 
 int open(const std::string& path, int flags, mode_t mode, const std::string* shown) {
   const std::string& name = shown ? *shown : path;
-  int fd, tries = 0;
-  do {
-    if (injected(Op::Open, name, "open", tries)) {
-      fd = -1;
-      errno = EINTR;
-      continue;
-    }
-    fd = ::open(path.c_str(), flags | O_CLOEXEC, mode);
-  } while (fd < 0 && errno == EINTR && ++tries < kMaxRetries);
+  const int64_t fd = retrying(Op::Open, name, "open", [&] { return ::open(path.c_str(), flags | O_CLOEXEC, mode); });
   return static_cast<int>(check_sys(fd, "open", name));
 }
 
@@ -71,44 +76,50 @@ int64_t pread_raw(int fd, void* buf, uint64_t len, int64_t off) noexcept {
   return r < 0 ? -errno : r;
 }
 
-void pwrite_full(int fd, const void* buf, uint64_t len, int64_t off, const std::string& path) {
-  const char* p = static_cast<const char*>(buf);
+namespace {
+
+// The one loop of a whole synchronous transfer (pwrite_full, pread_full): the
+// fault hook before each call, EINTR/EAGAIN retried, short transfers
+// continued. A transfer of 0 bytes is end of file for a read (`eof_ends`) and
+// EIO for a write; an injected one (short = 0) is retried.
+template <class Raw>
+uint64_t transfer_full(Op op, const char* name, Raw raw, uint64_t len, int64_t off, const std::string& path,
+                       bool eof_ends) {
   uint64_t done = 0;
   int tries = 0;
   while (done < len) {
     uint64_t want = len - done;
-    fault::Action a = fault::on(Op::Write, path);
-    if (a.err && !(retryable(a.err) && ++tries < kMaxRetries)) throw_io(a.err, "pwrite", path, off + done, want);
+    fault::Action a = fault::on(op, path);
+    if (a.err && !(retryable(a.err) && ++tries < kMaxRetries)) throw_io(a.err, name, path, off + done, want);
     if (a.err) continue;
     if (a.short_len >= 0 && static_cast<uint64_t>(a.short_len) < want) want = a.short_len;
-    int64_t r = want ? pwrite_raw(fd, p + done, want, off + done) : 0;
+    int64_t r = want ? raw(done, want, off + static_cast<int64_t>(done)) : 0;
     if ((r == -EINTR || r == -EAGAIN) && ++tries < kMaxRetries) continue;
-    if (r < 0) throw_io(static_cast<int>(-r), "pwrite", path, off + done, len - done);
-    if (r == 0 && a.short_len != 0) throw_io(EIO, "pwrite", path, off + done, len - done);
-    done += r;
+    if (r < 0) throw_io(static_cast<int>(-r), name, path, off + done, len - done);
+    if (r == 0) {
+      if (a.short_len == 0) continue;  // injected zero-length transfer: retry
+      if (eof_ends) break;             // end of file
+      throw_io(EIO, name, path, off + done, len - done);
+    }
+    done += static_cast<uint64_t>(r);
   }
+  return done;
+}
+
+}  // namespace
+
+void pwrite_full(int fd, const void* buf, uint64_t len, int64_t off, const std::string& path) {
+  const char* p = static_cast<const char*>(buf);
+  transfer_full(
+      Op::Write, "pwrite", [&](uint64_t done, uint64_t n, int64_t at) { return pwrite_raw(fd, p + done, n, at); },
+      len, off, path, /*eof_ends=*/false);
 }
 
 uint64_t pread_full(int fd, void* buf, uint64_t len, int64_t off, const std::string& path) {
   char* p = static_cast<char*>(buf);
-  uint64_t done = 0;
-  int tries = 0;
-  while (done < len) {
-    uint64_t want = len - done;
-    fault::Action a = fault::on(Op::Read, path);
-    if (a.err && !(retryable(a.err) && ++tries < kMaxRetries)) throw_io(a.err, "pread", path, off + done, want);
-    if (a.err) continue;
-    if (a.short_len >= 0 && static_cast<uint64_t>(a.short_len) < want) want = a.short_len;
-    int64_t r = want ? pread_raw(fd, p + done, want, off + done) : 0;
-    if ((r == -EINTR || r == -EAGAIN) && ++tries < kMaxRetries) continue;
-    if (r < 0) throw_io(static_cast<int>(-r), "pread", path, off + done, len - done);
-    if (r == 0) {
-      if (a.short_len == 0) continue;  // injected zero-length transfer: retry
-      break;                           // end of file
-    }
-    done += r;
-  }
-  return done;
+  return transfer_full(
+      Op::Read, "pread", [&](uint64_t done, uint64_t n, int64_t at) { return pread_raw(fd, p + done, n, at); }, len,
+      off, path, /*eof_ends=*/true);
 }
 
 int64_t cached_pages_raw(int fd, uint64_t off, uint64_t len) noexcept {
@@ -206,16 +217,7 @@ bool test_skip_sync(const char* what) noexcept {
 
 void fdatasync(int fd, const std::string& path) {
   if (test_skip_sync("data")) return;
-  int r, tries = 0;
-  do {
-    if (injected(Op::Fsync, path, "fdatasync", tries)) {
-      r = -1;
-      errno = EINTR;
-      continue;
-    }
-    r = ::fdatasync(fd);
-  } while (r < 0 && errno == EINTR && ++tries < kMaxRetries);
-  check_sys(r, "fdatasync", path);
+  check_sys(retrying(Op::Fsync, path, "fdatasync", [&] { return ::fdatasync(fd); }), "fdatasync", path);
 }
 
 int fdatasync_raw(int fd) noexcept {
@@ -254,30 +256,17 @@ void rename(const std::string& from, const std::string& to) {
 
 bool fallocate(int fd, uint64_t len, const std::string& path) {
   if (len == 0) return true;
-  int r, tries = 0;
-  do {
-    if (injected(Op::Fallocate, path, "fallocate", tries, 0, len)) {
-      r = -1;
-      errno = EINTR;
-      continue;
-    }
-    r = ::fallocate(fd, 0, 0, static_cast<off_t>(len));
-  } while (r < 0 && errno == EINTR && ++tries < kMaxRetries);
+  const int64_t r = retrying(
+      Op::Fallocate, path, "fallocate", [&] { return ::fallocate(fd, 0, 0, static_cast<off_t>(len)); }, 0, len);
   if (r < 0 && (errno == EOPNOTSUPP || errno == ENOSYS)) return false;
   check_sys(r, "fallocate", path, 0, len);
   return true;
 }
 
 void ftruncate(int fd, uint64_t len, const std::string& path) {
-  int r, tries = 0;
-  do {
-    if (injected(Op::Truncate, path, "ftruncate", tries, static_cast<int64_t>(len))) {
-      r = -1;
-      errno = EINTR;
-      continue;
-    }
-    r = ::ftruncate(fd, static_cast<off_t>(len));
-  } while (r < 0 && errno == EINTR && ++tries < kMaxRetries);
+  const int64_t r = retrying(
+      Op::Truncate, path, "ftruncate", [&] { return ::ftruncate(fd, static_cast<off_t>(len)); },
+      static_cast<int64_t>(len));
   check_sys(r, "ftruncate", path, static_cast<int64_t>(len));
 }
 

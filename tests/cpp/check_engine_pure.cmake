@@ -1,18 +1,18 @@
-# cmake -DENGINE_DIR=csrc/engine -P check_engine_pure.cmake
+# cmake -DSOURCE_DIR=csrc/engine -P check_engine_pure.cmake   (and csrc/pickle)
 #
-# Fails when a source of the engine includes a torch, ATen/c10, pybind11 or
-# Python header, or uses their namespaces/types in code: the engine is C++17 +
-# libc (+ liburing) only, so that it builds and is tested without torch.
-# Comments may mention "Python"; code may not use it.
-if(NOT ENGINE_DIR OR NOT IS_DIRECTORY "${ENGINE_DIR}")
-  message(FATAL_ERROR "ENGINE_DIR not set or not a directory: '${ENGINE_DIR}'")
+# Fails when a source of SOURCE_DIR (the engine, the pickle scanner) includes a
+# torch, ATen/c10, pybind11 or Python header, or uses their namespaces/types in
+# code: both are C++17 + libc (+ liburing) only, so that they build and are
+# tested without torch. Comments may mention "Python"; code may not use it.
+if(NOT SOURCE_DIR OR NOT IS_DIRECTORY "${SOURCE_DIR}")
+  message(FATAL_ERROR "SOURCE_DIR not set or not a directory: '${SOURCE_DIR}'")
 endif()
 
-file(GLOB_RECURSE sources "${ENGINE_DIR}/*.h" "${ENGINE_DIR}/*.hpp" "${ENGINE_DIR}/*.cc" "${ENGINE_DIR}/*.cpp"
-     "${ENGINE_DIR}/*.c" "${ENGINE_DIR}/*.inc")
+file(GLOB_RECURSE sources "${SOURCE_DIR}/*.h" "${SOURCE_DIR}/*.hpp" "${SOURCE_DIR}/*.cc" "${SOURCE_DIR}/*.cpp"
+     "${SOURCE_DIR}/*.c" "${SOURCE_DIR}/*.inc")
 list(LENGTH sources n)
 if(n EQUAL 0)
-  message(FATAL_ERROR "no sources found in ${ENGINE_DIR}")
+  message(FATAL_ERROR "no sources found in ${SOURCE_DIR}")
 endif()
 
 set(include_re "^[ \t]*#[ \t]*include[ \t]*[<\"](torch/|ATen/|c10/|caffe2/|pybind11/|Python\\.h|numpy/)")
@@ -47,6 +47,6 @@ foreach(f IN LISTS sources)
 endforeach()
 
 if(bad)
-  message(FATAL_ERROR "csrc/engine must not depend on torch, pybind11 or Python:\n${bad}")
+  message(FATAL_ERROR "${SOURCE_DIR} must not depend on torch, pybind11 or Python:\n${bad}")
 endif()
-message(STATUS "engine purity: ${n} files checked, no torch/pybind11/Python dependency")
+message(STATUS "${SOURCE_DIR}: ${n} files checked, no torch/pybind11/Python dependency")

@@ -1,4 +1,4 @@
-// The C++ safety walk of a pickle (fastckpt::pickle_check, csrc/engine/pickle_scan.cc):
+// The C++ safety walk of a pickle (fastckpt::pickle_check, csrc/pickle/pickle_scan.cc):
 // the hostile shapes it must refuse without recursing and without allocating
 // more than the input accounts for: nesting a million deep, huge memo
 // indices, counted sizes past the end, truncated input; and real pickles

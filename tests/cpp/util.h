@@ -20,10 +20,14 @@
 
 #include "backend.h"
 #include "config.h"
+#include "crc32.h"
 #include "engine.h"
 #include "error.h"
 #include "fault.h"
 #include "harness.h"
+#include "reader.h"
+#include "sys.h"
+#include "writer.h"
 
 namespace fct {
 

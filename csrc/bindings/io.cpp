@@ -1,0 +1,309 @@
+// The writers, the range reader, the CRC-32 and the file helpers (directory
+// fsync, temporary names, the direct-I/O alignment of a file).
+#include <fcntl.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "../engine/crc32.h"
+#include "../engine/engine.h"
+#include "../engine/reader.h"
+#include "../engine/region_writer.h"
+#include "../engine/sys.h"
+#include "../engine/temp_file.h"
+#include "../engine/writer.h"
+#include "bindings.h"
+
+namespace fastckpt {
+namespace bindings {
+
+namespace {
+
+// A writer's statistics as a dict, in the order of the fields; a writer's
+// own field (RegionStats::direct_requests, WriteStats::flush_seconds) at its
+// place when given.
+py::dict stats_dict(const WriteStatsBase& s, const uint64_t* direct_requests, const double* flush_seconds) {
+  py::dict d;
+  d["bytes"] = s.bytes;
+  d["requests"] = s.requests;
+  if (direct_requests) d["direct_requests"] = *direct_requests;
+  d["requeued"] = s.requeued;
+  d["seconds"] = s.seconds;
+  if (flush_seconds) d["flush_seconds"] = *flush_seconds;
+  d["direct"] = s.direct;
+  d["backend"] = s.backend;
+  d["alignment"] = s.alignment;
+  d["fallback"] = s.fallback;
+  d["leftovers_removed"] = s.leftovers_removed;
+  return d;
+}
+
+py::dict stats_dict(const WriteStats& s) { return stats_dict(s, nullptr, &s.flush_seconds); }
+py::dict stats_dict(const RegionStats& s) { return stats_dict(s, &s.direct_requests, nullptr); }
+
+py::dict read_stats_dict(const ReadStats& s) {
+  py::dict d;
+  d["bytes"] = s.bytes;
+  d["bytes_read"] = s.bytes_read;
+  d["requests"] = s.requests;
+  d["direct_requests"] = s.direct_requests;
+  d["cached_bytes"] = s.cached_bytes;
+  d["prefaulted_bytes"] = s.prefaulted_bytes;
+  d["seconds"] = s.seconds;
+  d["direct"] = s.direct;
+  d["backend"] = s.backend;
+  return d;
+}
+
+// The Python objects own the engine's writers; the Engine object is kept
+// alive by pybind11's keep_alive.
+struct PyWriter {
+  std::unique_ptr<Writer> w;
+  Writer& get() {
+    if (!w) throw py::value_error("Writer is closed");
+    return *w;
+  }
+};
+
+struct PyRegionWriter {
+  std::unique_ptr<RegionWriter> w;
+  RegionWriter& get() {
+    if (!w) throw py::value_error("RegionWriter is closed");
+    return *w;
+  }
+};
+
+}  // namespace
+
+void init_io(py::module_& m) {
+  py::class_<PyWriter>(m, "Writer")
+      .def(py::init([](std::shared_ptr<Engine> eng, const std::string& path, int64_t expected_size) {
+             py::gil_scoped_release nogil;
+             return PyWriter{std::unique_ptr<Writer>(new Writer(*eng, path, expected_size))};
+           }),
+           py::arg("engine"), py::arg("path"), py::arg("expected_size") = -1, py::keep_alive<1, 2>())
+      .def("write", [](PyWriter& w, py::handle obj) {
+             Span s(obj, false);
+             Writer& wr = w.get();
+             py::gil_scoped_release nogil;
+             wr.append(s.ptr(), s.len());
+           },
+           py::arg("data"), "Append the bytes of a contiguous CPU tensor or buffer.")
+      .def("write_at", [](PyWriter& w, py::handle obj, uint64_t off) {
+             Span s(obj, false);
+             Writer& wr = w.get();
+             py::gil_scoped_release nogil;
+             wr.write_at(s.ptr(), s.len(), off);
+           },
+           py::arg("data"), py::arg("offset"))
+      .def("write_many", [](PyWriter& w, py::sequence items) {
+             // Each item is data or (data, offset); one GIL release for all.
+             std::vector<Span> spans;
+             std::vector<int64_t> offs;
+             spans.reserve(py::len(items));
+             for (py::handle it : items) {
+               if (py::isinstance<py::tuple>(it)) {
+                 py::tuple t = py::reinterpret_borrow<py::tuple>(it);
+                 if (t.size() != 2) throw py::value_error("write_many: items are data or (data, offset)");
+                 int64_t off = t[1].cast<int64_t>();
+                 if (off < 0)
+                   throw py::value_error("write_many: negative offset " + std::to_string(off) + " in item " +
+                                         std::to_string(spans.size()) + " (an item without offset is appended)");
+                 spans.emplace_back(t[0], false);
+                 offs.push_back(off);
+               } else {
+                 spans.emplace_back(it, false);
+                 offs.push_back(-1);
+               }
+             }
+             Writer& wr = w.get();
+             py::gil_scoped_release nogil;
+             for (size_t i = 0; i < spans.size(); ++i) {
+               if (offs[i] < 0) wr.append(spans[i].ptr(), spans[i].len());
+               else wr.write_at(spans[i].ptr(), spans[i].len(), static_cast<uint64_t>(offs[i]));
+             }
+           },
+           py::arg("items"))
+      .def("write_crc", [](PyWriter& w, py::handle obj, uint32_t crc) {
+             Span s(obj, false);
+             Writer& wr = w.get();
+             py::gil_scoped_release nogil;
+             wr.append(s.ptr(), s.len(), &crc);
+             return crc;
+           },
+           py::arg("data"), py::arg("crc") = 0,
+           "Append like write() and return the zip CRC-32 of the data, continued from `crc`.")
+      .def("write_zeros", [](PyWriter& w, uint64_t n) {
+             Writer& wr = w.get();
+             py::gil_scoped_release nogil;
+             wr.append_zeros(n);
+           })
+      .def_property_readonly("position", [](PyWriter& w) { return w.get().position(); })
+      .def_property_readonly("direct", [](PyWriter& w) { return w.get().direct(); })
+      .def_property_readonly("backend", [](PyWriter& w) { return w.get().backend_name(); })
+      .def_property_readonly("path", [](PyWriter& w) { return w.get().path(); })
+      .def_property_readonly("tmp_path", [](PyWriter& w) { return w.get().tmp_path(); })
+      .def("commit", [](PyWriter& w) {
+        Writer& wr = w.get();
+        return stats_dict(without_gil([&] { return wr.commit(); }));
+      }, "Make the file durable and rename it to its final name; returns statistics.")
+      .def("abort", [](PyWriter& w) {
+        if (!w.w) return;
+        py::gil_scoped_release nogil;
+        w.w->abort();
+      }, "Discard the temporary file (no effect after commit).")
+      .def("__enter__", [](py::object self) { return self; })
+      .def("__exit__", [](PyWriter& w, py::object, py::object, py::object) {
+        if (!w.w) return false;
+        py::gil_scoped_release nogil;
+        w.w->abort();  // a Writer left without commit() is discarded
+        return false;
+      });
+
+  py::class_<PyRegionWriter>(m, "RegionWriter")
+      .def(py::init([](std::shared_ptr<Engine> eng, const std::string& target, const std::string& tmp, bool create,
+                       uint64_t size) {
+             py::gil_scoped_release nogil;
+             return PyRegionWriter{std::unique_ptr<RegionWriter>(new RegionWriter(*eng, target, tmp, create, size))};
+           }),
+           py::arg("engine"), py::arg("target"), py::arg("tmp") = "", py::arg("create") = false, py::arg("size") = 0,
+           py::keep_alive<1, 2>(),
+           "One process's part of a file written by several (region_writer.h): create=True makes the temporary "
+           "file of `target`, `size` bytes long (tmp_path names it); otherwise opens the existing temporary file "
+           "`tmp`.")
+      .def("write_at", [](PyRegionWriter& w, py::handle obj, uint64_t off, bool crc) -> py::object {
+             Span s(obj, false);
+             RegionWriter& wr = w.get();
+             uint32_t c = 0;
+             {
+               py::gil_scoped_release nogil;
+               wr.write_at(s.ptr(), s.len(), off, crc ? &c : nullptr);
+             }
+             if (!crc) return py::none();
+             return py::int_(c);
+           },
+           py::arg("data"), py::arg("offset"), py::arg("crc") = false,
+           "Write the bytes of a contiguous CPU tensor or buffer at `offset`; with crc=True return their zip CRC-32.")
+      .def("finish", [](PyRegionWriter& w) {
+             RegionWriter& wr = w.get();
+             return stats_dict(without_gil([&] { return wr.finish(); }));
+           },
+           "Reap every write and fdatasync the file.")
+      .def("commit", [](PyRegionWriter& w) {
+             RegionWriter& wr = w.get();
+             return stats_dict(without_gil([&] { return wr.commit(); }));
+           },
+           "The creator only: finish(), rename over the target, fsync the directory.")
+      .def("abort", [](PyRegionWriter& w) {
+             if (!w.w) return;
+             py::gil_scoped_release nogil;
+             w.w->abort();
+           },
+           "Stop: reap what is in flight; the creator removes the temporary file.")
+      .def_property_readonly("tmp_path", [](PyRegionWriter& w) { return w.get().tmp_path(); })
+      .def_property_readonly("target", [](PyRegionWriter& w) { return w.get().target(); })
+      .def_property_readonly("owner", [](PyRegionWriter& w) { return w.get().owner(); })
+      .def_property_readonly("direct", [](PyRegionWriter& w) { return w.get().direct(); })
+      .def_property_readonly("backend", [](PyRegionWriter& w) { return w.get().backend_name(); });
+
+  m.def("read_ranges", [](std::shared_ptr<Engine> eng, const std::string& path, py::sequence items, int fd,
+                          bool crc) {
+          // Each item: (destination, file_offset[, want_crc]); the whole destination is filled.
+          const size_t n = py::len(items);
+          std::vector<Span> spans;
+          std::vector<ReadRange> ranges;
+          std::vector<uint32_t> crcs(n, 0);
+          std::vector<char> want(n, 0);
+          bool any_crc = false;
+          spans.reserve(n);
+          ranges.reserve(n);
+          for (py::handle it : items) {
+            const size_t i = ranges.size();
+            py::tuple t = py::cast<py::tuple>(it);
+            if (t.size() != 2 && t.size() != 3)
+              throw py::value_error("read_ranges: items are (destination, offset) or (destination, offset, crc)");
+            int64_t off = t[1].cast<int64_t>();
+            if (off < 0) throw py::value_error("read_ranges: negative offset");
+            want[i] = t.size() == 3 ? t[2].cast<bool>() : crc;
+            any_crc = any_crc || want[i];
+            spans.emplace_back(t[0], true);
+            ranges.push_back(ReadRange{spans.back().ptr(), spans.back().len(), static_cast<uint64_t>(off),
+                                       want[i] ? &crcs[i] : nullptr});
+          }
+          py::dict d = read_stats_dict(without_gil([&] { return read_ranges(*eng, path, ranges, fd); }));
+          if (any_crc) {
+            py::list out(n);
+            for (size_t i = 0; i < n; ++i) out[i] = want[i] ? py::object(py::int_(crcs[i])) : py::object(py::none());
+            d["crcs"] = out;
+          }
+          return d;
+        },
+        py::arg("engine"), py::arg("path"), py::arg("ranges"), py::arg("fd") = -1, py::arg("crc") = false,
+        "Fill each (destination, offset) from the file with parallel reads; with fd, from the file that open "
+        "descriptor refers to (consistent with what was read through it, even if path is renamed over meanwhile). "
+        "With crc=True (every item) or an item (destination, offset, True), the engine also computes the zip "
+        "CRC-32 of each such destination's bytes as they land, in parallel with the reads: the returned dict's "
+        "'crcs' holds one per item (None for items that did not ask).");
+
+  m.def("dio_alignment", [](const std::string& path) {
+    int fd = sys::open(path, O_RDONLY);
+    sys::DioAlign a;
+    try {
+      a = sys::dio_alignment(fd, path);
+    } catch (...) {
+      sys::close_quiet(fd);
+      throw;
+    }
+    sys::close_quiet(fd);
+    py::dict d;
+    d["mem"] = a.mem;
+    d["offset"] = a.offset;
+    d["source"] = a.source;
+    return d;
+  });
+
+  m.def("crc32", [](py::handle obj, uint32_t crc) {
+          Span s(obj, false);
+          if (s.len() < (64u << 10)) return crc32(crc, s.ptr(), s.len());  // less than a GIL round trip
+          py::gil_scoped_release nogil;
+          return crc32(crc, s.ptr(), s.len());
+        },
+        py::arg("data"), py::arg("crc") = 0,
+        "Zip CRC-32 of a CPU tensor or buffer, continued from `crc` (equal to zlib.crc32; the GIL is released "
+        "for inputs of 64 KiB and more).");
+  m.def("crc32_combine", &crc32_combine, py::arg("crc1"), py::arg("crc2"), py::arg("len2"),
+        "The CRC-32 of a followed by b, from crc32(a), crc32(b) and len(b) (zlib's crc32_combine).");
+  m.def("crc32_impl", []() { return std::string(crc32_impl()); },
+        "The CRC-32 implementation of this build: 'isa-l' (hardware-accelerated) or 'zlib'.");
+  m.def("fsync_dir", [](const std::string& path) {
+          py::gil_scoped_release nogil;
+          sys::fsync_dir(path);
+        },
+        py::arg("path"),
+        "fsync a directory (makes renames and removals in it durable) through the engine's checker and fault hook.");
+
+  m.def("remove_leftovers", [](const std::string& path) {
+          py::gil_scoped_release nogil;
+          return remove_leftovers(path);
+        },
+        py::arg("path"),
+        "Remove the temporary files that crashed saves of `path` left next to it (only this host's, only of dead "
+        "processes, only unlocked ones; see docs/ENGINE.md); returns their names. Every Writer does this first.");
+  m.def("temp_host", &temp_host_token, "This host's name as it appears in temporary file names.");
+  m.def("parse_temp_name", [](const std::string& entry, const std::string& target_name) -> py::object {
+          TempNameInfo i;
+          if (!parse_temp_name(entry, target_name, &i)) return py::none();
+          py::dict d;
+          d["pid"] = i.pid;
+          d["host"] = i.host;
+          d["start"] = i.start;
+          return d;
+        },
+        py::arg("entry"), py::arg("target_name"),
+        "The fields of a temporary file name of `target_name` ({pid, host, start}), or None.");
+}
+
+}  // namespace bindings
+}  // namespace fastckpt

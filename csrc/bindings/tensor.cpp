@@ -1,0 +1,70 @@
+// Tensors: the Span of a tensor or buffer (bindings.h), aligned empty
+// tensors, resizable storages. The one file that includes torch's headers:
+// not <torch/extension.h>, which brings in the whole C++ frontend (autograd,
+// nn, optim, data) and took two thirds of the extension's compile time, but
+// what is used here: pybind11 with torch's tensor casters, THPVariable,
+// at::empty and the CPU allocator.
+#include <ATen/ops/empty.h>
+#include <c10/core/CPUAllocator.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <cstdlib>
+#include <new>
+#include <string>
+
+#include "bindings.h"
+
+namespace fastckpt {
+namespace bindings {
+
+Span::Span(py::handle obj, bool writable) {
+  if (THPVariable_Check(obj.ptr())) {
+    const at::Tensor& t = THPVariable_Unpack(obj.ptr());
+    if (!t.device().is_cpu())
+      throw py::value_error("fastckpt._C: tensor must be on the CPU (got " + t.device().str() + ")");
+    if (!t.is_contiguous()) throw py::value_error("fastckpt._C: tensor must be contiguous");
+    ptr_ = static_cast<char*>(t.data_ptr());
+    len_ = t.nbytes();
+    return;
+  }
+  int flags = PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(obj.ptr(), &view_, flags) != 0) throw py::error_already_set();
+  has_view_ = true;
+  ptr_ = static_cast<char*>(view_.buf);
+  len_ = static_cast<uint64_t>(view_.len);
+}
+
+void init_tensor(py::module_& m) {
+  m.def("empty_aligned", [](int64_t nbytes, int64_t alignment) {
+          // A uint8 CPU tensor whose data starts on a multiple of `alignment`
+          // (torch's allocator gives 64), so that the engine can read O_DIRECT
+          // straight into it. The storage stays resizable: a resize allocates
+          // through torch's CPU allocator and frees this block with free().
+          if (nbytes < 0) throw py::value_error("empty_aligned: negative size");
+          if (alignment < 64 || (alignment & (alignment - 1)) != 0)
+            throw py::value_error("empty_aligned: alignment must be a power of two >= 64");
+          void* p = nullptr;
+          const size_t n = nbytes > 0 ? static_cast<size_t>(nbytes) : 1;
+          if (posix_memalign(&p, static_cast<size_t>(alignment), n) != 0) throw std::bad_alloc();
+          c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes),
+                               at::DataPtr(p, p, &std::free, at::Device(at::kCPU)), c10::GetAllocator(at::kCPU),
+                               /*resizable=*/true);
+          return at::empty({0}, at::TensorOptions().dtype(at::kByte)).set_(storage, 0, {nbytes}, {1});
+        },
+        py::arg("nbytes"), py::arg("alignment") = 4096,
+        "An uninitialized uint8 CPU tensor of nbytes whose data is aligned to `alignment` bytes (for reads "
+        "straight into it with O_DIRECT); its storage is resizable like torch.empty's.");
+
+  m.def("set_resizable", [](const at::Tensor& t, bool resizable) {
+          // torch.load's storages are not resizable: a tensor that a damaged pickle
+          // stretches past its record (set_ with a larger size) is then torch's error,
+          // not a reallocation of memory the engine may still be reading into.
+          t.storage().unsafeGetStorageImpl()->set_resizable(resizable);
+        },
+        py::arg("tensor"), py::arg("resizable"),
+        "Make the storage of `tensor` resizable or not (torch.load's storages are not).");
+}
+
+}  // namespace bindings
+}  // namespace fastckpt

@@ -1,0 +1,494 @@
+#include "reader.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+#include <system_error>
+#include <thread>
+
+#include "crc32.h"
+#include "error.h"
+#include "held_buffers.h"
+#include "io_queue.h"
+#include "sys.h"
+
+namespace fastckpt {
+
+namespace {
+
+uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+uint64_t round_down(uint64_t v, uint64_t a) { return v / a * a; }
+
+// A staged piece of a range: `len` bytes at file offset `off`, copied to `dst`
+// out of its job's staging buffer.
+struct Part {
+  char* dst;
+  uint64_t off;
+  uint64_t len;
+  int64_t piece = -1;  // its CrcPiece, when its range wants a CRC
+};
+
+// One read request: straight into a destination (direct_dst) or into a
+// staging buffer that holds the parts [part_begin, part_end).
+struct Job {
+  uint64_t off = 0;
+  uint64_t len = 0;      // bytes requested from the file
+  uint64_t need = 0;     // bytes that must arrive (the rest may lie past EOF)
+  char* direct_dst = nullptr;
+  int64_t piece = -1;    // a direct job's CrcPiece, when its range wants a CRC
+  size_t part_begin = 0, part_end = 0;
+  int buf = -1;
+};
+
+// One piece (a direct job or a staged part) of a range whose CRC was asked
+// for. A range's pieces are consecutive in the list and in file order, so
+// folding the list in order with crc32_combine gives each range's CRC.
+struct CrcPiece {
+  uint32_t* out;  // the range's ReadRange::crc
+  uint64_t len;
+  uint32_t crc;
+  bool first;     // the range's first piece
+};
+
+constexpr uint64_t kPrefaultMin = 16u << 20;   // destination bytes of a read_ranges call worth a prefault thread
+constexpr uint64_t kPrefaultPart = 64u << 10;  // staged parts smaller than this are left to the copy
+constexpr uint64_t kCoalesceGap = 64u << 10;  // read through gaps up to this size
+// A staged part is copied out and checksummed in pieces this big, so that the
+// CRC reads what the copy just wrote while it is still in the cache.
+constexpr uint64_t kCrcPiece = 256u << 10;
+
+// The ranges left for the disk after the page cache, in file order; cont[i]:
+// range i continues one whose cached prefix was read (its first byte is not
+// read here, its CRC so far is already in *crc).
+struct Pending {
+  std::vector<ReadRange> ranges;
+  std::vector<char> cont;
+};
+
+// The reads planned for the pending ranges.
+struct Plan {
+  std::vector<Job> jobs;
+  std::vector<Part> parts;
+  std::vector<CrcPiece> pieces;
+};
+
+// Plans the reads: direct jobs for the aligned bodies of ranges whose
+// destination and offset are aligned (`direct`: file offsets to `a`,
+// memory to `mem_a`), staging windows of one buffer (`bs` bytes) for the
+// rest, a window taking in the next range when it starts inside it or within
+// kCoalesceGap of its end and fits.
+class Planner {
+ public:
+  Planner(bool direct, uint64_t a, uint64_t mem_a, uint64_t bs) : direct_(direct), a_(a), mem_a_(mem_a), bs_(bs) {}
+
+  Plan plan(const Pending& pending) {
+    for (size_t ri = 0; ri < pending.ranges.size(); ++ri) add(pending.ranges[ri], !pending.cont[ri]);
+    close_window();
+    return std::move(p_);
+  }
+
+ private:
+  // `starts`: the range's first byte is read here (not from the cache).
+  void add(const ReadRange& r, bool starts) {
+    char* dst = static_cast<char*>(r.dst);
+    // The aligned body of a range with an aligned destination and offset
+    // is read straight into the destination; the rest goes through staging.
+    uint64_t body = 0;
+    if (direct_ && reinterpret_cast<uintptr_t>(dst) % mem_a_ == 0 && r.off % a_ == 0) body = round_down(r.len, a_);
+    if (body > 0) {
+      close_window();
+      for (uint64_t done = 0; done < body; done += bs_) {
+        Job j;
+        j.off = r.off + done;
+        j.len = j.need = body - done < bs_ ? body - done : bs_;
+        j.direct_dst = dst + done;
+        j.piece = new_piece(r, j.len, starts && done == 0);
+        p_.jobs.push_back(j);
+      }
+    }
+    uint64_t off = r.off + body, left = r.len - body;
+    dst += body;
+    while (left > 0) {
+      if (open_) {
+        // Join the open window when the range starts inside it or near its
+        // end (reading a small gap beats another request) and fits in it.
+        // (An earlier, longer range may have moved the window past `off`.)
+        const Job& w = p_.jobs.back();
+        if (off < w.off || off >= w.off + bs_ || (off > win_end_ && off - win_end_ > kCoalesceGap)) close_window();
+      }
+      if (!open_) {
+        Job j;
+        j.off = round_down(off, a_);
+        j.part_begin = p_.parts.size();
+        p_.jobs.push_back(j);
+        open_ = true;
+        win_end_ = off;
+      }
+      Job& j = p_.jobs.back();
+      uint64_t room = j.off + bs_ - off;
+      uint64_t take = left < room ? left : room;
+      p_.parts.push_back(Part{dst, off, take, new_piece(r, take, starts && off == r.off)});
+      if (off + take > win_end_) win_end_ = off + take;
+      dst += take;
+      off += take;
+      left -= take;
+      if (win_end_ == j.off + bs_) close_window();
+    }
+  }
+
+  int64_t new_piece(const ReadRange& r, uint64_t len, bool first) {
+    if (!r.crc) return -1;
+    p_.pieces.push_back(CrcPiece{r.crc, len, 0, first});
+    return static_cast<int64_t>(p_.pieces.size() - 1);
+  }
+
+  void close_window() {
+    if (!open_) return;
+    Job& j = p_.jobs.back();
+    j.need = win_end_ - j.off;
+    j.len = round_up(win_end_, a_) - j.off;
+    j.part_end = p_.parts.size();
+    open_ = false;
+  }
+
+  const bool direct_;
+  const uint64_t a_, mem_a_, bs_;
+  Plan p_;
+  bool open_ = false;     // the last job is a staging window still taking parts
+  uint64_t win_end_ = 0;  // end of the furthest part in the open window
+};
+
+// Copies a staged job's parts out of its staging buffer `src`, checksumming
+// those whose range wants a CRC piece by piece right after each copy.
+void copy_out(const Job& j, const char* src, const std::vector<Part>& parts, std::vector<CrcPiece>& pieces) {
+  for (size_t p = j.part_begin; p < j.part_end; ++p) {
+    const Part& part = parts[p];
+    const char* from = src + (part.off - j.off);
+    if (part.piece < 0) {
+      std::memcpy(part.dst, from, part.len);
+      continue;
+    }
+    uint32_t crc = 0;
+    for (uint64_t done = 0; done < part.len; done += kCrcPiece) {
+      const uint64_t k = part.len - done < kCrcPiece ? part.len - done : kCrcPiece;
+      std::memcpy(part.dst + done, from + done, k);
+      crc = crc32(crc, part.dst + done, k);
+    }
+    pieces[part.piece].crc = crc;
+  }
+}
+
+// One read_ranges call. Whatever it holds (the descriptor, a backend, staging
+// buffers, the prefault helper) is given back by cleanup(), on success and on
+// every error: in-flight requests are reaped before a buffer is freed or the
+// descriptor closed.
+class RangeReader {
+ public:
+  RangeReader(Engine& engine, const std::string& path)
+      : engine_(engine), cfg_(engine.config()), pool_(engine.pool()), path_(path) {}
+  ~RangeReader() { cleanup(); }
+  RangeReader(const RangeReader&) = delete;
+  RangeReader& operator=(const RangeReader&) = delete;
+
+  ReadStats run(const std::vector<ReadRange>& ranges, int same_file_fd) {
+    const double t0 = now_seconds();
+    open_file(same_file_fd);
+    Pending pending = check_and_sort(ranges);
+    read_cached(pending);
+    if (pending.ranges.empty()) {
+      cleanup();
+      st_.seconds = now_seconds() - t0;
+      st_.direct = false;
+      st_.backend = "page cache";
+      return st_;
+    }
+    uint64_t a = 1, mem_a = 1;
+    prepare_disk(&a, &mem_a);
+    plan_ = Planner(direct_, a, mem_a, pool_.buffer_size()).plan(pending);
+    start_prefault();
+    read_jobs();
+    for (const CrcPiece& p : plan_.pieces) *p.out = p.first ? p.crc : crc32_combine(*p.out, p.crc, p.len);
+    cleanup();
+    st_.seconds = now_seconds() - t0;
+    st_.direct = direct_;
+    return st_;
+  }
+
+ private:
+  // A new descriptor (O_DIRECT is per open file), on the caller's file if given.
+  void open_file(int same_file_fd) {
+    const std::string open_path = same_file_fd >= 0 ? "/proc/self/fd/" + std::to_string(same_file_fd) : path_;
+    direct_ = cfg_.direct;
+    if (direct_) {
+      try {
+        fd_ = sys::open(open_path, O_RDONLY | O_DIRECT, 0, &path_);
+      } catch (const IoError& e) {
+        if (e.err() != EINVAL) throw;
+        direct_ = false;
+      }
+    }
+    if (fd_ < 0) fd_ = sys::open(open_path, O_RDONLY, 0, &path_);
+  }
+
+  // The non-empty ranges in file order, each checked against the file's size;
+  // every CRC asked for starts as the CRC of no bytes.
+  Pending check_and_sort(const std::vector<ReadRange>& ranges) {
+    const uint64_t fsize = sys::file_size(fd_, path_);
+    Pending p;
+    p.ranges.reserve(ranges.size());
+    for (const ReadRange& r : ranges) {
+      if (r.crc) *r.crc = 0;  // the CRC of no bytes
+      if (r.len == 0) continue;
+      if (!r.dst) throw UsageError("read_ranges: null destination");
+      if (r.off > fsize || r.len > fsize - r.off) throw TruncatedError(path_, r.off, r.len, fsize);
+      p.ranges.push_back(r);
+      st_.bytes += r.len;
+    }
+    std::sort(p.ranges.begin(), p.ranges.end(),
+              [](const ReadRange& x, const ReadRange& y) { return x.off < y.off; });
+    p.cont.assign(p.ranges.size(), 0);
+    return p;
+  }
+
+  // Page cache first. The first range not wholly cached ends this phase
+  // (what follows it was most likely not read lately either, and each miss
+  // costs a syscall); it and the ones after stay pending for the disk. A range
+  // whose cached prefix was read continues from there (`cont`), its CRC so far
+  // already in *crc.
+  // A file of which nothing is cached skips the phase: a miss of preadv2
+  // with RWF_NOWAIT still starts the kernel's readahead of the file's next
+  // window (read_ahead_kb, 8 MiB here), read for nothing while the disk path
+  // reads the same bytes with O_DIRECT. cachestat(2) asks without reading
+  // (kernels without it: the phase runs, as before).
+  void read_cached(Pending& p) {
+    if (p.ranges.empty()) return;
+    uint64_t end = 0;
+    for (const ReadRange& r : p.ranges) end = std::max(end, r.off + r.len);
+    if (sys::cached_pages_raw(fd_, p.ranges.front().off, end - p.ranges.front().off) == 0) return;
+    if (direct_) sys::set_direct(fd_, false, path_);
+    size_t first_left = 0;
+    for (; first_left < p.ranges.size(); ++first_left) {
+      ReadRange& r = p.ranges[first_left];
+      const uint64_t got = read_cached_prefix(r);
+      if (got == 0) break;
+      st_.cached_bytes += got;
+      if (got < r.len) {
+        r.dst = static_cast<char*>(r.dst) + got;
+        r.off += got;
+        r.len -= got;
+        p.cont[first_left] = 1;
+        break;
+      }
+    }
+    st_.bytes_read += st_.cached_bytes;
+    p.ranges.erase(p.ranges.begin(), p.ranges.begin() + static_cast<std::ptrdiff_t>(first_left));
+    p.cont.erase(p.cont.begin(), p.cont.begin() + static_cast<std::ptrdiff_t>(first_left));
+  }
+
+  // The bytes of r's cached prefix, copied into r.dst (and their CRC into
+  // *r.crc); 0 when its first byte is not cached.
+  uint64_t read_cached_prefix(const ReadRange& r) {
+    // With a CRC: in kCrcPiece steps, each checksummed right after its copy
+    // (still in the CPU cache), as the staged pieces are.
+    const uint64_t step = r.crc ? kCrcPiece : r.len;
+    uint64_t got = 0;
+    uint32_t crc = 0;
+    while (got < r.len) {
+      const uint64_t want = r.len - got < step ? r.len - got : step;
+      char* at = static_cast<char*>(r.dst) + got;
+      const int64_t k = sys::pread_cached(fd_, at, want, static_cast<int64_t>(r.off + got), path_);
+      if (k <= 0) break;  // not cached, or RWF_NOWAIT refused (-1): the normal path
+      if (r.crc) crc = crc32(crc, at, static_cast<uint64_t>(k));
+      got += static_cast<uint64_t>(k);
+      if (static_cast<uint64_t>(k) < want) break;
+    }
+    if (got > 0 && r.crc) *r.crc = crc;
+    return got;
+  }
+
+  // O_DIRECT back on (the cache phase turned it off) where the file allows
+  // it and its alignment suits the staging buffers (file offsets to *a, memory
+  // to *mem_a); a backend leased.
+  void prepare_disk(uint64_t* a, uint64_t* mem_a) {
+    if (direct_) {
+      try {
+        sys::set_direct(fd_, true, path_);
+      } catch (const IoError& e) {
+        if (e.err() != EINVAL) throw;
+        direct_ = false;
+      }
+    }
+    lease_.reset(new BackendLease(engine_.lease()));
+    st_.backend = lease_->get().name();
+    if (direct_) {
+      sys::DioAlign al = sys::dio_alignment(fd_, path_);
+      if (!pool_.fits_direct_io(al.mem, al.offset)) {
+        sys::set_direct(fd_, false, path_);
+        direct_ = false;
+      } else {
+        *a = al.offset;
+        *mem_a = al.mem;
+      }
+    }
+  }
+
+  // Fresh memory costs more to fault in than the disk takes to fill it (on
+  // a VM, about half of a load's CPU time). A helper thread faults the
+  // destinations in ahead of the reads, in file order, in parallel with the
+  // submissions, the copies out of staging and the CRCs: the direct jobs'
+  // and the staged parts' of at least kPrefaultPart bytes (memory already
+  // resident costs it a page-table walk). It starts after the first
+  // queue_depth jobs, which the first submissions fault in themselves, and
+  // it skips every direct job submitted before it got there (the submitter
+  // moves prefault_next_ on): two threads faulting the same pages cost more
+  // than one (page-table lock contention, a second walk; on this VM a tenth
+  // of a load's CPU). A read or copy that gets ahead of it faults its pages
+  // itself, as without it.
+  void start_prefault() {
+    const std::vector<Job>& jobs = plan_.jobs;
+    const std::vector<Part>& parts = plan_.parts;
+    uint64_t fault_bytes = 0;
+    for (const Job& j : jobs) {
+      if (j.direct_dst) fault_bytes += j.len;
+      for (size_t p = j.part_begin; p < j.part_end; ++p)
+        if (parts[p].len >= kPrefaultPart) fault_bytes += parts[p].len;
+    }
+    prefault_next_ = std::min<size_t>(jobs.size(), cfg_.queue_depth);
+    if (!cfg_.prefault || fault_bytes < kPrefaultMin || prefault_next_ >= jobs.size()) return;
+    try {
+      prefaulter_ = std::thread([this]() { prefault(); });
+    } catch (const std::system_error&) {
+      // No thread to be had (a process at its thread limit): the reads fault
+      // their pages themselves, as with prefault off.
+    }
+  }
+
+  // The helper thread's loop (start_prefault).
+  void prefault() {
+    const std::vector<Job>& jobs = plan_.jobs;
+    const std::vector<Part>& parts = plan_.parts;
+    uint64_t done = 0;
+    for (;;) {
+      const size_t i = prefault_next_.fetch_add(1);
+      if (i >= jobs.size() || stop_prefault_.load(std::memory_order_relaxed)) break;
+      const Job& j = jobs[i];
+      if (j.direct_dst) {
+        if (sys::populate_write_raw(j.direct_dst, j.len) < 0) break;  // unsupported: stop
+        done += j.len;
+      }
+      bool ok = true;
+      for (size_t p = j.part_begin; ok && p < j.part_end; ++p) {
+        if (parts[p].len < kPrefaultPart) continue;
+        ok = sys::populate_write_raw(parts[p].dst, parts[p].len) >= 0;
+        if (ok) done += parts[p].len;
+      }
+      if (!ok) break;
+    }
+    prefaulted_ = done;
+  }
+
+  // Submits every job (up to queue_depth in flight, staged ones as staging
+  // buffers come back) and handles each completion while the others are in
+  // flight: a direct job's CRC, a staged job's copy out (and CRCs).
+  void read_jobs() {
+    std::vector<Job>& jobs = plan_.jobs;
+    q_.reset(new IoQueue(lease_->get(), cfg_.queue_depth));
+    size_t next = 0, finished = 0;
+    while (finished < jobs.size()) {
+      while (next < jobs.size() && !q_->full()) {
+        if (!submit(next)) break;  // wait for one of our staging buffers to come back
+        ++next;
+      }
+      Reaped r = q_->reap();
+      Job& j = jobs[r.tag];
+      st_.bytes_read += r.bytes;
+      if (j.direct_dst) {
+        if (j.piece >= 0) plan_.pieces[j.piece].crc = crc32(0, j.direct_dst, j.need);
+      } else {
+        copy_out(j, pool_.data(j.buf), plan_.parts, plan_.pieces);
+        bufs_.put_back(j.buf);
+        j.buf = -1;
+      }
+      ++finished;
+    }
+  }
+
+  // Submits job `index`; false when it needs a staging buffer and none of ours is free.
+  bool submit(size_t index) {
+    Job& j = plan_.jobs[index];
+    IoRequest req;
+    req.kind = IoRequest::Read;
+    req.fd = fd_;
+    req.off = static_cast<int64_t>(j.off);
+    req.len = j.len;
+    req.tag = index;
+    if (j.direct_dst) {
+      req.buf = j.direct_dst;
+      ++st_.direct_requests;
+      // This read faults its destination in itself: the helper skips it.
+      size_t pf = prefault_next_.load(std::memory_order_relaxed);
+      while (pf <= index && !prefault_next_.compare_exchange_weak(pf, index + 1, std::memory_order_relaxed)) {
+      }
+    } else {
+      const int b = bufs_.try_take(pool_, *q_, cfg_.queue_depth);
+      if (b < 0) return false;
+      j.buf = b;
+      req.buf = pool_.data(b);
+      req.buf_index = b;
+    }
+    q_->submit(req, &path_, j.need);
+    ++st_.requests;
+    return true;
+  }
+
+  void cleanup() noexcept {
+    stop_prefault_ = true;
+    if (prefaulter_.joinable()) prefaulter_.join();
+    st_.prefaulted_bytes = prefaulted_;
+    std::vector<int> unreaped;
+    if (q_) {
+      q_->drain();
+      unreaped = q_->unreaped_buffers();
+      if (q_->broken() && lease_) lease_->discard();
+    }
+    bufs_.release(pool_, unreaped);
+    q_.reset();
+    lease_.reset();
+    sys::close_quiet(fd_);
+    fd_ = -1;
+  }
+
+  Engine& engine_;
+  const EngineConfig& cfg_;
+  BufferPool& pool_;
+  const std::string& path_;
+  ReadStats st_;
+  int fd_ = -1;
+  bool direct_ = false;
+  Plan plan_;
+  std::unique_ptr<BackendLease> lease_;  // only when something is left for the disk
+  HeldBuffers bufs_;
+  std::unique_ptr<IoQueue> q_;
+  std::thread prefaulter_;
+  std::atomic<bool> stop_prefault_{false};
+  // The prefault helper's next job; the submitter moves it past every direct
+  // job it submits (whose pages the read then faults in itself), so that the
+  // two never fault the same destination.
+  std::atomic<size_t> prefault_next_{0};
+  uint64_t prefaulted_ = 0;  // written by the helper, read after it is joined
+};
+
+}  // namespace
+
+ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector<ReadRange>& ranges,
+                      int same_file_fd) {
+  RangeReader reader(engine, path);
+  return reader.run(ranges, same_file_fd);
+}
+
+}  // namespace fastckpt

@@ -1,0 +1,55 @@
+// The parallel range reader: fills caller memory from byte ranges of one
+// file, from the page cache first, then with O_DIRECT reads straight into the
+// destinations or through the engine's staging buffers, with per-range CRC-32s
+// computed as the bytes land.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+
+namespace fastckpt {
+
+struct ReadRange {
+  void* dst;
+  uint64_t len;
+  uint64_t off;
+  // When set, receives the zip CRC-32 (crc32() from 0) of the range's bytes
+  // once read_ranges returns. The engine computes it while the other reads
+  // are in flight: each direct read's piece when its request is reaped, each
+  // staged piece right after it is copied out of the staging buffer (still
+  // in the cache), combined in file order (crc32_combine). Undefined if
+  // read_ranges throws.
+  uint32_t* crc = nullptr;
+};
+
+struct ReadStats {
+  uint64_t bytes = 0;        // bytes delivered to the caller
+  uint64_t bytes_read = 0;   // bytes read from the file (incl. alignment/coalescing)
+  uint64_t requests = 0;
+  uint64_t direct_requests = 0;  // read straight into caller memory (no copy)
+  uint64_t cached_bytes = 0;     // of bytes_read, served from the page cache (no request, no staging)
+  uint64_t prefaulted_bytes = 0;  // destination bytes the prefault helper faulted in (EngineConfig::prefault)
+  double seconds = 0;
+  bool direct = false;
+  std::string backend;
+};
+
+// Fills caller memory from byte ranges of one file. First from the page
+// cache: in file order, each range's cached prefix is copied by the calling
+// thread (sys::pread_cached, RWF_NOWAIT: never waits for the disk) until the
+// first range that is not wholly cached; when everything was cached, no
+// backend is leased and no staging buffer is touched. The rest with parallel
+// reads: O_DIRECT straight into the destination where it is aligned, otherwise
+// through staging buffers (coalescing nearby ranges). Throws TruncatedError if
+// a range lies beyond the end of the file, IoError on an I/O failure.
+// With `same_file_fd` >= 0 (a descriptor the caller holds open on `path`), the
+// file read is the one that descriptor refers to, even if `path` has been
+// renamed over since (it is reopened through /proc/self/fd); `path` still names
+// it in errors.
+ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector<ReadRange>& ranges,
+                      int same_file_fd = -1);
+
+}  // namespace fastckpt

@@ -1,0 +1,72 @@
+// The durable Writer: one file written through the engine's staging buffers
+// (O_DIRECT + async writes overlapped with the copy), then fdatasync, rename,
+// directory fsync (write_session.h).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "engine.h"
+#include "write_session.h"
+
+namespace fastckpt {
+
+struct WriteStats : WriteStatsBase {
+  double flush_seconds = 0;    // final fdatasync + rename + directory fsync
+};
+
+// Writes one file durably and atomically. Data goes to a temporary file in the
+// target's directory ("." + name + ".fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>",
+// created with O_EXCL|O_NOFOLLOW and flock()ed; see temp_file.h); commit()
+// makes it durable and renames it over the final name; abort() (or destruction
+// without commit, or any error) removes it. Before creating it, the Writer
+// removes what crashed saves of the same target on this host left behind.
+// An IoError from a Writer names the user's target as well as the file the
+// call failed on (IoError::target()). Not thread-safe: one thread per Writer.
+class Writer {
+ public:
+  // expected_size >= 0 preallocates the file (when the config allows).
+  Writer(Engine& engine, const std::string& path, int64_t expected_size = -1);
+  Writer(const Writer&) = delete;
+  Writer& operator=(const Writer&) = delete;
+
+  // Appends n bytes at the current position (copied before return). With
+  // `crc`, also folds the bytes into that zip CRC-32 while they are hot in
+  // the cache after the copy.
+  void append(const void* src, uint64_t n, uint32_t* crc = nullptr);
+  // Writes n bytes at file offset `off` >= position(); the gap is zero-filled.
+  void write_at(const void* src, uint64_t n, uint64_t off);
+  void append_zeros(uint64_t n);
+  uint64_t position() const { return pos_; }
+
+  WriteStats commit();
+  void abort() noexcept { s_.abort(); }
+
+  bool direct() const { return s_.direct; }
+  const std::string& path() const { return s_.target; }
+  const std::string& tmp_path() const { return s_.tmp; }
+  const std::string& backend_name() const { return s_.backend; }
+  // Leftovers of crashed saves of this target removed when this Writer began.
+  const std::vector<std::string>& leftovers_removed() const { return s_.leftovers; }
+
+ private:
+  void open_temp(int64_t expected_size);
+  void put(const char* src, uint64_t n, uint32_t* crc);
+  int take_buffer();
+  void submit_current(uint64_t len);
+  void reap_one();
+
+  WriteSession s_;              // lease, queue, buffers, temporary file, commit protocol
+  int cur_ = -1;                // buffer being filled
+  uint64_t fill_ = 0;           // bytes in cur_
+  uint64_t buf_off_ = 0;        // file offset of cur_'s first byte
+  uint64_t pos_ = 0;            // logical end of file
+  uint64_t done_bytes_ = 0;     // bytes whose write completed
+  uint64_t next_flush_ = 0;     // flush_interval bookkeeping
+  bool flush_inflight_ = false;
+  bool size_may_differ_ = false;  // padded tail or preallocation: ftruncate at commit
+  uint64_t requests_ = 0;
+};
+
+}  // namespace fastckpt
