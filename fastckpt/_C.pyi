@@ -1,4 +1,4 @@
-# Type stubs for fastckpt._C (csrc/bindings/bindings.cpp).
+# Type stubs for fastckpt._C (csrc/bindings/, one file per area).
 from typing import Any, Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import torch

@@ -418,7 +418,7 @@ def check(data: bytes, where: str, *, persistent: bool = True, max_depth: int = 
     key is hashed. Returns the estimated bytes; raises FormatError or Refused
     (an opcode that torch.save never writes).
 
-    The walk runs in C++ (``_C.pickle_check``, csrc/engine/pickle_scan.cc,
+    The walk runs in C++ (``_C.pickle_check``, csrc/pickle/pickle_scan.cc,
     without the GIL): the same verdicts and messages as :func:`check_reference`,
     the Python walk, which stays the reference (tests/python/test_pickle_walk.py
     runs both on the same inputs)."""

@@ -30,7 +30,8 @@ def test_ddp_checkpoint_resumes_exactly(tmp_path):
     assert sums != {l.split("weight sum ")[1] for l in first}
 
 
-def test_readme_shows_the_example_as_it_is():
+def test_the_guide_shows_the_example_as_it_is():
     code = (ROOT / "examples" / "ddp_checkpoint.py").read_text()
     body = code.split('"""\n', 1)[1].strip()  # without the module docstring
-    assert body in (ROOT / "README.md").read_text(), "README's copy of examples/ddp_checkpoint.py is stale"
+    assert body in (ROOT / "docs" / "guide" / "ddp.md").read_text(), \
+        "docs/guide/ddp.md's copy of examples/ddp_checkpoint.py is stale"
