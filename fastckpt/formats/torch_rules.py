@@ -79,8 +79,8 @@ def reads_no_data(map_location: Any) -> bool:
 
 def storage_alignment() -> int:
     """torch's ``config.save.storage_alignment`` (64 by default): the alignment
-    of a new file's records; its large storage records are aligned to a
-    multiple of it and of 4096 (:func:`fastckpt.formats.zip.record_alignment`)."""
+    of a new file's records, or a multiple of it and of 4096 where large
+    storages dominate (:func:`fastckpt.formats.zip.storage_alignment`)."""
     get = getattr(ts, "_get_storage_alignment", None)
     return max(1, int(get())) if get else _zip.TORCH_ALIGNMENT
 
