@@ -216,7 +216,7 @@ def test_fastreader_refuses_what_it_does_not_allow_without_running_it(tmp_path):
     md.planner_data = {"x": _RunsOnLoad(marker)}
     with open(os.path.join(d, ".metadata"), "wb") as f:
         pickle.dump(md, f)
-    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.open is not a DCP metadata class") as ei:
+    with pytest.raises(pickle.UnpicklingError, match=r"global (io|builtins)\.open is not a DCP metadata class") as ei:
         FastReader(d).read_metadata()
     assert d in str(ei.value) and not os.path.exists(marker)
 
@@ -238,6 +238,14 @@ def test_fastreader_takes_classes_the_user_allowed_but_not_functions(tmp_path):
     assert got.planner_data == {"p": Point(1, 2), "i": Outer.Inner(5)}
     with open(os.path.join(d, ".metadata"), "wb") as f:
         pickle.dump(md, f, protocol=2)  # Outer.Inner through getattr
-    with ts.safe_globals([getattr, Point, Outer, Outer.Inner]):
-        with pytest.raises(pickle.UnpicklingError, match=r"builtins\.getattr .*not a class"):
+    with ts.safe_globals([getattr, Point, Outer, Outer.Inner]):  # the walk refuses the call first
+        with pytest.raises(pickle.UnpicklingError, match="NEWOBJ calls a constructed object"):
             FastReader(d).read_metadata()
+    md.planner_data = {"g": getattr}  # getattr itself, as a value
+    with open(os.path.join(d, ".metadata"), "wb") as f:
+        pickle.dump(md, f)
+    with ts.safe_globals([getattr]):
+        with pytest.raises(pickle.UnpicklingError, match=r"global builtins\.getattr is allowed by "
+                           r"torch\.serialization\.add_safe_globals but is not a class") as ei:
+            FastReader(d).read_metadata()
+    assert d in str(ei.value)
