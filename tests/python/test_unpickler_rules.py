@@ -249,3 +249,21 @@ def test_fastreader_takes_classes_the_user_allowed_but_not_functions(tmp_path):
                            r"torch\.serialization\.add_safe_globals but is not a class") as ei:
             FastReader(d).read_metadata()
     assert d in str(ei.value)
+
+
+def test_fastreader_value_refusal_names_the_global_in_torchs_words(tmp_path):
+    from fastckpt.dcp import FastWriter
+    from torch.distributed.checkpoint.api import CheckpointException
+    d = str(tmp_path / "ck")
+    dcp.save({"w": torch.ones(2), "p": Point(1, 2)}, storage_writer=FastWriter(d))
+    target = {"w": torch.zeros(2), "p": None}
+    with pytest.raises(CheckpointException) as ei:
+        dcp.load(target, storage_reader=FastReader(d))
+    full = f"{Point.__module__}.Point"
+    msg = str(ei.value)
+    assert f"GLOBAL {full} was not an allowed global by default" in msg, msg
+    assert f"torch.serialization.add_safe_globals([{full}])" in msg and d in msg
+    with ts.safe_globals([Point]):
+        target = {"w": torch.zeros(2), "p": None}
+        dcp.load(target, storage_reader=FastReader(d))
+    assert target["p"] == Point(1, 2)
