@@ -36,7 +36,7 @@ from .. import knobs
 from ..formats import zip as _zip
 from ..formats import safetensors as _st
 from ..formats.safetensors import LAYOUT_KEY, SEPARATOR, ST_NAMES, dtype_name
-from .sources import LazyValue, Source, Storage, byte_span, encode_layout, is_dense, storage_of, walk
+from .source import LazyValue, Source, Storage, byte_span, encode_layout, is_dense, storage_of, walk
 from ..formats.torch_rules import StorageRef, itemsize, v3_dtypes
 
 log = logging.getLogger("fastckpt")

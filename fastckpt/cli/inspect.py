@@ -25,7 +25,8 @@ import torch
 
 from ..formats import zip as _zip
 from ..formats.safetensors import dtype_name
-from .sources import DcpSource, LazyValue, SafetensorsSource, Source, ZipSource, _holds_structure, is_dcp_dir, open_source, sniff, storage_of, walk
+from .source import LazyValue, Source, holds_structure, storage_of, walk
+from .sources import DcpSource, SafetensorsSource, ZipSource, is_dcp_dir, open_source, sniff
 from ..formats.torch_rules import itemsize
 from .._core.units import human
 from ..errors import FormatError
@@ -77,7 +78,7 @@ def _entries(tree: Any) -> List[Entry]:
             out.append(Entry(path, display, depth, "dict", o))
             for k, v in o.items():
                 rec(v, path + (k,), k if isinstance(k, str) else repr(k), depth + 1)
-        elif type(o) in (list, tuple) and _holds_structure(o):
+        elif type(o) in (list, tuple) and holds_structure(o):
             out.append(Entry(path, display, depth, type(o).__name__, o))
             for i, v in enumerate(o):
                 rec(v, path + (i,), f"[{i}]", depth + 1)

@@ -373,7 +373,8 @@ def test_verify_flipped_bit_names_the_tensor(tmp_path, capsys):
     fastckpt.save(state, p)
     arch = _zip.Archive.open(str(p))
     # the record that holds model.bf16: find it through the pickle, then flip one bit of its data
-    from fastckpt.cli.sources import ZipSource, storage_of
+    from fastckpt.cli.source import storage_of
+    from fastckpt.cli.sources import ZipSource
     with ZipSource(str(p)) as src:
         rec = storage_of(src.tree()["model"]["bf16"]).key
     data = bytearray(p.read_bytes())
@@ -409,7 +410,8 @@ def test_verify_many_small_records_in_few_reads(tmp_path, capsys, monkeypatch):
     rc, out, err = run(capsys, "verify", p)
     assert rc == 0, out + err
     assert len(calls) < 100, f"{len(calls)} engine reads to verify 3001 records"
-    from fastckpt.cli.sources import ZipSource, storage_of
+    from fastckpt.cli.source import storage_of
+    from fastckpt.cli.sources import ZipSource
     with ZipSource(str(p)) as src:
         tree = src.tree()
         small, big = storage_of(tree["s1234"]).key, storage_of(tree["big"]).key
