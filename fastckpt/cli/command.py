@@ -197,7 +197,7 @@ def cmd_inspect(args) -> int:
 
 
 def _inspect_manager(args) -> int:
-    import re
+    from .._core.steps import split_step_name
     names = sorted(os.listdir(args.path))
     latest = None
     try:
@@ -205,7 +205,7 @@ def _inspect_manager(args) -> int:
             latest = f.read().strip()
     except OSError:
         pass
-    steps = [n for n in names if re.fullmatch(r"step_\d+(\.pt)?", n)]
+    steps = [n for n in names if split_step_name(n) is not None]
     if args.json:
         print(json.dumps({"path": args.path, "format": "manager", "latest": latest, "checkpoints": steps}, indent=1))
     else:

@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import pickle
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -27,6 +26,7 @@ from ..formats import zip as _zip
 from ..formats.safetensors import dtype_name
 from .sources import DcpSource, LazyValue, SafetensorsSource, Source, ZipSource, _holds_structure, is_dcp_dir, open_source, sniff, storage_of, walk
 from ..formats.torch_rules import itemsize
+from .._core.steps import split_step_name
 from .._core.units import human
 from ..errors import FormatError
 
@@ -459,15 +459,12 @@ def _verify_dcp(src: DcpSource, rep: Report, progress_factory) -> None:
 
 # ---------------------------------------------------------------- CheckpointManager directories
 
-_STEP = re.compile(r"step_(\d+)(\.pt)?$")
-
-
 def _is_manager_dir(path: str) -> bool:
     try:
         names = os.listdir(path)
     except OSError:
         return False
-    return "latest" in names or any(_STEP.match(n) for n in names)
+    return "latest" in names or any(split_step_name(n) for n in names)
 
 
 def _verify_manager(path: str, progress_factory) -> Report:
@@ -475,13 +472,13 @@ def _verify_manager(path: str, progress_factory) -> Report:
     names = sorted(os.listdir(path))
     steps = []
     for n in names:
-        m = _STEP.match(n)
-        if not m:
+        parsed = split_step_name(n)
+        if parsed is None:
             continue
         p = os.path.join(path, n)
-        if m.group(2) and os.path.isfile(p):
+        if parsed[1] and os.path.isfile(p):
             steps.append(n)
-        elif not m.group(2) and os.path.isdir(p):
+        elif not parsed[1] and os.path.isdir(p):
             if os.path.isfile(os.path.join(p, ".metadata")):
                 steps.append(n)
             else:
@@ -498,7 +495,7 @@ def _verify_manager(path: str, progress_factory) -> Report:
         except (OSError, UnicodeDecodeError) as e:
             rep.problems.append(f"{latest_path}: unreadable: {e}")
         if latest is not None:
-            if not _STEP.match(latest) or "/" in latest:
+            if split_step_name(latest) is None:
                 rep.problems.append(f"{latest_path} holds {latest[:80]!r}, which is not a checkpoint name")
             elif latest not in steps:
                 rep.problems.append(f"{latest_path} names {latest}, which is missing or incomplete")

@@ -15,7 +15,6 @@ import errno
 import logging
 import os
 import pickle
-import re
 import shutil
 import stat
 import warnings
@@ -26,6 +25,7 @@ from .._core.atomic import write_file
 from .._core.tempnames import (TMP_MARK, parse_temp, remove_leftovers, temp_host, temp_name,
                                writer_gone)
 from .._core.owner import check_directory_owner
+from .._core.steps import FILE_SUFFIX, parse_step_name, step_name
 from .._core.engine import fsync_dir
 from ..errors import FormatError
 
@@ -110,11 +110,10 @@ class StepDirectory:
 
     # ------------------------------------------------------------ names
     def name_for(self, step: int) -> str:
-        return f"step_{step:08d}" if self.sharded else f"step_{step:08d}.pt"
+        return step_name(step, "" if self.sharded else FILE_SUFFIX)
 
     def parse(self, name: str) -> Optional[int]:
-        m = re.fullmatch(r"step_(\d+)" if self.sharded else r"step_(\d+)\.pt", name)
-        return int(m.group(1)) if m else None
+        return parse_step_name(name, "" if self.sharded else FILE_SUFFIX)
 
     def complete(self) -> List[Tuple[int, str]]:
         """Complete checkpoints as (step, name), oldest first."""
