@@ -8,7 +8,7 @@ moves the bytes).
   test hook: the tests drive it with the simulated device).
 * :class:`HostExchange`: a result in host memory, broadcast in place.
 * :class:`StagedRun`: a result on a device, round by round through the
-  staging pipeline (_staging.RoundRing of pool chunks, the device's copier),
+  staging pipeline (fastckpt.staging.todevice.RoundRing of pool chunks, the device's copier),
   staged through host memory (gloo) or with device collectives (NCCL).
 """
 
@@ -18,6 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..staging import device as _staging
+from ..staging.todevice import RoundRing
 from .save import _Group
 
 log = logging.getLogger("fastckpt")
@@ -176,7 +177,7 @@ class Dest:
     __slots__ = ("view", "copier")
 
     def __init__(self, storage, copier):
-        self.view = _staging._bytes_view(storage)
+        self.view = _staging.bytes_view(storage)
         self.copier = copier
 
 
@@ -217,9 +218,9 @@ class StagedRun:
         state = {"err": None}
         ring = None
         if ops is None:  # every rank receives into the ring
-            ring = _staging.RoundRing(copier, -(-H // per_buf), _DEPTH, chunk)
+            ring = RoundRing(copier, -(-H // per_buf), _DEPTH, chunk)
         elif mine >= 0:  # only holders stage (their own part)
-            ring = _staging.RoundRing(copier, 1, _DEPTH, chunk)
+            ring = RoundRing(copier, 1, _DEPTH, chunk)
         where = str(copier.device_key(next(d.view for d in dests.values() if d.copier is copier and d.view.numel()))) \
             if copier is not HOST_COPIER else "cpu"
         pending = None

@@ -39,7 +39,7 @@ Flow (each step a collective over ``pg``, so a failure anywhere reaches every ra
      broadcast in place, smaller ones packed (HostExchange).
    * staged through host memory (some rank's result on a device, and a
      backend that carries CPU tensors, e.g. gloo): every rank receives each
-     round into host buffers of the staging pool (_staging.RoundRing, a
+     round into host buffers of the staging pool (fastckpt.staging.todevice.RoundRing, a
      region per holder) and copies the pieces to its device storages through
      the device's copier (copy stream, events), while the next round is read
      and broadcast. Host memory: the ring (a few pool chunks), not the state.

@@ -17,10 +17,10 @@ it has every rank's piece CRCs (each record's CRC is its pieces' combined with
 _engine.crc32_combine, then its tail's).
 
 Host memory. CPU storages are read in place. A rank brings to the host only
-the device bytes it needs (fastckpt/_collective_stage.py): the sampled blocks
+the device bytes it needs (fastckpt/collective/stage.py): the sampled blocks
 (step 1), its own share and the next rank's (step 3) and, on a copy's lead,
 the small records and record tails (step 4), each range through the staging
-pool (fastckpt/_staging.ToHost; the checker through a smaller pool of its
+pool (fastckpt.staging.tohost.ToHost; the checker through a smaller pool of its
 own), its copies running ahead of the writes. Host staging memory: the two
 pools' buffers, whatever the state's size.
 
@@ -348,7 +348,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
             crc_on = bool(_torch_rules.compute_crc32())
             settings = (alignment, crc_on, byteorder, sys.byteorder)
             # rank 0's pickle is the file's (the others' differ in their storages' device indices)
-            mine = (_digest(data_pkl, src.sizes, settings), src.sample_crcs(),
+            mine = (_digest(data_pkl, src.sizes, settings), _collective_stage.sample_crcs(src),
                     archive.new_serialization_id() if g.rank == 0 else None, node, os.path.abspath(path),
                     data_pkl if g.rank == 0 else None)
         except Exception as e:
