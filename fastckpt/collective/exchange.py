@@ -19,7 +19,7 @@ import torch
 
 from ..staging import device as _staging
 from ..staging.todevice import RoundRing
-from .save import _Group
+from .group import Group
 
 log = logging.getLogger("fastckpt")
 
@@ -135,7 +135,7 @@ class HostExchange:
     """The broadcasts of step 4 for a result in host memory (a backend that
     carries CPU tensors), issued asynchronously and waited for together."""
 
-    def __init__(self, g: _Group):
+    def __init__(self, g: Group):
         self.g = g
         self.works: List[Any] = []
         self.after: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []  # (received, destinations) to copy out
@@ -165,7 +165,7 @@ class HostExchange:
                 off += p.numel()
 
 
-def global_rank(g: _Group, r: int) -> int:
+def global_rank(g: Group, r: int) -> int:
     return g.dist.get_global_rank(g.group, r) if g.group is not None else r
 
 
@@ -198,7 +198,7 @@ class StagedRun:
     `chunk` the ring's pool chunk (the same on every rank); `reader` reads this
     rank's share with the engine (a fastckpt.torchsave.reader.Records on the file)."""
 
-    def __init__(self, g: _Group, path: str, holders: List[int], k_mine: int, reader, verify: Optional[bool],
+    def __init__(self, g: Group, path: str, holders: List[int], k_mine: int, reader, verify: Optional[bool],
                  rounds, part: int, chunk: int):
         self.g, self.path, self.holders, self.k_mine = g, path, holders, k_mine
         self.reader, self.verify = reader, verify

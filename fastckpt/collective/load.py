@@ -70,7 +70,8 @@ from ..staging import device as _staging
 from ..formats import zip as _zip
 from ..formats import pickle_scan
 from ..torchsave import device, load as tload, reader
-from .save import _Group, cut_runs
+from .group import Group
+from .save import cut_runs
 
 _CUT_ALIGN = 4096
 # Each holder reads its share in rounds of about this many bytes; a round's
@@ -228,7 +229,7 @@ class _Load:
     def __init__(self, path: str, group, verify: Optional[bool]):
         import torch.distributed as dist
         self.path, self.group, self.verify = path, group, verify
-        self.g = _Group(group, path, action="load", outcome="nothing was loaded")
+        self.g = Group(group, path, action="load", outcome="nothing was loaded")
         self.backend = xch.backend_name(dist, group)
         self.backends = xch.backends_of(self.backend)
         self.archive: Any = None

@@ -32,7 +32,7 @@ the collective save runs on the writer thread: change them only between saves).
 import os
 from typing import Any
 
-from .ranks import PeerFailed, _failures
+from .ranks import PeerFailed, failure_types
 from ..saver import SaveFuture, _Snapshot
 from ..serialization import save as _save
 
@@ -82,7 +82,7 @@ def async_save(mgr: Any, step: int, name: str, state: Any) -> SaveFuture:
     staged, err = None, None
     try:
         staged = saver.stage(state, path, zip_only=True)
-    except _failures() as e:  # noqa: BLE001 - every rank learns of it
+    except failure_types() as e:  # noqa: BLE001 - every rank learns of it
         err = e
     try:
         ranks.agree(err, f"snapshotting the checkpoint of step {step} ({path})")
@@ -104,7 +104,7 @@ def async_save(mgr: Any, step: int, name: str, state: Any) -> SaveFuture:
         if mgr.rank == 0:
             try:
                 mgr._commit(name)
-            except _failures() as e:  # noqa: BLE001
+            except failure_types() as e:  # noqa: BLE001
                 err = e
         try:
             ranks.agree(err, f"committing {path} (moving `latest`)", background=True)
