@@ -126,7 +126,7 @@ class _NoData:
         return self._n
 
 
-class _Snapshot:
+class SaveSnapshot:
     """What the writer thread writes: a zip archive (``data_pkl``, the staged
     storages and ``opts``, :func:`fastckpt.torchsave.writer.write_archive`'s
     settings read in the caller's thread) or, for the legacy format, the
@@ -147,12 +147,12 @@ class _Staged:
     """A snapshot taken by :meth:`AsyncSaver.stage`, not yet handed to the writer thread."""
     __slots__ = ("fut", "snap", "snap_s")
 
-    def __init__(self, fut: "SaveFuture", snap: _Snapshot, snap_s: float):
+    def __init__(self, fut: "SaveFuture", snap: SaveSnapshot, snap_s: float):
         self.fut, self.snap, self.snap_s = fut, snap, snap_s
 
 
 def _take_snapshot(stager: Snapshotter, obj: Any, pickle_module: Any, pickle_protocol: int,
-                   use_new_zipfile: bool, disable_byteorder_record: bool) -> _Snapshot:
+                   use_new_zipfile: bool, disable_byteorder_record: bool) -> SaveSnapshot:
     """Serialize ``obj`` in the caller's thread as :func:`fastckpt.save`
     would, with torch's settings as they are in this thread now
     (``torch.serialization.skip_data()`` is per thread; the storage alignment
@@ -165,20 +165,20 @@ def _take_snapshot(stager: Snapshotter, obj: Any, pickle_module: Any, pickle_pro
         buf = io.BytesIO()
         torch.save(obj, buf, pickle_module, pickle_protocol, _use_new_zipfile_serialization=False)
         data = buf.getvalue()
-        return _Snapshot(None, None, None, len(data), legacy=data)
+        return SaveSnapshot(None, None, None, len(data), legacy=data)
     skip_data = bool(_ts._serialization_tls.skip_data)
     data_pkl, storages = pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data=skip_data)
     opts = dict(alignment=_torch_rules.storage_alignment(), compute_crc32=_torch_rules.compute_crc32(),
                 byteorder=not disable_byteorder_record, skip_data=skip_data)
     if skip_data:  # no storage bytes are written: none are copied (meta and fake tensors have none)
-        return _Snapshot(data_pkl, [_NoData(s.nbytes()) for s in storages], None, 0, opts)
+        return SaveSnapshot(data_pkl, [_NoData(s.nbytes()) for s in storages], None, 0, opts)
     copies = stager.take(storages)
-    return _Snapshot(data_pkl, copies.views, copies, copies.nbytes, opts)
+    return SaveSnapshot(data_pkl, copies.views, copies, copies.nbytes, opts)
 
 
 # ---------------------------------------------------------------- the saver
 
-def _fail_inherited(fut: concurrent.futures.Future) -> None:
+def fail_inherited(fut: concurrent.futures.Future) -> None:
     """In a child made by ``fork()``: fail (if not done) the future of a save
     the parent had in flight, which no thread of this process will complete.
     Its lock is made anew (a thread of the parent may have held it) and its
@@ -318,7 +318,7 @@ class AsyncSaver:
         return _Staged(fut, snap, time.perf_counter() - t0)
 
     def submit(self, staged: "_Staged", *, after: Optional[Callable[[], None]] = None,
-               write: Optional[Callable[[str, "_Snapshot"], None]] = None, cancellable: bool = True) -> SaveFuture:
+               write: Optional[Callable[[str, "SaveSnapshot"], None]] = None, cancellable: bool = True) -> SaveFuture:
         """The second half of :meth:`save`: the writer thread writes the
         snapshot ``staged`` (with ``write(path, snapshot)`` if given, else as
         :func:`fastckpt.save` would), then runs ``after``. Returns its future,
@@ -345,7 +345,7 @@ class AsyncSaver:
                 f"fastckpt: the asynchronous save of {staged.fut.path!r} was not written"))
         self._done(staged.fut)
 
-    def _run(self, fut: SaveFuture, snap: _Snapshot, snap_s: float, after, write=None) -> None:
+    def _run(self, fut: SaveFuture, snap: SaveSnapshot, snap_s: float, after, write=None) -> None:
         self._worker_ident = threading.get_ident()
         try:
             if not fut.running() and not fut.set_running_or_notify_cancel():
@@ -410,7 +410,7 @@ class AsyncSaver:
         self.stager = Snapshotter()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-save")
         for fut in inherited:
-            _fail_inherited(fut)
+            fail_inherited(fut)
 
     def _at_exit(self) -> None:
         self.wait(raise_errors=False)

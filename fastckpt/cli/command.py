@@ -184,8 +184,8 @@ def cmd_inspect(args) -> int:
     from .sources import open_source
     _existing(args.path)
     if os.path.isdir(args.path) and not os.path.exists(os.path.join(args.path, ".metadata")):
-        from .inspect import _is_manager_dir
-        if _is_manager_dir(args.path):
+        from .inspect import is_manager_dir
+        if is_manager_dir(args.path):
             return _inspect_manager(args)
     with open_source(args.path) as src:
         report = inspect_data(src)
@@ -504,8 +504,8 @@ def _describe(e: BaseException, verbose: int) -> str:
     if isinstance(e, pickle.UnpicklingError):
         return str(e)
     if isinstance(e, OSError):
-        from .inspect import _err
-        return _err(e)
+        from .inspect import error_text
+        return error_text(e)
     tail = "" if verbose else " (run with -v for the traceback)"
     return f"{type(e).__name__}: {e}{tail}"
 

@@ -663,7 +663,7 @@ class DcpSource(Source):
             return flat
         return root
 
-    def _fast_reader(self):
+    def fast_reader(self):
         if self._reader is None:
             from ..dcp import FastReader
             r = FastReader(self.path, verify=self.verify, thread_count=1)
@@ -673,7 +673,7 @@ class DcpSource(Source):
 
     def _read_items(self, fqn: str, planner: _Into, items) -> None:
         from torch.distributed.checkpoint.planner import LoadPlan
-        self._fast_reader().read_data(LoadPlan(items), planner).wait()
+        self.fast_reader().read_data(LoadPlan(items), planner).wait()
 
     def load_tensor(self, fqn: str) -> torch.Tensor:
         """The whole tensor `fqn`, assembled from its chunks (CRC-checked where whole records are read)."""
@@ -822,7 +822,7 @@ def walk(obj: Any, path: Tuple = ()) -> Iterator[Tuple[Tuple, Any, str]]:
         yield path, obj, "dict"
         for k, v in obj.items():
             yield from walk(v, path + (k,))
-    elif type(obj) in (list, tuple) and _holds_structure(obj):
+    elif type(obj) in (list, tuple) and holds_structure(obj):
         yield path, obj, type(obj).__name__
         for i, v in enumerate(obj):
             yield from walk(v, path + (i,))
@@ -830,6 +830,6 @@ def walk(obj: Any, path: Tuple = ()) -> Iterator[Tuple[Tuple, Any, str]]:
         yield path, obj, "value"
 
 
-def _holds_structure(seq) -> bool:
-    return any(isinstance(v, (torch.Tensor, dict)) or (type(v) in (list, tuple) and _holds_structure(v))
+def holds_structure(seq) -> bool:
+    return any(isinstance(v, (torch.Tensor, dict)) or (type(v) in (list, tuple) and holds_structure(v))
                for v in seq)

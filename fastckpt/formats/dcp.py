@@ -42,7 +42,7 @@ __all__ = ["ALIGN", "ALIGN_MIN", "RECORD_ALIGN", "TensorBlob", "plan_tensor_blob
 
 # The zip container is the one of single-file checkpoints (docs/FORMAT.md 1.1),
 # and so is the rule of which tensors get 4 KiB alignment (1.3).
-from .zip import ALIGNMENT, DIRECT_MIN, LOCAL_HEADER_SIZE, LOCAL_SIG, TORCH_ALIGNMENT, Entry, NeedMore, _local, central_directory, descriptor, local_header, parse_directory, record_alignment
+from .zip import ALIGNMENT, DIRECT_MIN, LOCAL_HEADER_SIZE, LOCAL_SIG, TORCH_ALIGNMENT, Entry, NeedMore, LOCAL_HEADER, central_directory, descriptor, local_header, parse_directory, record_alignment
 
 ALIGN = ALIGNMENT           # file alignment of tensor bytes
 ALIGN_MIN = DIRECT_MIN      # tensors smaller than this are only 64-byte aligned (no 4 KiB hole for a bias)
@@ -218,7 +218,7 @@ def local_data_offset(header: bytes, e: ZipEntry, index: ZipIndex, where: str) -
     LOCAL_HEADER_SIZE bytes of it); checked against the central directory."""
     if len(header) < LOCAL_HEADER_SIZE:
         raise FormatError(f"{where}: truncated local header of {e.name!r}")
-    sig, _, _, method, _, _, _, _, _, name_len, extra_len = _local.unpack_from(header, 0)
+    sig, _, _, method, _, _, _, _, _, name_len, extra_len = LOCAL_HEADER.unpack_from(header, 0)
     if sig != LOCAL_SIG:
         raise FormatError(f"{where}: no local header for {e.name!r} at record offset {e.rel_offset}")
     if method != e.method:

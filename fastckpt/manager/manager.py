@@ -74,10 +74,10 @@ from typing import Any, List, NamedTuple, Optional, Set, Union
 
 from .asyncsave import async_save as _collective_async_save
 from .ranks import Ranks, failure_types, register_manager
-from .policy import TMP_MARK, StepDirectory, _failure_kind, _unwrap
+from .policy import TMP_MARK, StepDirectory, failure_kind, unwrap
 from . import remote as _remote_tier
 from .remote import candidates as _remote_candidates
-from ..saver import AsyncSaver, SaveFuture, _fail_inherited, default_saver
+from ..saver import AsyncSaver, SaveFuture, fail_inherited, default_saver
 from ..serialization import load as _load
 from ..serialization import save as _save
 
@@ -176,13 +176,13 @@ class CheckpointManager:
         """In a child made by ``fork()`` (only the forking thread survives; see
         fastckpt/_manager_dist.py): a new lock (another thread may have held
         it at fork()); the parent's saves in flight are not the child's: their
-        futures fail at once (see :func:`fastckpt.saver._fail_inherited`)
+        futures fail at once (see :func:`fastckpt.saver.fail_inherited`)
         and the names they were writing are not the child's to protect, so the
         child's ``wait``, ``clean_temporaries`` and exit never wait for them."""
         self._lock = threading.Lock()
         self._remote = None  # the parent's uploads are not the child's (its replicator's thread is gone)
         for f in self._futures:
-            _fail_inherited(f)
+            fail_inherited(f)
         self._futures = []
         self._writing = set()
 
@@ -622,8 +622,8 @@ class CheckpointManager:
                                    group=group)
             except failure_types() as e:  # noqa: BLE001 - classified below
                 err = e
-            kind = None if err is None else _failure_kind(err)
-            got = self._ranks.gather(None if err is None else (type(_unwrap(err)).__name__, str(_unwrap(err)), kind))
+            kind = None if err is None else failure_kind(err)
+            got = self._ranks.gather(None if err is None else (type(unwrap(err)).__name__, str(unwrap(err)), kind))
             bad = [(r, g) for r, g in enumerate(got) if g is not None]
             if not bad:
                 return Restored(step, result, str(path))
@@ -632,7 +632,7 @@ class CheckpointManager:
                 if not ranks:
                     continue
                 if kind == what:
-                    e = _unwrap(err)
+                    e = unwrap(err)
                     note = (f"fastckpt.CheckpointManager: raised while loading {path}; " +
                             ("not a damaged checkpoint, so older checkpoints were not tried"
                              if what == "error" else "the weights-only unpickler refused it (not corruption)"))

@@ -62,14 +62,14 @@ def _replace_dir(tmp: Union[str, os.PathLike], final: Union[str, os.PathLike]) -
 _DAMAGE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
 
 
-def _failure_kind(e: BaseException) -> str:
+def failure_kind(e: BaseException) -> str:
     """How :meth:`CheckpointManager.load_latest` treats a failure to load one
     checkpoint: ``"damaged"`` (missing, incomplete or failing its checks: try
     the previous one), ``"refused"`` (the weights-only unpickler refused a
     value: raised, not corruption) or ``"error"`` (anything else: raised)."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and type(e).__name__ == "CheckpointException":  # DCP wraps every rank's error
-        kinds = {_failure_kind(f[0] if isinstance(f, tuple) else f) for f in failures.values()}
+        kinds = {failure_kind(f[0] if isinstance(f, tuple) else f) for f in failures.values()}
         if not kinds or "error" in kinds:
             return "error"
         return "refused" if "refused" in kinds else "damaged"
@@ -82,7 +82,7 @@ def _failure_kind(e: BaseException) -> str:
     return "error"
 
 
-def _unwrap(e: BaseException) -> BaseException:
+def unwrap(e: BaseException) -> BaseException:
     """DCP's CheckpointException holding exactly one error: that error."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and type(e).__name__ == "CheckpointException" and len(failures) == 1:
