@@ -435,7 +435,7 @@ class DcpSource(Source):
             return flat
         return root
 
-    def _fast_reader(self):
+    def fast_reader(self):
         if self._reader is None:
             from ..dcp import FastReader
             r = FastReader(self.path, verify=self.verify, thread_count=1)
@@ -445,7 +445,7 @@ class DcpSource(Source):
 
     def _read_items(self, fqn: str, planner: _Into, items) -> None:
         from torch.distributed.checkpoint.planner import LoadPlan
-        self._fast_reader().read_data(LoadPlan(items), planner).wait()
+        self.fast_reader().read_data(LoadPlan(items), planner).wait()
 
     def load_tensor(self, fqn: str) -> torch.Tensor:
         """The whole tensor `fqn`, assembled from its chunks (CRC-checked where whole records are read)."""

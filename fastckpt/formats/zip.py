@@ -48,7 +48,7 @@ _HEADER_BATCH_BYTES = 16 << 20  # windows read in one parallel batch (their buff
 # and a batch of local headers, one read after the other.
 _WHOLE_FILE = 1 << 20
 
-_local = struct.Struct("<IHHHHHIIIHH")
+LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _central = struct.Struct("<IHHHHHHIIIHHHHHII")
 _descriptor32 = struct.Struct("<IIII")
 _descriptor64 = struct.Struct("<IIQQ")
@@ -123,7 +123,7 @@ def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT
         parts = _header_parts.get(key)
         if parts is None:  # the fixed fields before the name, and the padding field after it
             field = struct.pack("<HH", PAD_TAG, pad) + b"Z" * pad
-            parts = (_local.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(field)), field)
+            parts = (LOCAL_HEADER.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(field)), field)
             if len(_header_parts) < 4096:
                 _header_parts[key] = parts
         return parts[0] + name + parts[1]
@@ -138,7 +138,7 @@ def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT
         start += len(extra)
     pad = (-start) % alignment
     extra += struct.pack("<HH", PAD_TAG, pad) + b"Z" * pad
-    head = _local.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(extra))
+    head = LOCAL_HEADER.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(extra))
     return head + name + extra
 
 
@@ -484,7 +484,7 @@ class Archive:
                     w_items.append((rest, e, raw_name))
                     continue
             windows.append((e.header_offset, need - e.header_offset, [(rest, e, raw_name)]))
-        unpack_local = _local.unpack_from
+        unpack_local = LOCAL_HEADER.unpack_from
         first = 0
         while first < len(windows):
             last, total = first, 0

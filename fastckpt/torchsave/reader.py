@@ -11,7 +11,6 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
-import torch.serialization as ts
 
 from .. import _C
 from .._core import paths as _paths

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from fastckpt.collective import save as _collective, stage as _collective_stage
 from fastckpt.formats import torch_rules as _torch_rules
+import fastckpt.formats.pickler
 from fastckpt import serialization
 
 HERE = Path(__file__).parent
