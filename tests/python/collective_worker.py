@@ -113,7 +113,7 @@ def engine_fds(directory: str) -> int:
 
 
 class _CountingC:
-    """fastckpt._C for _collective, whose RegionWriters record every write_at."""
+    """fastckpt._C for the engine handle (fastckpt._core.engine), whose RegionWriters record every write_at."""
 
     def __init__(self, real, regions):
         self._real, self._regions = real, regions
@@ -171,7 +171,8 @@ def main() -> int:
     kwargs = {}
     if placement:
         kwargs["placement"] = placement
-        _collective._C = _CountingC(_C, regions)
+        import fastckpt._core.engine as _engine_mod
+        _engine_mod._C = _CountingC(_C, regions)  # the engine handle makes every RegionWriter
     if (rank == 1 and mode in ("kill", "kill_commit")) or (rank == 0 and mode == "kill0"):
         exchange = _collective.Group.exchange
         stage = "to commit" if mode == "kill_commit" else "to write its share"
