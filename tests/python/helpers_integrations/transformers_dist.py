@@ -88,9 +88,9 @@ def files(d):
 
 def written_by_fastckpt(path):
     with zipfile.ZipFile(path) as z:
-        # fastckpt's layout puts large storages on 4 KiB (torch.save: 64 bytes, as .storage_alignment says)
-        rec = [i for i in z.infolist() if i.filename.endswith("/.storage_alignment")]
-        return bool(rec) and int(z.read(rec[0])) % 4096 == 0
+        # fastckpt's zip writer records "version made by" 20 in the central directory (torch's miniz: 0);
+        # the layout alone cannot tell them apart (a file of small tensors is torch.save's own layout)
+        return all(i.create_version == 20 for i in z.infolist())
 
 
 def done(name):
@@ -141,11 +141,11 @@ def checks():
     f = os.path.join(ROOT, "f")
     try:
         run(FailingRng, f)
-    except OSError as e:
-        assert dist.get_rank() == 1 and e.errno == errno.ENOSPC, repr(e)
-        assert os.path.join(f, "checkpoint-4") in str(e), repr(e)
-    except RuntimeError as e:
-        assert dist.get_rank() == 0 and "failed on rank 1" in str(e), repr(e)
+    except (OSError, RuntimeError) as e:  # the other rank's: fastckpt.errors.RanksFailed (both), naming rank 1
+        if dist.get_rank() == 1:
+            assert isinstance(e, OSError) and e.errno == errno.ENOSPC, repr(e)
+        else:
+            assert isinstance(e, RuntimeError) and "failed on rank 1" in str(e), repr(e)
         assert os.path.join(f, "checkpoint-4") in str(e), repr(e)
     else:
         raise AssertionError("train() did not fail")
