@@ -124,19 +124,24 @@ def _share_ranges(plan, share) -> List[Tuple[int, int, int, int]]:
     return [(_storage_of(plan, i), start, n, off) for i, start, n, off in share]
 
 
-def _shares(plan, world: int, plan_size: int) -> Tuple[Dict[int, int], List[List[Tuple[int, int, int, int]]]]:
-    """The aligned bodies and their split: ({plan index: body length},
-    per rank [(plan index, offset in the record's data, length, file offset)]).
-    `plan_size` is the file's size."""
+def _shares(plan, world: int, plan_size: int) -> Tuple[Dict[int, Tuple[int, int]], List[List[Tuple[int, int, int, int]]]]:
+    """The aligned bodies and their split: ({plan index: (offset of the body in
+    the record's data, body length)}, per rank [(plan index, offset in the
+    record's data, length, file offset)]). A body is the part of a large
+    record between its first and last 4 KiB boundaries in the file (all of it
+    less the tail where the record starts on one, as on fastckpt's 4 KiB
+    layout; records of torch's 64-byte layout have a head too). `plan_size`
+    is the file's size."""
     bodies = []  # (plan index, body length)
+    heads: Dict[int, int] = {}
     for i, (payload, _header, entry) in enumerate(plan):
         if isinstance(payload, (bytes, bytearray)) or entry.size < _zip.DIRECT_MIN:
             continue
-        if entry.data_offset % _BODY_ALIGN:
-            continue  # not aligned (cannot happen with fastckpt's layout): rank 0 writes it
-        body = entry.size // _BODY_ALIGN * _BODY_ALIGN
-        if body:
+        head = -entry.data_offset % _BODY_ALIGN
+        body = (entry.size - head) // _BODY_ALIGN * _BODY_ALIGN
+        if body > 0:
             bodies.append((i, body))
+            heads[i] = head
     total = sum(b for _, b in bodies)
     blocks = total // _BODY_ALIGN
     if world == 1:
@@ -148,8 +153,9 @@ def _shares(plan, world: int, plan_size: int) -> Tuple[Dict[int, int], List[List
         rest = plan_size - total
         first = max(0, min(blocks, ((total + rest) // world - rest) // _BODY_ALIGN))
         bounds = [0] + [(first + (blocks - first) * r // (world - 1)) * _BODY_ALIGN for r in range(world)]
-    shares = [[(i, off, n, plan[i][2].data_offset + off) for i, off, n in run] for run in cut_runs(bodies, bounds)]
-    return dict(bodies), shares
+    shares = [[(i, heads[i] + off, n, plan[i][2].data_offset + heads[i] + off) for i, off, n in run]
+              for run in cut_runs(bodies, bounds)]
+    return {i: (heads[i], b) for i, b in bodies}, shares
 
 
 def cut_runs(items, bounds: List[int]) -> List[List[Tuple[Any, int, int]]]:
@@ -509,9 +515,15 @@ def _write_rest(writer, plan, entries, cd_offset: int, src: "_collective_stage.S
     combined from the ranks' piece CRCs. Of the storages it reads only the
     records' bytes after their bodies (small records whole, tails)."""
     body_crcs = _body_crcs(shares, all_crcs) if crc_on else {}
-    tails = [(_storage_of(plan, i), bodies.get(i, 0), entry.size - bodies.get(i, 0), i)
-             for i, (payload, _h, entry) in enumerate(plan)
-             if not isinstance(payload, (bytes, bytearray)) and entry.size > bodies.get(i, 0)]
+    tails = []  # per storage record in plan order: its head (before the body), then its tail (after it)
+    for i, (payload, _h, entry) in enumerate(plan):
+        if isinstance(payload, (bytes, bytearray)):
+            continue
+        head, body = bodies.get(i, (0, 0))
+        if head:
+            tails.append((_storage_of(plan, i), 0, head, i))
+        if entry.size > head + body:
+            tails.append((_storage_of(plan, i), head + body, entry.size - head - body, i))
     it = src.ranges(tails)
     try:
         _write_rest_from(writer, plan, entries, cd_offset, it, bodies, body_crcs, crc_on)
@@ -543,19 +555,28 @@ def _write_rest_from(writer, plan, entries, cd_offset: int, tails, bodies: Dict[
             put(entry.data_offset, bytes(payload))
             crc = _engine.crc32(payload) if crc_on and size else 0
         else:
-            body = bodies.get(i, 0)
-            tail = b""
-            if size > body:
+            head, body = bodies.get(i, (0, 0))
+
+            def piece(n: int) -> bytes:
+                if not n:
+                    return b""
                 r, views = next(tails)
                 if r[3] != i:
-                    raise RuntimeError("fastckpt: record tails out of order")
-                tail = b"".join(v.numpy().tobytes() for v in views)
+                    raise RuntimeError("fastckpt: record heads and tails out of order")
+                return b"".join(v.numpy().tobytes() for v in views)
+            first = piece(head)
+            tail = piece(size - head - body)
+            if first:
+                put(entry.data_offset, first)
             if tail:
-                put(entry.data_offset + body, tail)
-            crc = body_crcs.get(i, 0)
+                put(entry.data_offset + head + body, tail)
+            crc = 0
             if crc_on:
+                crc = _engine.crc32(first) if first else 0
+                if body:
+                    crc = _engine.crc32_combine(crc, body_crcs.get(i, 0), body)
                 if tail:
-                    crc = _engine.crc32_combine(crc, _engine.crc32(tail), len(tail)) if body else _engine.crc32(tail)
+                    crc = _engine.crc32_combine(crc, _engine.crc32(tail), len(tail))
         entry.crc = crc
         d = _zip.descriptor(crc, size, entry.header_offset)
         if d:

@@ -48,7 +48,7 @@ def expected_host_bytes(case: str, world: int):
     sizes = [s.nbytes() for s in storages]
     share_bytes = [sum(n for _i, _s, n, _o in share) for share in shares]
     samples = sum(n for s in sizes for _start, n in _collective_stage.sample_ranges(s))
-    rest = sum(e.size - bodies.get(i, 0) for i, (p, _h, e) in enumerate(plan) if not isinstance(p, (bytes, bytearray)))
+    rest = sum(e.size - bodies.get(i, (0, 0))[1] for i, (p, _h, e) in enumerate(plan) if not isinstance(p, (bytes, bytearray)))
     return share_bytes, samples, rest, sum(sizes)
 
 
