@@ -214,11 +214,7 @@ class _File:
         try:
             fd = self.f.fileno()
             size = os.fstat(fd).st_size
-            n = _st.header_length(os.pread(fd, 8, 0), size, path)
-            raw = os.pread(fd, n, 8)
-            if len(raw) != n:
-                raise FormatError(f"{path}: truncated while reading the {n}-byte header")
-            self.metadata, self.entries, problems = _st.parse_header(raw, size, path)
+            n, self.metadata, self.entries, problems = _st.read_header(lambda k, o: os.pread(fd, k, o), size, path)
             self.data_start = 8 + n
             if problems:
                 raise FormatError(f"{problems[0]} (the tensors must tile the data exactly: not a valid safetensors "

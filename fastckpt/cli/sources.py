@@ -293,11 +293,8 @@ class SafetensorsSource(_FileSource):
         path = self.path
         size = os.fstat(self.f.fileno()).st_size
         self.file_size = size
-        n = _st.header_length(os.pread(self.f.fileno(), 8, 0), size, path)
-        raw = os.pread(self.f.fileno(), n, 8)
-        if len(raw) != n:
-            raise FormatError(f"{path}: truncated while reading the {n}-byte header")
-        self.metadata, self.entries, self.problems = _st.parse_header(raw, size, path)
+        fd = self.f.fileno()
+        n, self.metadata, self.entries, self.problems = _st.read_header(lambda k, o: os.pread(fd, k, o), size, path)
         self.header_size = n
         self.data_start = 8 + n
         self.storages = {e.name: Storage(e.name, e.end - e.begin, e.dtype, location=None) for e in self.entries}

@@ -14,7 +14,7 @@ their memory.
 
 import json
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -22,7 +22,7 @@ from ..errors import FormatError
 from .torch_rules import itemsize
 
 __all__ = ["MAX_HEADER", "ALIGN", "LAYOUT_KEY", "SEPARATOR", "ST_DTYPES", "ST_NAMES", "dtype_name", "Entry", "plan",
-           "parse_header"]
+           "read_header", "parse_header"]
 
 MAX_HEADER = 100 << 20          # the largest header readers accept (the reference implementation's limit)
 ALIGN = 4096                    # the data starts on, and page-sized tensors keep, this alignment
@@ -108,6 +108,17 @@ def header_length(head: bytes, file_size: int, path: str) -> int:
         raise FormatError(f"{path}: truncated or not a safetensors file: header of {n} bytes in a "
                           f"{file_size}-byte file")
     return n
+
+
+def read_header(pread: Callable[[int, int], bytes], file_size: int, path: str):
+    """(the header's length, its __metadata__, its tensors, its problems) of a
+    ``file_size``-byte file whose bytes ``pread(n, offset)`` returns: the one
+    reading of a header every reader uses (the caller does the I/O)."""
+    n = header_length(pread(8, 0), file_size, path)
+    raw = pread(n, 8)
+    if len(raw) != n:
+        raise FormatError(f"{path}: truncated while reading the {n}-byte header")
+    return (n,) + parse_header(raw, file_size, path)
 
 
 def parse_header(raw: bytes, file_size: int, path: str) -> Tuple[Dict[str, str], List[Entry], List[str]]:
