@@ -20,7 +20,6 @@ import threading
 import warnings
 import zipfile
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -354,38 +353,7 @@ OBJECTS = {
 }
 
 
-def record_layout(path):
-    """{record name without the archive folder: (data offset, size, crc)}, the data
-    offset computed from each local header (header_offset + 30 + name + extra)."""
-    raw = Path(path).read_bytes()
-    out = {}
-    with zipfile.ZipFile(path) as z:
-        for info in z.infolist():
-            h = info.header_offset
-            assert raw[h:h + 4] == b"PK\x03\x04", info.filename
-            name_len, extra_len = struct.unpack_from("<HH", raw, h + 26)
-            assert raw[h + 30:h + 30 + name_len].decode() == info.filename
-            out[info.filename.split("/", 1)[1]] = (h + 30 + name_len + extra_len, info.file_size, info.CRC)
-    return out
-
-
-def assert_fastckpt_layout(path, alignment=64):
-    """docs/FORMAT.md 1.3: torch.save's .format_version record, and every record
-    on the one alignment .storage_alignment states (torch predicts storage
-    offsets from it): a multiple of `alignment` (torch's storage_alignment) and,
-    where the file has storage records of 64 KiB or more and few small ones, of
-    4096 (O_DIRECT). Returns record_layout(path)."""
-    layout = record_layout(path)
-    assert ".format_version" in layout
-    with zipfile.ZipFile(path) as z:
-        stated = int(z.read(next(i for i in z.infolist() if i.filename.endswith("/.storage_alignment"))))
-    large = math.lcm(4096, alignment)
-    sizes = [size for n, (_, size, _) in layout.items() if n.startswith("data/")]
-    assert stated == (large if any(s >= 65536 for s in sizes) and
-                      sum(s < 65536 for s in sizes) * large <= max(1 << 20, sum(sizes) // 64) else alignment)
-    for n, (off, size, _) in layout.items():
-        assert off % stated == 0, f"{n} ({size} bytes) starts at {off}, not on a multiple of {stated}"
-    return layout
+from zip_layout import assert_layout_rule as assert_fastckpt_layout, record_layout  # noqa: E402
 
 
 def flip_byte(path, offset):

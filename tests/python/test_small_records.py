@@ -9,10 +9,8 @@ benchmarks/bench_small.py."""
 
 import io
 import json
-import math
 import os
 import pickle
-import struct
 import zipfile
 import zlib
 
@@ -25,38 +23,15 @@ from fastckpt import _C
 from fastckpt.formats import zip as _zip
 from fastckpt._core.engine import get_engine
 
-DIRECT_MIN = 65536  # the threshold of docs/FORMAT.md 1.3, spelled out
+from zip_layout import DIRECT_MIN, assert_layout_rule, record_layout  # noqa: E402
 
 
 def layout(path):
-    """{record name without the top folder: (data offset, size, crc)} from the
-    local headers, read with zipfile (not fastckpt's parser)."""
-    raw = open(path, "rb").read()
-    out = {}
-    with zipfile.ZipFile(path) as z:
-        assert z.testzip() is None
-        for info in z.infolist():
-            h = info.header_offset
-            n, m = struct.unpack_from("<HH", raw, h + 26)
-            out[info.filename.split("/", 1)[1]] = (h + 30 + n + m, info.file_size, info.CRC)
-    return out
+    return record_layout(path, verify_crcs=True)
 
 
 def check_rule(path, alignment=64):
-    """docs/FORMAT.md 1.3: .format_version as torch.save writes it, every record on
-    the alignment .storage_alignment states: 4096 (and a multiple of `alignment`)
-    where large storages dominate, else `alignment`."""
-    lay = layout(path)
-    assert ".format_version" in lay
-    with zipfile.ZipFile(path) as z:
-        stated = int(z.read(next(i for i in z.infolist() if i.filename.endswith("/.storage_alignment"))))
-    large = math.lcm(4096, alignment)
-    sizes = [size for n, (_, size, _) in lay.items() if n.startswith("data/")]
-    assert stated == (large if any(s >= DIRECT_MIN for s in sizes) and
-                      sum(s < DIRECT_MIN for s in sizes) * large <= max(1 << 20, sum(sizes) // 64) else alignment)
-    for n, (off, size, _) in lay.items():
-        assert off % stated == 0, f"{n} ({size} bytes) at {off}: not on a multiple of {stated}"
-    return lay
+    return assert_layout_rule(path, alignment, verify_crcs=True)
 
 
 def mixed_state():
