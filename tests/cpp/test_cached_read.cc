@@ -88,8 +88,12 @@ TEST(partly_cached_file_mixes_cached_and_disk_pieces, ALL) {
   // One whole-file range: its cached prefix (at most 2 MiB), the rest from the disk.
   ReadStats st = read_and_check(eng, path, data, {{0, data.size()}}, "whole");
   if (st.cached_bytes == data.size()) SKIP("posix_fadvise(DONTNEED) evicted nothing here");
+  // Where the cached prefix ends is the kernel's: a cached read that meets a
+  // readahead mark starts asynchronous readahead, which may refill the hole
+  // while the phase runs (a loaded machine sees it). The exact stop at the
+  // first miss is checked with an injected miss in the test below.
   CHECK(st.cached_bytes > 0);
-  CHECK(st.cached_bytes <= 2 * M);
+  CHECK(st.cached_bytes < data.size());
   CHECK(st.requests > 0);
   // Several ranges: the first wholly cached, the second cached up to where the
   // hole starts (or less), the rest from the disk.
@@ -97,9 +101,11 @@ TEST(partly_cached_file_mixes_cached_and_disk_pieces, ALL) {
   evict(path, 2 * M, 2 * M);
   const std::vector<Want> rs = {{5, 100000}, {M + 3, 2 * M}, {1000, 3000}, {5 * M + 1, M}, {7 * M, M + 77}};
   st = read_and_check(eng, path, data, rs, "ranges");
+  uint64_t asked = 0;
+  for (const Want& w : rs) asked += w.len;
   CHECK(st.cached_bytes >= 100000 + 3000);
-  CHECK(st.cached_bytes <= 100000 + 3000 + M);
-  CHECK(st.requests > 0);
+  CHECK(st.cached_bytes <= asked);
+  if (st.cached_bytes < asked) CHECK(st.requests > 0);
 }
 
 TEST(injected_short_cache_splits_a_range_at_any_byte, ALL) {
