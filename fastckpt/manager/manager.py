@@ -438,7 +438,10 @@ class CheckpointManager:
         """Delete what crashed saves *of this host* left in the directory:
         temporary names (``.<name>.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>``,
         files, and the manager's directories with a ``.dcp``, ``.del`` or
-        ``.old`` suffix; docs/FORMAT.md 1.6) whose process is gone.
+        ``.old`` suffix; docs/FORMAT.md 1.6) whose process is gone. An
+        ``.old`` directory whose final name is missing (a re-save interrupted
+        between the two renames of the directory commit's fallback) is the
+        only complete copy of that checkpoint: it is renamed back, not deleted.
 
         Kept:
 
