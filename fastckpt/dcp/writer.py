@@ -394,6 +394,8 @@ class FastWriter(StorageWriter, AsyncStager):
         finally:
             for c in claims:  # their buffers may be reused from here on (by a newer stage())
                 self._stager.release(c)
+            if not ok and s.staging is not None:  # the coordinator's own files failed: finish never runs
+                shutil.rmtree(s.staging, ignore_errors=True)
             if not ok or (s.use_collectives and not s.is_coordinator):
                 self._end_save()  # nothing else of this save runs here (finish: coordinator only)
         fut: Future = Future()

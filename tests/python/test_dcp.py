@@ -357,13 +357,24 @@ def test_use_collectives_false(tmp_path):
         assert torch.equal(tgt["a"], sd["a"])
 
 
-def test_collective_save_removes_rank_local_metadata(tmp_path):
-    dcp.save({"a": torch.arange(6.0)}, storage_writer=FastWriter(tmp_path), use_collectives=False)
+def test_collective_save_replaces_rank_local_metadata(tmp_path):
+    ck = tmp_path / "ck"
+    dcp.save({"a": torch.arange(6.0)}, storage_writer=FastWriter(ck), use_collectives=False)
     _C.fault_inject("write", nth=1, errno=errno.EIO, path_contains="distcp")
-    with pytest.raises(OSError):
-        dcp_unwrapped(dcp.save, {"a": torch.zeros(6)}, storage_writer=FastWriter(tmp_path))
-    # dcp.load would fall back to __0.metadata: it must be gone too
-    assert not [n for n in os.listdir(tmp_path) if n.endswith(".metadata")]
+    try:
+        with pytest.raises(OSError):
+            dcp_unwrapped(dcp.save, {"a": torch.zeros(6)}, storage_writer=FastWriter(ck))
+    finally:
+        _C.fault_clear()
+    # a failed save over it leaves the old checkpoint (rank-local metadata) loadable, and no temporary
+    got = {"a": torch.zeros(6)}
+    dcp.load(got, storage_reader=FastReader(ck))
+    assert torch.equal(got["a"], torch.arange(6.0)) and os.listdir(tmp_path) == ["ck"]
+    dcp.save({"a": torch.ones(6)}, storage_writer=FastWriter(ck))
+    # dcp.load would fall back to __0.metadata: it is not carried into the new checkpoint
+    assert [n for n in os.listdir(ck) if n.endswith(".metadata")] == [".metadata"]
+    dcp.load(got, storage_reader=FastReader(ck))
+    assert torch.equal(got["a"], torch.ones(6))
 
 
 def test_async_save_reuses_staging_buffers(tmp_path):
