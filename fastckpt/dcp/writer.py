@@ -63,7 +63,7 @@ from .._core.atomic import AtomicFile, write_file
 from .._core import dist_exit as _dist_exit
 from ..staging import device as _staging
 from .._core.owner import check_directory_owner
-from .._core.paths import check_dcp_target
+from .._core.paths import check_dcp_target, raise_named_after_target
 from ..formats.torch_rules import itemsize
 from .._core.engine import fsync_dir, get_engine
 from ..formats import dcp as _blob
@@ -589,6 +589,17 @@ class FastWriter(StorageWriter, AsyncStager):
         else:
             buckets = [[it] for it in plan.items]
         files = [(f"{prefix}{i}{SUFFIX}", b) for i, b in enumerate(buckets)]
+        try:
+            return self._write_files_in(s, where, files, planner, on_resolve)
+        except OSError as e:  # an engine error names the temporary sibling: name the user's directory
+            if where != s.path and e.filename and os.fspath(where) in os.fsdecode(e.filename):
+                rel = os.path.relpath(os.fsdecode(e.filename), where).split(os.sep)[0]
+                rel = rel if rel.endswith(SUFFIX) and not rel.startswith(".") else files[0][0]
+                raise_named_after_target(e, os.path.join(s.path, rel))
+            raise
+
+    def _write_files_in(self, s: _Save, where: Path, files, planner: SavePlanner,
+                        on_resolve=None) -> List[WriteResult]:
         stats: List[Dict[str, Any]] = []
         stop = threading.Event()
         results: List[WriteResult] = []

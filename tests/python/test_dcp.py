@@ -432,21 +432,23 @@ def test_overwrite_false(tmp_path):
     assert os.path.exists(tmp_path / ".metadata")
 
 
-def test_failed_overwrite_is_not_loadable_and_leaves_no_files(tmp_path):
-    dcp.save({"a": torch.ones(300, 300)}, storage_writer=FastWriter(tmp_path))
-    dcp.save({"a": torch.ones(300, 300)}, storage_writer=FastWriter(tmp_path))  # warm: engine, rings
+def test_failed_overwrite_leaves_the_old_checkpoint_and_no_files(tmp_path):
+    ck = tmp_path / "ck"
+    dcp.save({"a": torch.ones(300, 300)}, storage_writer=FastWriter(ck))
+    dcp.save({"a": torch.ones(300, 300)}, storage_writer=FastWriter(ck))  # warm: engine, rings
     before = fd_count()
     _C.fault_inject("write", nth=2, errno=errno.ENOSPC, path_contains="distcp")
     with pytest.raises(OSError, match="No space left on device") as ei:
-        dcp_unwrapped(dcp.save, {"a": torch.full((300, 300), 2.0)}, storage_writer=FastWriter(tmp_path))
+        dcp_unwrapped(dcp.save, {"a": torch.full((300, 300), 2.0)}, storage_writer=FastWriter(ck))
     assert ei.value.errno == errno.ENOSPC
+    assert ei.value.filename == str(ck / "__0_0.distcp")  # the user's directory, not the temporary one
     assert _C.fault_fired() == 1
     assert fd_count() == before
-    assert not temp_files(tmp_path)
-    # the old checkpoint stopped being one before its data file was touched
-    assert not os.path.exists(tmp_path / ".metadata")
-    with pytest.raises(FileNotFoundError):
-        FastReader(tmp_path).read_metadata()
+    assert not temp_files(ck) and os.listdir(tmp_path) == ["ck"]
+    # the new checkpoint was written beside the old one, which stays whole
+    got = {"a": torch.zeros(300, 300)}
+    dcp.load(got, storage_reader=FastReader(ck))
+    assert torch.equal(got["a"], torch.ones(300, 300))
 
 
 def test_metadata_write_failure_leaves_no_checkpoint(tmp_path):
