@@ -598,7 +598,12 @@ class Driver:
             doomed = []
             if len(saved_at) < len(ranks):
                 if kill_at is None:
-                    raise RuntimeError(f"{kind}: uninterrupted save did not finish: {msgs}")
+                    for p in procs:  # where it hangs: faulthandler's dump of every thread, on stderr
+                        if p.is_alive():
+                            os.kill(p.pid, signal.SIGUSR1)
+                    time.sleep(1.0)
+                    raise RuntimeError(f"{kind}: uninterrupted save did not finish: {msgs} (alive: "
+                                       f"{[p.is_alive() for p in procs]}, exit codes {[p.exitcode for p in procs]})")
                 doomed = [p for r, p in zip(ranks, procs) if p.is_alive() and r in victims]
             for p in doomed:
                 os.kill(p.pid, signal.SIGKILL)
