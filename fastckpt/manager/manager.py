@@ -437,11 +437,8 @@ class CheckpointManager:
     def clean_temporaries(self) -> List[str]:
         """Delete what crashed saves *of this host* left in the directory:
         temporary names (``.<name>.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>``,
-        files, and the manager's directories with a ``.dcp``, ``.del`` or
-        ``.old`` suffix; docs/FORMAT.md 1.6) whose process is gone. An
-        ``.old`` directory whose final name is missing (a re-save interrupted
-        between the two renames of the directory commit's fallback) is the
-        only complete copy of that checkpoint: it is renamed back, not deleted.
+        files, and the manager's directories with a ``.dcp``, ``.del`` or ``.old``
+        suffix; docs/FORMAT.md 1.6) whose process is gone; an ``.old`` one whose name is missing is put back.
 
         Kept:
 
