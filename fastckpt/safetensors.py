@@ -23,14 +23,18 @@ that is not a tensor, a sparse or non-contiguous tensor, tensors that share memo
 :func:`save_model`, which keeps one name per shared storage), non-string metadata. Also refused:
 a tensor named ``__metadata__`` (the format's reserved key) and dtypes the format has no name for.
 """
+import errno
 import json
 import os
+import re
+import shutil
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 import torch
 
+from ._core import dircommit as _dircommit
 from ._core import engine as _engine
 from ._core.atomic import AtomicFile, write_file
 from .staging import device as _staging
@@ -397,52 +401,83 @@ def shard_names(state_dict: Dict[str, torch.Tensor], max_shard_size: Union[int, 
 def save_sharded(state_dict: Dict[str, torch.Tensor], save_directory: PathLike,
                  max_shard_size: Union[int, str] = DEFAULT_SHARD, metadata: Optional[Dict[str, str]] = None,
                  weights_name: str = "model.safetensors") -> Dict[str, List[str]]:
-    """A Hugging Face sharded checkpoint in `save_directory`: the shards written in parallel, each
-    durable; then the old index (if any) is removed, the shards renamed into place and the index
-    (``model.safetensors.index.json``: ``{"metadata": {"total_size": ...}, "weight_map": {...}}``)
-    written LAST, so that an index on disk only ever names complete shards of one save (a crash in
-    between leaves no index: no checkpoint rather than a mixed one). One shard: no index, the file is
-    ``weights_name``. Returns file name -> tensor names. `metadata` goes into every shard."""
+    """A Hugging Face sharded checkpoint in `save_directory`, replaced atomically as a set: the
+    shards (written in parallel, each durable) and the index (``model.safetensors.index.json``:
+    ``{"metadata": {"total_size": ...}, "weight_map": {...}}``) are written into a temporary
+    sibling directory, which the one directory commit then puts at `save_directory` (an existing
+    one is exchanged with it in one ``renameat2(RENAME_EXCHANGE)``, fastckpt/_core/dircommit.py):
+    after a crash at any moment, `save_directory` holds the old checkpoint or the complete new
+    one, under the names transformers writes. Other files of an existing `save_directory` (a
+    model's ``config.json``, tokenizer files) are carried into the new one (hard links); its old
+    shards and index are not. One shard: no index, the file is ``weights_name``. Returns file name
+    -> tensor names. `metadata` goes into every shard."""
     _check_tensors(state_dict)
     metadata = _check_metadata(metadata if metadata is not None else {"format": "pt"})
-    directory = os.fsdecode(os.fspath(save_directory))
-    os.makedirs(directory, exist_ok=True)
+    directory = os.path.abspath(os.fsdecode(os.fspath(save_directory))).rstrip(os.sep)
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise NotADirectoryError(errno.ENOTDIR, f"cannot save a sharded checkpoint to {directory!r}: it exists and "
+                                 "is not a directory", directory)
+    os.makedirs(os.path.dirname(directory), exist_ok=True)
     shards = shard_names(state_dict, max_shard_size, weights_name)
-    index_path = os.path.join(directory, os.path.splitext(weights_name)[0] + ".safetensors.index.json"
-                              if weights_name.endswith(".safetensors") else weights_name + ".index.json")
-    prepared: List[_Prepared] = []
+    index_name = (os.path.splitext(weights_name)[0] + ".safetensors.index.json"
+                  if weights_name.endswith(".safetensors") else weights_name + ".index.json")
+    index_path = os.path.join(directory, index_name)
+    keep = _not_the_checkpoint(directory, weights_name, index_name)
+    tmp = _dircommit.new_directory(directory)
     try:
+        # Each shard is committed inside the new directory as soon as it is written: its writer
+        # gives back its staging buffers then (a written writer left open holds some until its
+        # commit, and a pool thread's next shard would wait for them forever). The directory
+        # commit below is what makes the set of files appear at once.
         with ThreadPoolExecutor(min(_PARALLEL_FILES, len(shards))) as ex:
-            futs = [ex.submit(_write, {n: state_dict[n] for n in names}, os.path.join(directory, f), metadata)
+            futs = [ex.submit(_write_shard, {n: state_dict[n] for n in names}, os.path.join(tmp, f), metadata)
                     for f, names in shards.items()]
             errors = []
             for fu in futs:
                 try:
-                    prepared.append(fu.result())
-                except BaseException as e:  # noqa: BLE001 - every shard's writer must be aborted
+                    fu.result()
+                except BaseException as e:  # noqa: BLE001 - wait for every shard before removing tmp
                     errors.append(e)
             if errors:
                 raise errors[0]
-        if os.path.exists(index_path):
-            os.unlink(index_path)
-            _engine.fsync_dir(directory)
-        while prepared:
-            prepared[0].commit()
-            prepared.pop(0)
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state_dict.values())},
                      "weight_map": {n: f for f, names in shards.items() for n in names}}
-            write_file(index_path, json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
+            write_file(os.path.join(tmp, index_name), json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
+        _dircommit.commit_directory(tmp, directory, keep=keep)
     except OSError as e:
-        for p in prepared:
-            p.abort()
-        raise_named_after_target(e, index_path)
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.filename and tmp in os.fsdecode(e.filename):
+            raise_named_after_target(e, index_path)
         raise
     except BaseException:
-        for p in prepared:
-            p.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     return shards
+
+
+def _write_shard(tensors: Dict[str, torch.Tensor], filename: str, metadata: Optional[Dict[str, str]]) -> None:
+    p = _write(tensors, filename, metadata)
+    try:
+        p.commit()
+    except BaseException:
+        p.abort()
+        raise
+
+
+def _not_the_checkpoint(directory: str, weights_name: str, index_name: str):
+    """Which entries of an existing checkpoint directory a new sharded save keeps: all but the
+    single file, the index, the shards it names and any file named as a shard of `weights_name`."""
+    stem, ext = os.path.splitext(weights_name)
+    shard = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}" + re.escape(ext))
+    named: set = set()
+    try:
+        with open(os.path.join(directory, index_name), "rb") as f:
+            wm = json.loads(f.read(_st.MAX_HEADER).decode("utf-8")).get("weight_map", {})
+        named = {v for v in wm.values() if isinstance(v, str)}
+    except (OSError, ValueError, AttributeError):
+        pass
+    return lambda n: n not in (weights_name, index_name) and n not in named and not shard.fullmatch(n)
 
 
 def load_sharded(directory: PathLike, device: Union[str, int, torch.device] = "cpu",
@@ -450,7 +485,7 @@ def load_sharded(directory: PathLike, device: Union[str, int, torch.device] = "c
     """Every tensor of a Hugging Face checkpoint directory: the shards its index names (read in
     parallel, each checked as :func:`load_file` checks one; a tensor the index maps to a shard that
     does not hold it, or a shard holding a tensor twice, is a FormatError), or the single file."""
-    directory = os.fsdecode(os.fspath(directory))
+    directory = _dircommit.resolve(os.fsdecode(os.fspath(directory)))  # a set left aside by an interrupted commit
     index_path = os.path.join(directory, weights_name + ".index.json" if not weights_name.endswith(".safetensors")
                               else os.path.splitext(weights_name)[0] + ".safetensors.index.json")
     if not os.path.exists(index_path):

@@ -284,6 +284,22 @@ void init_io(py::module_& m) {
         py::arg("path"),
         "fsync a directory (makes renames and removals in it durable) through the engine's checker and fault hook.");
 
+  m.def("rename", [](const std::string& from, const std::string& to) {
+          py::gil_scoped_release nogil;
+          sys::rename(from, to);
+        },
+        py::arg("src"), py::arg("dst"),
+        "rename(2) through the engine's checker and fault hook (Op::Rename): an OSError naming both paths.");
+
+  m.def("rename_exchange", [](const std::string& a, const std::string& b) {
+          py::gil_scoped_release nogil;
+          return sys::rename_exchange(a, b);
+        },
+        py::arg("a"), py::arg("b"),
+        "Swap two existing paths atomically (renameat2 RENAME_EXCHANGE) through the engine's checker and "
+        "fault hook. False when the kernel or filesystem does not offer the exchange (EINVAL, ENOSYS, "
+        "EOPNOTSUPP); any other failure raises an OSError naming both paths.");
+
   m.def("remove_leftovers", [](const std::string& path) {
           py::gil_scoped_release nogil;
           return remove_leftovers(path);

@@ -254,6 +254,40 @@ void rename(const std::string& from, const std::string& to) {
   check_sys(::rename(from.c_str(), to.c_str()), "rename", both);
 }
 
+bool rename_exchange(const std::string& a, const std::string& b) {
+#ifndef RENAME_EXCHANGE
+  constexpr unsigned kExchange = 1u << 1;  // linux/fs.h, absent from older C libraries' headers
+#else
+  constexpr unsigned kExchange = RENAME_EXCHANGE;
+#endif
+  const std::string both = a + " <-> " + b;
+  auto refused = [](int err) { return err == EINVAL || err == ENOSYS || err == EOPNOTSUPP || err == ENOTSUP; };
+  // Test-only: FASTCKPT_TEST_NO_EXCHANGE=1 makes every exchange "not offered", as on a filesystem
+  // without it, so that the tests (crash driver, power loss) exercise the callers' fallback.
+  const char* off = std::getenv("FASTCKPT_TEST_NO_EXCHANGE");
+  if (off && std::strcmp(off, "1") == 0) return false;
+  int tries = 0;
+  for (;;) {
+    fault::Action f = fault::on(Op::Rename, b);
+    if (f.err) {
+      if (refused(f.err)) return false;
+      if (retryable(f.err) && ++tries < kMaxRetries) continue;
+      throw_io(f.err, "renameat2(RENAME_EXCHANGE)", both);
+    }
+#ifdef SYS_renameat2
+    const long r = ::syscall(SYS_renameat2, AT_FDCWD, a.c_str(), AT_FDCWD, b.c_str(), kExchange);
+#else
+    const long r = -1;
+    errno = ENOSYS;
+#endif
+    if (r == 0) return true;
+    const int err = errno;
+    if (err == EINTR && ++tries < kMaxRetries) continue;
+    if (refused(err)) return false;
+    throw_io(err, "renameat2(RENAME_EXCHANGE)", both);
+  }
+}
+
 bool fallocate(int fd, uint64_t len, const std::string& path) {
   if (len == 0) return true;
   const int64_t r = retrying(

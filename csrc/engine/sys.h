@@ -42,6 +42,15 @@ int fdatasync_raw(int fd) noexcept;
 // Opens `dir` and fsyncs it, making a rename or creation in it durable.
 void fsync_dir(const std::string& dir);
 void rename(const std::string& from, const std::string& to);
+// renameat2(a, b, RENAME_EXCHANGE): swaps two existing paths (two directories
+// of a directory commit) in one atomic step, so that `b` names a complete copy
+// at every instant. Returns false when the kernel or the filesystem does not
+// offer the exchange (EINVAL, ENOSYS, EOPNOTSUPP: e.g. some FUSE and NFS
+// mounts, kernels before 3.15): the caller then uses its fallback. Any other
+// failure throws IoError naming both paths. Fault hook: Op::Rename on `b` (an
+// injected EINVAL or ENOSYS reads as "not offered", as the real refusal does; the test-only
+// FASTCKPT_TEST_NO_EXCHANGE=1 makes every exchange "not offered").
+bool rename_exchange(const std::string& a, const std::string& b);
 // Preallocates [0, len). Returns false when the filesystem does not support it.
 bool fallocate(int fd, uint64_t len, const std::string& path);
 void ftruncate(int fd, uint64_t len, const std::string& path);

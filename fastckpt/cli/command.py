@@ -242,6 +242,8 @@ def cmd_convert(args) -> int:
         raise UsageError(f"cannot tell the target format from {dst!r}: pass --to {{{','.join(_convert.TARGETS)}}}")
     if os.path.abspath(src_path) == os.path.abspath(dst):
         raise UsageError("the source and the destination are the same path")
+    from .._core.dircommit import recover
+    recover(dst)  # a directory that an interrupted replacement left aside is put back first
     if os.path.lexists(dst):
         if not args.force:
             raise UsageError(f"{dst} exists; pass --force to replace it")

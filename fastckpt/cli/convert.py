@@ -330,15 +330,14 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
                     progress(n)
             return obj
 
-    # Written under a temporary name beside dst and renamed into place once complete, so that
-    # a failed conversion leaves dst as it was (FastWriter alone would first invalidate it).
+    # Written into a temporary sibling of dst and put in place once complete by the one directory
+    # commit (an existing dst is exchanged with it atomically), so that a failed or interrupted
+    # conversion leaves dst as it was (FastWriter alone would replace it in place). The temporary
+    # name is this host's and process's: CheckpointManager.clean_temporaries removes it once this
+    # process is gone.
+    from .._core.dircommit import commit_directory, new_directory
     final = os.path.abspath(dst).rstrip(os.sep)
-    parent, name = os.path.split(final)
-    # The checkpoint manager's temporary names (this host, this process): only this host's
-    # CheckpointManager.clean_temporaries removes them, once this process is gone.
-    from ..manager.policy import _replace_dir
-    from .._core.tempnames import temp_name
-    tmp = os.path.join(parent, temp_name(name, "dcp"))
+    tmp = new_directory(final)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "no process group: saving as a single process"
@@ -350,7 +349,7 @@ def write_dcp(source: Source, dst: str, progress: Progress = None) -> Dict[str, 
                 if len(errors) == 1 and isinstance(errors[0], BaseException):
                     raise errors[0] from None
                 raise
-        _replace_dir(tmp, final)
+        commit_directory(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

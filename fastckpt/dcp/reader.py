@@ -46,6 +46,7 @@ from torch.futures import Future
 
 from .._core import engine as _engine
 from .._core import dist_exit as _dist_exit
+from .._core.dircommit import resolve
 from ..formats import unpickler as _unpickle
 from ..formats.torch_rules import contiguous_stride, itemsize
 from .._core.owner import check_directory_owner
@@ -162,8 +163,9 @@ class FastReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = METADATA if rank is None else f"__{rank}{METADATA}"
-        p = os.path.join(self.path, name)
-        check_directory_owner(self.path, "DCP checkpoint directory")
+        root = resolve(self.path)  # or the complete copy an interrupted directory commit left aside
+        p = os.path.join(root, name)
+        check_directory_owner(root, "DCP checkpoint directory")
         md = load_metadata(p, self.path)
         if getattr(md, "storage_meta", None) is None:
             md.storage_meta = StorageMeta()
@@ -263,7 +265,7 @@ class FastReader(StorageReader):
     def _resolve(self, rel: Any) -> Tuple[str, int]:
         """The real path and size of a data file named in .metadata, which must be
         a regular file inside the checkpoint directory."""
-        root = os.fspath(self.path)
+        root = resolve(self.path)
         if not isinstance(rel, str) or not rel or "\0" in rel:
             raise FormatError(f"{root}: .metadata names an invalid data file {rel!r}")
         if os.path.isabs(rel) or ".." in rel.split("/"):

@@ -11,10 +11,16 @@ it. What differs is how it gets there (docs/FORMAT.md, section 2):
   directory ``fsync``;
 * tensor bytes start on 4 KiB boundaries of the file (tensors >= 64 KiB), so
   that a reader can fetch them with O_DIRECT straight into place;
-* the commit is atomic: an existing checkpoint in the directory is made
-  invisible (its ``.metadata`` removed, durably) before any data file is
-  replaced, and the new ``.metadata`` is written last, after every rank's data
-  is durable, through the same temporary-name/fdatasync/rename/fsync path.
+* the commit is atomic: ``.metadata`` is written last, after every rank's
+  data is durable, through the same temporary-name/fdatasync/rename/fsync
+  path. Over an existing checkpoint the save is written into a temporary
+  sibling directory that the coordinator makes (its name reaches every rank
+  with its plan), and the coordinator's ``finish`` writes ``.metadata`` there
+  and puts it in place with the one directory commit (fastckpt/_core/dircommit.py:
+  ``renameat2(RENAME_EXCHANGE)``): at every moment, and after a crash at any
+  moment, the directory holds the old checkpoint or the complete new one.
+  Its files that are not the checkpoint's (neither ``.metadata``,
+  ``__<rank>.metadata`` nor ``*.distcp``) are carried over (hard links).
 
 Stream transforms (``_extensions``, e.g. torch's ``ZStandard``) are applied as
 the stock writer applies them: each record (a tensor's torch.save archive or a
@@ -31,10 +37,12 @@ it, since DCP calls every StorageWriter method of one save from one thread.
 """
 
 import dataclasses
+import errno
 import logging
 import os
 import pickle
 import re
+import shutil
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -49,12 +57,13 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.futures import Future
 
+from .._core import dircommit as _dircommit
 from .._core import engine as _engine
 from .._core.atomic import AtomicFile, write_file
 from .._core import dist_exit as _dist_exit
 from ..staging import device as _staging
 from .._core.owner import check_directory_owner
-from .._core.paths import check_dcp_target
+from .._core.paths import check_dcp_target, raise_named_after_target
 from ..formats.torch_rules import itemsize
 from .._core.engine import fsync_dir, get_engine
 from ..formats import dcp as _blob
@@ -101,6 +110,19 @@ def _split(bins: int, items: List[WriteItem]) -> List[List[WriteItem]]:
 
 
 @dataclasses.dataclass
+class _Target(_StoragePrefix):
+    """A rank's plan's storage data: its file-name prefix and the directory its
+    files go into (a temporary sibling of the checkpoint directory when the save
+    replaces a checkpoint; None: the checkpoint directory itself)."""
+    directory: Optional[str] = None
+
+
+def _checkpoint_file(name: str) -> bool:
+    """A file of a DCP checkpoint (FastWriter's or the stock writer's)."""
+    return name == METADATA or name.endswith(SUFFIX) or re.fullmatch(r"__\d+\.metadata", name) is not None
+
+
+@dataclasses.dataclass
 class _Entry:
     item: WriteItem
     offset: int
@@ -125,6 +147,7 @@ class _Save:
     rank: Optional[int] = None
     use_collectives: bool = True
     set_up: bool = False      # set_up_storage_writer ran (a later reset() starts another save)
+    staging: Optional[str] = None  # coordinator: the temporary sibling directory of a replacing save
 
     def metadata_name(self) -> str:
         if not self.use_collectives and self.rank is not None:
@@ -212,10 +235,13 @@ class FastWriter(StorageWriter, AsyncStager):
         per_thread_copy_ahead, cache_staged_state_dict: accepted for
             compatibility (device-to-host copies always run one tensor ahead of
             the writes; stage() always reuses its buffers).
-        overwrite: allow replacing an existing checkpoint in ``path`` (its
-            ``.metadata`` is removed before any data file is written, so an
-            interrupted overwrite leaves no loadable checkpoint, never a mixed
-            one). False raises if ``path`` holds a checkpoint.
+        overwrite: allow replacing an existing checkpoint in ``path``: the
+            new one is written into a temporary sibling directory and
+            exchanged with ``path`` atomically once complete (an interrupted
+            overwrite leaves the old checkpoint, loadable). False raises if
+            ``path`` holds a checkpoint. (With ``use_collectives=False``, where
+            every rank is its own coordinator, the ranks' ``__<rank>.metadata``
+            are replaced in place: each is removed before that rank writes.)
         _extensions: stream transforms applied to every record, as the
             stock writer applies them (e.g. ``[ZStandard()]`` from
             ``torch.distributed.checkpoint._extension``; user-defined
@@ -339,11 +365,18 @@ class FastWriter(StorageWriter, AsyncStager):
         # Runs on the coordinator after every rank planned and before any rank
         # writes: an old checkpoint here stops being one before its files change.
         s = self._save()
-        if s.use_collectives:
-            # also rank-local metadata of a use_collectives=False save: dcp.load falls back to it
-            rank_local = [n for n in os.listdir(s.path) if re.fullmatch(r"__\d+\.metadata", n)]
-            self._invalidate(s.path, [METADATA] + rank_local)
-        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) if p.storage_data is None else p
+        if not s.use_collectives:
+            return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) if p.storage_data is None else p
+                    for i, p in enumerate(plans)]
+        # Replacing a checkpoint (its .metadata, or the rank-local metadata of a use_collectives=False
+        # save, which dcp.load falls back to): every rank writes into a temporary sibling directory,
+        # which finish() exchanges with the checkpoint directory. A directory holding no checkpoint has
+        # nothing to lose: the files go straight in, .metadata last.
+        s.staging = None
+        if any(_checkpoint_file(n) and n.endswith(METADATA) for n in os.listdir(s.path)):
+            s.staging = _dircommit.new_directory(s.path)
+            log.debug("fastckpt.dcp: replacing the checkpoint in %s (written into %s first)", s.path, s.staging)
+        return [dataclasses.replace(p, storage_data=_Target(f"__{i}_", s.staging)) if p.storage_data is None else p
                 for i, p in enumerate(plans)]
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future:
@@ -362,6 +395,8 @@ class FastWriter(StorageWriter, AsyncStager):
         finally:
             for c in claims:  # their buffers may be reused from here on (by a newer stage())
                 self._stager.release(c)
+            if not ok and s.staging is not None:  # the coordinator's own files failed: finish never runs
+                shutil.rmtree(s.staging, ignore_errors=True)
             if not ok or (s.use_collectives and not s.is_coordinator):
                 self._end_save()  # nothing else of this save runs here (finish: coordinator only)
         fut: Future = Future()
@@ -376,6 +411,14 @@ class FastWriter(StorageWriter, AsyncStager):
             self._end_save()
 
     def _finish(self, s: _Save, metadata: Metadata, results: List[List[WriteResult]]) -> None:
+        try:
+            self._finish_in(s, metadata, results)
+        except BaseException:
+            if s.staging is not None:
+                shutil.rmtree(s.staging, ignore_errors=True)  # the checkpoint directory is as it was
+            raise
+
+    def _finish_in(self, s: _Save, metadata: Metadata, results: List[List[WriteResult]]) -> None:
         if CURRENT_DCP_VERSION is not None:
             metadata.version = CURRENT_DCP_VERSION
         storage_md = {}
@@ -384,6 +427,10 @@ class FastWriter(StorageWriter, AsyncStager):
         metadata.storage_data = storage_md
         metadata.storage_meta = StorageMeta(checkpoint_id=s.path, save_id=s.save_id)
         data = pickle.dumps(metadata)
+        if s.staging is not None:  # every rank's files are durable in it: .metadata, then the exchange
+            write_file(os.path.join(s.staging, s.metadata_name()), data, os.path.join(s.path, s.metadata_name()))
+            _dircommit.commit_directory(s.staging, s.path, keep=lambda n: not _checkpoint_file(n))
+            return
         write_file(os.path.join(s.path, s.metadata_name()), data)  # temporary name, fdatasync, rename, dir fsync
         parent = os.path.dirname(os.path.abspath(s.path))
         fsync_dir(parent)  # the checkpoint directory's own entry, if it was created by this save
@@ -533,17 +580,33 @@ class FastWriter(StorageWriter, AsyncStager):
 
     def _write_files(self, s: _Save, plan: SavePlan, planner: SavePlanner, on_resolve=None) -> List[WriteResult]:
         prefix = plan.storage_data.prefix if plan.storage_data is not None else f"__{s.rank or 0}_"
+        where = Path(getattr(plan.storage_data, "directory", None) or s.path)
+        if where != s.path and not where.is_dir():
+            raise FileNotFoundError(errno.ENOENT, f"cannot save DCP checkpoint {str(s.path)!r}: rank {s.rank} does "
+                                    f"not see the coordinator's temporary directory {str(where)!r} beside it (every "
+                                    "rank must see the same filesystem there)", str(s.path))
         if self.single_file_per_rank:
             buckets = [b for b in _split(self.thread_count, plan.items) if b]
         else:
             buckets = [[it] for it in plan.items]
         files = [(f"{prefix}{i}{SUFFIX}", b) for i, b in enumerate(buckets)]
+        try:
+            return self._write_files_in(s, where, files, planner, on_resolve)
+        except OSError as e:  # an engine error names the temporary sibling: name the user's directory
+            if where != s.path and e.filename and os.fspath(where) in os.fsdecode(e.filename):
+                rel = os.path.relpath(os.fsdecode(e.filename), where).split(os.sep)[0]
+                rel = rel if rel.endswith(SUFFIX) and not rel.startswith(".") else files[0][0]
+                raise_named_after_target(e, os.path.join(s.path, rel))
+            raise
+
+    def _write_files_in(self, s: _Save, where: Path, files, planner: SavePlanner,
+                        on_resolve=None) -> List[WriteResult]:
         stats: List[Dict[str, Any]] = []
         stop = threading.Event()
         results: List[WriteResult] = []
         if self.thread_count == 1 or len(files) <= 1:
             for name, b in files:
-                r, st = self._write_file(s.path, name, b, planner, stop, on_resolve)
+                r, st = self._write_file(where, name, b, planner, stop, on_resolve)
                 results += r
                 stats.append(st)
             self.last_write_stats = stats
@@ -551,7 +614,7 @@ class FastWriter(StorageWriter, AsyncStager):
         # Every concurrent Writer needs a staging buffer of its own to progress.
         workers = min(self.thread_count, len(files), get_engine().config.buffer_count)
         with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fastckpt-dcp") as ex:
-            futs = [ex.submit(self._write_file, s.path, name, b, planner, stop, on_resolve) for name, b in files]
+            futs = [ex.submit(self._write_file, where, name, b, planner, stop, on_resolve) for name, b in files]
             for f in futs:  # the first failure stops the others at their next item
                 f.add_done_callback(lambda f: stop.set() if f.exception() is not None else None)
             first_error: Optional[BaseException] = None

@@ -8,10 +8,8 @@ import shutil
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
 from ..manager.ranks import PeerFailed, Ranks, failure_types
-from ..manager.policy import _replace_dir
-from .._core.tempnames import temp_name
+from .._core.dircommit import commit_directory, fsync_tree, new_directory
 from .._core.paths import check_dcp_target
-from .._core.engine import fsync_dir
 
 __all__ = ["require", "atomic_directory", "fsync_tree", "process_ranks", "agree", "LostContact"]
 
@@ -28,69 +26,6 @@ def require(module: str, pip_name: str, extra: str):
             f"fastckpt.integrations.{extra} needs {pip_name!r}, which is not installed "
             f"({e}): pip install {pip_name}  (or: pip install \"fastckpt-io[{extra}]\" for the tested version)",
             name=module) from e
-
-
-def fsync_tree(root: str) -> None:
-    """fsync every regular file under ``root`` (what the framework wrote with
-    plain ``open``/``torch.save``; fastckpt's own files are durable already,
-    an fsync of them is then cheap), then every directory, deepest first."""
-    dirs = []
-    for dirpath, _dirnames, filenames in os.walk(root):
-        dirs.append(dirpath)
-        for name in filenames:
-            p = os.path.join(dirpath, name)
-            if os.path.islink(p):
-                continue
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    for d in reversed(dirs):
-        fsync_dir(d)
-
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-_renameat2 = None
-
-
-def _exchange(a: str, b: str) -> bool:
-    """Swap the directories ``a`` and ``b`` in one atomic step (Linux
-    ``renameat2(RENAME_EXCHANGE)``): at every instant ``b`` names a complete
-    directory, the old one or the new. False where the C library or the
-    filesystem does not offer it (the caller then renames in two steps)."""
-    global _renameat2
-    if _renameat2 is None:
-        try:
-            import ctypes
-            fn = ctypes.CDLL(None, use_errno=True).renameat2
-            fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-            _renameat2 = fn
-        except (OSError, AttributeError):
-            _renameat2 = False
-    if not _renameat2:
-        return False
-    import ctypes
-    if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP):
-        return False  # not offered here
-    raise OSError(err, f"renameat2({a!r}, {b!r}, RENAME_EXCHANGE): {os.strerror(err)}", b)
-
-
-def _commit_dir(content: str, final: str) -> None:
-    """Put the finished directory ``content`` at ``final``, durably. Over an
-    existing ``final``: an atomic exchange where the system offers one (the old
-    directory, now at ``content``, is then removed), else the checkpoint
-    manager's two renames (``_replace_dir``: a crash between them leaves
-    ``final`` missing, its old and new versions under temporary names)."""
-    if os.path.isdir(final) and not os.path.islink(final) and _exchange(content, final):
-        fsync_dir(os.path.dirname(os.path.abspath(final)))
-        shutil.rmtree(content, ignore_errors=True)
-        return
-    _replace_dir(content, final)
 
 
 def process_ranks(world_size: int) -> Optional[Ranks]:
@@ -186,13 +121,15 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
     directory fails the save, saying so.
 
     The temporary name is the checkpoint manager's (``.<name>.fastckpt-tmp.<pid>.<host>....dcp``).
-    A new ``final`` is one rename (the manager's ``_replace_dir``); an existing one is swapped
-    atomically with ``renameat2(RENAME_EXCHANGE)`` where Linux offers it, so that ``final`` names a
-    complete directory at every instant (else ``_replace_dir``'s two renames).
+    The commit is the package's one directory commit
+    (:func:`fastckpt._core.dircommit.commit_directory`): a new ``final`` is one rename; an existing
+    one is swapped atomically with ``renameat2(RENAME_EXCHANGE)``, so that ``final`` names a
+    complete directory at every instant (where the filesystem refuses the exchange, two renames
+    whose interruption leaves the old copy aside under a name every cleanup renames back).
     """
     main = ranks is None or ranks.rank == 0
     path = os.path.abspath(os.fsdecode(os.fspath(final)).rstrip(os.sep))
-    parent, name = os.path.split(path)
+    parent = os.path.dirname(path)
     failed_together = False  # every process is raising an error they agreed on
 
     def together(err: Optional[BaseException], stage: str, payload: Any = None) -> Any:
@@ -211,8 +148,7 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
         try:
             check_dcp_target(final)  # on the main process only: every process learns what is wrong with it
             os.makedirs(parent, exist_ok=True)
-            tmp = os.path.join(parent, temp_name(name, "dcp"))
-            os.mkdir(tmp)
+            tmp = new_directory(path)
         except failure_types() as e:  # noqa: BLE001
             if ranks is None:
                 raise
@@ -250,8 +186,7 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
                 if not os.path.isdir(content):
                     raise FileNotFoundError(errno.ENOENT,
                                             f"cannot save checkpoint directory {path!r}: nothing was written", path)
-                fsync_tree(content)
-                _commit_dir(content, path)
+                commit_directory(content, path)  # fsyncs the tree; an existing one is exchanged atomically
                 if after_commit is not None:
                     after_commit()
             except failure_types() as e:  # noqa: BLE001

@@ -437,8 +437,8 @@ class CheckpointManager:
     def clean_temporaries(self) -> List[str]:
         """Delete what crashed saves *of this host* left in the directory:
         temporary names (``.<name>.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>``,
-        files, and the manager's directories with a ``.dcp``, ``.del`` or
-        ``.old`` suffix; docs/FORMAT.md 1.6) whose process is gone.
+        files, and the manager's directories with a ``.dcp``, ``.del`` or ``.old``
+        suffix; docs/FORMAT.md 1.6) whose process is gone; an ``.old`` one whose name is missing is put back.
 
         Kept:
 

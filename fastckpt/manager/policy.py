@@ -27,31 +27,13 @@ from .._core.tempnames import (TMP_MARK, parse_temp, remove_leftovers, temp_host
 from .._core.owner import check_directory_owner
 from .._core.steps import FILE_SUFFIX, parse_step_name, step_name
 from .._core.engine import fsync_dir
+from .._core.dircommit import commit_directory, restore_aside
 from ..errors import FormatError
 
 log = logging.getLogger("fastckpt")
 
 LATEST = "latest"
 ABANDONED = "abandoned"               # checkpoints of an abandoned branch (a rollback) are moved here
-
-def _replace_dir(tmp: Union[str, os.PathLike], final: Union[str, os.PathLike]) -> None:
-    """Rename the finished directory `tmp` to its sibling `final` and make the
-    rename durable (an fsync of their parent). An existing `final` (a re-saved
-    step, a converted checkpoint written over) is first moved aside under a
-    temporary name of this host and process (``.old``: clean_temporaries
-    removes it if this process dies before it does), then removed. The one
-    rename-into-place of directories: the manager's sharded saves and
-    `fastckpt convert` to DCP."""
-    parent, name = os.path.split(os.fspath(final))
-    if os.path.lexists(final):
-        aside = os.path.join(parent, temp_name(name, "old"))
-        os.rename(final, aside)
-        os.rename(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
-    fsync_dir(parent)
-
 
 # ------------------------------------------------------------------ which failures are damage
 
@@ -234,22 +216,17 @@ class StepDirectory:
 
     def publish_dir(self, tmp: Path, name: str) -> None:
         """Every rank's files and DCP's .metadata are written in ``tmp``: make
-        the directory durable and rename it to its final name."""
-        for entry in os.scandir(tmp):  # the stock writer fsyncs its files; a cheap check for the others
-            if entry.is_file():
-                fd = os.open(entry.path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-        fsync_dir(tmp)
-        _replace_dir(tmp, self.path / name)  # re-saving a step: the old one moved aside, then removed
+        the directory durable and put it at its final name (the one directory
+        commit: a re-saved step is exchanged with the old one atomically, see
+        fastckpt/_core/dircommit.py)."""
+        commit_directory(tmp, self.path / name)
 
     # ------------------------------------------------------------ leftovers
     def clean_temporaries(self) -> List[str]:
         """Delete the leftovers of crashed saves of this host (see
         :meth:`CheckpointManager.clean_temporaries`). Returns the names removed."""
         removed: List[str] = []
+        restored: List[str] = []
         foreign: List[str] = []
         unknown: List[str] = []
         engine_targets: Set[str] = set()
@@ -279,6 +256,9 @@ class StepDirectory:
                 log.debug("fastckpt.CheckpointManager: keeping %s (process %d is alive)", name, info["pid"])
                 continue
             try:
+                if stat.S_ISDIR(st.st_mode) and restore_aside(self.path, name) is not None:
+                    restored.append(target)  # the only complete copy of a re-saved step: renamed back
+                    continue
                 if stat.S_ISDIR(st.st_mode):
                     shutil.rmtree(p)
                 else:
@@ -289,6 +269,9 @@ class StepDirectory:
         for target in sorted(engine_targets):
             removed.extend(remove_leftovers(str(self.path / target)))
         removed.sort()
+        if restored:
+            log.warning("fastckpt.CheckpointManager: renamed back %s in %s: a re-save was interrupted after "
+                        "moving the old copy aside", ", ".join(restored), self.path)
         if removed:
             fsync_dir(self.path)
             log.warning("fastckpt.CheckpointManager: removed %d leftover temporary file(s) of interrupted saves "

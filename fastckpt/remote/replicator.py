@@ -34,11 +34,10 @@ import logging
 import os
 import shutil
 import threading
-import uuid
 import warnings
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from .._core.engine import fsync_dir
+from .._core.dircommit import commit_directory, new_directory
 from ..errors import FormatError
 from . import manifest as mf
 from ._policy import TransferOptions
@@ -221,19 +220,12 @@ def _restore_one(store: Store, local_dir: str, step: int, listed: Dict[str, int]
         f = m["files"][0]
         download(store, f"{mf.step_prefix(step)}/{f['path']}", final, f["size"], f["crc32"], opts)
         return final
-    tmp = os.path.join(local_dir, f".{m['name']}.fastckpt-restore.{uuid.uuid4().hex[:8]}")
+    tmp = new_directory(final)  # a temporary name of this process, which the manager's cleanup knows
     try:
         for f in m["files"]:
             download(store, f"{mf.step_prefix(step)}/{f['path']}", os.path.join(tmp, *f["path"].split("/")),
                      f["size"], f["crc32"], opts)
-        old = None
-        if os.path.lexists(final):
-            old = tmp + ".old"
-            os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_dir(local_dir)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
+        commit_directory(tmp, final)  # an existing step directory is exchanged with it atomically
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -16,7 +16,16 @@ one temporary file, rank 0 the rest and the commit), ``manager_async3``
 (CheckpointManager.async_save in replicated collective mode at world size 3:
 every rank snapshots the state of collective3, its writer thread writes its
 share on the manager's group for background saves, rank 0 commits and moves
-`latest`, every rank's future resolves after that). Where a save is
+`latest`, every rank's future resolves after that), and the re-saves of a
+directory over itself (one process; plans add ``fallback``: RENAME_EXCHANGE
+refused, and ``old_copy``: slowed before the replaced copy is removed):
+``resave_manager`` (a sharded CheckpointManager re-saving step 1),
+``resave_convert`` (``fastckpt convert SRC DIR --to dcp --force``),
+``resave_st`` (``fastckpt.safetensors.save_sharded`` over its directory) and
+``resave_dcp`` (``dcp.save`` with FastWriter over its checkpoint): fastckpt's
+reader of the kind must load the old checkpoint or the complete new one after
+every kill, and after a manager start's cleanup the final name must still
+hold that same one. Where a save is
 asynchronous with several ranks, the source tensors are overwritten as soon as
 the call returns: that must not reach the checkpoint.
 
@@ -102,11 +111,13 @@ import time
 import traceback
 
 TMP_MARK = ".fastckpt-tmp."
-KINDS = ("save", "async_save", "dcp2", "manager", "sharded2", "dcp_async2", "collective3", "manager_async3")
+RESAVE = ("resave_manager", "resave_convert", "resave_st", "resave_dcp")  # re-saves of directories
+KINDS = ("save", "async_save", "dcp2", "manager", "sharded2", "dcp_async2", "collective3", "manager_async3") + RESAVE
 TWO_RANK = ("dcp2", "sharded2", "dcp_async2")
 WORLD = {"dcp2": 2, "sharded2": 2, "dcp_async2": 2, "collective3": 3, "manager_async3": 3}  # several ranks
 MANAGED = ("manager", "sharded2", "manager_async3")  # kinds whose saves end with the `latest` update
-CHECKS = {"save": "file", "async_save": "file", "dcp_async2": "dcp2"}  # kind -> its check_ method
+CHECKS = {"save": "file", "async_save": "file", "dcp_async2": "dcp2",  # kind -> its check_ method
+          **{k: "resave" for k in RESAVE}}
 PG_TIMEOUT = 10.0     # s: the children's process group timeout (the manager's own group takes it too)
 # s: a rank whose peer was killed must exit on its own by then; gloo notices a dead peer at
 # once, but should it not, a sharded async save can wait out two timeouts in a row
@@ -120,6 +131,8 @@ PLANS = {
     "rename": "rename:1:{D}",                      # data durable, not yet renamed
     "latest": "write:1:{D}:latest,fsync:1:{D}:latest,rename:1:{D}:latest",  # manager, sharded2: `latest`
     "retention": "retention:{D}",                  # sharded2: between renaming an old step aside and removing it
+    "fallback": "noexchange,rename:1:{D}",         # re-saves: RENAME_EXCHANGE refused, the two renames slowed
+    "old_copy": "retention:{D}",                   # re-saves: before the replaced copy is removed
 }
 ENV = "FASTCKPT_CRASH_FAULTS"
 # Test-only, for the driver's own tests (test_crash_short.py): a deliberately broken collective
@@ -183,6 +196,9 @@ def arm_faults(plan: str) -> None:
     "retention:delay_ms" slows the manager's retention down instead (_slow_retention)."""
     from fastckpt import _C
     for rule in filter(None, plan.split(",")):
+        if rule == "noexchange":  # as on a filesystem without renameat2(RENAME_EXCHANGE): the fallback
+            os.environ["FASTCKPT_TEST_NO_EXCHANGE"] = "1"
+            continue
         if rule.startswith("retention:"):
             _slow_retention(int(rule.split(":")[1]))
             continue
@@ -200,7 +216,8 @@ def _slow_retention(delay_ms: int) -> None:
     real = shutil.rmtree
 
     def rmtree(path, *args, **kwargs):
-        if os.fspath(path).endswith(".del"):
+        p = os.fspath(path)
+        if p.endswith(".del") or (TMP_MARK in p and (p.endswith(".dcp") or p.endswith(".old"))):
             time.sleep(delay_ms / 1000)
         return real(path, *args, **kwargs)
 
@@ -329,6 +346,11 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
             gc.collect()  # the manager's group goes while Python is alive
             dist.destroy_process_group()
             return
+        if kind in RESAVE:
+            conn.send("started")
+            _resave(kind, directory, gen)
+            conn.send("saved")
+            return
         state = make_state(gen, rank)
         if kind == "manager":
             mgr = fastckpt.CheckpointManager(directory, keep_last=2)
@@ -346,6 +368,61 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
             else:
                 fastckpt.save(state, path)
         conn.send("saved")
+
+
+def _tensors(gen: int) -> dict:
+    """The re-save kinds' state: make_state's tensors."""
+    import torch
+    return {k: v for k, v in make_state(gen).items() if isinstance(v, torch.Tensor)}
+
+
+def _resave_target(kind: str, directory: str) -> str:
+    return os.path.join(directory, "step_00000001" if kind == "resave_manager" else "ckpt")
+
+
+def _resave(kind: str, directory: str, gen: int) -> None:
+    """Save generation ``gen`` over the kind's existing checkpoint directory (the same name every round)."""
+    import warnings
+    import fastckpt
+    target = _resave_target(kind, directory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "resave_manager":  # a sharded manager re-saving an existing step
+            mgr = fastckpt.CheckpointManager(directory, keep_last=None, sharded=True)
+            mgr.save(1, _tensors(gen))
+            mgr.close()
+        elif kind == "resave_convert":  # fastckpt convert SRC DIR --to dcp --force
+            from fastckpt.cli.command import main
+            src = os.path.join(directory, "src.pt")
+            fastckpt.save(_tensors(gen), src)
+            force = ["--force"] if os.path.exists(target) else []
+            if main(["convert", src, target, "--to", "dcp", "--quiet"] + force) != 0:
+                raise RuntimeError("fastckpt convert failed")
+        elif kind == "resave_st":  # fastckpt.safetensors.save_sharded over an existing directory
+            import fastckpt.safetensors as fst
+            fst.save_sharded(_tensors(gen), target, max_shard_size="300KB")
+        else:  # dcp.save(..., storage_writer=FastWriter(dir)) over an existing checkpoint
+            import torch.distributed.checkpoint as dcp
+            from fastckpt.dcp import FastWriter
+            dcp.save(_tensors(gen), storage_writer=FastWriter(target))
+
+
+def _load_resave(kind: str, directory: str):
+    """(generation, exact) of what fastckpt's reader of the kind loads from its target."""
+    import warnings
+    import torch
+    target = _resave_target(kind, directory)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if kind == "resave_st":
+            import fastckpt.safetensors as fst
+            got = fst.load_sharded(target)
+        else:
+            import torch.distributed.checkpoint as dcp
+            from fastckpt.dcp import FastReader
+            got = {k: torch.zeros_like(v) for k, v in _tensors(0).items()}
+            dcp.load(got, storage_reader=FastReader(target))
+    return got
 
 
 def _reap(procs, conns) -> None:
@@ -446,6 +523,9 @@ class Driver:
         elif kind == "collective3":  # written here by a (non-killed) 3-rank run
             _, self.base[kind] = self._run_children(kind, g, "", kill_at=None)
             self.prev[kind] = (g, _sha(os.path.join(d, "ckpt.pt")))
+        elif kind in RESAVE:
+            _resave(kind, d, g)
+            self.prev[kind] = (g, None)
         elif kind == "manager_async3":
             _, self.base[kind] = self._run_children(kind, g, "", kill_at=None)
             self.prev[kind] = (g, _sha(os.path.join(d, f"step_{g:08d}.pt")))
@@ -518,7 +598,12 @@ class Driver:
             doomed = []
             if len(saved_at) < len(ranks):
                 if kill_at is None:
-                    raise RuntimeError(f"{kind}: uninterrupted save did not finish: {msgs}")
+                    for p in procs:  # where it hangs: faulthandler's dump of every thread, on stderr
+                        if p.is_alive():
+                            os.kill(p.pid, signal.SIGUSR1)
+                    time.sleep(1.0)
+                    raise RuntimeError(f"{kind}: uninterrupted save did not finish: {msgs} (alive: "
+                                       f"{[p.is_alive() for p in procs]}, exit codes {[p.exitcode for p in procs]})")
                 doomed = [p for r, p in zip(ranks, procs) if p.is_alive() and r in victims]
             for p in doomed:
                 os.kill(p.pid, signal.SIGKILL)
@@ -569,7 +654,7 @@ class Driver:
 
     def _round(self, kind):
         plans = (["none", "writes", "fsync", "rename"] + (["latest"] if kind in MANAGED else [])
-                 + (["retention"] if kind == "sharded2" else []))
+                 + (["retention"] if kind == "sharded2" else []) + (["fallback", "old_copy"] if kind in RESAVE else []))
         plan_name = self.rng.choice(plans)
         plan = PLANS[plan_name].format(d=self.rng.randint(5, 40), D=self.rng.randint(100, 400))
         # world size 2: kill both ranks (half the rounds), or only one of them;
@@ -861,6 +946,37 @@ class Driver:
                 self.counts[(kind, "leftover_tmp")] += 1
             shutil.rmtree(new_dir)  # FORMAT.md 2.4: MAY be deleted
         return "old_intact"
+
+    def check_resave(self, kind, old_gen, new_gen, killed):
+        """A re-save of the same directory: fastckpt's reader of the kind loads the old checkpoint
+        or the complete new one (exactly), also where an interrupted fallback left the old copy
+        aside; a manager start (the cleanup of temporaries) leaves the final name holding the same
+        generation, and nothing else beside it."""
+        d = os.path.join(self.root, kind)
+        target = _resave_target(kind, d)
+        got = _load_resave(kind, d)
+        gen = next((g for g in (old_gen, new_gen) if same(got, _tensors(g))), None)
+        if gen is None:
+            raise AssertionError(f"{target} loads as neither generation {old_gen} nor {new_gen} (torn or mixed)")
+        if not killed and gen != new_gen:
+            raise AssertionError("a finished re-save left the old checkpoint")
+        if not os.path.isdir(target):
+            self.counts[(kind, "final_name_missing")] += 1  # the fallback's window: the copy aside was read
+        left = [n for n in os.listdir(d) if TMP_MARK in n]
+        if left:
+            self.counts[(kind, "leftover_tmp")] += 1
+            self._cleanup_with_manager(d)
+        if not os.path.isdir(target):
+            raise AssertionError(f"after the cleanup {target} is missing")
+        after = _load_resave(kind, d)
+        if not same(after, _tensors(gen)):
+            raise AssertionError(f"after the cleanup {target} no longer loads as generation {gen}")
+        others = [n for n in os.listdir(d) if n not in (os.path.basename(target), "latest", "src.pt")]
+        if others:
+            raise AssertionError(f"unexpected names beside {target}: {others}")
+        self.prev[kind] = (gen, None)
+        self.gen[kind] = max(self.gen.get(kind, 0), new_gen)
+        return "new_complete" if gen == new_gen else "old_intact"
 
     def check_sharded2(self, kind, old_gen, new_gen, killed):
         import warnings

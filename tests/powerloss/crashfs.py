@@ -5,7 +5,7 @@ that turns its record into the states a power cut could leave.
 
 The daemon (mfusepy over libfuse3, single-threaded, so the record has one order) applies every
 change to a :class:`Model` and appends it to an op log: ``create``, ``mkdir``, ``symlink``,
-``write``, ``truncate``, ``rename``, ``unlink``, ``rmdir``, ``fsync`` (of a file: fsync and
+``write``, ``truncate``, ``rename`` (with RENAME_NOREPLACE or RENAME_EXCHANGE), ``unlink``, ``rmdir``, ``fsync`` (of a file: fsync and
 fdatasync alike make its data and size durable), ``fsyncdir`` (makes a directory's entries
 durable) and ``mark`` (``stat`` of a name starting with ``.crashfs-mark=`` records the rest of
 the name and answers ENOENT: the tests' way to say "a save began/returned here").
@@ -136,6 +136,11 @@ class Model:
             if n1 not in src:
                 raise _err(errno.ENOENT)
             moving = self.nodes[src[n1]]
+            if flags & 2:  # RENAME_EXCHANGE: both names exist, and swap what they name in one step
+                if n2 not in dst:
+                    raise _err(errno.ENOENT)
+                src[n1], dst[n2] = dst[n2], src[n1]
+                return
             if n2 in dst and dst[n2] != src[n1]:
                 if flags & 1:  # RENAME_NOREPLACE
                     raise _err(errno.EEXIST)
@@ -420,7 +425,7 @@ def serve(mountpoint: str, logfile: str) -> None:
             return 0
 
         def rename(self, old, new, flags=0):
-            if flags & ~1:  # only RENAME_NOREPLACE is modelled
+            if flags & ~3 or flags == 3:  # RENAME_NOREPLACE and RENAME_EXCHANGE are modelled
                 raise fuse.FuseOSError(errno.EINVAL)
             self.do(("rename",) + self.parent(old) + self.parent(new) + (flags,))
             return 0

@@ -147,6 +147,18 @@ def _describe(op: tuple) -> str:
     return "(" + ", ".join(f"<{len(x)} bytes>" if isinstance(x, bytes) else repr(x) for x in op) + ")"
 
 
+def _aside_of(path: str, rel: str) -> bool:
+    """Whether ``path`` lies in a copy of directory ``rel`` that an interrupted fallback directory
+    commit left aside (``.<name>.fastckpt-tmp.....old`` beside it): fastckpt's readers read it
+    while ``rel`` is missing, and the cleanup renames it back, so the probes see it too."""
+    parent, name = os.path.split(rel)
+    first = path[len(parent) + 1:] if parent else path
+    if parent and not path.startswith(parent + "/"):
+        return False
+    top = first.split("/", 1)[0]
+    return top.startswith(f".{name}.fastckpt-tmp.") and top.endswith(".old")
+
+
 def check(name: str, params: dict, log: List[tuple], workdir: str, max_violations: int = 20,
           per_client: Optional[bool] = None) -> Report:
     """Every crash state of ``log`` against the acceptable versions at its cut point (under
@@ -174,8 +186,9 @@ def check(name: str, params: dict, log: List[tuple], workdir: str, max_violation
                     inflight[key].discard("absent")
                 committed[key] = v
         for check_name, key, rel, probe in checks:
-            rows = tuple(r for r in tree if (r[0] == rel or r[0].startswith(rel + "/"))
-                         and "fastckpt-tmp" not in r[0])  # temporaries: never read, only cleaned
+            rows = tuple(r for r in tree if ((r[0] == rel or r[0].startswith(rel + "/"))
+                                             and "fastckpt-tmp" not in r[0])  # temporaries: never read, only cleaned
+                         or _aside_of(r[0], rel))
             if (check_name, rows) not in cache:
                 d = os.path.join(scratch, str(len(cache)))
                 os.makedirs(d)

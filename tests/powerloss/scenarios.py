@@ -113,7 +113,9 @@ def dcp_state(v: int, numel: int, ranks) -> dict:
     return sd
 
 
-def probe_dcp(d: str, p: dict) -> object:
+def probe_dcp(d: str, p: dict, parts=(0, 1)) -> object:
+    from fastckpt._core.dircommit import resolve
+    d = resolve(d)  # as fastckpt's readers do: a copy an interrupted fallback commit left aside
     if not os.path.lexists(os.path.join(d, ".metadata")):
         return "absent"
     import torch.distributed.checkpoint as dcp
@@ -121,7 +123,7 @@ def probe_dcp(d: str, p: dict) -> object:
     try:
         meta = FastReader(d).read_metadata()
         v = None
-        sd = {k: torch.zeros_like(t) for k, t in dcp_state(0, p["numel"], (0, 1)).items()
+        sd = {k: torch.zeros_like(t) for k, t in dcp_state(0, p["numel"], parts).items()
               if isinstance(t, torch.Tensor)}
         sd["version"] = -1
         if set(meta.state_dict_metadata) != set(sd):
@@ -130,7 +132,7 @@ def probe_dcp(d: str, p: dict) -> object:
             warnings.simplefilter("ignore")  # "torch.distributed is ... uninitialized": single process on purpose
             dcp.load(sd, storage_reader=FastReader(d), no_dist=True)
         v = sd["version"]
-        return v if same(sd, dcp_state(v, p["numel"], (0, 1))) else f"torn: differs from version {v}"
+        return v if same(sd, dcp_state(v, p["numel"], parts)) else f"torn: differs from version {v}"
     except Exception as e:  # noqa: BLE001
         return f"torn: {type(e).__name__}: {str(e)[:160]}"
 
@@ -140,6 +142,31 @@ def probe_latest_dir(mdir: str, p: dict) -> object:
     return probe_latest(mdir, p, probe_dcp, "missing or incomplete")
 
 
+def probe_dcp1(d: str, p: dict) -> object:
+    """A DCP checkpoint saved by one process (dcp_state of part r0)."""
+    return probe_dcp(d, p, parts=(0,))
+
+
+def probe_sharded_st(d: str, p: dict) -> object:
+    """A sharded safetensors directory (fastckpt.safetensors.load_sharded), with the config.json
+    saved beside its shards, which every re-save must keep."""
+    import fastckpt.safetensors as fst
+    from fastckpt._core.dircommit import resolve
+    d = resolve(d)
+    if not os.path.lexists(os.path.join(d, "model.safetensors.index.json")):
+        return "absent"
+    try:
+        got = fst.load_sharded(d)
+        with open(os.path.join(d, "config.json")) as f:
+            if json.load(f) != {"kept": True}:
+                return "torn: config.json changed"
+        v = int(got["version"].item())
+        got["version"] = v
+        return v if same(got, make_state(v, p["numel"])) else f"torn: differs from version {v}"
+    except Exception as e:  # noqa: BLE001
+        return f"torn: {type(e).__name__}: {str(e)[:160]}"
+
+
 # CHECKS[scenario]: (check name, mark key, directory or file relative to the mount, probe)
 CHECKS = {
     "save": [("ck.pt", "ck.pt", "ck.pt", probe_file)],
@@ -147,6 +174,10 @@ CHECKS = {
     "manager": [("latest", "latest", "m", probe_latest), ("load_latest", "latest", "m", probe_load_latest)],
     "dcp": [("dcp", "dcp", "d", probe_dcp)],
     "manager_sharded": [("latest", "latest", "s", probe_latest_dir)],
+    # re-saves over an existing directory: save_sharded, a sharded manager re-saving its step 1,
+    # fastckpt convert --to dcp --force (one process)
+    "resave": [("st", "st", "st", probe_sharded_st), ("rs", "rs", "rs/step_00000001", probe_dcp1),
+               ("cv", "cv", "cv", probe_dcp1)],
     "collective": [("col.pt", "col.pt", "col.pt", probe_file)],
     "manager_collective": [("latest", "latest", "mc", probe_latest), ("load_latest", "latest", "mc", probe_load_latest)],
 }
@@ -224,9 +255,9 @@ def run_dcp_rank(mnt, p):
         for v in range(1, p["saves"] + 1):
             dist.barrier()
             if rank == 0:
-                # FastWriter makes the old checkpoint invisible before replacing its files, so
-                # "absent" is acceptable while a save into the same directory is under way.
-                mark(mnt, "begin", "dcp", v, "may-vanish")
+                # a re-save into the same directory: the old checkpoint or the complete new one,
+                # never neither (FastWriter writes it beside and exchanges the directories)
+                mark(mnt, "begin", "dcp", v)
             dist.barrier()
             state, writer = make_state(v, p["numel"], part=f"r{rank}"), FastWriter(os.path.join(mnt, "d"))
             if v % 2:
@@ -327,7 +358,37 @@ def run_manager_collective_rank(mnt, p):
         dist.destroy_process_group()
 
 
-RUN = {"save": run_save, "async_save": run_async_save, "manager": run_manager, "dcp": run_dcp,
+def run_resave(mnt, p):
+    """Each writer of directories re-saves over its own existing checkpoint, ``saves`` times."""
+    import fastckpt.safetensors as fst
+    from fastckpt.cli.command import main
+    from fastckpt._core.atomic import write_file
+    from fastckpt._core.engine import fsync_dir
+    os.mkdir(os.path.join(mnt, "st"))  # a model directory: a file that is not the checkpoint's, kept by every save
+    write_file(os.path.join(mnt, "st", "config.json"), b'{"kept": true}')
+    fsync_dir(mnt)
+    for v in range(1, p["saves"] + 1):
+        st = make_state(v, p["numel"])
+        st["version"] = torch.tensor(v)
+        mark(mnt, "begin", "st", v)
+        fst.save_sharded(st, os.path.join(mnt, "st"), max_shard_size=str(2 * p["numel"]) + "B")
+        mark(mnt, "end", "st", v)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mark(mnt, "begin", "rs", v)
+            with fastckpt.CheckpointManager(os.path.join(mnt, "rs"), keep_last=None, sharded=True) as mgr:
+                mgr.save(1, make_state(v, p["numel"], part="r0"))
+            mark(mnt, "end", "rs", v)
+            src = os.path.join(mnt, f"src{v}.pt")
+            fastckpt.save(make_state(v, p["numel"], part="r0"), src)
+            mark(mnt, "begin", "cv", v)
+            dst = os.path.join(mnt, "cv")
+            if main(["convert", src, dst, "--to", "dcp", "--quiet"] + (["--force"] if v > 1 else [])) != 0:
+                raise SystemExit("fastckpt convert failed")
+            mark(mnt, "end", "cv", v)
+
+
+RUN = {"save": run_save, "resave": run_resave, "async_save": run_async_save, "manager": run_manager, "dcp": run_dcp,
        "dcp_rank": run_dcp_rank, "manager_sharded": run_manager_sharded,
        "manager_sharded_rank": run_manager_sharded_rank, "collective": run_collective,
        "collective_rank": run_collective_rank, "manager_collective": run_manager_collective,

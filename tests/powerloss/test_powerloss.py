@@ -55,7 +55,7 @@ if LONG:
         "threads": {"FASTCKPT_BACKEND": "threads"},
         "flushes": {"FASTCKPT_FLUSH_INTERVAL": "1M", "FASTCKPT_BUFFER_SIZE": "256K"},
     })
-SCENARIOS = ["save", "async_save", "manager", "dcp", "manager_sharded", "collective", "manager_collective"]
+SCENARIOS = ["save", "async_save", "manager", "dcp", "manager_sharded", "collective", "manager_collective", "resave"]
 
 REPORTS = []
 
@@ -84,6 +84,16 @@ def test_power_cut_leaves_old_or_new(scenario, config, tmp_path):
     # not vacuous: the states seen include no checkpoint yet and the final one
     for check, seen in rep.seen.items():
         assert "absent" in seen and max(v for v in seen if isinstance(v, int)) >= PARAMS["saves"], (check, seen)
+
+
+@pytest.mark.parametrize("scenario", ["dcp", "resave"])
+def test_directory_resaves_without_the_exchange(scenario, tmp_path):
+    """The same re-saves where the filesystem refuses RENAME_EXCHANGE (FASTCKPT_TEST_NO_EXCHANGE,
+    test-only): the two-rename fallback, whose interrupted state (the final name missing, the old
+    copy aside) fastckpt's readers read through, so every crash state still loads old or new."""
+    rep = harness.run(scenario, PARAMS, str(tmp_path), env={"FASTCKPT_TEST_NO_EXCHANGE": "1"})
+    REPORTS.append(f"{rep.line()} [FASTCKPT_TEST_NO_EXCHANGE=1]")
+    assert rep.violation_count == 0, "\n".join(rep.violations)
 
 
 @pytest.mark.parametrize("scenario", ["save", "manager"] + (["dcp", "manager_sharded", "collective", "manager_collective"] if LONG else []))

@@ -150,20 +150,31 @@ def test_records_are_torch_save_archives_with_aligned_data(saved):
 
 # ---------------------------------------------------------------- a rank killed mid-save
 
-def test_killed_rank_leaves_nothing_loadable(tmp_path):
+def test_killed_rank_leaves_the_old_checkpoint(tmp_path):
+    """A save over an existing checkpoint writes into a temporary sibling directory, which the
+    coordinator exchanges with the checkpoint directory only once every rank's data is durable:
+    a rank killed mid-write leaves the old checkpoint loadable, by both readers."""
     ck = tmp_path / "ck"
-    # A complete checkpoint is there first: the interrupted save overwrites it.
-    dcp.save({"w": torch.randn(2048, 1024)}, storage_writer=FastWriter(ck))
+    old = {"w": torch.randn(2048, 1024)}
+    dcp.save(old, storage_writer=FastWriter(ck))
     assert os.path.exists(ck / ".metadata")
+    before = sorted(os.listdir(ck))
     if not dist.is_gloo_available():
         pytest.skip("this torch has no gloo backend")
     procs = _launch("kill", 2, tmp_path)
+
+    def rank1_writing():
+        for d in [ck] + [tmp_path / n for n in os.listdir(tmp_path) if n.startswith(".ck.fastckpt-tmp.")]:
+            if [n for n in os.listdir(d) if n.startswith(".__1_0.distcp.fastckpt-tmp.")]:
+                return d
+        return None
     try:
         deadline = time.monotonic() + 120
-        while not [n for n in os.listdir(ck) if n.startswith(".__1_0.distcp.fastckpt-tmp.")]:
+        while rank1_writing() is None:
             assert time.monotonic() < deadline, "rank 1 never started writing"
             assert procs[1].poll() is None, procs[1].communicate()[0]
             time.sleep(0.05)
+        assert rank1_writing() != ck  # into the temporary sibling, not into the checkpoint
         time.sleep(0.3)  # rank 1 is now stalled inside its second write (fault injection)
         procs[1].send_signal(signal.SIGKILL)
         procs[1].wait()
@@ -177,15 +188,13 @@ def test_killed_rank_leaves_nothing_loadable(tmp_path):
                 p.kill()
             p.communicate()
     assert procs[0].returncode != 0
-    assert not os.path.exists(ck / ".metadata")
-    with pytest.raises(FileNotFoundError, match="not a complete DCP checkpoint"):
-        FastReader(ck).read_metadata()
+    assert sorted(os.listdir(ck)) == before  # untouched
     for reader in (FastReader(ck), dcp.FileSystemReader(ck)):
-        with pytest.raises(BaseException):
-            dcp.load({"w": torch.zeros(2048, 1024)}, storage_reader=reader)
-    # what the killed rank leaves is a temporary file, never a data file under its final name
-    assert not os.path.exists(ck / "__1_0.distcp")
-    assert temp_files(ck)
+        got = {"w": torch.zeros(2048, 1024)}
+        dcp.load(got, storage_reader=reader)
+        assert torch.equal(got["w"], old["w"])
+    # what the killed save leaves is the temporary sibling, which a cleanup removes
+    assert [n for n in os.listdir(tmp_path) if n.startswith(".ck.fastckpt-tmp.")]
 
 
 # ---------------------------------------------------------------- single process
@@ -348,13 +357,24 @@ def test_use_collectives_false(tmp_path):
         assert torch.equal(tgt["a"], sd["a"])
 
 
-def test_collective_save_removes_rank_local_metadata(tmp_path):
-    dcp.save({"a": torch.arange(6.0)}, storage_writer=FastWriter(tmp_path), use_collectives=False)
+def test_collective_save_replaces_rank_local_metadata(tmp_path):
+    ck = tmp_path / "ck"
+    dcp.save({"a": torch.arange(6.0)}, storage_writer=FastWriter(ck), use_collectives=False)
     _C.fault_inject("write", nth=1, errno=errno.EIO, path_contains="distcp")
-    with pytest.raises(OSError):
-        dcp_unwrapped(dcp.save, {"a": torch.zeros(6)}, storage_writer=FastWriter(tmp_path))
-    # dcp.load would fall back to __0.metadata: it must be gone too
-    assert not [n for n in os.listdir(tmp_path) if n.endswith(".metadata")]
+    try:
+        with pytest.raises(OSError):
+            dcp_unwrapped(dcp.save, {"a": torch.zeros(6)}, storage_writer=FastWriter(ck))
+    finally:
+        _C.fault_clear()
+    # a failed save over it leaves the old checkpoint (rank-local metadata) loadable, and no temporary
+    got = {"a": torch.zeros(6)}
+    dcp.load(got, storage_reader=FastReader(ck))
+    assert torch.equal(got["a"], torch.arange(6.0)) and os.listdir(tmp_path) == ["ck"]
+    dcp.save({"a": torch.ones(6)}, storage_writer=FastWriter(ck))
+    # dcp.load would fall back to __0.metadata: it is not carried into the new checkpoint
+    assert [n for n in os.listdir(ck) if n.endswith(".metadata")] == [".metadata"]
+    dcp.load(got, storage_reader=FastReader(ck))
+    assert torch.equal(got["a"], torch.ones(6))
 
 
 def test_async_save_reuses_staging_buffers(tmp_path):
@@ -412,21 +432,23 @@ def test_overwrite_false(tmp_path):
     assert os.path.exists(tmp_path / ".metadata")
 
 
-def test_failed_overwrite_is_not_loadable_and_leaves_no_files(tmp_path):
-    dcp.save({"a": torch.ones(300, 300)}, storage_writer=FastWriter(tmp_path))
-    dcp.save({"a": torch.ones(300, 300)}, storage_writer=FastWriter(tmp_path))  # warm: engine, rings
+def test_failed_overwrite_leaves_the_old_checkpoint_and_no_files(tmp_path):
+    ck = tmp_path / "ck"
+    dcp.save({"a": torch.ones(300, 300)}, storage_writer=FastWriter(ck))
+    dcp.save({"a": torch.ones(300, 300)}, storage_writer=FastWriter(ck))  # warm: engine, rings
     before = fd_count()
     _C.fault_inject("write", nth=2, errno=errno.ENOSPC, path_contains="distcp")
     with pytest.raises(OSError, match="No space left on device") as ei:
-        dcp_unwrapped(dcp.save, {"a": torch.full((300, 300), 2.0)}, storage_writer=FastWriter(tmp_path))
+        dcp_unwrapped(dcp.save, {"a": torch.full((300, 300), 2.0)}, storage_writer=FastWriter(ck))
     assert ei.value.errno == errno.ENOSPC
+    assert ei.value.filename == str(ck / "__0_0.distcp")  # the user's directory, not the temporary one
     assert _C.fault_fired() == 1
     assert fd_count() == before
-    assert not temp_files(tmp_path)
-    # the old checkpoint stopped being one before its data file was touched
-    assert not os.path.exists(tmp_path / ".metadata")
-    with pytest.raises(FileNotFoundError):
-        FastReader(tmp_path).read_metadata()
+    assert not temp_files(ck) and os.listdir(tmp_path) == ["ck"]
+    # the new checkpoint was written beside the old one, which stays whole
+    got = {"a": torch.zeros(300, 300)}
+    dcp.load(got, storage_reader=FastReader(ck))
+    assert torch.equal(got["a"], torch.ones(300, 300))
 
 
 def test_metadata_write_failure_leaves_no_checkpoint(tmp_path):

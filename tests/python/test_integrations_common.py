@@ -40,18 +40,20 @@ def test_inner_directory(tmp_path):
 def test_replacing_swaps_atomically_where_the_system_can(tmp_path, monkeypatch):
     """Over an existing directory the commit is one renameat2(RENAME_EXCHANGE): the two-rename
     fallback (during which the final name is missing) is not used."""
+    from fastckpt import _C
+    from fastckpt._core import dircommit
     d = tmp_path / "ck"
     _common.atomic_directory(d, fill({"old": b"o"}))
     probe_a, probe_b = tmp_path / "pa", tmp_path / "pb"
     probe_a.mkdir()
     probe_b.mkdir()
-    if not _common._exchange(str(probe_a), str(probe_b)):
-        pytest.skip("renameat2(RENAME_EXCHANGE) is not offered by this C library or filesystem")
-
-    def no_two_step(tmp, final):
-        raise AssertionError("the two-rename fallback was used")
-    monkeypatch.setattr(_common, "_replace_dir", no_two_step)
+    if not _C.rename_exchange(str(probe_a), str(probe_b)):
+        pytest.skip("renameat2(RENAME_EXCHANGE) is not offered by this kernel or filesystem")
+    hows = []
+    real = dircommit.commit_directory
+    monkeypatch.setattr(_common, "commit_directory", lambda *a, **k: hows.append(real(*a, **k)))
     _common.atomic_directory(d, fill({"new": b"n"}))
+    assert hows == ["exchange"]
     assert os.listdir(d) == ["new"]
     assert sorted(os.listdir(tmp_path)) == ["ck", "pa", "pb"]
 

@@ -111,7 +111,7 @@ def test_policy_temporary_names_are_this_hosts(tmp_path):
     assert (target, kind, info["pid"]) == ("step_00000001", "dcp", os.getpid())
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
-    _manager_policy._replace_dir(tmp_path / "a", tmp_path / "b")  # over an existing one: moved aside, removed
+    fastckpt._core.dircommit.commit_directory(tmp_path / "a", tmp_path / "b")  # over an existing one: exchanged
     assert os.listdir(tmp_path) == ["b"]
 
 

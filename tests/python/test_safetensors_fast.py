@@ -286,6 +286,37 @@ def test_sharded_save_failing_midway_leaves_no_index_naming_a_mix(tmp_path):
     assert not [f for f in os.listdir(d) if not f.startswith("model")]
 
 
+_MANY_SHARDS = r"""
+import sys, torch
+import fastckpt.safetensors as fst
+from fastckpt import _C
+sd = {f"t{i}": torch.full((65536,), float(i)) for i in range(24)}  # 24 shards of 256 KiB
+_C.fault_inject("write", nth=1, delay_ms=20, times=0)  # completions come late: writers hold buffers
+fst.save_sharded(sd, sys.argv[1], max_shard_size="300KB")
+_C.fault_clear()
+got = fst.load_sharded(sys.argv[1])
+assert sorted(got) == sorted(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+print("OK", len(got))
+"""
+
+
+def test_sharded_save_of_more_shards_than_staging_buffers_finishes(tmp_path):
+    # More shards than the engine has staging buffers, written by a pool of threads: a shard
+    # written but left uncommitted keeps buffers, so every pool thread's next shard would wait
+    # for one forever (a hang, seen in the crash driver's resave_st under load). Each shard is
+    # committed inside the new directory as soon as it is written.
+    import subprocess
+    import sys
+    import fastspawn
+    env = dict(os.environ, FASTCKPT_BUFFER_COUNT="4")
+    try:
+        r = fastspawn.run([sys.executable, "-c", _MANY_SHARDS, str(tmp_path / "m")], env=env,
+                          capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("save_sharded of 24 shards with 4 staging buffers hung")
+    assert r.returncode == 0 and "OK 24" in r.stdout, r.stdout + r.stderr
+
+
 def test_sharded_index_naming_the_wrong_shard_is_a_format_error(tmp_path):
     d = tmp_path / "ckpt"
     sd = {f"w{i}": torch.ones(128, 128) for i in range(4)}
