@@ -85,7 +85,7 @@ def main(ckpt: str) -> None:
 
     def counting_shares(plan, w, size):
         bodies, out = shares(plan, w, size)
-        wrote.append((sum(n for _i, _s, n, _o in out[rank]), sum(bodies.values())))
+        wrote.append((sum(n for _i, _s, n, _o in out[rank]), sum(b for _head, b in bodies.values())))
         return bodies, out
 
     _collective._shares = counting_shares
