@@ -1,6 +1,6 @@
 """Hostile torch.save archives built byte by byte, and a memory probe that
 loads a file in a separate process and reports the peak RSS growth of that one
-load (tests/python/test_zip_bounds.py, test_fuzz_load.py).
+load (tests/python/formats/test_zip_bounds.py, torchsave/test_fuzz_load.py).
 
 The archives follow PyTorch's layout (docs/FORMAT.md 1.1-1.4) unless a case
 breaks it on purpose: records whose data overlap (several central directory

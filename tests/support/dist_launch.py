@@ -1,18 +1,17 @@
-"""Launching a script as a job of several processes for the integration tests:
+"""Launching ranks: a script as a job of several processes (the integration, manager and DCP tests),
 under torchrun, or rank by rank with torchrun's environment (so that a rank
-that is killed is not followed by torchrun's agent stopping the others)."""
+that is killed is not followed by torchrun's agent stopping the others); free
+ports; killing and reaping the ranks and waiting for their "OK" lines."""
 import os
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import List
 
 import fastspawn
-
-ROOT = Path(__file__).resolve().parents[2]
+from paths import ROOT
 
 
 def free_port() -> int:
@@ -87,3 +86,19 @@ def report(results) -> str:
     if isinstance(results, subprocess.CompletedProcess):
         results = [results]
     return "\n".join(f"--- exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}" for r in results)
+
+
+def wait_for_ranks(procs, scenario, timeout):
+    """Wait for the rank processes (stdout piped, stderr merged) of a multi-process
+    test, killing any still running at the end, and assert that each exited 0 and
+    printed "OK <scenario> rank <r>"; the failure message holds every rank's output."""
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        kill_all(procs)
+    text = "\n".join(f"--- rank {r} (exit {p.returncode})\n{o[-6000:]}" for r, (p, o) in enumerate(zip(procs, outs)))
+    assert all(p.returncode == 0 for p in procs), text
+    for r, o in enumerate(outs):
+        assert f"OK {scenario} rank {r}" in o, text

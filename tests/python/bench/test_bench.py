@@ -19,7 +19,9 @@ import pytest
 
 import fastckpt
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from paths import ROOT
+
+REPO = str(ROOT)
 if REPO not in sys.path:  # the checkout's benchmarks package (not part of the installed fastckpt)
     sys.path.insert(0, REPO)
 

@@ -17,7 +17,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from paths import ROOT
+
+REPO = str(ROOT)
 if REPO not in sys.path:  # the checkout's benchmarks package (not part of the installed fastckpt)
     sys.path.insert(0, REPO)
 

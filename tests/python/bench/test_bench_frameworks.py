@@ -6,8 +6,9 @@ import sys
 
 import pytest
 import fastspawn  # noqa: E402
+from paths import ROOT
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(ROOT)
 
 
 def test_frameworks_benchmark_follows_the_standalone_contract(tmp_path):

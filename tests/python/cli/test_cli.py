@@ -27,10 +27,13 @@ from fastckpt.formats import zip as _zip
 from fastckpt.cli import main
 
 import fastspawn  # noqa: E402
-from conftest import temp_files, uring_refusal
+from leaks import temp_files
+from engines import uring_refusal
 import hostile_pickles as H
+from paths import ROOT
+import states
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(ROOT)
 VENV_BIN = os.path.dirname(sys.executable)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
@@ -103,26 +106,9 @@ def flat_tensors():
             "zero_d": torch.tensor(-1.25, dtype=torch.float64), "none": torch.zeros(0), "u8": torch.arange(5).byte()}
 
 
-def assert_same(a, b, path="root", exact_types=True, ordered=True):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), f"{path}: {type(b).__name__}, not a tensor"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
-        assert torch.equal(a, b), f"{path}: values differ"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict), f"{path}: {type(b).__name__}, not a dict"
-        if ordered:
-            assert list(a) == list(b), f"{path}: keys {list(a)} != {list(b)}"
-        else:
-            assert sorted(a) == sorted(b), f"{path}: keys {sorted(a)} != {sorted(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}", exact_types, ordered)
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b), f"{path}: {type(a).__name__} != {type(b).__name__}"
-        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]", exact_types, ordered)
-    else:
-        assert type(a) is type(b) and a == b, f"{path}: {a!r} != {b!r}"
+def assert_same(a, b, path="root", ordered=True):
+    """Nested containers equal, plain values of the same type; dict keys in order unless not `ordered`."""
+    states.assert_same(a, b, path, ordered=ordered, exact_types=True)
 
 
 def tensors_only(s):
@@ -556,7 +542,7 @@ def _run_measured(capsys, size, *argv):
 
 @pytest.mark.parametrize("where", ["dcp-metadata", "dcp-record", "zip-data.pkl"])
 def test_crafted_input_is_an_error_in_small_memory(tmp_path, capsys, where):
-    """Crafted pickles (tests/python/hostile_pickles.py: a 9-byte LONG_BINPUT,
+    """Crafted pickles (tests/support/hostile_pickles.py: a 9-byte LONG_BINPUT,
     huge declared sizes, deep nesting, amplifiers, calls of os.system / eval /
     open) as a DCP .metadata, as the data.pkl of a DCP record and as the data.pkl
     of a zip archive: inspect, verify and convert end with status 1 and a
@@ -614,8 +600,8 @@ def stock_check(path, kind, state, shares=True):
     """The converted checkpoint read by that format's stock reader (`shares`: the source kept
     tensors that share storage shared, so that tied tensors are stored once)."""
     if kind in ("fastckpt", "torch"):
-        assert_same(state, torch.load(path, weights_only=True), exact_types=False, ordered=False)
-        assert_same(state, torch.load(path, weights_only=True, mmap=True), exact_types=False, ordered=False)
+        assert_same(state, torch.load(path, weights_only=True), ordered=False)
+        assert_same(state, torch.load(path, weights_only=True, mmap=True), ordered=False)
     elif kind == "safetensors":
         flat = safetensors_torch.load_file(str(path))
         from fastckpt.cli.convert import key_str
@@ -643,7 +629,7 @@ def stock_check(path, kind, state, shares=True):
     elif kind == "dcp":
         template = _zeros_like(state)
         dcp.load(template, storage_reader=FileSystemReader(str(path)))
-        assert_same(state, template, exact_types=False)
+        assert_same(state, template)
 
 
 def _zeros_like(o):
@@ -680,7 +666,7 @@ def test_convert_round_trip(tmp_path, capsys, src_kind, dst_kind):
     want = expected_after(src_kind, dst_kind, state)
     got = read_back(dst, dst_kind, tmp_path)
     # a safetensors file written by safetensors itself does not keep the order of its keys
-    assert_same(want, got, exact_types=False, ordered=src_kind != "safetensors")
+    assert_same(want, got, ordered=src_kind != "safetensors")
     stock_check(dst, dst_kind, want, shares=src_kind in ("fastckpt", "torch"))
     if src_kind in ("fastckpt", "torch") and dst_kind in ("fastckpt", "torch"):
         # a file to a file keeps the storage graph: tied tensors, views

@@ -8,17 +8,15 @@ of a load, this file at random moments."""
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from test_collective_save import last_line, leftovers, reference_bytes, run_ranks  # noqa: E402
-from test_collective_save import worker  # noqa: E402
-import fastspawn  # noqa: E402
-from dist_launch import kill_all  # noqa: E402
+import fastspawn
+from collective_ranks import last_line, leftovers, reference_bytes, run_ranks
+from dist_launch import kill_all
+from paths import ROOT, WORKERS
+from workers import collective_worker as worker
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -71,8 +69,8 @@ SURVIVOR_WAIT = PG_TIMEOUT + 30  # s after the kill: a survivor still running by
 
 def _start_load_ranks(tmp_path, path, world, delay_ms):
     store = tmp_path / f"store.{os.urandom(4).hex()}"
-    env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1")
-    procs = [fastspawn.Popen([sys.executable, str(HERE / "collective_crash_worker.py"), str(store), str(r),
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    procs = [fastspawn.Popen([sys.executable, str(WORKERS / "collective_crash_worker.py"), str(store), str(r),
                                str(world), str(path), str(delay_ms), str(PG_TIMEOUT)],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
              for r in range(world)]

@@ -1,8 +1,8 @@
 """fastckpt.save(obj, path, group=pg) of state on a device
 (fastckpt/_collective_stage.py), on the simulated device of
-tests/python/sim_device.py: copies land late and out of order, and a host
+tests/support/sim_device.py: copies land late and out of order, and a host
 buffer written, reused or freed before its copy landed is a violation. No GPU
-runs here. Each rank is a subprocess (tests/python/collective_device_worker.py)
+runs here. Each rank is a subprocess (tests/support/workers/collective_device_worker.py)
 of a gloo group.
 
 Checked: the file is byte-identical to a single-process save of the same
@@ -14,8 +14,6 @@ device copy that fails on one rank fails every rank, naming the user's path,
 with the previous checkpoint intact and no temporary file left.
 """
 import pickle
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,10 +23,9 @@ from fastckpt.collective import save as _collective, stage as _collective_stage
 from fastckpt.formats import torch_rules as _torch_rules
 from fastckpt import serialization
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import collective_worker as worker  # noqa: E402
-from test_collective_save import assert_equal_objects, last_line, leftovers, reference_bytes, run_ranks  # noqa: E402
+from collective_ranks import last_line, leftovers, reference_bytes, run_ranks
+from states import assert_same
+from workers import collective_worker as worker
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -91,7 +88,7 @@ def test_device_state_gives_the_cpu_file(tmp_path_factory, tmp_path, world, case
         assert f["LENT"] == [0], f"rank {r}: staging buffers not given back: {text}"
     assert path.read_bytes() == reference_bytes(tmp_path, case)
     assert leftovers(path.parent) == []
-    assert_equal_objects(worker.build(case), torch.load(path, weights_only=True))
+    assert_same(worker.build(case), torch.load(path, weights_only=True))
 
 
 @pytest.mark.parametrize("world,case,mode", CASES)

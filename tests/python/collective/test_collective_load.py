@@ -1,10 +1,9 @@
 """fastckpt.load(path, group=pg): every rank that has the file reads a share of
 it and the shares are exchanged over the group (fastckpt/_collective_load.py).
-Each rank is a subprocess (tests/python/collective_load_worker.py) joined
+Each rank is a subprocess (tests/support/workers/collective_load_worker.py) joined
 through a FileStore."""
 import io
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,11 +13,9 @@ import torch.distributed as dist
 import fastckpt
 from fastckpt.formats import zip as _zip
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import collective_worker as worker  # noqa: E402
-from test_collective_save import last_line  # noqa: E402
-from test_collective_save import run_ranks as _run_ranks  # noqa: E402
+from collective_ranks import bytes_read, last_line, storage_bytes
+from collective_ranks import run_ranks as _run_ranks
+from workers import collective_worker as worker
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -28,13 +25,6 @@ def run_ranks(tmp_path: Path, world: int, path: Path, case: str, mode: str = "ok
     return _run_ranks(tmp_path, world, path, case, mode, worker_script="collective_load_worker.py")
 
 
-def bytes_read(out: str) -> int:
-    return int([x for x in out.splitlines() if x.startswith("READ ")][-1].split()[1])
-
-
-def storage_bytes(path: Path) -> int:
-    archive = _zip.Archive.open(str(path))
-    return sum(e.size for n, e in archive.records.items() if n.startswith("data/"))
 
 
 def save(path: Path, case: str, with_torch: bool = False) -> Path:

@@ -3,8 +3,8 @@ onto devices, through the staging pipeline (fastckpt/_collective_load.py,
 fastckpt/_collective_exchange.py).
 
 No GPU and no NCCL here: every rank (a subprocess,
-tests/python/collective_load_worker.py, on a gloo group) loads onto the
-simulated device (tests/python/sim_device.py: copies land late and out of
+tests/support/workers/collective_load_worker.py, on a gloo group) loads onto the
+simulated device (tests/support/sim_device.py: copies land late and out of
 order; a host buffer reused or freed before its copies finished is a
 StagingViolation). Checked:
 
@@ -26,7 +26,6 @@ benchmarks/gpu_check.sh): real NCCL broadcasts into CUDA storages and their
 stream order, cudaHostRegister'ed ring buffers, CUDA copy streams.
 """
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -35,13 +34,10 @@ import torch.distributed as dist
 
 import fastckpt
 from fastckpt.collective import exchange as _collective_exchange, load as _collective_load
-from fastckpt.formats import zip as _zip
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import collective_load_worker as worker  # noqa: E402
-from test_collective_save import last_line  # noqa: E402
-from test_collective_save import run_ranks as _run_ranks  # noqa: E402
+from collective_ranks import last_line, storage_bytes
+from collective_ranks import run_ranks as _run_ranks
+from workers import collective_load_worker as worker
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -61,10 +57,6 @@ def line(text: str, key: str) -> str:
 def stats(text: str) -> dict:
     return json.loads(line(text, "STATS"))
 
-
-def storage_bytes(path: Path) -> int:
-    archive = _zip.Archive.open(str(path))
-    return sum(e.size for n, e in archive.records.items() if n.startswith("data/"))
 
 
 @pytest.fixture(scope="module")

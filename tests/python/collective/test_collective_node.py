@@ -2,9 +2,8 @@
 complete copy to its own disk, its ranks splitting it (fastckpt/_collective.py).
 Nodes are emulated: each rank's FASTCKPT_NODE names its node, each node's
 "local disk" is a directory of its own. Each rank is a subprocess
-(tests/python/collective_worker.py) joined through a FileStore."""
+(tests/support/workers/collective_worker.py) joined through a FileStore."""
 import ast
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,11 +12,9 @@ import torch.distributed as dist
 
 import fastckpt
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import collective_worker as worker  # noqa: E402
-from test_collective_save import (assert_equal_objects, assert_no_fd_leak, last_line, leftovers,  # noqa: E402
-                                  reference_bytes, run_ranks)
+from collective_ranks import assert_no_fd_leak, last_line, leftovers, reference_bytes, run_ranks
+from states import assert_same
+from workers import collective_worker as worker
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -64,7 +61,7 @@ def test_every_node_gets_the_single_process_file_its_ranks_splitting_it(tmp_path
     for n, d in dirs.items():
         assert (d / "ckpt.pt").read_bytes() == ref, f"node {n}"
         assert leftovers(d) == []
-    assert_equal_objects(worker.build("mixed"), torch.load(paths[-1], weights_only=True))
+    assert_same(worker.build("mixed"), torch.load(paths[-1], weights_only=True))
     # Each node's ranks split its copy: disjoint regions, every byte written once
     # within the node, each rank about its node's file size / its node's ranks.
     size = len(ref)
@@ -221,7 +218,7 @@ def test_node_local_copies_with_one_missing_load_on_every_rank(tmp_path):
     collective load gives every rank the state; node b's ranks read nothing
     from disk (they get everything from node a's), the file's storages are
     read once in total."""
-    from test_collective_load import bytes_read, storage_bytes
+    from collective_ranks import bytes_read, storage_bytes
     nodes = ["a", "b", "a", "b"]
     dirs = node_dirs(tmp_path, nodes)
     paths = [dirs[n] / "ckpt.pt" for n in nodes]

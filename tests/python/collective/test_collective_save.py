@@ -1,10 +1,6 @@
 """fastckpt.save(obj, path, group=pg): every rank of a gloo group writes its
 share of one file (fastckpt/_collective.py). Each rank is a subprocess
-(tests/python/collective_worker.py) joined through a FileStore."""
-import os
-import subprocess
-import sys
-from pathlib import Path
+(tests/support/workers/collective_worker.py) joined through a FileStore."""
 
 import pytest
 import torch
@@ -13,82 +9,18 @@ import torch.distributed as dist
 import fastckpt
 from fastckpt import serialization
 
-HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-import collective_worker as worker  # noqa: E402
-import fastspawn  # noqa: E402
-from dist_launch import kill_all  # noqa: E402
+from collective_ranks import assert_no_fd_leak, last_line, leftovers, reference_bytes, run_ranks
+from states import assert_same
+from workers import collective_worker as worker
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
 
 
-def run_ranks(tmp_path: Path, world: int, path, case: str, mode: str = "ok", timeout: float = 400,
-              worker_script: str = "collective_worker.py", extra=(), rank_env=None):
-    """`world` ranks of `worker_script` (STORE RANK WORLD PATH CASE MODE *extra); each rank's (exit status,
-    output). `path`: one path for every rank, or a list (rank r's path); rank_env(r): more environment."""
-    store = tmp_path / f"store.{os.urandom(4).hex()}"
-    paths = path if isinstance(path, (list, tuple)) else [path] * world
-    procs = []
-    for r in range(world):
-        env = dict(os.environ, PYTHONPATH=str(HERE.parent.parent), OMP_NUM_THREADS="1",
-                   **(rank_env(r) if rank_env else {}))
-        procs.append(fastspawn.Popen([sys.executable, str(HERE / worker_script), str(store), str(r), str(world),
-                                       str(paths[r]), case, mode, *extra], stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, env=env))
-    outs = []
-    try:
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            outs.append((p.returncode, out))
-    finally:
-        kill_all(procs)  # none left behind when a rank hangs
-    return outs
 
 
-def last_line(out: str) -> str:
-    lines = out.strip().splitlines()
-    return lines[-1] if lines else ""
 
 
-def reference_bytes(tmp_path: Path, case: str, settings: bool = False) -> bytes:
-    ref = tmp_path / f"ref_{case}.pt"
-    orig = fastckpt.formats.archive.new_serialization_id
-    fastckpt.formats.archive.new_serialization_id = lambda: worker.SID
-    try:
-        if settings:
-            worker.torch_settings(True)
-        fastckpt.save(worker.build(case), ref)
-    finally:
-        fastckpt.formats.archive.new_serialization_id = orig
-        worker.torch_settings(False)
-    return ref.read_bytes()
-
-
-def assert_equal_objects(a, b):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for k in a:
-            assert_equal_objects(a[k], b[k])
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b)
-        for x, y in zip(a, b):
-            assert_equal_objects(x, y)
-    else:
-        assert a == b
-
-
-def assert_no_fd_leak(text: str):
-    line = [x for x in text.splitlines() if x.startswith("FDS ")][-1]
-    before, after = map(int, line.split()[1:])
-    assert before == after, f"descriptors leaked: {line}"
-
-
-def leftovers(d: Path):
-    return [p.name for p in d.iterdir() if ".fastckpt-tmp." in p.name]
 
 
 @pytest.mark.parametrize("world,case", [(1, "mixed"), (2, "mixed"), (3, "mixed"), (4, "mixed"), (3, "few"),
@@ -105,10 +37,10 @@ def test_collective_save_is_byte_identical(tmp_path, world, case):
     assert got == reference_bytes(tmp_path, case)
     assert leftovers(out) == []
     loaded = torch.load(path, weights_only=True)  # stock torch reads it
-    assert_equal_objects(worker.build(case), loaded)
+    assert_same(worker.build(case), loaded)
     assert loaded["big_view"].untyped_storage().data_ptr() == loaded["big"].untyped_storage().data_ptr() \
         if case == "mixed" else True
-    assert_equal_objects(worker.build(case), fastckpt.load(path, verify=True))
+    assert_same(worker.build(case), fastckpt.load(path, verify=True))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -131,7 +63,7 @@ def test_replicas_on_different_devices_save_rank0s_file(tmp_path, world):
     finally:
         fastckpt.formats.archive.new_serialization_id = orig
     assert path.read_bytes() == ref.read_bytes() and b"cuda:0" in ref.read_bytes()
-    assert_equal_objects(worker.build("mixed"), fastckpt.load(path, map_location="cpu"))
+    assert_same(worker.build("mixed"), fastckpt.load(path, map_location="cpu"))
 
 
 def test_device_blind_pickles_hide_only_storage_locations():
@@ -160,7 +92,7 @@ def test_torch_save_settings_give_the_same_file(tmp_path):
         assert rc == 0 and last_line(text) == "OK", f"rank {r} (exit {rc}): {text}"
     got = path.read_bytes()
     assert got == reference_bytes(tmp_path, "mixed", settings=True)
-    assert_equal_objects(worker.build("mixed"), torch.load(path, weights_only=True))
+    assert_same(worker.build("mixed"), torch.load(path, weights_only=True))
 
 
 @pytest.mark.parametrize("mode,expect", [("differ_sampled", "ranks hold different data: storage data/0 of rank 1 "

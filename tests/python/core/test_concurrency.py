@@ -15,7 +15,8 @@ import fastckpt
 from fastckpt import _C
 
 import fastspawn  # noqa: E402
-from conftest import same_state, temp_files
+from states import same_state
+from leaks import temp_files
 
 WRITER = textwrap.dedent("""
     import os, sys, time, torch, fastckpt

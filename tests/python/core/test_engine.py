@@ -16,7 +16,8 @@ import torch
 import fastckpt
 from fastckpt import _C
 import fastspawn  # noqa: E402
-from conftest import drop_page_cache, fd_count, make_config, temp_files, uring_refusal
+from engines import drop_page_cache, make_config, uring_refusal
+from leaks import fd_count, temp_files
 
 SIZES = [0, 1, 4095, 4096, 4097, 3 * (64 << 10) + 5, (5 << 20) + 123]
 

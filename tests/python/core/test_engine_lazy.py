@@ -13,7 +13,7 @@ import torch
 import fastckpt
 from fastckpt import _C
 import fastspawn  # noqa: E402
-from conftest import drop_page_cache, make_config, uring_refusal
+from engines import drop_page_cache, make_config, uring_refusal
 
 MiB = 1 << 20
 

@@ -16,7 +16,7 @@ import fastckpt
 from fastckpt import _C
 from fastckpt.errors import MissingDependencyError, UnsupportedURLError
 
-from conftest import temp_files
+from leaks import temp_files
 
 pickled = {"n": 0}
 
@@ -100,7 +100,7 @@ def test_parent_is_a_file(tmp_path, state):
 @pytest.mark.parametrize("url", ["s3://bucket/ckpt/x.pt", "gs://b/x.pt", "hdfs://nn:8020/x.pt", "file:///tmp/x.pt"])
 def test_url_is_refused_clearly(tmp_path, state, url):
     """async_save writes local paths only; fastckpt.save/load send URLs to
-    fastckpt.remote (tests/python/test_remote_url.py), which names a missing
+    fastckpt.remote (tests/python/remote/test_remote_url.py), which names a missing
     optional dependency before anything is pickled."""
     with pytest.raises(UnsupportedURLError) as ei:
         _save("async_save", state, url)

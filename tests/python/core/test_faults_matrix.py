@@ -29,7 +29,11 @@ import fastckpt
 from fastckpt import FormatError, _C
 from fastckpt.dcp import FastReader, FastWriter
 
-from conftest import dcp_unwrapped, fd_count, same_state, temp_files
+from dcp_calls import dcp_unwrapped
+
+from leaks import fd_count, temp_files
+
+from states import same_state
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -376,7 +380,7 @@ def small_tmpfs():
 
 @pytest.mark.parametrize("backend_name", ["uring", "threads"])
 def test_real_enospc_on_a_full_filesystem(small_tmpfs, backend_name):
-    from conftest import uring_refusal
+    from engines import uring_refusal
     if backend_name == "uring" and uring_refusal():
         pytest.skip(uring_refusal())
     path = os.path.join(small_tmpfs, "ckpt.pt")

@@ -18,7 +18,7 @@ import fastckpt
 from fastckpt import knobs
 from fastckpt._core.owner import check_directory_owner
 from fastckpt.manager.manager import CheckpointManager
-from conftest import dcp_unwrapped
+from dcp_calls import dcp_unwrapped
 
 OTHER = 4242  # a uid that owns nothing on this machine
 

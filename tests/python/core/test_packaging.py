@@ -17,7 +17,9 @@ import torch
 
 import fastckpt
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from paths import ROOT
+
+REPO = str(ROOT)
 DIST = "fastckpt-io"
 # What the checkout's copy for the isolated build leaves out: outputs and environments, not sources.
 _NOT_SOURCES = shutil.ignore_patterns(".git", ".venv", "build", "build-*", "*.so", "*.egg-info", "__pycache__",

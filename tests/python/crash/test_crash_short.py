@@ -22,9 +22,9 @@ import sys
 import pytest
 import torch.distributed as dist
 import fastspawn  # noqa: E402
+from paths import TESTS  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-DRIVER = os.path.join(ROOT, "tests", "crash", "crash_driver.py")
+DRIVER = str(TESTS / "crash" / "crash_driver.py")
 SINGLE = ("save", "async_save", "manager")
 WORLD_2 = ("dcp2", "sharded2", "dcp_async2")
 KILLS = {"save": 4, "async_save": 4, "manager": 4, "dcp2": 3, "sharded2": 3, "dcp_async2": 3}

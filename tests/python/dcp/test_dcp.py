@@ -1,6 +1,6 @@
 """fastckpt.dcp: FastWriter / FastReader with torch.distributed.checkpoint.
 
-Multi-process tests start ranks of tests/python/dcp_helpers/dist_worker.py
+Multi-process tests start ranks of tests/support/workers/dcp_dist_worker.py
 (gloo on 127.0.0.1, small tensors, 1 MiB engine buffers); the rest runs in this
 process without a process group.
 """
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 import fastspawn  # noqa: E402
 from dist_launch import free_port as _free_port
+from paths import ROOT, WORKERS
 
 if not dist.is_available():
     pytest.skip("this torch has no torch.distributed", allow_module_level=True)
@@ -34,10 +35,14 @@ from fastckpt import FormatError, _C  # noqa: E402
 from fastckpt.dcp import FastReader, FastWriter  # noqa: E402
 from fastckpt.formats import dcp as _blob  # noqa: E402
 
-from conftest import dcp_unwrapped, fd_count, temp_files, wait_for_ranks  # noqa: E402
+from dcp_calls import dcp_unwrapped  # noqa: E402
 
-HELPER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "dcp_helpers", "dist_worker.py")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from leaks import fd_count, temp_files  # noqa: E402
+
+from dist_launch import wait_for_ranks  # noqa: E402
+
+HELPER = str(WORKERS / "dcp_dist_worker.py")
+REPO = str(ROOT)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -73,9 +78,8 @@ def saved(tmp_path_factory):
 
 
 def _worker():
-    sys.path.insert(0, os.path.dirname(HELPER))
-    import dist_worker  # noqa: F401  (its torch.distributed globals are harmless without a process group)
-    return dist_worker
+    from workers import dcp_dist_worker  # its torch.distributed globals are harmless without a process group
+    return dcp_dist_worker
 
 
 # ---------------------------------------------------------------- world sizes 2 -> 2, 3, 1

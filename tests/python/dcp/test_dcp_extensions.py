@@ -25,6 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+if __name__ == "__main__":  # a rank of _run_ranks: the helpers, as tests/conftest.py puts them on sys.path
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "support"))
 import fastspawn  # noqa: E402
 from dist_launch import free_port as _free_port
 
@@ -43,7 +46,7 @@ except ImportError:  # pragma: no cover (torch < 2.7)
                     allow_module_level=True)
     raise
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 if __name__ == "__main__":
     sys.path.insert(0, REPO)
 
@@ -51,7 +54,10 @@ from fastckpt import FormatError, _C  # noqa: E402
 from fastckpt.dcp import FastReader, FastWriter  # noqa: E402
 
 if __name__ != "__main__":
-    from conftest import dcp_unwrapped, temp_files, wait_for_ranks  # noqa: E402
+    from dcp_calls import dcp_unwrapped  # noqa: E402
+    from leaks import temp_files  # noqa: E402
+    from dist_launch import wait_for_ranks  # noqa: E402
+    import states  # noqa: E402
 
     pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -154,6 +160,10 @@ def make_state():
     }
 
 
+def assert_bitwise_equal(got, want, what=""):
+    states.assert_same(got, want, what, bitwise=True)
+
+
 def zeros_like_state(sd):
     out = {}
     for k, v in sd.items():
@@ -164,19 +174,6 @@ def zeros_like_state(sd):
     return out
 
 
-def _bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def assert_bitwise_equal(got, want, what=""):
-    assert got.keys() == want.keys(), what
-    for k, w in want.items():
-        g = got[k]
-        if isinstance(w, torch.Tensor):
-            assert g.dtype == w.dtype and g.shape == w.shape, f"{what}: {k}"
-            assert _bits(g) == _bits(w), f"{what}: {k} differs"
-        else:
-            assert g == w, f"{what}: {k}"
 
 
 def load_with(reader, sd):

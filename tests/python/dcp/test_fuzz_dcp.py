@@ -10,7 +10,7 @@ bytes, or the storage table: offsets, lengths, huge sizes, relative paths that
 leave the directory or name a symlink, a FIFO, a directory, wrong types), and
 loads it the way ``dcp.load`` does without a process group, stage by stage.
 
-Besides these mutations, crafted structures (tests/python/hostile_pickles.py):
+Besides these mutations, crafted structures (tests/support/hostile_pickles.py):
 whole ``.metadata`` files and DCP records' ``data.pkl`` built to allocate
 (a 9-byte LONG_BINPUT, huge declared sizes and counts, deep nesting,
 amplifiers) or to run code, and the same opcode tricks spliced into valid
@@ -55,6 +55,7 @@ from fastckpt.dcp import FastReader, FastWriter
 from fastckpt.formats import dcp as _blob  # noqa: E402
 
 import hostile_pickles as H  # noqa: E402
+from paths import DATA  # noqa: E402
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
@@ -63,7 +64,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 
 EXAMPLES = int(os.environ.get("FASTCKPT_FUZZ_EXAMPLES", "100"))
 ALLOWED = (fastckpt.FormatError, OSError, pickle.UnpicklingError)
-CORPUS = os.path.join(os.path.dirname(__file__), "fuzz_corpus_dcp")
+CORPUS = str(DATA / "fuzz_corpus_dcp")
 FUZZ = settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
 
 
@@ -442,7 +443,7 @@ def test_crafted_tricks_spliced_into_pickles_fail_cleanly(refs, workdir, marker,
 
 # ---------------------------------------------------------------- regressions
 #
-# fuzz_corpus_dcp/base/ is a checkpoint written by FastWriter from _state();
+# tests/support/data/fuzz_corpus_dcp/base/ is a checkpoint written by FastWriter from _state();
 # every other directory there holds the files of one checkpoint that once broke
 # FastReader, minus those it shares with base/.
 

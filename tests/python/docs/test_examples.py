@@ -3,10 +3,9 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 import fastspawn  # noqa: E402
+from paths import ROOT
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _torchrun(script, *args):

@@ -42,10 +42,12 @@ from torch.distributed.checkpoint.metadata import (  # noqa: E402
 
 from fastckpt.dcp import FastReader, FastWriter  # noqa: E402
 import fastspawn  # noqa: E402
+from paths import ROOT, SUPPORT  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::FutureWarning")]
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = str(ROOT)
+TESTS_PATH = [os.path.dirname(os.path.abspath(__file__)), str(SUPPORT)]  # for the scripts that import this module
 NOTHING_RUN = "nothing from the file was run"
 # The per-input memory bound: a small multiple of the input's size, plus what
 # opening and refusing anything costs (well under this; the attacks below ask
@@ -244,7 +246,7 @@ _SCRIPT = """
 import contextlib, io, os, sys, json, warnings
 warnings.simplefilter("ignore")
 import torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}  # this module's folder and tests/support
 import test_hostile as T
 from fastckpt.cli import main
 import hostile_pickles as H
@@ -308,7 +310,7 @@ def _run_crafted(kind, dirs, warm):
     if not H.rss_oracle_available():
         pytest.skip("needs /proc/self/status and a writable /proc/self/clear_refs (Linux >= 4.0) to measure "
                     "the peak RSS of each input")
-    code = _SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), kind=kind, warm=warm,
+    code = _SCRIPT.format(tests=TESTS_PATH, kind=kind, warm=warm,
                           dirs=list(dirs.values()))
     r = fastspawn.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=600)
     rows = [json.loads(ln) for ln in r.stdout.splitlines() if ln.startswith("{")]
@@ -370,7 +372,7 @@ _DEEP_SCRIPT = """
 import sys, warnings
 warnings.simplefilter("ignore")
 import torch
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}  # this module's folder and tests/support
 import test_hostile as T
 try:
     T._load_staged({d!r}, {target})
@@ -394,7 +396,7 @@ def test_deep_nesting_for_torch_unpickler_is_refused_not_a_crash(tmp_path, where
     else:
         H.record_ckpt(tmp_path / "ck", H.PROTO2 + b"cbuiltins\nset\n0" + b"}" + b"N" + deep + b"N" + b"s" + b".")
         target = '{"w": torch.zeros(3)}'
-    code = _DEEP_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), d=str(tmp_path / "ck"),
+    code = _DEEP_SCRIPT.format(tests=TESTS_PATH, d=str(tmp_path / "ck"),
                                target=target)
     r = fastspawn.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
@@ -458,7 +460,7 @@ def test_unreadable_directory_is_not_reported_missing(locked, cmd):
 
 _DEEP_LOAD_SCRIPT = """
 import io, sys, pickle
-sys.path.insert(0, {tests!r})
+sys.path[:0] = {tests!r}  # this module's folder and tests/support
 import fastckpt
 path = {path!r}
 how = {how!r}
@@ -484,7 +486,7 @@ def test_deep_nesting_in_a_torch_save_file_is_refused_not_a_crash(tmp_path, how)
     mmap=True, the last two handed to torch.load after the check)."""
     path = tmp_path / "deep.pt"
     path.write_bytes(H.record(H.deep_tuple_key(1_000_000)))
-    code = _DEEP_LOAD_SCRIPT.format(tests=os.path.dirname(os.path.abspath(__file__)), path=str(path), how=how)
+    code = _DEEP_LOAD_SCRIPT.format(tests=TESTS_PATH, path=str(path), how=how)
     r = fastspawn.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert r.stdout.startswith("FormatError") and re.search(r"nested more than \d+ deep", r.stdout), r.stdout

@@ -30,9 +30,9 @@ from fastckpt.formats import unpickler as _unpickle
 
 import crafted
 import hostile_pickles as hp
+from paths import DATA
 
 EXAMPLES = int(os.environ.get("FASTCKPT_FUZZ_EXAMPLES", "300"))
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def verdict(fn, data, **kw):
@@ -153,7 +153,7 @@ def _corpus():
         out[f"tensor_pickle_{p}"] = crafted.tensor_pickle([("0", 4), ("1", 100)], protocol=p)
     out.update(EDGES)
     for root in ("fuzz_corpus", "fuzz_corpus_dcp"):
-        for dirpath, _, files in os.walk(os.path.join(HERE, root)):
+        for dirpath, _, files in os.walk(DATA / root):
             for f in files:
                 path = os.path.join(dirpath, f)
                 with open(path, "rb") as fh:

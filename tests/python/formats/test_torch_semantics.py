@@ -18,7 +18,7 @@ from torch.utils.serialization import config as torch_config
 import fastckpt
 from fastckpt import _C
 
-from conftest import temp_files
+from leaks import temp_files
 
 
 def _touch(path):

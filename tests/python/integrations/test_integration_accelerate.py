@@ -5,7 +5,6 @@ import os
 import random
 import signal
 import zipfile
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,7 +19,8 @@ import dist_launch  # noqa: E402
 import fastckpt  # noqa: E402
 from fastckpt import _C  # noqa: E402
 from fastckpt.integrations.accelerate import restore, use_fastckpt  # noqa: E402
-from helpers_integrations.accelerate_dist import Counter  # noqa: E402
+from workers.accelerate_dist import Counter, assert_same  # noqa: E402
+from paths import WORKERS  # noqa: E402
 
 
 def setup(fast=True, seed=0, project=None, **cfg):
@@ -61,18 +61,6 @@ def snapshot(model, opt, sched, counter):
             "opt": copy.deepcopy(opt.state_dict()), "sched": copy.deepcopy(sched.state_dict()), "n": counter.n,
             "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())}
 
-
-def assert_same(a, b):
-    assert a["model"].keys() == b["model"].keys()
-    for k in a["model"]:
-        assert torch.equal(a["model"][k], b["model"][k]), k
-    assert a["opt"]["param_groups"] == b["opt"]["param_groups"]
-    for i, st in a["opt"]["state"].items():
-        for k, v in st.items():
-            assert torch.equal(v, b["opt"]["state"][i][k]), (i, k)
-    assert a["sched"] == b["sched"] and a["n"] == b["n"]
-    assert torch.equal(a["rng"][0], b["rng"][0]) and a["rng"][1] == b["rng"][1]
-    assert np.array_equal(a["rng"][2], b["rng"][2])
 
 
 def written_by_fastckpt(path):
@@ -176,14 +164,14 @@ def test_restore_and_errors(tmp_path):
 
 
 # ---------------------------------------------------------------- several processes (gloo)
-DIST_WORKER = Path(__file__).resolve().parent / "helpers_integrations" / "accelerate_dist.py"
+DIST_WORKER = WORKERS / "accelerate_dist.py"
 needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
 
 
 @needs_gloo
 def test_two_processes_save_load_resume_bitwise_failures_and_rotation(tmp_path):
-    """One torchrun job of 2 processes, several checks (helpers_integrations/accelerate_dist.py):
+    """One torchrun job of 2 processes, several checks (tests/support/workers/accelerate_dist.py):
     the files are stock Accelerate's (one random_states_<i>.pkl per process); bitwise resume, every
     process's RNG included, for ours read by ours, ours read by stock, stock read by ours; a failure
     on rank 1 and one on rank 0 fail the save on both ranks, the previous checkpoint unchanged and no

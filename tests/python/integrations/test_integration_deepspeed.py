@@ -19,10 +19,10 @@ from fastckpt import _C  # noqa: E402
 from fastckpt.integrations.deepspeed import FastCheckpointEngine  # noqa: E402
 import fastspawn  # noqa: E402
 from dist_launch import free_port  # noqa: E402
+from paths import ROOT  # noqa: E402
 
-from conftest import temp_files  # noqa: E402
+from leaks import temp_files  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def written_by_fastckpt(path):
@@ -96,7 +96,7 @@ WORKER = textwrap.dedent("""
 
 
 def test_real_deepspeed_engine_on_cpu(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(HERE)), DS_ACCELERATOR="cpu")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), DS_ACCELERATOR="cpu")
     port = str(free_port())
     r = fastspawn.run([sys.executable, "-c", WORKER, str(tmp_path / "ck"), port], capture_output=True, text=True,
                        env=env, timeout=600)

@@ -17,7 +17,7 @@ from fastckpt import _C  # noqa: E402
 from fastckpt.integrations.lightning import AsyncFastCheckpointIO, FastCheckpointIO  # noqa: E402
 
 import fastspawn  # noqa: E402
-from conftest import temp_files  # noqa: E402
+from leaks import temp_files  # noqa: E402
 
 
 def written_by_fastckpt(path):

@@ -1,9 +1,8 @@
 """fastckpt.integrations.torchtitan with torchtitan's own CheckpointManager, optimizer and LR scheduler
-containers, FSDP2-sharded model, 2 gloo processes (helpers_integrations/torchtitan_dist.py).
+containers, FSDP2-sharded model, 2 gloo processes (tests/support/workers/torchtitan_dist.py).
 
 torchtitan is optional: .ci/install_torchtitan.sh installs the tested version (0.3.0) with --no-deps
 beside torch 2.13 (see docs/INTEGRATIONS.md); without it this test skips with the reason."""
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,8 +13,9 @@ pytest.importorskip("torchtitan.components.optimizer",
                     reason="torchtitan's optimizer containers need spmd_types (.ci/install_torchtitan.sh)")
 
 import dist_launch  # noqa: E402
+from paths import WORKERS  # noqa: E402
 
-WORKER = Path(__file__).resolve().parent / "helpers_integrations" / "torchtitan_dist.py"
+WORKER = WORKERS / "torchtitan_dist.py"
 
 
 @pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import zipfile
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +16,9 @@ from transformers import Trainer, TrainingArguments  # noqa: E402
 
 import dist_launch  # noqa: E402
 import fastckpt  # noqa: E402
-from helpers_integrations.transformers_dist import Tokens  # noqa: E402
-from helpers_integrations.transformers_dist import model as tiny_gpt2  # noqa: E402
+from workers.transformers_dist import Tokens  # noqa: E402
+from workers.transformers_dist import model as tiny_gpt2  # noqa: E402
+from paths import WORKERS  # noqa: E402
 from fastckpt import _C  # noqa: E402
 from fastckpt.integrations.transformers import FastTrainer  # noqa: E402
 
@@ -110,14 +110,14 @@ def test_failure_mid_checkpoint_leaves_earlier_ones_and_no_half_directory(tmp_pa
 
 
 # ---------------------------------------------------------------- several processes (DDP, gloo)
-DIST_WORKER = Path(__file__).resolve().parent / "helpers_integrations" / "transformers_dist.py"
+DIST_WORKER = WORKERS / "transformers_dist.py"
 needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
                                 reason="torch.distributed with gloo is not available")
 
 
 @needs_gloo
 def test_two_processes_checkpoints_resume_bitwise_and_a_failure_on_one_rank(tmp_path):
-    """One torchrun job of 2 processes, several checks (helpers_integrations/transformers_dist.py):
+    """One torchrun job of 2 processes, several checks (tests/support/workers/transformers_dist.py):
     checkpoint-N holds the stock Trainer's files (one rng_state_<i>.pth per process) and is rotated;
     resume is bitwise against the uninterrupted run (dropout on: every process's RNG state matters)
     for ours resumed by ours, ours by the stock Trainer, the stock Trainer's by ours; a failure on

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import paths
+
+ROOT = str(paths.ROOT)
 
 # module -> (the framework module hidden, the pip package the error must name)
 CASES = {

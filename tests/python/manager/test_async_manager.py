@@ -29,7 +29,8 @@ from fastckpt.formats import zip as _zip
 from fastckpt.saver import AsyncSaver, SaveResult, default_saver
 from fastckpt.manager.manager import CheckpointManager
 import fastspawn  # noqa: E402
-from conftest import temp_files
+from leaks import temp_files
+import states
 
 pytestmark = pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
 
@@ -55,22 +56,10 @@ def make_state(seed=0, width=64):
     return model, opt, state
 
 
+
 def assert_same(a, b, path="state"):
-    """Bitwise equality of nested containers of tensors and plain values."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), path
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8)), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), path
-        for k in a:
-            assert_same(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
+    """Bitwise equality of nested containers of tensors and plain values, dict keys in order."""
+    states.assert_same(a, b, path, bitwise=True, ordered=True)
 
 
 def test_assert_same_can_fail():

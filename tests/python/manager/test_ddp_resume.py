@@ -24,12 +24,12 @@ import torch
 
 import fastckpt
 import fastspawn  # noqa: E402
-from conftest import temp_files
+from leaks import temp_files
 from dist_launch import free_port
+from paths import ROOT, WORKERS
+from states import assert_same
 
-ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "ddp_train.py"
-HELPERS = Path(__file__).resolve().parent / "helpers_resume"
 STEPS, EVERY = 40, 5
 ARGS = ["--steps", str(STEPS), "--ckpt-every", str(EVERY), "--keep-last", "2", "--step-sleep", "0.02"]
 WORLD = 2
@@ -133,21 +133,6 @@ def load_dump(path: Path) -> dict:
     return torch.load(path, weights_only=True)
 
 
-def assert_bitwise_equal(a, b, path="final"):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), f"{path} differs"
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and sorted(a, key=str) == sorted(b, key=str), path
-        for k in a:
-            assert_bitwise_equal(a[k], b[k], f"{path}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_bitwise_equal(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
 
 def resumed_from(lines) -> int:
     for line in lines:
@@ -187,7 +172,7 @@ def finish_resumed(tmp_path, ckpt, reference, extra=()) -> int:
     job = run_example(tmp_path / "logs", ckpt, [*extra, "--dump", str(dump)])
     lines = job.finish()
     assert temp_files(ckpt) == [], "leftovers of the killed save were not cleaned"
-    assert_bitwise_equal(reference, load_dump(dump))
+    assert_same(reference, load_dump(dump), "final", bitwise=True, sequence_types=False)
     return resumed_from(lines)
 
 
@@ -234,7 +219,7 @@ def test_sigkill_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_p
 def test_sharded_manager_two_ranks(tmp_path):
     """Sharded mode: each rank writes its DTensor shards through fastckpt.dcp;
     latest, retention, fallback from a damaged checkpoint, in-place load."""
-    job = Job(tmp_path / "logs", HELPERS / "sharded_worker.py", [str(tmp_path / "ckpt")])
+    job = Job(tmp_path / "logs", WORKERS / "sharded_worker.py", [str(tmp_path / "ckpt")])
     lines = job.finish(timeout=120)
     assert lines[-1] == "ok", job.report()
 
@@ -243,7 +228,7 @@ def test_collective_manager_two_ranks(tmp_path):
     """Replicated mode, collective=True (the default): every rank writes and
     reads a share; retention, `latest`, fallback from a damaged checkpoint, a
     failing rank fails the save everywhere; collective=False writes from rank 0."""
-    job = Job(tmp_path / "logs", HELPERS / "collective_manager_worker.py", [str(tmp_path / "ckpt")])
+    job = Job(tmp_path / "logs", WORKERS / "collective_manager_worker.py", [str(tmp_path / "ckpt")])
     lines = job.finish(timeout=120)
     assert lines[-1] == "ok", job.report()
 
@@ -255,8 +240,8 @@ def test_collective_async_save(tmp_path, world):
     background on a group reserved for background saves; `latest` moves after the
     collective commit and every rank's future resolves then; two in a row do not
     overlap; a rank whose snapshot or write fails fails every rank, `latest`
-    unchanged (helpers_resume/collective_async_worker.py)."""
-    job = Job(tmp_path / "logs", HELPERS / "collective_async_worker.py", [str(tmp_path / "ckpt")], world=world)
+    unchanged (tests/support/workers/collective_async_worker.py)."""
+    job = Job(tmp_path / "logs", WORKERS / "collective_async_worker.py", [str(tmp_path / "ckpt")], world=world)
     lines = job.finish(timeout=240)
     assert lines[-1] == "ok", job.report()
 

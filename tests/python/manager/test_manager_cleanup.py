@@ -16,7 +16,7 @@ import torch
 import fastckpt
 from fastckpt import CheckpointManager, _C
 
-from conftest import temp_files
+from leaks import temp_files
 
 
 def dead_pid():

@@ -1,7 +1,7 @@
 """Jobs that use CheckpointManager, or save and load with group=, end cleanly
 under torchrun (issue 11, item 13).
 
-`torchrun --standalone --nproc_per_node 2` of helpers_resume/exit_worker.py:
+`torchrun --standalone --nproc_per_node 2` of tests/support/workers/exit_worker.py:
 a DDP job (replicated mode: collective, the asynchronous saves written by every
 rank's writer thread; or "rank0", collective=False) or a DCP job (sharded mode)
 that saves synchronously and asynchronously, loads (or a DDP job that saves and loads
@@ -27,8 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).resolve().parent / "helpers_resume" / "exit_worker.py"
+from paths import ROOT, WORKERS
+
+WORKER = WORKERS / "exit_worker.py"
 RUNS = int(os.environ.get("FASTCKPT_EXIT_RUNS", "2"))
 
 pytestmark = [

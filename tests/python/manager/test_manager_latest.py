@@ -14,7 +14,7 @@ import torch
 import fastckpt
 from fastckpt import _C
 from fastckpt.manager.manager import CheckpointManager
-from conftest import temp_files
+from leaks import temp_files
 
 pytestmark = [pytest.mark.filterwarnings("ignore:TypedStorage is deprecated"),
               # DCP in one process: "assuming the intent is to save in a single process"

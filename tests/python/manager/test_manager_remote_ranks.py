@@ -1,7 +1,7 @@
 """CheckpointManager(replicate_to=URL) with several ranks (issue 14): every rank uploads its part
 of each step, rank 0 writes the manifest once every rank reported success.
 
-Two gloo ranks on the CPU (helpers_resume/remote_ranks_worker.py), against moto's S3 server
+Two gloo ranks on the CPU (tests/support/workers/remote_ranks_worker.py), against moto's S3 server
 (through the fault proxy) and a file:// tier: sharded mode (each rank its own files), collective
 mode (each rank a share of the file's parts, one multipart upload on S3; rank 0 alone on file://),
 a rank failing its upload (no manifest, named on rank 0 and on the failing rank, the older step
@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +23,10 @@ from fastckpt.remote import manifest as mf
 
 import fastspawn  # noqa: E402
 from dist_launch import free_port, kill_all, reap
+from paths import ROOT, WORKERS
 from s3_server import is_complete_upload
 
-ROOT = Path(__file__).resolve().parents[2]
-WORKER = Path(__file__).resolve().parent / "helpers_resume" / "remote_ranks_worker.py"
+WORKER = WORKERS / "remote_ranks_worker.py"
 
 pytestmark = [pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available"),
               pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")]

@@ -7,7 +7,7 @@ import torch
 import fastckpt
 from fastckpt.cli import command as cli
 
-from conftest import same_state
+from states import same_state
 
 
 def _run(capsys, *argv):

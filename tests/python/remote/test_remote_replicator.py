@@ -22,12 +22,13 @@ from fastckpt.remote import manifest as mf
 from fastckpt.remote import replicator as rep_mod
 
 import fastspawn  # noqa: E402
-from conftest import same_state
+from states import same_state
+from paths import ROOT, SUPPORT
 from s3_server import is_part_upload
 
 MiB = 1 << 20
 SMALL = TransferOptions(part_size=5 * MiB, parallelism=2, attempts=3, backoff_s=0.01, max_backoff_s=0.05)
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = str(SUPPORT)  # the helpers' folder, for the child of test_sigkill_mid_upload
 
 
 def _open_under(d):
@@ -272,7 +273,7 @@ def test_sigkill_mid_upload(s3, tmp_path):
     _ckpt(tmp_path / "big.pt", 3, 4_000_000)  # 16 MB: 4 parts
     proxy.add("stall", nth=3, count=None, match=is_part_upload)  # holds the upload after two parts
     code = _KILLED.format(here=HERE, url=url, opts=opts, path=str(tmp_path / "big.pt"))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(HERE)), HERE]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), HERE]))
     p = fastspawn.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 120

@@ -1,6 +1,6 @@
 """fastckpt.remote's stores and transfers against a real S3 HTTP endpoint
 (moto's server, started by conftest's fixtures) through s3fs, with faults
-injected by an HTTP proxy in front of it (tests/python/s3_server.py)."""
+injected by an HTTP proxy in front of it (tests/support/s3_server.py)."""
 
 import errno
 import os

@@ -11,7 +11,7 @@ import fastckpt
 from fastckpt import FormatError, knobs
 from fastckpt.errors import MissingDependencyError
 
-from conftest import same_state
+from states import same_state
 from s3_server import is_part_upload
 
 MiB = 1 << 20

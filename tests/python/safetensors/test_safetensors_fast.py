@@ -24,6 +24,7 @@ st = pytest.importorskip("safetensors.torch", reason="the safetensors package is
 from safetensors import safe_open  # noqa: E402
 
 from sim_device import SimDevice  # noqa: E402
+from states import assert_same  # noqa: E402
 
 
 def make_state(seed=0):
@@ -43,12 +44,6 @@ def make_state(seed=0):
         "empty": torch.zeros(0, 4),
     }
 
-
-def assert_same(a, b):
-    assert list(sorted(a)) == list(sorted(b))
-    for k in a:
-        assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
-        assert torch.equal(a[k], b[k]), k
 
 
 def test_files_read_by_safetensors_and_the_other_way(tmp_path):

@@ -22,7 +22,8 @@ from fastckpt import _C
 from fastckpt.saver import AsyncSaver
 from fastckpt.formats.pickle_scan import LEGACY_MAGIC
 
-from conftest import temp_files
+from leaks import temp_files
+from states import assert_same
 
 
 def _state():
@@ -57,14 +58,6 @@ def _layout(path):
     return out
 
 
-def _same(a, b):
-    assert set(a) == set(b)
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
-
 
 def test_async_save_signature_covers_torch_save():
     """Every parameter of torch.save is accepted by async_save, with torch's default."""
@@ -85,7 +78,7 @@ def test_async_save_writes_what_save_writes(tmp_path, kw):
     names = zipfile.ZipFile(tmp_path / "a.pt").namelist()
     assert any(n.endswith("/byteorder") for n in names) == (not kw.get("_disable_byteorder_record", False))
     for load in (torch.load, fastckpt.load):
-        _same(load(tmp_path / "a.pt"), sd)
+        assert_same(load(tmp_path / "a.pt"), sd)
     # positionally, as torch.save's
     fastckpt.async_save(sd, tmp_path / "p.pt", pickle, 2, True, True).result()
     assert _layout(tmp_path / "p.pt") == _layout(tmp_path / "a.pt" if kw.get("_disable_byteorder_record") else
@@ -108,7 +101,7 @@ def test_async_save_legacy_format(tmp_path):
     for load in (torch.load, fastckpt.load):
         got = load(tmp_path / "a.pt")
         ref = load(tmp_path / "s.pt")
-        _same(got, ref)
+        assert_same(got, ref)
     assert temp_files(tmp_path) == []
 
 

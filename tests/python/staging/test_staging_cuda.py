@@ -78,7 +78,7 @@ def test_cuda_save_equals_cpu_file(tmp_path, k):
 @pytest.mark.parametrize("k", DEVICES)
 def test_cuda_fastwriter_on_device_k(tmp_path, k):
     import torch.distributed.checkpoint as dcp
-    from conftest import dcp_unwrapped
+    from dcp_calls import dcp_unwrapped
     from fastckpt.dcp import FastReader, FastWriter
     sd = make_state(2)
     dev = to_device_late(sd, k)

@@ -1,4 +1,4 @@
-"""The staging pipeline on a simulated device (tests/python/sim_device.py).
+"""The staging pipeline on a simulated device (tests/support/sim_device.py).
 
 No GPU runs here: tensors "on" sim:0 / sim:1 are CPU tensors the simulator
 owns; their copies land late and out of order (or, with
@@ -32,6 +32,7 @@ from fastckpt.staging import device as _staging
 from fastckpt import serialization
 from fastckpt.saver import AsyncSaver
 from sim_device import POISON, SimDevice, SimEvent, StagingViolation
+import states
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -63,6 +64,10 @@ def make_state(seed=0, big=1 << 18):
     }
 
 
+def assert_same_state(a, b):
+    states.assert_same(a, b, dtypes=False)
+
+
 def on_sim(sim, sd):
     """`sd` with tensors alternately on sim:0 and sim:1."""
     out = {}
@@ -70,14 +75,6 @@ def on_sim(sim, sd):
         out[k] = sim.tensor(v, i % 2) if isinstance(v, torch.Tensor) else v
     return out
 
-
-def assert_same_state(a, b):
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
 
 
 # ---------------------------------------------------------------- save
@@ -193,7 +190,7 @@ def test_events_are_per_device_and_stream():
 
 def _dcp_save(sd, path, writer_cls=None, **kw):
     import torch.distributed.checkpoint as dcp
-    from conftest import dcp_unwrapped
+    from dcp_calls import dcp_unwrapped
     from fastckpt.dcp import FastWriter
     w = (writer_cls or FastWriter)(path, **kw)
     dcp_unwrapped(dcp.save, sd, storage_writer=w, no_dist=True)

@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E
 
 import crafted  # noqa: E402
 from crafted import ALLOWED, DEVICE_UNAVAILABLE  # noqa: E402,F401
+from paths import DATA  # noqa: E402
 
 EXAMPLES = int(os.environ.get("FASTCKPT_FUZZ_EXAMPLES", "300"))
 
@@ -182,7 +183,7 @@ def test_damaged_zip_structures_fail_cleanly(reference, probe, tmp_path_factory,
     _check_bounded(probe, bytes(buf), tmp_path_factory.getbasetemp() / "fuzz2.pt", data.draw(st.booleans()))
 
 
-CORPUS = os.path.join(os.path.dirname(__file__), "fuzz_corpus")
+CORPUS = str(DATA / "fuzz_corpus")
 
 
 @pytest.mark.parametrize("name", sorted(os.listdir(CORPUS)) if os.path.isdir(CORPUS) else [])

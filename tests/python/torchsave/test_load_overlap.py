@@ -19,7 +19,8 @@ from fastckpt import _C
 from fastckpt.formats import zip as _zip
 from fastckpt import serialization as ser
 
-from conftest import drop_page_cache
+from engines import drop_page_cache
+from states import same_state
 
 
 class _Point:  # a class allowed with torch.serialization.add_safe_globals in one test
@@ -37,15 +38,6 @@ def _plain_state():
             "big": torch.randn(1 << 18), "half": torch.ones(1000, dtype=torch.bfloat16), "tags": {"a", "b"},
             "blob": b"bytes", "param": torch.nn.Parameter(torch.ones(3))}
 
-
-def _equal(a, b):
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
-    return a == b
 
 
 @pytest.fixture
@@ -71,13 +63,13 @@ def test_plain_state_dict_is_unpickled_while_its_storages_are_read(tmp_path, beh
     for ml in (None, "cpu", torch.device("cpu")):
         drop_page_cache(p)
         got = fastckpt.load(p, map_location=ml)
-        assert _equal(sd, got)
+        assert same_state(sd, got)
         assert type(got["param"]) is torch.nn.Parameter
     assert len(behind_calls) == 3 and all(behind_calls)
     # torch.save's files too
     q = tmp_path / "t.pt"
     torch.save(sd, q)
-    assert _equal(sd, fastckpt.load(q))
+    assert same_state(sd, fastckpt.load(q))
     assert len(behind_calls) == 4
     assert _no_reader_thread()
 

@@ -28,7 +28,7 @@ from torch import nn
 
 import fastckpt
 from fastckpt import _C
-from conftest import fd_count, fd_table, temp_files
+from leaks import fd_count, fd_table, temp_files
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental"),

@@ -99,7 +99,8 @@ class Run:
                 "rng": (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())}
 
 
-def assert_same(a, b, what):
+def assert_same(a, b, what=""):
+    """Equal Counter snapshots: model, optimizer, scheduler, step count and the three RNG states."""
     assert a["model"].keys() == b["model"].keys(), what
     for k in a["model"]:
         assert torch.equal(a["model"][k], b["model"][k]), (what, k)

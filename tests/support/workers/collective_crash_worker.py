@@ -1,4 +1,4 @@
-"""One rank of a collective load killed at a random moment (tests/python/test_collective_crash.py).
+"""One rank of a collective load killed at a random moment (tests/python/collective/test_collective_crash.py).
 
     python collective_crash_worker.py STORE RANK WORLD PATH READ_DELAY_MS TIMEOUT_S
 
@@ -11,9 +11,9 @@ import datetime
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import collective_load_worker  # noqa: E402
-import collective_worker  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support
+from workers import collective_load_worker  # noqa: E402
+from workers import collective_worker  # noqa: E402
 
 
 def main() -> int:

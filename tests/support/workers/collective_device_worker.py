@@ -1,10 +1,10 @@
 """One rank of a collective save of state on the simulated device
-(tests/python/test_collective_device.py).
+(tests/python/collective/test_collective_device.py).
 
     python collective_device_worker.py STORE RANK WORLD PATH CASE MODE
 
 Joins a gloo group through a FileStore, moves collective_worker.build(CASE)
-onto sim:0 / sim:1 of a SimDevice of its own (tests/python/sim_device.py;
+onto sim:0 / sim:1 of a SimDevice of its own (tests/support/sim_device.py;
 shared storages stay shared), saves it to PATH with group= under small
 staging buffers, and prints
 
@@ -25,9 +25,8 @@ import sys
 
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import collective_worker as worker  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support
+from workers import collective_worker as worker  # noqa: E402
 from sim_device import SimDevice  # noqa: E402
 
 BUFFER_SIZE = 16 << 10  # the engine's buffer_size here: the staging pool's chunk is 4x this

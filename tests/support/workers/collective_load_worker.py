@@ -1,4 +1,4 @@
-"""One rank of a collective load (tests/python/test_collective_load.py).
+"""One rank of a collective load (tests/python/collective/test_collective_load.py).
 
     python collective_load_worker.py STORE RANK WORLD PATH CASE MODE
 
@@ -14,7 +14,7 @@ collective, while the shares are broadcast); cuda_map (map_location=
 "cuda:0" on a machine without CUDA: every rank raises torch's error);
 meta (map_location="meta"); unsafe (weights_only=False).
 
-Modes onto the simulated device (tests/python/test_collective_load_device.py;
+Modes onto the simulated device (tests/python/collective/test_collective_load_device.py;
 rank r loads with map_location="sim:<r % 2>" and compares with a plain CPU load
 of the file; prints "STATS {...}" and "ORDER <r/w...>": this rank's reads of
 its share (r) and waits for broadcasts (w), in order):
@@ -43,8 +43,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import collective_worker  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support
+from workers import collective_worker  # noqa: E402
 
 
 def same(a, b) -> bool:

@@ -1,4 +1,4 @@
-"""One rank of a collective save (tests/python/test_collective_save.py).
+"""One rank of a collective save (tests/python/collective/test_collective_save.py).
 
     python collective_worker.py STORE RANK WORLD PATH CASE MODE [PLACEMENT]
 

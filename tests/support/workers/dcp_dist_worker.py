@@ -1,6 +1,6 @@
-"""One rank of the multi-process DCP tests (tests/python/test_dcp.py starts them).
+"""One rank of the multi-process DCP tests (tests/python/dcp/test_dcp.py starts them).
 
-    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dist_worker.py SCENARIO WORKDIR
+    RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python dcp_dist_worker.py SCENARIO WORKDIR
 
 Scenarios: ``save`` (world size 2: writes the checkpoints the other scenarios
 and the single-process tests load, and checks them at world size 2),

@@ -1,4 +1,4 @@
-"""One rank of tests/python/test_manager_remote_ranks.py (gloo, CPU): CheckpointManager(replicate_to=...)
+"""One rank of tests/python/manager/test_manager_remote_ranks.py (gloo, CPU): CheckpointManager(replicate_to=...)
 where every rank uploads its part of each step.
 
 Usage (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment):
