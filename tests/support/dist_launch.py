@@ -102,3 +102,18 @@ def wait_for_ranks(procs, scenario, timeout):
     assert all(p.returncode == 0 for p in procs), text
     for r, o in enumerate(outs):
         assert f"OK {scenario} rank {r}" in o, text
+
+
+def start_ranks(script, scenario, work, world_size: int) -> list:
+    """``world_size`` processes of ``script SCENARIO WORK`` with torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT on a free port), one thread each and 1 MiB x 4 engine buffers, stdout and stderr
+    piped together (the multi-process DCP tests; :func:`wait_for_ranks` waits for them)."""
+    e = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
+             OMP_NUM_THREADS="1", FASTCKPT_BUFFER_SIZE="1M", FASTCKPT_BUFFER_COUNT="4",
+             PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = []
+    for r in range(world_size):
+        e["RANK"] = str(r)
+        procs.append(fastspawn.Popen([sys.executable, str(script), scenario, str(work)], env=dict(e),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs

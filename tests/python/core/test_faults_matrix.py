@@ -30,9 +30,7 @@ from fastckpt import FormatError, _C
 from fastckpt.dcp import FastReader, FastWriter
 
 from dcp_calls import dcp_unwrapped
-
 from leaks import fd_count, temp_files
-
 from states import same_state
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")

@@ -11,7 +11,6 @@ import os
 import pickle
 import signal
 import subprocess
-import sys
 import time
 import zlib
 
@@ -20,9 +19,8 @@ import torch
 
 import torch.distributed as dist
 
-import fastspawn  # noqa: E402
-from dist_launch import free_port as _free_port
-from paths import ROOT, WORKERS
+from dist_launch import start_ranks
+from paths import WORKERS
 
 if not dist.is_available():
     pytest.skip("this torch has no torch.distributed", allow_module_level=True)
@@ -36,13 +34,10 @@ from fastckpt.dcp import FastReader, FastWriter  # noqa: E402
 from fastckpt.formats import dcp as _blob  # noqa: E402
 
 from dcp_calls import dcp_unwrapped  # noqa: E402
-
 from leaks import fd_count, temp_files  # noqa: E402
-
 from dist_launch import wait_for_ranks  # noqa: E402
 
 HELPER = str(WORKERS / "dcp_dist_worker.py")
-REPO = str(ROOT)
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
@@ -51,15 +46,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWa
 # ---------------------------------------------------------------- multi-process helpers
 
 def _launch(scenario, world_size, work):
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size),
-               OMP_NUM_THREADS="1", FASTCKPT_BUFFER_SIZE="1M", FASTCKPT_BUFFER_COUNT="4",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = []
-    for r in range(world_size):
-        env["RANK"] = str(r)
-        procs.append(fastspawn.Popen([sys.executable, HELPER, scenario, str(work)], env=dict(env),
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return procs
+    return start_ranks(HELPER, scenario, work, world_size)
 
 
 def _run_ranks(scenario, world_size, work, timeout=180):

@@ -16,7 +16,6 @@ world-size-2 test.
 import errno
 import io
 import os
-import subprocess
 import sys
 import warnings
 import zlib
@@ -28,8 +27,7 @@ import torch.distributed as dist
 if __name__ == "__main__":  # a rank of _run_ranks: the helpers, as tests/conftest.py puts them on sys.path
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                     "support"))
-import fastspawn  # noqa: E402
-from dist_launch import free_port as _free_port
+from dist_launch import start_ranks
 
 if __name__ != "__main__" and not dist.is_available():
     pytest.skip("this torch has no torch.distributed", allow_module_level=True)
@@ -304,15 +302,7 @@ def test_corrupt_compressed_record_names_the_file(tmp_path, how):
 def _run_ranks(scenario, world_size, work, timeout=240):
     if not dist.is_gloo_available():
         pytest.skip("this torch has no gloo backend")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world_size),
-               OMP_NUM_THREADS="1", FASTCKPT_BUFFER_SIZE="1M", FASTCKPT_BUFFER_COUNT="4",
-               PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    procs = []
-    for r in range(world_size):
-        env["RANK"] = str(r)
-        procs.append(fastspawn.Popen([sys.executable, os.path.abspath(__file__), scenario, str(work)],
-                                      env=dict(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    wait_for_ranks(procs, scenario, timeout)
+    wait_for_ranks(start_ranks(os.path.abspath(__file__), scenario, work, world_size), scenario, timeout)
 
 
 def _kinds():
