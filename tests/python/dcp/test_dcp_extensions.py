@@ -28,6 +28,7 @@ if __name__ == "__main__":  # a rank of _run_ranks: the helpers, as tests/confte
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                     "support"))
 from dist_launch import start_ranks
+import states
 
 if __name__ != "__main__" and not dist.is_available():
     pytest.skip("this torch has no torch.distributed", allow_module_level=True)
@@ -55,7 +56,6 @@ if __name__ != "__main__":
     from dcp_calls import dcp_unwrapped  # noqa: E402
     from leaks import temp_files  # noqa: E402
     from dist_launch import wait_for_ranks  # noqa: E402
-    import states  # noqa: E402
 
     pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning")
 
