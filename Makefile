@@ -44,7 +44,9 @@ test-cpp: $(SYS_STAMP)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" cmake --build $(CMAKE_DIR)
 	PATH="$(CURDIR)/$(VENV)/bin:$$PATH" ctest --test-dir $(CMAKE_DIR) --output-on-failure
 
+# The layers and the extension rule (pyproject.toml's import-linter contracts), then every Python test.
 test-python: build
+	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q --durations=25 $(PYTEST_XDIST) tests/python tests/powerloss $(PYTEST_ARGS)
 
 # Refresh tests/durations.json (the expected time of each test that takes a second or more, which

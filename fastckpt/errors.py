@@ -31,3 +31,26 @@ class MissingDependencyError(ImportError):
 
 
 __all__ += ["MissingDependencyError"]
+
+
+class RanksFailed(OSError, RuntimeError):
+    """Other ranks of a group failed, died or stopped answering, so a
+    collective operation (a collective save or load, the checkpoint
+    manager's agreement, a step's remote replication) did not complete.
+
+    The one error for "rank r failed": ``failures`` maps each failed rank
+    to what happened there, in that rank's words (empty when the group
+    broke and no rank could say which one died). It is an ``OSError``
+    (``errno`` EIO unless the failing rank's own error had another;
+    ``filename`` the user's path or URL when there is one) and a
+    ``RuntimeError``, so callers written against either keep working."""
+
+    def __init__(self, code: int, message: str, filename=None, failures=None):
+        if filename is None:
+            super().__init__(code, message)
+        else:
+            super().__init__(code, message, filename)
+        self.failures = dict(failures or {})
+
+
+__all__ += ["RanksFailed"]

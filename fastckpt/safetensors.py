@@ -34,6 +34,7 @@ import torch
 from ._core import engine as _engine
 from ._core.atomic import AtomicFile, write_file
 from .staging import device as _staging
+from .staging.todevice import LoadJob, load_into_device
 from ._core.paths import check_save_target, raise_named_after_target
 from .formats import safetensors as _st
 from .formats.safetensors import ST_NAMES, dtype_name
@@ -250,7 +251,7 @@ def _read(src: _File, location: Any) -> Dict[str, torch.Tensor]:
             copier, dev = staged
             dst = copier.empty_device(n, dev)
             if n:
-                jobs.append(_staging.LoadJob(e.name, src.data_start + e.begin, n, dst, copier))
+                jobs.append(LoadJob(e.name, src.data_start + e.begin, n, dst, copier))
             storage = dst
         else:
             buf = host_storage(n)
@@ -264,7 +265,7 @@ def _read(src: _File, location: Any) -> Dict[str, torch.Tensor]:
     if jobs:
         def read(rs, crc):
             return _engine.read_ranges(src.path, rs, fd, crc).get("crcs")
-        _staging.load_into_device(read, jobs, False)
+        load_into_device(read, jobs, False)
     if other is not None:
         out = {k: v.to(other) for k, v in out.items()}
     return {e.name: out[e.name] for e in src.entries}  # the header's order

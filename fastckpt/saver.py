@@ -6,7 +6,8 @@
 with :func:`fastckpt.save` (same file, same atomic durable commit). The caller
 may modify or free its tensors as soon as ``async_save`` returns.
 
-Staging memory is one contiguous *arena* per snapshot, exactly the state's
+Staging memory is one contiguous *arena* per snapshot (the staging layer's
+snapshot component, :mod:`fastckpt.staging.snapshot`), exactly the state's
 size rounded up to 1 MiB (page-locked once through :mod:`fastckpt.staging.device`
 when the state holds CUDA tensors, so device-to-host copies run at full
 speed; never rounded up to a power of two), taken
@@ -54,25 +55,22 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.serialization as _ts
 
-from .staging import device as _staging
+from .staging.snapshot import Snapshot, Snapshotter
 from .formats import torch_rules as _torch_rules
 from . import knobs
 from ._core import paths as _paths
 from .formats.pickler import DEFAULT_PROTOCOL, pickle_with_storages
 from ._core.atomic import write_file
-from .torchsave.writer import as_bytes_tensor, write_archive
+from .torchsave.writer import write_archive
 
 __all__ = ["async_save", "wait_for_saves", "AsyncSaver", "SaveFuture", "SaveResult", "Stager", "default_saver"]
 
 log = logging.getLogger("fastckpt")
-
-_ALIGN = 64            # each staged storage starts on a cache line
-_ARENA_ROUND = 1 << 20  # arenas are rounded up to 1 MiB so small growth reuses them
 
 
 @dataclass(frozen=True)
@@ -111,111 +109,9 @@ class SaveFuture(concurrent.futures.Future):
 
 # ---------------------------------------------------------------- staging
 
-class _Arena:
-    """One snapshot's host memory: exactly the staged bytes (page-rounded),
-    page-locked through the device's copier when the state holds device
-    storages (``HostBuffer``: no power-of-two rounding, unlocked and freed
-    when the arena is dropped)."""
-    __slots__ = ("buf", "pinned", "host")
-
-    def __init__(self, nbytes: int, copier: Optional["_staging.DeviceCopier"]):
-        self.host = copier.alloc_host(nbytes) if copier is not None else None
-        self.buf = self.host.tensor if self.host is not None else torch.empty(nbytes, dtype=torch.uint8)
-        self.pinned = copier is not None
-
-    @property
-    def capacity(self) -> int:
-        return self.buf.numel()
-
-
-def _align(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
-
-
-class Stager:
-    """Copies storages into host arenas that are reused across snapshots.
-
-    ``snapshot(storages)`` returns an arena and one staged ``UntypedStorage``
-    per input (a view of the arena, same size); ``release(arena)`` gives the
-    arena back. Free arenas are kept for reuse, at most ``keep`` of them
-    (the in-flight limit), and only those large enough for the last snapshot;
-    :meth:`clear` frees them. ``allocations`` and ``allocated_bytes`` count
-    what was ever allocated. Device storages are copied through
-    :mod:`fastckpt.staging.device` (each copy on its device's copy stream, waited for
-    on its own event before ``snapshot`` returns).
-    """
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._free: List[_Arena] = []
-        self._last_need = 0
-        self.allocations = 0
-        self.allocated_bytes = 0
-
-    def _acquire(self, need: int, copier) -> _Arena:
-        pinned = copier is not None
-        with self._lock:
-            self._last_need = need
-            fits = [a for a in self._free if a.pinned == pinned and a.capacity >= need]
-            if fits:
-                arena = min(fits, key=lambda a: a.capacity)
-                self._free.remove(arena)
-                return arena
-            # The state grew (or changed kind): smaller free arenas will not fit it again.
-            self._free = [a for a in self._free if a.pinned != pinned or a.capacity >= need]
-        size = max(_ARENA_ROUND, (need + _ARENA_ROUND - 1) // _ARENA_ROUND * _ARENA_ROUND)
-        arena = _Arena(size, copier)
-        with self._lock:
-            self.allocations += 1
-            self.allocated_bytes += size
-        log.debug("fastckpt.async_save: new %s staging arena of %d bytes", "pinned" if pinned else "host", size)
-        return arena
-
-    def release(self, arena: _Arena, keep: int = 1) -> None:
-        with self._lock:
-            if arena.capacity >= self._last_need:
-                self._free.insert(0, arena)
-            del self._free[max(keep, 0):]
-
-    @property
-    def free_bytes(self) -> int:
-        with self._lock:
-            return sum(a.capacity for a in self._free)
-
-    def clear(self) -> None:
-        """Drop the free arenas (memory is returned once no save uses them)."""
-        with self._lock:
-            self._free.clear()
-
-    def snapshot(self, storages: List[torch.UntypedStorage]) -> Tuple[_Arena, List[torch.UntypedStorage]]:
-        need = sum(_align(s.nbytes()) for s in storages)
-        copier = next((c for c in map(_staging.copier_for, storages) if c is not None), None)
-        arena = self._acquire(need, copier)
-        try:
-            staged = self._copy(arena, storages)
-        except BaseException:
-            self.release(arena)
-            raise
-        return arena, staged
-
-    @staticmethod
-    def _copy(arena: _Arena, storages: List[torch.UntypedStorage]) -> List[torch.UntypedStorage]:
-        whole = arena.buf.untyped_storage()
-        base = arena.buf.storage_offset()
-        staged: List[torch.UntypedStorage] = []
-        pairs = []
-        off = base
-        for src in storages:
-            n = src.nbytes()
-            if n == 0:
-                staged.append(torch.UntypedStorage(0))
-                continue
-            dst = whole[off:off + n]  # a view of the arena, exactly n bytes
-            off += _align(n)
-            pairs.append((as_bytes_tensor(dst), as_bytes_tensor(src)))
-            staged.append(dst)
-        _staging.snapshot_into(pairs)  # returns once every copy is complete
-        return staged
+# AsyncSaver.stager's type, under the name this module has always exported: the
+# staging layer's snapshot component (one arena per snapshot, reused).
+Stager = Snapshotter
 
 
 class _NoData:
@@ -230,17 +126,18 @@ class _NoData:
         return self._n
 
 
-class _Snapshot:
+class SaveSnapshot:
     """What the writer thread writes: a zip archive (``data_pkl``, the staged
     storages and ``opts``, :func:`fastckpt.torchsave.writer.write_archive`'s
     settings read in the caller's thread) or, for the legacy format, the
-    whole file already serialized (``legacy``)."""
-    __slots__ = ("data_pkl", "staged", "arena", "nbytes", "opts", "legacy")
+    whole file already serialized (``legacy``). ``copies``: the staging
+    snapshot that holds the staged storages, until released."""
+    __slots__ = ("data_pkl", "staged", "copies", "nbytes", "opts", "legacy")
 
-    def __init__(self, data_pkl, staged, arena, nbytes, opts=None, legacy=None):
+    def __init__(self, data_pkl, staged, copies: Optional[Snapshot], nbytes, opts=None, legacy=None):
         self.data_pkl = data_pkl
         self.staged = staged
-        self.arena = arena
+        self.copies = copies
         self.nbytes = nbytes
         self.opts = opts or {}
         self.legacy = legacy
@@ -250,12 +147,12 @@ class _Staged:
     """A snapshot taken by :meth:`AsyncSaver.stage`, not yet handed to the writer thread."""
     __slots__ = ("fut", "snap", "snap_s")
 
-    def __init__(self, fut: "SaveFuture", snap: _Snapshot, snap_s: float):
+    def __init__(self, fut: "SaveFuture", snap: SaveSnapshot, snap_s: float):
         self.fut, self.snap, self.snap_s = fut, snap, snap_s
 
 
-def _take_snapshot(stager: "Stager", obj: Any, pickle_module: Any, pickle_protocol: int,
-                   use_new_zipfile: bool, disable_byteorder_record: bool) -> _Snapshot:
+def _take_snapshot(stager: Snapshotter, obj: Any, pickle_module: Any, pickle_protocol: int,
+                   use_new_zipfile: bool, disable_byteorder_record: bool) -> SaveSnapshot:
     """Serialize ``obj`` in the caller's thread as :func:`fastckpt.save`
     would, with torch's settings as they are in this thread now
     (``torch.serialization.skip_data()`` is per thread; the storage alignment
@@ -268,20 +165,20 @@ def _take_snapshot(stager: "Stager", obj: Any, pickle_module: Any, pickle_protoc
         buf = io.BytesIO()
         torch.save(obj, buf, pickle_module, pickle_protocol, _use_new_zipfile_serialization=False)
         data = buf.getvalue()
-        return _Snapshot(None, None, None, len(data), legacy=data)
+        return SaveSnapshot(None, None, None, len(data), legacy=data)
     skip_data = bool(_ts._serialization_tls.skip_data)
     data_pkl, storages = pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data=skip_data)
     opts = dict(alignment=_torch_rules.storage_alignment(), compute_crc32=_torch_rules.compute_crc32(),
                 byteorder=not disable_byteorder_record, skip_data=skip_data)
     if skip_data:  # no storage bytes are written: none are copied (meta and fake tensors have none)
-        return _Snapshot(data_pkl, [_NoData(s.nbytes()) for s in storages], None, 0, opts)
-    arena, staged = stager.snapshot(storages)
-    return _Snapshot(data_pkl, staged, arena, sum(s.nbytes() for s in storages), opts)
+        return SaveSnapshot(data_pkl, [_NoData(s.nbytes()) for s in storages], None, 0, opts)
+    copies = stager.take(storages)
+    return SaveSnapshot(data_pkl, copies.views, copies, copies.nbytes, opts)
 
 
 # ---------------------------------------------------------------- the saver
 
-def _fail_inherited(fut: concurrent.futures.Future) -> None:
+def fail_inherited(fut: concurrent.futures.Future) -> None:
     """In a child made by ``fork()``: fail (if not done) the future of a save
     the parent had in flight, which no thread of this process will complete.
     Its lock is made anew (a thread of the parent may have held it) and its
@@ -307,7 +204,7 @@ _savers: "weakref.WeakSet[AsyncSaver]" = weakref.WeakSet()
 
 class AsyncSaver:
     """Background checkpoint writer: one writer thread (saves complete in call
-    order, so the last save of a path wins), a :class:`Stager`, the in-flight
+    order, so the last save of a path wins), a :class:`~fastckpt.staging.snapshot.Snapshotter`, the in-flight
     limit and the record of failures nobody looked at.
 
     Most code uses the process-wide one through :func:`async_save`.
@@ -315,7 +212,7 @@ class AsyncSaver:
 
     def __init__(self, max_in_flight: Optional[int] = None):
         self._max_in_flight = max_in_flight
-        self.stager = Stager()
+        self.stager = Snapshotter()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-save")
         self._cv = threading.Condition()
         self._in_flight: List[SaveFuture] = []
@@ -421,7 +318,7 @@ class AsyncSaver:
         return _Staged(fut, snap, time.perf_counter() - t0)
 
     def submit(self, staged: "_Staged", *, after: Optional[Callable[[], None]] = None,
-               write: Optional[Callable[[str, "_Snapshot"], None]] = None, cancellable: bool = True) -> SaveFuture:
+               write: Optional[Callable[[str, "SaveSnapshot"], None]] = None, cancellable: bool = True) -> SaveFuture:
         """The second half of :meth:`save`: the writer thread writes the
         snapshot ``staged`` (with ``write(path, snapshot)`` if given, else as
         :func:`fastckpt.save` would), then runs ``after``. Returns its future,
@@ -439,9 +336,8 @@ class AsyncSaver:
     def drop(self, staged: "_Staged") -> None:
         """A snapshot of :meth:`stage` that will not be written: its staging
         memory and in-flight slot are given back, its future is cancelled."""
-        if staged.snap.arena is not None:
-            self.stager.release(staged.snap.arena, keep=self.max_in_flight)
-            staged.snap.arena = None
+        if staged.snap.copies is not None:
+            staged.snap.copies.release(keep=self.max_in_flight)
         staged.snap.staged = staged.snap.data_pkl = staged.snap.legacy = None
         staged.fut.observed = True
         if not staged.fut.cancel():  # already marked running (submit with cancellable=False)
@@ -449,7 +345,7 @@ class AsyncSaver:
                 f"fastckpt: the asynchronous save of {staged.fut.path!r} was not written"))
         self._done(staged.fut)
 
-    def _run(self, fut: SaveFuture, snap: _Snapshot, snap_s: float, after, write=None) -> None:
+    def _run(self, fut: SaveFuture, snap: SaveSnapshot, snap_s: float, after, write=None) -> None:
         self._worker_ident = threading.get_ident()
         try:
             if not fut.running() and not fut.set_running_or_notify_cancel():
@@ -463,9 +359,8 @@ class AsyncSaver:
                 else:
                     write_archive(fut.path, snap.data_pkl, snap.staged, **snap.opts)
                 snap.staged = snap.legacy = None
-                if snap.arena is not None:  # none for skip_data and the legacy format
-                    self.stager.release(snap.arena, keep=self.max_in_flight)
-                    snap.arena = None
+                if snap.copies is not None:  # none for skip_data and the legacy format
+                    snap.copies.release(keep=self.max_in_flight)
                 if after is not None:
                     after()
             except BaseException as e:  # noqa: BLE001 - delivered through the future
@@ -475,9 +370,8 @@ class AsyncSaver:
             fut.set_result(SaveResult(fut.path, snap.nbytes, snap_s, time.perf_counter() - t0))
         finally:
             snap.staged = snap.data_pkl = snap.legacy = None  # a kept failure's traceback must not pin the snapshot
-            if snap.arena is not None:
-                self.stager.release(snap.arena, keep=self.max_in_flight)
-                snap.arena = None
+            if snap.copies is not None:
+                snap.copies.release(keep=self.max_in_flight)
             self._done(fut)
 
     def _done(self, fut: SaveFuture) -> None:
@@ -513,10 +407,10 @@ class AsyncSaver:
         self._in_flight = []
         self._failed = []
         self._worker_ident = None
-        self.stager = Stager()
+        self.stager = Snapshotter()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-save")
         for fut in inherited:
-            _fail_inherited(fut)
+            fail_inherited(fut)
 
     def _at_exit(self) -> None:
         self.wait(raise_errors=False)

@@ -462,10 +462,11 @@ struct Stop {};  // thrown to end the walk with the verdict already set
 class Walk {
  public:
   Walk(const char* data, size_t n, bool persistent, int64_t max_depth, uint64_t max_ratio, uint64_t min_budget,
-       int64_t max_digits)
+       int64_t max_digits, bool call_objects)
       : d_(reinterpret_cast<const unsigned char*>(data)),
         n_(n),
         persistent_(persistent),
+        call_objects_(call_objects),
         max_depth_(max_depth),
         max_ratio_(max_ratio),
         max_digits_(max_digits) {
@@ -489,6 +490,7 @@ class Walk {
   size_t n_;
   size_t p_ = 0;
   bool persistent_;
+  bool call_objects_;  // a call may call what a call returned (torch's unpickler judges it)
   int64_t max_depth_;
   uint64_t max_ratio_;
   int64_t max_digits_;
@@ -534,6 +536,7 @@ class Walk {
     node.count = c < static_cast<int64_t>(budget_) ? c : static_cast<int64_t>(budget_);
   }
   uint32_t new_node(uint8_t kind, int64_t count, int32_t depth) {
+    if (nodes_.size() >= UINT32_MAX) bad("more than " + std::to_string(UINT32_MAX) + " values");
     Node node{0, depth, kind};
     set_count(node, count);
     nodes_.push_back(node);
@@ -819,7 +822,8 @@ class Walk {
           if (op.h == H_NEWOBJ_EX) kw = pop();
           uint32_t args = pop();
           uint32_t func = pop();
-          if (nodes_[func].kind != kGlobal)
+          const uint8_t fk = nodes_[func].kind;
+          if (fk != kGlobal && !(call_objects_ && fk == kInst))
             refused(std::string(op.name) + " calls a " + kind_name(nodes_[func].kind) + ", not an allowed global");
           int64_t count = count_of(args) + (kw >= 0 ? count_of(static_cast<uint32_t>(kw)) : 0);
           int32_t depth = std::max(nodes_[args].depth, kw >= 0 ? nodes_[kw].depth : 0);
@@ -1022,8 +1026,8 @@ class Walk {
 }  // namespace
 
 PickleVerdict pickle_check(const char* data, size_t n, bool persistent, int64_t max_depth, uint64_t max_ratio,
-                           uint64_t min_budget, int64_t int_max_str_digits) {
-  Walk w(data, n, persistent, max_depth, max_ratio, min_budget, int_max_str_digits);
+                           uint64_t min_budget, int64_t int_max_str_digits, bool call_objects) {
+  Walk w(data, n, persistent, max_depth, max_ratio, min_budget, int_max_str_digits, call_objects);
   return w.run();
 }
 

@@ -1,14 +1,18 @@
-// The safety walk of a pickle's opcodes (protocols 0-5), in C++: the same
-// verdicts as fastckpt/_unpickle.py's `_walk` with every global accepted (its
-// `check()`), which stays the reference implementation. Nothing is built and
+// The safety walk of a pickle's opcodes (protocols 0-5), in C++: the one walk
+// fastckpt runs (fastckpt/formats/unpickler.py's `check()` and `loads()`), with
+// the verdicts of the Python walk there (`check_reference`), which is kept only
+// as the test oracle (tests/python/test_pickle_walk.py). Nothing is built and
 // nothing is imported: the walk follows the unpickler's stack and refuses a
 // pickle whose opcodes or arguments are damaged (what pickletools.genops
 // refuses), that uses an opcode torch.save never writes, a persistent id where
-// none are allowed, a call of anything but a global, a memo index beyond the
+// none are allowed, a call of anything but a global (or, with
+// `call_objects`, of an object a call returned: torch's weights-only unpickler,
+// which runs next, judges every callable by its value), a memo index beyond the
 // entries stored so far, a FRAME longer than the bytes that follow, containers
 // nested more than `max_depth` deep as they are built, or whose objects would
 // take more than max(min_budget, max_ratio * size) bytes (the estimate of
-// _unpickle.py).
+// unpickler.py). More than 2^32 - 1 values (a pickle of over 4 GiB of opcodes)
+// is refused too: values are numbered in 32 bits.
 //
 // Iterative (hostile inputs nest a million deep) and with memory proportional
 // to the input's size only (one small record per opcode at most). Pure C++:
@@ -38,6 +42,6 @@ struct PickleVerdict {
 // (sys.get_int_max_str_digits(); 0 = none); a longer INT/LONG/GET/PUT argument
 // is damaged, as int() refuses it.
 PickleVerdict pickle_check(const char* data, size_t n, bool persistent, int64_t max_depth, uint64_t max_ratio,
-                           uint64_t min_budget, int64_t int_max_str_digits = 4300);
+                           uint64_t min_budget, int64_t int_max_str_digits = 4300, bool call_objects = false);
 
 }  // namespace fastckpt

@@ -85,11 +85,19 @@ def region_file(target: str, tmp: str = "", create: bool = False, size: int = 0)
     return _C.RegionWriter(get_engine(), target, tmp, create, size)
 
 
-# The CRC-32 of bytes (continued from a CRC), and of two pieces combined from theirs (zlib's crc32_combine).
-crc32 = _C.crc32
-crc32_combine = _C.crc32_combine
-# Page-aligned host memory as a uint8 tensor (a destination of O_DIRECT reads).
-empty_aligned = _C.empty_aligned
+def crc32(data, crc: int = 0) -> int:
+    """The CRC-32 of a bytes-like object or CPU tensor, continued from ``crc`` (ISA-L or zlib; no GIL)."""
+    return _C.crc32(data, crc)
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """The CRC-32 of two pieces laid end to end, from theirs (zlib's crc32_combine)."""
+    return _C.crc32_combine(crc1, crc2, len2)
+
+
+def empty_aligned(nbytes: int, alignment: int = 4096):
+    """Page-aligned host memory as a uint8 tensor (a destination of O_DIRECT reads)."""
+    return _C.empty_aligned(nbytes, alignment)
 
 
 def _after_fork_in_child() -> None:

@@ -184,8 +184,8 @@ def cmd_inspect(args) -> int:
     from .sources import open_source
     _existing(args.path)
     if os.path.isdir(args.path) and not os.path.exists(os.path.join(args.path, ".metadata")):
-        from .inspect import _is_manager_dir
-        if _is_manager_dir(args.path):
+        from .inspect import is_manager_dir
+        if is_manager_dir(args.path):
             return _inspect_manager(args)
     with open_source(args.path) as src:
         report = inspect_data(src)
@@ -197,7 +197,7 @@ def cmd_inspect(args) -> int:
 
 
 def _inspect_manager(args) -> int:
-    import re
+    from .._core.steps import split_step_name
     names = sorted(os.listdir(args.path))
     latest = None
     try:
@@ -205,7 +205,7 @@ def _inspect_manager(args) -> int:
             latest = f.read().strip()
     except OSError:
         pass
-    steps = [n for n in names if re.fullmatch(r"step_\d+(\.pt)?", n)]
+    steps = [n for n in names if split_step_name(n) is not None]
     if args.json:
         print(json.dumps({"path": args.path, "format": "manager", "latest": latest, "checkpoints": steps}, indent=1))
     else:
@@ -504,8 +504,8 @@ def _describe(e: BaseException, verbose: int) -> str:
     if isinstance(e, pickle.UnpicklingError):
         return str(e)
     if isinstance(e, OSError):
-        from .inspect import _err
-        return _err(e)
+        from .inspect import error_text
+        return error_text(e)
     tail = "" if verbose else " (run with -v for the traceback)"
     return f"{type(e).__name__}: {e}{tail}"
 

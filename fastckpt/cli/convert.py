@@ -20,7 +20,6 @@ plus the engine's staging buffers (``buffer_size x buffer_count``).
 
 import collections
 import contextlib
-import io
 import json
 import logging
 import os
@@ -36,7 +35,8 @@ from .. import knobs
 from ..formats import zip as _zip
 from ..formats import safetensors as _st
 from ..formats.safetensors import LAYOUT_KEY, SEPARATOR, ST_NAMES, dtype_name
-from .sources import LazyValue, Source, Storage, byte_span, encode_layout, is_dense, storage_of, walk
+from .source import LazyValue, Source, Storage, byte_span, encode_layout, is_dense, storage_of, walk
+from ..formats.pickler import DEFAULT_PROTOCOL, pickle_with_storages, tensor_reduce
 from ..formats.torch_rules import StorageRef, itemsize, v3_dtypes
 
 log = logging.getLogger("fastckpt")
@@ -123,34 +123,22 @@ def pickle_tree(tree: Any, source: Source, progress: Progress = None) -> Tuple[b
                                "which torch.save cannot write")
         return p, untyped
 
-    class Pickler(pickle.Pickler):
-        def persistent_id(self, obj):
-            return obj.pid if isinstance(obj, StorageRef) else None
+    def reduce(obj):
+        if not isinstance(obj, torch.Tensor):
+            return NotImplemented
+        if isinstance(obj, torch.nn.Parameter):
+            return (torch._utils._rebuild_parameter,
+                    (obj.detach(), obj.requires_grad, collections.OrderedDict()))
+        if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
+            raise ConvertError(f"a {obj.layout} tensor: only dense (strided) tensors can be converted")
+        p, untyped = pstorage(obj)
+        return tensor_reduce(p, untyped, obj.dtype, obj.storage_offset(), obj.shape, obj.stride(),
+                             obj.requires_grad, torch._utils.get_tensor_metadata(obj))
 
-        def reducer_override(self, obj):
-            if not isinstance(obj, torch.Tensor):
-                return NotImplemented
-            if isinstance(obj, torch.nn.Parameter):
-                return (torch._utils._rebuild_parameter,
-                        (obj.detach(), obj.requires_grad, collections.OrderedDict()))
-            if obj.layout != torch.strided or obj.is_quantized or obj.is_nested:
-                raise ConvertError(f"a {obj.layout} tensor: only dense (strided) tensors can be converted")
-            p, untyped = pstorage(obj)
-            args: Tuple = (p, obj.storage_offset(), tuple(obj.shape), tuple(obj.stride()), obj.requires_grad,
-                           collections.OrderedDict())
-            if untyped:
-                fn = torch._utils._rebuild_tensor_v3
-                args = args + (obj.dtype,)
-            else:
-                fn = torch._utils._rebuild_tensor_v2
-            meta = torch._utils.get_tensor_metadata(obj)
-            if meta:
-                args = args + (meta,)
-            return (fn, args)
-
-    buf = io.BytesIO()
-    Pickler(buf, protocol=2).dump(tree)
-    return buf.getvalue(), order
+    data_pkl, live = pickle_with_storages(tree, pickle, DEFAULT_PROTOCOL, reducer_override=reduce)
+    if live:  # every tensor was reduced above: only a bare storage object gets here
+        raise ConvertError("a bare storage object (not a tensor's): it cannot be converted")
+    return data_pkl, order
 
 
 def write_file(source: Source, dst: str, torch_layout: bool = False, progress: Progress = None) -> Dict[str, Any]:

@@ -17,7 +17,6 @@ import logging
 import math
 import os
 import pickle
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -25,8 +24,10 @@ import torch
 
 from ..formats import zip as _zip
 from ..formats.safetensors import dtype_name
-from .sources import DcpSource, LazyValue, SafetensorsSource, Source, ZipSource, _holds_structure, is_dcp_dir, open_source, sniff, storage_of, walk
+from .source import LazyValue, Source, holds_structure, storage_of, walk
+from .sources import DcpSource, SafetensorsSource, ZipSource, is_dcp_dir, open_source, sniff
 from ..formats.torch_rules import itemsize
+from .._core.steps import split_step_name
 from .._core.units import human
 from ..errors import FormatError
 
@@ -77,7 +78,7 @@ def _entries(tree: Any) -> List[Entry]:
             out.append(Entry(path, display, depth, "dict", o))
             for k, v in o.items():
                 rec(v, path + (k,), k if isinstance(k, str) else repr(k), depth + 1)
-        elif type(o) in (list, tuple) and _holds_structure(o):
+        elif type(o) in (list, tuple) and holds_structure(o):
             out.append(Entry(path, display, depth, type(o).__name__, o))
             for i, v in enumerate(o):
                 rec(v, path + (i,), f"[{i}]", depth + 1)
@@ -253,7 +254,7 @@ class Report:
                 **({"checkpoints": [c.as_dict() for c in self.children]} if self.children else {})}
 
 
-def _err(e: BaseException) -> str:
+def error_text(e: BaseException) -> str:
     if isinstance(e, OSError) and e.strerror:
         msg = e.strerror
         if e.filename is not None and str(e.filename) not in msg:
@@ -264,7 +265,7 @@ def _err(e: BaseException) -> str:
 
 def verify(path: str, progress_factory=None) -> Report:
     """Check the checkpoint at `path` (a file, DCP directory or CheckpointManager directory)."""
-    if os.path.isdir(path) and not is_dcp_dir(path) and _is_manager_dir(path):
+    if os.path.isdir(path) and not is_dcp_dir(path) and is_manager_dir(path):
         return _verify_manager(path, progress_factory)
     rep = Report(path)
     if os.path.isfile(path):
@@ -278,7 +279,7 @@ def verify(path: str, progress_factory=None) -> Report:
     try:
         src = open_source(path)
     except (FormatError, OSError, pickle.UnpicklingError) as e:
-        rep.problems.append(_err(e))
+        rep.problems.append(error_text(e))
         return rep
     with src:
         rep.format, rep.description = src.kind, src.description()
@@ -294,7 +295,7 @@ def verify(path: str, progress_factory=None) -> Report:
                 rep.checked.append("loaded whole with weights_only=True")
                 rep.unverified.append(f"{src.description()}: the format records no checksums")
         except (FormatError, OSError, pickle.UnpicklingError) as e:
-            rep.problems.append(_err(e))
+            rep.problems.append(error_text(e))
     return rep
 
 
@@ -324,7 +325,7 @@ def _verify_zip(src: ZipSource, rep: Report, progress_factory) -> None:
         except pickle.UnpicklingError as e:
             rep.notes.append(f"{e} (the records' checksums are still checked)")
         except (FormatError, OSError) as e:
-            rep.problems.append(_err(e))
+            rep.problems.append(error_text(e))
     if pickle_ok:
         unused = [n for n in src.storages if n not in users]
         if unused:
@@ -358,7 +359,7 @@ def _verify_zip(src: ZipSource, rep: Report, progress_factory) -> None:
                 what = f" (tensor{'s' if who and len(who) > 1 else ''} {', '.join(who[:5])})" if who else ""
                 rep.problems.append(f"{src.path}: checksum mismatch in record {s.key!r}{what}: the data is corrupt")
             else:
-                rep.problems.append(f"record {s.key!r}: {_err(e)}")
+                rep.problems.append(f"record {s.key!r}: {error_text(e)}")
     finally:
         if bar:
             bar(None)
@@ -380,7 +381,7 @@ def _verify_safetensors(src: SafetensorsSource, rep: Report, progress_factory) -
             try:
                 src.stream(s, 0, s.nbytes, lambda piece: bar(piece.numel()) if bar else None)
             except (FormatError, OSError) as ex:
-                rep.problems.append(f"tensor {e.name!r}: {_err(ex)}")
+                rep.problems.append(f"tensor {e.name!r}: {error_text(ex)}")
     finally:
         if bar:
             bar(None)
@@ -396,14 +397,14 @@ def _verify_safetensors(src: SafetensorsSource, rep: Report, progress_factory) -
 def _verify_dcp(src: DcpSource, rep: Report, progress_factory) -> None:
     root = src.path
     rep.checked.append(f".metadata: {len(src.items)} items, {len(src.md.storage_data)} storage entries")
-    reader = src._fast_reader()
+    reader = src.fast_reader()
     bad_files = set()
     for rel, fqns in sorted(src.data_files().items(), key=lambda kv: str(kv[0])):
         try:
             full, size = reader._resolve(rel)
         except (FormatError, OSError) as e:
             shown = ", ".join(sorted(set(fqns))[:5]) + (", ..." if len(set(fqns)) > 5 else "")
-            rep.problems.append(f"{_err(e)} (holds {len(set(fqns))} item(s): {shown})")
+            rep.problems.append(f"{error_text(e)} (holds {len(set(fqns))} item(s): {shown})")
             bad_files.add(rel)
             continue
         for index, info in src.md.storage_data.items():
@@ -447,7 +448,7 @@ def _verify_dcp(src: DcpSource, rep: Report, progress_factory) -> None:
                         rep.notes.append(str(e))
                     checked_v += 1
             except (FormatError, OSError) as e:
-                rep.problems.append(f"{fqn}: {_err(e)}")
+                rep.problems.append(f"{fqn}: {error_text(e)}")
             except Exception as e:  # noqa: BLE001 - a damaged record can fail in torch.load in many ways
                 rep.problems.append(f"{fqn}: {type(e).__name__}: {e}")
     finally:
@@ -459,15 +460,12 @@ def _verify_dcp(src: DcpSource, rep: Report, progress_factory) -> None:
 
 # ---------------------------------------------------------------- CheckpointManager directories
 
-_STEP = re.compile(r"step_(\d+)(\.pt)?$")
-
-
-def _is_manager_dir(path: str) -> bool:
+def is_manager_dir(path: str) -> bool:
     try:
         names = os.listdir(path)
     except OSError:
         return False
-    return "latest" in names or any(_STEP.match(n) for n in names)
+    return "latest" in names or any(split_step_name(n) for n in names)
 
 
 def _verify_manager(path: str, progress_factory) -> Report:
@@ -475,13 +473,13 @@ def _verify_manager(path: str, progress_factory) -> Report:
     names = sorted(os.listdir(path))
     steps = []
     for n in names:
-        m = _STEP.match(n)
-        if not m:
+        parsed = split_step_name(n)
+        if parsed is None:
             continue
         p = os.path.join(path, n)
-        if m.group(2) and os.path.isfile(p):
+        if parsed[1] and os.path.isfile(p):
             steps.append(n)
-        elif not m.group(2) and os.path.isdir(p):
+        elif not parsed[1] and os.path.isdir(p):
             if os.path.isfile(os.path.join(p, ".metadata")):
                 steps.append(n)
             else:
@@ -498,7 +496,7 @@ def _verify_manager(path: str, progress_factory) -> Report:
         except (OSError, UnicodeDecodeError) as e:
             rep.problems.append(f"{latest_path}: unreadable: {e}")
         if latest is not None:
-            if not _STEP.match(latest) or "/" in latest:
+            if split_step_name(latest) is None:
                 rep.problems.append(f"{latest_path} holds {latest[:80]!r}, which is not a checkpoint name")
             elif latest not in steps:
                 rep.problems.append(f"{latest_path} names {latest}, which is missing or incomplete")

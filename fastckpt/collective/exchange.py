@@ -8,7 +8,7 @@ moves the bytes).
   test hook: the tests drive it with the simulated device).
 * :class:`HostExchange`: a result in host memory, broadcast in place.
 * :class:`StagedRun`: a result on a device, round by round through the
-  staging pipeline (_staging.RoundRing of pool chunks, the device's copier),
+  staging pipeline (fastckpt.staging.todevice.RoundRing of pool chunks, the device's copier),
   staged through host memory (gloo) or with device collectives (NCCL).
 """
 
@@ -18,7 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from ..staging import device as _staging
-from .save import _Group
+from ..staging.todevice import RoundRing
+from .group import Group
 
 log = logging.getLogger("fastckpt")
 
@@ -134,7 +135,7 @@ class HostExchange:
     """The broadcasts of step 4 for a result in host memory (a backend that
     carries CPU tensors), issued asynchronously and waited for together."""
 
-    def __init__(self, g: _Group):
+    def __init__(self, g: Group):
         self.g = g
         self.works: List[Any] = []
         self.after: List[Tuple[torch.Tensor, List[torch.Tensor]]] = []  # (received, destinations) to copy out
@@ -164,7 +165,7 @@ class HostExchange:
                 off += p.numel()
 
 
-def global_rank(g: _Group, r: int) -> int:
+def global_rank(g: Group, r: int) -> int:
     return g.dist.get_global_rank(g.group, r) if g.group is not None else r
 
 
@@ -176,7 +177,7 @@ class Dest:
     __slots__ = ("view", "copier")
 
     def __init__(self, storage, copier):
-        self.view = _staging._bytes_view(storage)
+        self.view = _staging.bytes_view(storage)
         self.copier = copier
 
 
@@ -197,7 +198,7 @@ class StagedRun:
     `chunk` the ring's pool chunk (the same on every rank); `reader` reads this
     rank's share with the engine (a fastckpt.torchsave.reader.Records on the file)."""
 
-    def __init__(self, g: _Group, path: str, holders: List[int], k_mine: int, reader, verify: Optional[bool],
+    def __init__(self, g: Group, path: str, holders: List[int], k_mine: int, reader, verify: Optional[bool],
                  rounds, part: int, chunk: int):
         self.g, self.path, self.holders, self.k_mine = g, path, holders, k_mine
         self.reader, self.verify = reader, verify
@@ -217,9 +218,9 @@ class StagedRun:
         state = {"err": None}
         ring = None
         if ops is None:  # every rank receives into the ring
-            ring = _staging.RoundRing(copier, -(-H // per_buf), _DEPTH, chunk)
+            ring = RoundRing(copier, -(-H // per_buf), _DEPTH, chunk)
         elif mine >= 0:  # only holders stage (their own part)
-            ring = _staging.RoundRing(copier, 1, _DEPTH, chunk)
+            ring = RoundRing(copier, 1, _DEPTH, chunk)
         where = str(copier.device_key(next(d.view for d in dests.values() if d.copier is copier and d.view.numel()))) \
             if copier is not HOST_COPIER else "cpu"
         pending = None

@@ -39,7 +39,7 @@ Flow (each step a collective over ``pg``, so a failure anywhere reaches every ra
      broadcast in place, smaller ones packed (HostExchange).
    * staged through host memory (some rank's result on a device, and a
      backend that carries CPU tensors, e.g. gloo): every rank receives each
-     round into host buffers of the staging pool (_staging.RoundRing, a
+     round into host buffers of the staging pool (fastckpt.staging.todevice.RoundRing, a
      region per holder) and copies the pieces to its device storages through
      the device's copier (copy stream, events), while the next round is read
      and broadcast. Host memory: the ring (a few pool chunks), not the state.
@@ -70,7 +70,8 @@ from ..staging import device as _staging
 from ..formats import zip as _zip
 from ..formats import pickle_scan
 from ..torchsave import device, load as tload, reader
-from .save import _Group, cut_runs
+from .group import Group
+from .save import cut_runs
 
 _CUT_ALIGN = 4096
 # Each holder reads its share in rounds of about this many bytes; a round's
@@ -228,7 +229,7 @@ class _Load:
     def __init__(self, path: str, group, verify: Optional[bool]):
         import torch.distributed as dist
         self.path, self.group, self.verify = path, group, verify
-        self.g = _Group(group, path, action="load", outcome="nothing was loaded")
+        self.g = Group(group, path, action="load", outcome="nothing was loaded")
         self.backend = xch.backend_name(dist, group)
         self.backends = xch.backends_of(self.backend)
         self.archive: Any = None

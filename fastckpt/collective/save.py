@@ -17,10 +17,10 @@ it has every rank's piece CRCs (each record's CRC is its pieces' combined with
 _engine.crc32_combine, then its tail's).
 
 Host memory. CPU storages are read in place. A rank brings to the host only
-the device bytes it needs (fastckpt/_collective_stage.py): the sampled blocks
+the device bytes it needs (fastckpt/collective/stage.py): the sampled blocks
 (step 1), its own share and the next rank's (step 3) and, on a copy's lead,
 the small records and record tails (step 4), each range through the staging
-pool (fastckpt/_staging.ToHost; the checker through a smaller pool of its
+pool (fastckpt.staging.tohost.ToHost; the checker through a smaller pool of its
 own), its copies running ahead of the writes. Host staging memory: the two
 pools' buffers, whatever the state's size.
 
@@ -75,7 +75,9 @@ from typing import Any, Dict, List, Optional, Tuple
 from .._core import engine as _engine
 from ..formats import archive, pickler
 from . import stage as _collective_stage
-from .._core import dist_exit as _dist_exit, paths as _paths
+from .group import Group, describe
+from .._core import paths as _paths
+from ..errors import RanksFailed
 from ..formats import torch_rules as _torch_rules, zip as _zip
 
 _BODY_ALIGN = 4096
@@ -110,10 +112,6 @@ class _Copies:
         self.ranks = self.members[self.mine]
         self.local = self.ranks.index(rank)  # this rank's share of its copy
         self.lead = self.local == 0
-
-
-class _RemoteError(Exception):
-    """Another rank's failure, as that rank described it."""
 
 
 def _storage_of(plan, i: int) -> int:
@@ -238,81 +236,6 @@ def device_blind(data_pkl: bytes) -> bytes:
     return b"".join(out)
 
 
-def _describe(e: BaseException) -> Tuple[Optional[int], str]:
-    return (e.errno if isinstance(e, OSError) else None), f"{type(e).__name__}: {e}"
-
-
-class _Group:
-    """The collectives of one save; every exchange is an all_gather_object,
-    so every rank learns every other rank's failure."""
-
-    def __init__(self, group, path: str, action: str = "save to", outcome: str = "nothing was committed"):
-        import torch.distributed as dist
-        self.dist, self.group, self.path = dist, group, path
-        self.action, self.outcome = action, outcome  # for the messages: "cannot <action> <path>: ...; <outcome>"
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        _dist_exit.register()  # a destroyed group that torch still references must not live into finalization
-
-    def exchange(self, mine: Any, local_error: Optional[BaseException], what: str) -> List[Any]:
-        """all_gather (error description | None, mine); raises on every rank
-        when any rank failed: the local error itself on the rank that had it."""
-        out: List[Any] = [None] * self.world
-        payload = (_describe(local_error) if local_error is not None else None, mine)
-        try:
-            self.dist.all_gather_object(out, payload, group=self.group)
-        except Exception as e:
-            if local_error is not None:
-                raise local_error
-            # A rank died, or did not arrive within the group's timeout.
-            raise self.lost(e, f"the group's exchange after each rank's attempt {what}", what) from e
-        if local_error is not None:
-            raise local_error
-        for r, (err, _) in enumerate(out):
-            if err is not None:
-                code, msg = err
-                raise OSError(code if code else errno.EIO,
-                              f"cannot {self.action} {self.path!r}: rank {r} of the group failed {what} "
-                              f"({msg}); {self._failed_outcome(what)}", self.path)
-        return [m for _, m in out]
-
-    def lost(self, e: BaseException, during: str, what: Optional[str] = None) -> OSError:
-        """The error for a collective that failed: a rank died, or did not
-        arrive within the group's timeout (in the exchange after `what`, if given)."""
-        return OSError(errno.EIO, f"cannot {self.action} {self.path!r}: a rank died or did not answer in time "
-                                  f"({during} failed: {type(e).__name__}: {e}); {self._outcome(what)}", self.path)
-
-    def _failed_outcome(self, what: str) -> str:
-        """What every rank can say when a rank reported a failure in the step
-        before the exchange after `what`: rank 0's commit may fail after its
-        rename (the directory fsync), the new file then in place, as with a
-        single-process save (docs/ENGINE.md)."""
-        if self.action == "save to" and what == "to commit":
-            return (f"{self.path!r} holds the previous checkpoint, or the complete new one if rank 0 failed after "
-                    "its rename (in the directory fsync)")
-        return self.outcome
-
-    def _outcome(self, what: Optional[str]) -> str:
-        """What this rank can say about the file when the group broke (a rank
-        died or timed out) in the save's exchange after `what` and this rank had
-        no error of its own. Rank 0 commits after the exchange "to write its
-        share" and before the one "to commit": there, without an error, it has
-        committed. Another rank that loses the group in either of those two
-        exchanges cannot know whether rank 0 got that far; before them, rank 0
-        cannot have. (Loads, and other stages: self.outcome.)"""
-        if self.action != "save to":
-            return self.outcome
-        if what == "to commit" and self.rank == 0:
-            return f"the new checkpoint at {self.path!r} was committed (complete and durable) before that"
-        if what == "to commit" and self.rank != 0:
-            return (f"{self.path!r} holds either the previous checkpoint or the complete new one (rank 0 may "
-                    "have committed before the group broke)")
-        if what == "to write its share" and self.rank != 0:
-            return (f"nothing was committed unless rank 0 had every rank's share result before the group broke "
-                    f"({self.path!r} holds the previous checkpoint or, if rank 0 committed, the complete new one)")
-        return self.outcome
-
-
 def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: bool = True,
          placement: str = "shared") -> None:
     """serialization.save with ``group`` (see the module's docstring)."""
@@ -327,7 +250,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
                          "fastckpt.save(..., group=..., placement='node') needs a path on each node's disk, "
                          "not a file object")
     path = os.fsdecode(os.fspath(f))
-    g = _Group(group, path)
+    g = Group(group, path)
     node = node_name() if placement == "node" else ""
     writer = None
     committed = False
@@ -348,7 +271,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
             crc_on = bool(_torch_rules.compute_crc32())
             settings = (alignment, crc_on, byteorder, sys.byteorder)
             # rank 0's pickle is the file's (the others' differ in their storages' device indices)
-            mine = (_digest(data_pkl, src.sizes, settings), src.sample_crcs(),
+            mine = (_digest(data_pkl, src.sizes, settings), _collective_stage.sample_crcs(src),
                     archive.new_serialization_id() if g.rank == 0 else None, node, os.path.abspath(path),
                     data_pkl if g.rank == 0 else None)
         except Exception as e:
@@ -439,7 +362,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
                 committed = True
                 status = True
             except Exception as e:
-                status = _describe(e)
+                status = describe(e)
         _check_commits(g, copies, path, status, committed)
     except BaseException as e:
         if writer is not None and not committed:
@@ -535,7 +458,7 @@ def _check_shares(path: str, plan, copies: _Copies, split, written) -> None:
                                  "nothing was committed")
 
 
-def _check_commits(g: _Group, copies: _Copies, path: str, status: Any, committed: bool) -> None:
+def _check_commits(g: Group, copies: _Copies, path: str, status: Any, committed: bool) -> None:
     """Step 4b's outcome: every lead's (True | error description) gathered;
     returns when every node renamed, else raises OSError naming the nodes
     that hold the new file (``committed_nodes``)."""
@@ -545,20 +468,21 @@ def _check_commits(g: _Group, copies: _Copies, path: str, status: Any, committed
     except OSError as e:
         state = "renamed its copy" if committed else "did not rename its copy" if copies.lead else \
             "unknown to this rank"
-        raise OSError(errno.EIO, f"cannot save to {path!r}: partial commit: a rank died or did not answer in "
-                                 f"time while the nodes renamed their durable copies ({e.__cause__}); each node's "
-                                 f"path holds either the new or its previous file (this rank's node {here!r}: "
-                                 f"{state})", path) from e
+        raise RanksFailed(errno.EIO, f"cannot save to {path!r}: partial commit: a rank died or did not answer in "
+                                     f"time while the nodes renamed their durable copies ({e.__cause__}); each "
+                                     f"node's path holds either the new or its previous file (this rank's node "
+                                     f"{here!r}: {state})", path, getattr(e, "failures", None)) from e
     done = [copies.names[c] for c, ranks in enumerate(copies.members) if results[ranks[0]] is True]
     failed = [(copies.names[c], ranks[0], results[ranks[0]]) for c, ranks in enumerate(copies.members)
               if results[ranks[0]] is not True]
     if not failed:
         return
     why = "; ".join(f"node {n!r} (rank {r}): {msg}" for n, r, (_code, msg) in failed)
-    e = OSError(failed[0][2][0] or errno.EIO,
-                f"cannot save to {path!r}: partial commit: every node's copy was durable, but renaming it "
-                f"failed on {why}; those nodes keep their previous file (unless the rename was done and only the "
-                f"directory fsync failed); nodes {done} hold the new file", path)
+    e = RanksFailed(failed[0][2][0] or errno.EIO,
+                    f"cannot save to {path!r}: partial commit: every node's copy was durable, but renaming it "
+                    f"failed on {why}; those nodes keep their previous file (unless the rename was done and only "
+                    f"the directory fsync failed); nodes {done} hold the new file", path,
+                    {r: msg for _n, r, (_code, msg) in failed})
     e.committed_nodes = done
     raise e
 

@@ -314,12 +314,15 @@ def load_metadata(p: str, directory: Union[str, os.PathLike]) -> Metadata:
 
 
 def _reason(e: BaseException) -> str:
-    """The line of torch's weights-only refusal that says what was refused."""
-    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-    for ln in lines[1:]:
-        if not ln.startswith("Check the documentation"):
-            return ln.rstrip(".")
-    return lines[0].rstrip(".") if lines else type(e).__name__
+    """torch's weights-only error inside its refusal (what torch names as
+    refused, and how to allow it): the text after "WeightsUnpickler error:", without
+    torch's pointer to its documentation."""
+    text = str(e)
+    at = text.find("WeightsUnpickler error:")
+    body = text[at + len("WeightsUnpickler error:"):] if at >= 0 else text
+    lines = [ln.strip() for ln in body.splitlines()
+             if ln.strip() and not ln.strip().startswith("Check the documentation")]
+    return " ".join(lines).rstrip(".") if lines else type(e).__name__
 
 
 def _guard_archive(data: bytes, where: str) -> None:

@@ -59,6 +59,7 @@ from ..formats.torch_rules import itemsize
 from .._core.engine import fsync_dir, get_engine
 from ..formats import dcp as _blob
 from ..staging.statedict import Stager
+from ..staging.tohost import ToHost
 
 try:
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION
@@ -176,7 +177,7 @@ def _host_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def _host_tensors(entries: List[_Entry], planner: SavePlanner, on_resolve=None):
     """(entry, tensor or None, host pieces or None) in order, through the one
-    staging pipeline (:class:`fastckpt.staging.device.ToHost`): a device tensor's
+    staging pipeline (:class:`fastckpt.staging.tohost.ToHost`): a device tensor's
     bytes are copied into the bounded staging pool ahead of the writes, on a
     copy stream of *its own device*, and each piece is handed out only after
     the event recorded on that stream fired. `on_resolve` sees every tensor
@@ -189,7 +190,7 @@ def _host_tensors(entries: List[_Entry], planner: SavePlanner, on_resolve=None):
             on_resolve(t)
         return t if _staging.copier_for(t) is not None else _host_tensor(t)
 
-    pipe = _staging.ToHost(entries, tensor_of)
+    pipe = ToHost(entries, tensor_of)
     try:
         yield from pipe
     finally:

@@ -24,26 +24,27 @@ def new_serialization_id() -> bytes:
 def plan_archive(data_pkl: bytes, storages: List[Any], alignment: int, byteorder: bool = True,
                   direct_min: Optional[int] = _zip.DIRECT_MIN, serialization_id: Optional[bytes] = None):
     """The layout of the archive :func:`write_archive` writes (docs/FORMAT.md 1.3):
-    every offset is known before the first byte is written. Returns (plan,
+    every offset is known before the first byte is written. Every record is on
+    one alignment, :func:`fastckpt.formats.zip.storage_alignment` of the
+    storages' sizes (`alignment`, or a multiple of it and of 4096), which the
+    ``.storage_alignment`` record states, with torch.save's ``.format_version``
+    record: stock torch.load may compute the storages' offsets from it. Returns (plan,
     entries, cd_offset, file_size): plan[i] = (payload bytes or storage, local
     header bytes, its _zip.Entry) in file order, the storages' records being
     "data/<i>"; the central directory starts at cd_offset. Each record is
     followed by its data descriptor (none for empty ones)."""
     if serialization_id is None:
         serialization_id = new_serialization_id()
-    head = [("data.pkl", data_pkl)]
-    if direct_min is None:
-        head.append((".format_version", b"1"))
-    head.append((".storage_alignment", str(alignment).encode()))
+    sizes = [s.nbytes() for s in storages]
+    alignment = _zip.storage_alignment(sizes, alignment, direct_min)
+    head = [("data.pkl", data_pkl), (".format_version", b"1"), (".storage_alignment", str(alignment).encode())]
     if byteorder:
         head.append(("byteorder", sys.byteorder.encode()))
     tail = [("version", FORMAT_VERSION), (".data/serialization_id", serialization_id)]
 
     # (One plain loop: it runs once per record, 100,000 times for 100,000 scalars.)
     records = [(name, payload, len(payload), alignment) for name, payload in head]
-    align_of = _zip.record_alignment
-    records += [(f"data/{i}", s, n, align_of(n, alignment, direct_min))
-                for i, s, n in ((i, s, s.nbytes()) for i, s in enumerate(storages))]
+    records += [(f"data/{i}", s, n, alignment) for i, (s, n) in enumerate(zip(storages, sizes))]
     records += [(name, payload, len(payload), alignment) for name, payload in tail]
     plan = []  # (payload bytes or storage, header, entry)
     entries = []

@@ -33,6 +33,7 @@ import torch
 
 from .. import _C
 from . import unpickler as _unpickle
+from .pickler import DEFAULT_PROTOCOL, pickle_with_storages, tensor_reduce
 from .torch_rules import StorageRef, contiguous_stride, itemsize, v3_dtypes
 from ..errors import FormatError
 
@@ -41,7 +42,7 @@ __all__ = ["ALIGN", "ALIGN_MIN", "RECORD_ALIGN", "TensorBlob", "plan_tensor_blob
 
 # The zip container is the one of single-file checkpoints (docs/FORMAT.md 1.1),
 # and so is the rule of which tensors get 4 KiB alignment (1.3).
-from .zip import ALIGNMENT, DIRECT_MIN, LOCAL_HEADER_SIZE, LOCAL_SIG, TORCH_ALIGNMENT, Entry, NeedMore, _local, central_directory, descriptor, local_header, parse_directory, record_alignment
+from .zip import ALIGNMENT, DIRECT_MIN, LOCAL_HEADER_SIZE, LOCAL_SIG, TORCH_ALIGNMENT, Entry, NeedMore, LOCAL_HEADER, central_directory, descriptor, local_header, parse_directory, record_alignment
 
 ALIGN = ALIGNMENT           # file alignment of tensor bytes
 ALIGN_MIN = DIRECT_MIN      # tensors smaller than this are only 64-byte aligned (no 4 KiB hole for a bias)
@@ -63,27 +64,19 @@ class _TensorStub:
         self.size = size
 
     def __reduce__(self):
-        stride = contiguous_stride(self.size)
         numel = 1
         for s in self.size:
             numel *= s
-        hooks = collections.OrderedDict()
-        if self.dtype in v3_dtypes():
+        untyped = self.dtype in v3_dtypes()
+        if untyped:
             storage = StorageRef(torch.storage.UntypedStorage, "0", "cpu", numel * itemsize(self.dtype))
-            return (torch._utils._rebuild_tensor_v3, (storage, 0, self.size, stride, False, hooks, self.dtype))
-        storage = StorageRef(getattr(torch, _storage_type_names()[self.dtype]), "0", "cpu", numel)
-        return (torch._utils._rebuild_tensor_v2, (storage, 0, self.size, stride, False, hooks))
+        else:
+            storage = StorageRef(getattr(torch, _storage_type_names()[self.dtype]), "0", "cpu", numel)
+        return tensor_reduce(storage, untyped, self.dtype, 0, self.size, contiguous_stride(self.size))
 
 
 def _storage_type_names() -> Dict[torch.dtype, str]:
     return torch.storage._dtype_to_storage_type_map()
-
-
-class _Pickler(pickle.Pickler):
-    def persistent_id(self, obj):
-        if isinstance(obj, StorageRef):
-            return obj.pid
-        return None
 
 
 _pickle_cache: Dict[Tuple[torch.dtype, Tuple[int, ...]], bytes] = {}
@@ -96,10 +89,7 @@ def tensor_pickle(dtype: torch.dtype, size: Tuple[int, ...]) -> bytes:
     if p is None:
         if dtype not in v3_dtypes() and dtype not in _storage_type_names():
             raise TypeError(f"fastckpt.dcp: cannot save tensors of dtype {dtype}")
-        import io
-        buf = io.BytesIO()
-        _Pickler(buf, protocol=2).dump(_TensorStub(dtype, size))
-        p = buf.getvalue()
+        p = pickle_with_storages(_TensorStub(dtype, size), pickle, DEFAULT_PROTOCOL)[0]
         if len(_pickle_cache) < 4096:
             _pickle_cache[key] = p
     return p
@@ -228,7 +218,7 @@ def local_data_offset(header: bytes, e: ZipEntry, index: ZipIndex, where: str) -
     LOCAL_HEADER_SIZE bytes of it); checked against the central directory."""
     if len(header) < LOCAL_HEADER_SIZE:
         raise FormatError(f"{where}: truncated local header of {e.name!r}")
-    sig, _, _, method, _, _, _, _, _, name_len, extra_len = _local.unpack_from(header, 0)
+    sig, _, _, method, _, _, _, _, _, name_len, extra_len = LOCAL_HEADER.unpack_from(header, 0)
     if sig != LOCAL_SIG:
         raise FormatError(f"{where}: no local header for {e.name!r} at record offset {e.rel_offset}")
     if method != e.method:

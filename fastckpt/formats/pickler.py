@@ -1,13 +1,22 @@
 """The torch.save pickler: an object pickled as torch.save pickles it, its
-storages replaced by persistent ids and returned in key order."""
+storages replaced by persistent ids and returned in key order.
+
+The one pickler of ``data.pkl`` records. ``fastckpt.save`` and async_save
+pickle live objects with it; writers that describe tensors without holding
+their bytes (``fastckpt convert`` streaming from a source file, DCP's
+per-tensor records) pickle :class:`~fastckpt.formats.torch_rules.StorageRef`
+placeholders, which it writes as the same persistent ids, with
+:func:`tensor_reduce` (the call torch.save pickles for a tensor)."""
 
 import collections
 import io
 import types
-from typing import Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.serialization as ts
+
+from .torch_rules import StorageRef
 
 
 DEFAULT_PROTOCOL = 2  # torch.save's pickle protocol
@@ -19,16 +28,41 @@ _PLAIN_TYPES = frozenset([str, int, float, bool, type(None), tuple, list, dict, 
                           type, type(torch.FloatStorage), types.FunctionType, types.BuiltinFunctionType])
 
 
-def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = False) -> Tuple[bytes, List[torch.UntypedStorage]]:
+def tensor_reduce(ref: StorageRef, untyped: bool, dtype: torch.dtype, storage_offset: int, size: Sequence[int],
+                  stride: Sequence[int], requires_grad: bool = False, metadata: Any = None) -> Tuple[Callable, Tuple]:
+    """What torch.save pickles for a dense tensor on storage `ref`:
+    ``_rebuild_tensor_v2`` (a typed storage), or ``_rebuild_tensor_v3`` with
+    the dtype (an untyped one: the dtypes of :func:`torch_rules.v3_dtypes`);
+    `metadata` (``torch._utils.get_tensor_metadata``) only when there is some."""
+    args: Tuple = (ref, storage_offset, tuple(size), tuple(stride), requires_grad, collections.OrderedDict())
+    if untyped:
+        fn = torch._utils._rebuild_tensor_v3
+        args = args + (dtype,)
+    else:
+        fn = torch._utils._rebuild_tensor_v2
+    if metadata:
+        args = args + (metadata,)
+    return fn, args
+
+
+def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = False,
+                         reducer_override: Optional[Callable[[Any], Any]] = None,
+                         ) -> Tuple[bytes, List[torch.UntypedStorage]]:
     """Pickle `obj` the way torch.save does: storages become persistent ids
     ("storage", storage type, key, location, numel) and are returned in key order.
     With ``skip_data`` (torch.serialization.skip_data) storages without data
-    (meta, fake tensors) are allowed: their bytes will not be written."""
+    (meta, fake tensors) are allowed: their bytes will not be written.
+    A :class:`StorageRef` is pickled as its own persistent id (it is not
+    returned: its bytes are the caller's); `reducer_override`, if given, is
+    the pickler's (``pickle.Pickler.reducer_override``: a reduce tuple, or
+    NotImplemented for the usual pickling)."""
     storages: List[torch.UntypedStorage] = []
     keys: Dict[int, str] = {}
     storage_dtypes: Dict[int, torch.dtype] = {}
 
     def persistent_id(o):
+        if isinstance(o, StorageRef):
+            return o.pid
         if isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o):
             if isinstance(o, torch.storage.TypedStorage):
                 storage = o._untyped_storage
@@ -60,8 +94,15 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
             # types, which are never storages, answered without a call
             return None if type(o) in plain else persistent_id(o)
 
+    cls = Pickler
+    if reducer_override is not None:
+        class Reducing(Pickler):
+            def reducer_override(self, o):
+                return reducer_override(o)
+        cls = Reducing
+
     buf = io.BytesIO()
-    Pickler(buf, protocol=pickle_protocol).dump(obj)
+    cls(buf, protocol=pickle_protocol).dump(obj)
     for s in storages:
         if s.device.type == "meta" and not skip_data:
             raise ValueError("fastckpt.save: cannot save meta tensors (they have no data)")

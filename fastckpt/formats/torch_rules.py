@@ -12,6 +12,7 @@ torch's own functions.
 
 import os
 import pickle
+import re
 import warnings
 from typing import IO, Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
@@ -20,7 +21,7 @@ import torch.serialization as ts
 
 from . import zip as _zip
 
-__all__ = ["weights_only_policy", "reads_no_data", "storage_alignment", "compute_crc32", "StorageRef",
+__all__ = ["weights_only_policy", "weights_only_failure", "reads_no_data", "storage_alignment", "compute_crc32", "StorageRef",
            "v3_dtypes", "itemsize", "contiguous_stride"]
 
 
@@ -68,6 +69,38 @@ def weights_only_policy(weights_only: Optional[bool], pickle_module: Any) -> Tup
     return bool(weights_only), pickle_module
 
 
+_DOCS_MESSAGE = ("\n\nCheck the documentation of torch.load to learn more about types accepted by default with "
+                 "weights_only https://pytorch.org/docs/stable/generated/torch.load.html.")
+
+
+def weights_only_failure(message: str, from_torch: bool = True) -> str:
+    """torch.load's message for a refusal by its weights-only unpickler, whose
+    error is `message` (torch builds it in a function nested in torch.load,
+    ``_get_wo_message``, so it is followed here line by line, and
+    tests/python/test_unpickler_rules.py compares the result with torch.load's):
+    for a global that is not allowed, the two ways to load the file and torch's
+    error, which names the global and how to allow it
+    (``torch.serialization.add_safe_globals([...])`` or the ``safe_globals``
+    context); otherwise torch's warning and the error. `from_torch=False` is
+    for a refusal of fastckpt's own walk (an opcode torch.save never writes):
+    torch's words without its request to report the file to torch."""
+    unsafe = getattr(ts, "UNSAFE_MESSAGE", "")
+    if re.search(r"GLOBAL (\S+) was not an allowed global by default.", message) is not None:
+        out = ("Weights only load failed. This file can still be loaded, to do so you have two options, "
+               "\033[1mdo those steps only if you trust the source of the checkpoint\033[0m. "
+               f"\n\t(1) {unsafe}\n\t(2) Alternatively, to load with `weights_only=True` please check "
+               "the recommended steps in the following error message.\n\tWeightsUnpickler error: " + message)
+    else:
+        if re.search(r"(\S+) must be (\S+) to load", message) is not None:
+            return f"Weights only load failed. {message}\n {unsafe}\n"
+        out = f"Weights only load failed. {unsafe}\n"
+        if from_torch and re.search(r"whose module (\S+) is blocked", message) is None:
+            out += ("Please file an issue with the following so that we can make "
+                    "`weights_only=True` compatible with your use case: WeightsUnpickler error: ")
+        out += "\n\n" + message
+    return out + _DOCS_MESSAGE
+
+
 def reads_no_data(map_location: Any) -> bool:
     """torch.load reads no storage bytes here (a meta map_location, an active
     fake mode, torch.serialization.skip_data()), so neither does fastckpt.load:
@@ -79,8 +112,8 @@ def reads_no_data(map_location: Any) -> bool:
 
 def storage_alignment() -> int:
     """torch's ``config.save.storage_alignment`` (64 by default): the alignment
-    of a new file's records; its large storage records are aligned to a
-    multiple of it and of 4096 (:func:`fastckpt.formats.zip.record_alignment`)."""
+    of a new file's records, or a multiple of it and of 4096 where large
+    storages dominate (:func:`fastckpt.formats.zip.storage_alignment`)."""
     get = getattr(ts, "_get_storage_alignment", None)
     return max(1, int(get())) if get else _zip.TORCH_ALIGNMENT
 

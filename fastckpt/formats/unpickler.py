@@ -1,19 +1,19 @@
 """The one restricted, size-guarded unpickler for every pickle fastckpt reads
-outside torch's own ``weights_only`` path.
+outside torch's own ``weights_only`` path, and the one safety walk run before
+torch's weights-only unpickler.
 
 Pickles that fastckpt unpickles itself (DCP ``.metadata``, the ``data.pkl`` of
 DCP tensor records on :class:`~fastckpt.dcp.FastReader`'s fast path, the
 command's DCP sources) go through :func:`loads`, in two steps:
 
-1. **A walk of the opcodes** (``pickletools.genops``; nothing is built, no
-   global is imported) that follows the unpickler's stack and refuses, before
-   anything is unpickled, a pickle that
+1. **A walk of the opcodes** (nothing is built, no global is imported) that
+   follows the unpickler's stack and refuses, before anything is unpickled, a
+   pickle that
 
-   - names a global the caller's allow-list does not hold, or calls
-     (``REDUCE``, ``NEWOBJ``) or fills (``BUILD``) anything but what the
-     allow-list gave, or uses a persistent id the caller has no handler for,
-     or an opcode that only other kinds of pickles use (``INST``, ``OBJ``,
-     ``EXT*``, out-of-band buffers): :class:`Refused`, a
+   - calls (``REDUCE``, ``NEWOBJ``) anything but a global, fills (``BUILD``)
+     anything but what a call made, or uses a persistent id the caller has no
+     handler for, or an opcode that only other kinds of pickles use (``INST``,
+     ``OBJ``, ``EXT*``, out-of-band buffers): :class:`Refused`, a
      ``pickle.UnpicklingError``;
    - would make CPython's unpickler allocate memory that the data cannot
      account for: a memo index beyond the entries stored so far (the C
@@ -29,14 +29,28 @@ command's DCP sources) go through :func:`loads`, in two steps:
      :data:`MIN_BUDGET`): :class:`fastckpt.FormatError`.
 
 2. **CPython's C unpickler**, whose ``find_class`` returns only the objects of
-   the allow-list (it never imports a module the file names) and whose
+   the allow-list (it never imports a module the file names; a global outside
+   it is :class:`Refused` when the unpickler reaches it, as in torch's
+   weights-only unpickler, after only allowed objects were made) and whose
    ``persistent_load`` is the caller's handler or a refusal.
 
 A policy is a ``find_class(module, name)`` callable that returns the object
 to use or raises; :func:`dcp_metadata_class` is the one for DCP metadata, and
 ``fastckpt.formats.dcp`` has the one for tensor records' ``data.pkl``.
-:func:`check` is the walk alone (every global accepted), for pickles that
-torch's weights-only unpickler then judges class by class.
+
+:func:`check` is the walk alone, for pickles that torch's weights-only
+unpickler then judges (torch.save's ``data.pkl``, DCP values): it bounds memory
+and nesting only and leaves every class, callable and ``BUILD`` to torch's
+rules (its allow-list, ``torch.serialization.add_safe_globals``, the
+``safe_globals`` context), so it accepts calls of what a call returned (a
+nested class or a classmethod reached through ``getattr``), which torch's
+unpickler then allows or refuses by value.
+
+The walk runs in C++ (``_C.pickle_check``, csrc/pickle/pickle_scan.cc, without
+the GIL), about 100 times faster than the same walk in Python
+(:func:`check_reference`, ``pickletools.genops``), which is kept only as the
+test oracle: tests/python/test_pickle_walk.py asserts that both give the same
+verdicts and messages.
 Every message names the caller's ``where`` (the user's path) and, for a
 refusal, says that nothing from the file was run.
 """
@@ -115,8 +129,10 @@ _MARK_KIND = {"LIST": "list", "TUPLE": "tuple", "DICT": "dict", "FROZENSET": "fr
 
 
 def _walk(data: bytes, where: str, find_class: Callable[[str, str], Any], persistent: bool,
-          max_depth: int = MAX_DEPTH) -> int:
-    """Check `data` (see the module's docstring); returns the estimated bytes its objects take."""
+          max_depth: int = MAX_DEPTH, call_objects: bool = False) -> int:
+    """Check `data` (see the module's docstring); returns the estimated bytes its
+    objects take. The Python walk: the reference of the C++ one, for tests only.
+    With `call_objects`, a call may call what a call returned (:func:`check`)."""
     n = len(data)
     budget = max(MIN_BUDGET, MAX_RATIO * n)
     cost = 0
@@ -202,7 +218,7 @@ def _walk(data: bytes, where: str, find_class: Callable[[str, str], Any], persis
                 kwargs = pop(pos) if op.name == "NEWOBJ_EX" else None
                 args = pop(pos)
                 func = pop(pos)
-                if not (type(func) is _Node and func.kind == "global"):
+                if not (type(func) is _Node and (func.kind == "global" or (call_objects and func.kind == "inst"))):
                     raise refused(f"{op.name} calls a {_kind(func)}, not an allowed global", pos)
                 node = _Node("inst", count_of(args) + count_of(kwargs),
                              max(args.depth if type(args) is _Node else 0,
@@ -395,7 +411,7 @@ def loads(data: bytes, where: str, find_class: Callable[[str, str], Any], *,
             deep nesting).
     """
     data = bytes(data)
-    _walk(data, where, find_class, persistent_load is not None)
+    _c_walk(data, where, persistent_load is not None, MAX_DEPTH, call_objects=False)
     try:
         return _Unpickler(data, find_class, persistent_load, where).load()
     except passthrough:
@@ -410,23 +426,12 @@ def _any_global(module: str, name: str) -> None:
     return None
 
 
-def check(data: bytes, where: str, *, persistent: bool = True, max_depth: int = MAX_OBJECT_DEPTH) -> int:
-    """Only the walk, with every global accepted (nothing is imported): for a
-    pickle that another restricted unpickler (torch's weights-only one) will
-    judge class by class, so that it is not handed a pickle that would allocate
-    far more than its size or nest deep enough to overflow the C stack when a
-    key is hashed. Returns the estimated bytes; raises FormatError or Refused
-    (an opcode that torch.save never writes).
-
-    The walk runs in C++ (``_C.pickle_check``, csrc/pickle/pickle_scan.cc,
-    without the GIL): the same verdicts and messages as :func:`check_reference`,
-    the Python walk, which stays the reference (tests/python/test_pickle_walk.py
-    runs both on the same inputs)."""
-    n = len(data)
-    if n >= 1 << 32:  # the C++ walk numbers its values in 32 bits
-        return check_reference(data, where, persistent=persistent, max_depth=max_depth)
+def _c_walk(data: bytes, where: str, persistent: bool, max_depth: int, *, call_objects: bool) -> int:
+    """The walk, in C++ (the one production runs); raises as :func:`_walk` does."""
     from .. import _C
-    kind, msg, pos, cost = _C.pickle_check(data, persistent, max_depth, MAX_RATIO, MIN_BUDGET, _max_str_digits())
+    n = len(data)
+    kind, msg, pos, cost = _C.pickle_check(data, persistent, max_depth, MAX_RATIO, MIN_BUDGET, _max_str_digits(),
+                                           call_objects)
     if kind == 0:
         return cost
     if kind == 1:
@@ -437,10 +442,24 @@ def check(data: bytes, where: str, *, persistent: bool = True, max_depth: int = 
     raise FormatError(f"{where}: damaged pickle ({msg}); refused before unpickling, {NOTHING_RUN}")
 
 
-def check_reference(data: bytes, where: str, *, persistent: bool = True, max_depth: int = MAX_OBJECT_DEPTH) -> int:
-    """:func:`check` by the Python walk (pickletools.genops), the reference
-    implementation of the C++ one."""
-    return _walk(bytes(data), where, _any_global, persistent, max_depth)
+def check(data: bytes, where: str, *, persistent: bool = True, max_depth: int = MAX_OBJECT_DEPTH) -> int:
+    """Only the walk, for a pickle that torch's weights-only unpickler will
+    judge class by class: it is not handed a pickle that would allocate far
+    more than its size or nest deep enough to overflow the C stack when a key is
+    hashed. Every global is accepted and nothing is imported; a call may call
+    what a call returned (torch's unpickler allows or refuses each callable by
+    its value, as ``getattr`` reaching a nested class or a classmethod needs).
+    Returns the estimated bytes; raises FormatError or Refused (an opcode that
+    torch.save never writes, a call of a container or a string)."""
+    return _c_walk(data, where, persistent, max_depth, call_objects=True)
+
+
+def check_reference(data: bytes, where: str, *, persistent: bool = True, max_depth: int = MAX_OBJECT_DEPTH,
+                    call_objects: bool = True) -> int:
+    """The Python walk (pickletools.genops), for tests only: the oracle of the
+    C++ walk. With the defaults, :func:`check`'s verdicts; with
+    ``call_objects=False``, the walk of :func:`loads`."""
+    return _walk(bytes(data), where, _any_global, persistent, max_depth, call_objects)
 
 
 def _max_str_digits() -> int:
@@ -451,11 +470,18 @@ def _max_str_digits() -> int:
 
 # ---------------------------------------------------------------- the DCP metadata policy
 
+# What stock DCP writes into .metadata, today and in older releases that this
+# torch still reads: stock FileSystemReader unpickles .metadata with plain
+# pickle.load (running whatever the file names); FastReader takes these
+# classes, from modules fastckpt imports itself, and nothing else but what the
+# user allowed (see dcp_metadata_class).
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": (
         "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata", "TensorProperties",
         "_MEM_FORMAT_ENCODING", "MetadataIndex", "StorageMeta"),
     "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    # older releases wrote TensorProperties (and its memory-format enum) from the sharded tensor's metadata
+    "torch.distributed._shard.sharded_tensor.metadata": ("TensorProperties", "MEM_FORMAT_ENCODING"),
     "torch.serialization": ("_get_layout",),
     "torch": ("Size",),
     "collections": ("OrderedDict",),
@@ -489,7 +515,10 @@ def _dcp_allowed() -> Dict[Tuple[str, str], Any]:
                     if m is None:
                         continue
                 else:
-                    m = importlib.import_module(mod)  # one of the fixed modules above
+                    try:
+                        m = importlib.import_module(mod)  # one of the fixed modules above
+                    except ImportError:  # a torch without it
+                        continue
             for name in names:
                 if hasattr(m, name):
                     table[(mod, name)] = getattr(m, name)
@@ -500,32 +529,41 @@ def _dcp_allowed() -> Dict[Tuple[str, str], Any]:
     return _dcp_table
 
 
-def _user_safe_globals() -> Dict[Tuple[str, str], Any]:
-    """What the user allowed with ``torch.serialization.add_safe_globals`` (as torch names them)."""
-    out: Dict[Tuple[str, str], Any] = {}
+def _user_allowed(module: str, name: str) -> Any:
+    """What the user allowed for `module`.`name` with torch.serialization.add_safe_globals or the
+    safe_globals context, looked up by torch's own function and naming (``module.qualname``, or
+    the name given with the object), or None; torch's blocked modules never."""
     try:
-        from torch.serialization import get_safe_globals
-        entries = get_safe_globals()
-    except Exception:  # an older torch
-        return out
-    for e in entries:
-        obj, name = (e if isinstance(e, tuple) else (e, None))
-        if name is None:
-            name = f"{getattr(obj, '__module__', '')}.{getattr(obj, '__qualname__', getattr(obj, '__name__', ''))}"
-        mod, _, qual = name.rpartition(".")
-        out[(mod, qual)] = obj
-    return out
+        from torch import _weights_only_unpickler as wo
+        user = wo._get_user_allowed_globals()
+        blocked = getattr(wo, "_blocklisted_modules", ())
+    except Exception:  # a torch without them
+        return None
+    if module in blocked:
+        return None
+    return user.get(f"{module}.{name}")
 
 
 def dcp_metadata_class(module: str, name: str) -> Any:
-    """The policy for DCP ``.metadata``: torch.distributed.checkpoint's metadata
-    classes, dtypes, layouts, memory formats, torch.Size, OrderedDict, paths,
-    sets and slices, and whatever the user allowed with
-    ``torch.serialization.add_safe_globals``. Anything else is :class:`Refused`."""
+    """The policy for DCP ``.metadata``: the classes stock DCP writes there
+    (torch.distributed.checkpoint's metadata classes, and the TensorProperties
+    of older releases), dtypes, layouts, memory formats, torch.Size,
+    OrderedDict, paths, sets and slices, and the *classes* the user allowed with
+    ``torch.serialization.add_safe_globals`` or the ``safe_globals`` context
+    (looked up as torch looks them up). A function the user allowed (such as
+    ``getattr``) is refused here: torch's weights-only unpickler checks what
+    each call returns before calling or filling it, CPython's unpickler does
+    not, so here only constructors of allowed classes may be called. Anything
+    else is :class:`Refused`."""
     obj = _dcp_allowed().get((module, name))
-    if obj is None:
-        obj = _user_safe_globals().get((module, name))
-    if obj is None:
-        raise Refused(f"global {module}.{name} is not a DCP metadata class (allowed: torch.distributed.checkpoint's "
-                      "metadata classes, dtypes, torch.Size, paths; more with torch.serialization.add_safe_globals)")
-    return obj
+    if obj is not None:
+        return obj
+    obj = _user_allowed(module, name)
+    if obj is not None:
+        if isinstance(obj, type):
+            return obj
+        raise Refused(f"global {module}.{name} is allowed by torch.serialization.add_safe_globals but is not a "
+                      "class: DCP metadata takes only classes from it (no function whose result is not checked)")
+    raise Refused(f"global {module}.{name} is not a DCP metadata class (allowed: torch.distributed.checkpoint's "
+                  "metadata classes, dtypes, torch.Size, paths; more classes with "
+                  "torch.serialization.add_safe_globals)")

@@ -1,13 +1,11 @@
 """The zip container of a torch.save archive, as fastckpt writes and reads it.
 
 docs/FORMAT.md is the specification; this module follows it. Writing mirrors
-what PyTorch's own writer (miniz) produces, so that stock ``torch.load`` reads
-fastckpt files, with one difference: storage records of at least
-:data:`DIRECT_MIN` bytes start on a multiple of :data:`ALIGNMENT` (4096), the
-others are packed at torch's own alignment (64 by default);
-:func:`record_alignment` is the rule. (Hence fastckpt files have no
-``.format_version`` record: with it torch would compute offsets from sizes and
-one alignment; without it, it reads them from the local headers.)
+what PyTorch's own writer (miniz) produces, ``.format_version`` included, so
+that stock ``torch.load`` reads fastckpt files and may compute their storages'
+offsets as it does for its own: every record on one alignment, which
+:func:`storage_alignment` chooses (4096 where large storages dominate, else
+torch's own, 64 by default).
 Reading is defensive: every offset and size read from disk is checked against
 the file before it is used, and any inconsistency is a :class:`FormatError`.
 """
@@ -50,7 +48,7 @@ _HEADER_BATCH_BYTES = 16 << 20  # windows read in one parallel batch (their buff
 # and a batch of local headers, one read after the other.
 _WHOLE_FILE = 1 << 20
 
-_local = struct.Struct("<IHHHHHIIIHH")
+LOCAL_HEADER = struct.Struct("<IHHHHHIIIHH")
 _central = struct.Struct("<IHHHHHHIIIHHHHHII")
 _descriptor32 = struct.Struct("<IIII")
 _descriptor64 = struct.Struct("<IIQQ")
@@ -66,6 +64,34 @@ def large_alignment(alignment: int) -> int:
     otherwise aligned to `alignment` (torch's storage_alignment): a multiple of
     both it and :data:`ALIGNMENT`."""
     return math.lcm(ALIGNMENT, max(1, alignment))
+
+
+# A file's storage records all share one alignment (torch predicts their offsets from it, see
+# :func:`storage_alignment`); the small ones' padding up to it may cost at most this share of the data
+# (or SMALL_PADDING_MIN bytes, whichever is more) before a file keeps torch's alignment instead.
+SMALL_PADDING_SHARE = 64
+SMALL_PADDING_MIN = 1 << 20
+
+
+def storage_alignment(sizes: List[int], alignment: int, direct_min: Optional[int] = DIRECT_MIN) -> int:
+    """The one alignment of every record of an archive whose storages have
+    `sizes` bytes, which its ``.storage_alignment`` record states: torch.save
+    writes a ``.format_version`` record, and with it torch.load computes each
+    storage's offset from the previous one's end and that one alignment, so
+    every storage record must follow it (docs/FORMAT.md 1.3).
+    :func:`large_alignment` (a multiple of `alignment` and of 4096: records of
+    `direct_min` bytes or more are then read O_DIRECT straight into place)
+    when the file has such a record and padding its smaller ones to it costs
+    at most 1/SMALL_PADDING_SHARE of the data (or SMALL_PADDING_MIN bytes);
+    else `alignment`, torch.save's own layout. ``direct_min=None``: always
+    `alignment`."""
+    if direct_min is None or not any(n >= direct_min for n in sizes):
+        return alignment
+    large = large_alignment(alignment)
+    small = sum(1 for n in sizes if n < direct_min)
+    if small * large > max(SMALL_PADDING_MIN, sum(sizes) // SMALL_PADDING_SHARE):
+        return alignment
+    return large
 
 
 def record_alignment(size: int, alignment: int, direct_min: Optional[int] = DIRECT_MIN) -> int:
@@ -97,7 +123,7 @@ def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT
         parts = _header_parts.get(key)
         if parts is None:  # the fixed fields before the name, and the padding field after it
             field = struct.pack("<HH", PAD_TAG, pad) + b"Z" * pad
-            parts = (_local.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(field)), field)
+            parts = (LOCAL_HEADER.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(field)), field)
             if len(_header_parts) < 4096:
                 _header_parts[key] = parts
         return parts[0] + name + parts[1]
@@ -112,19 +138,18 @@ def local_header(name: bytes, size: int, offset: int, alignment: int = ALIGNMENT
         start += len(extra)
     pad = (-start) % alignment
     extra += struct.pack("<HH", PAD_TAG, pad) + b"Z" * pad
-    head = _local.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(extra))
+    head = LOCAL_HEADER.pack(LOCAL_SIG, 0, FLAGS, 0, DOS_TIME, DOS_DATE, 0, 0, 0, len(name), len(extra))
     return head + name + extra
 
 
 def is_fastckpt_layout(records: Dict[str, "Entry"], alignment: int) -> bool:
     """Whether the storage records of an archive (``data_offset`` read) whose
-    ``.storage_alignment`` record says `alignment` follow fastckpt's layout
-    (docs/FORMAT.md 1.3): no ``.format_version`` record, every storage on a
-    multiple of `alignment` and those of at least :data:`DIRECT_MIN` bytes on
-    :func:`large_alignment`; or, as fastckpt wrote before packing small records,
-    `alignment` a multiple of :data:`ALIGNMENT` and every storage on it. (A
-    torch.save file of only small storages has the same offsets but a
-    ``.format_version``.)"""
+    ``.storage_alignment`` record says `alignment` follow a layout only fastckpt
+    writes (docs/FORMAT.md 1.3): `alignment` a multiple of :data:`ALIGNMENT` and
+    every storage on it; or, as earlier releases wrote, no ``.format_version``,
+    every storage on a multiple of `alignment` and those of at least
+    :data:`DIRECT_MIN` bytes on :func:`large_alignment`. (A fastckpt file of
+    small storages has torch.save's own layout, and reads as one.)"""
     if alignment < 1 or ".storage_alignment" not in records:
         return False
     data = [e for n, e in records.items() if n.startswith("data/")]
@@ -459,7 +484,7 @@ class Archive:
                     w_items.append((rest, e, raw_name))
                     continue
             windows.append((e.header_offset, need - e.header_offset, [(rest, e, raw_name)]))
-        unpack_local = _local.unpack_from
+        unpack_local = LOCAL_HEADER.unpack_from
         first = 0
         while first < len(windows):
             last, total = first, 0

@@ -7,7 +7,7 @@ import os
 import shutil
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
-from ..manager.ranks import PeerFailed, Ranks, _failures
+from ..manager.ranks import PeerFailed, Ranks, failure_types
 from ..manager.policy import _replace_dir
 from .._core.tempnames import temp_name
 from .._core.paths import check_dcp_target
@@ -213,7 +213,7 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
             os.makedirs(parent, exist_ok=True)
             tmp = os.path.join(parent, temp_name(name, "dcp"))
             os.mkdir(tmp)
-        except _failures() as e:  # noqa: BLE001
+        except failure_types() as e:  # noqa: BLE001
             if ranks is None:
                 raise
             err, tmp = e, None
@@ -241,7 +241,7 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
                         path)
                 result = write(tmp)
                 _fsync_files(os.path.join(content, n) for n in own)
-            except _failures() as e:  # noqa: BLE001
+            except failure_types() as e:  # noqa: BLE001
                 err = _naming_final(e, tmp, path)
             together(err, "writing its files")
         err = None
@@ -254,7 +254,7 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
                 _commit_dir(content, path)
                 if after_commit is not None:
                     after_commit()
-            except _failures() as e:  # noqa: BLE001
+            except failure_types() as e:  # noqa: BLE001
                 err = _naming_final(e, tmp, path)
                 if ranks is None:
                     if err is e:

@@ -80,7 +80,7 @@ import torch  # noqa: E402
 
 from .. import safetensors as _st  # noqa: E402
 from .. import serialization as _ser  # noqa: E402
-from ..manager.ranks import _failures  # noqa: E402
+from ..manager.ranks import failure_types  # noqa: E402
 from .._core.engine import fsync_dir  # noqa: E402
 
 __all__ = ["use_fastckpt", "restore"]
@@ -136,7 +136,7 @@ def _save_state(acc: Accelerator, original, output_dir: Optional[str] = None, sa
                 if os.path.exists(output_dir):  # Accelerate's own refusal
                     raise ValueError(f"Checkpoint directory {output_dir} ({cfg.iteration}) already exists. Please "
                                      "manually override `self.save_iteration` with what iteration to start with.")
-        except _failures() as e:  # noqa: BLE001
+        except failure_types() as e:  # noqa: BLE001
             if ranks is None:
                 raise
             err = e
@@ -224,13 +224,13 @@ def _load_state(acc: Accelerator, original, input_dir: Optional[str] = None, loa
     if acc.is_main_process:
         try:
             found = _find_input_dir(acc, input_dir)
-        except _failures() as e:  # noqa: BLE001
+        except failure_types() as e:  # noqa: BLE001
             err = e
     found = agree(ranks, err, shown, "finding it", found, action="load")
     err = None
     try:
         _load_here(acc, found, load_kwargs, load_model_func_kwargs)
-    except _failures() as e:  # noqa: BLE001
+    except failure_types() as e:  # noqa: BLE001
         err = e
     agree(ranks, err, found, "reading its files", action="load")
 

@@ -32,14 +32,14 @@ the collective save runs on the writer thread: change them only between saves).
 import os
 from typing import Any
 
-from .ranks import PeerFailed, _failures
-from ..saver import SaveFuture, _Snapshot
+from .ranks import PeerFailed, failure_types
+from ..saver import SaveFuture, SaveSnapshot
 from ..serialization import save as _save
 
 
 class _Replay:
     """The ``pickle_module`` through which ``fastckpt.save`` writes a snapshot
-    (:class:`fastckpt.saver._Snapshot`) as it was pickled: its ``dump``
+    (:class:`fastckpt.saver.SaveSnapshot`) as it was pickled: its ``dump``
     hands every staged storage, in key order, to the persistent-id hook of the
     save's pickler (which then numbers them as the snapshot did: keys "0",
     "1", ...) and writes the snapshot's ``data.pkl`` as it is, with the
@@ -54,15 +54,15 @@ class _Replay:
         def persistent_id(self, obj):  # pragma: no cover - the save's pickler overrides it
             return None
 
-        def dump(self, snap: _Snapshot) -> None:
-            if not isinstance(snap, _Snapshot):
+        def dump(self, snap: SaveSnapshot) -> None:
+            if not isinstance(snap, SaveSnapshot):
                 raise TypeError(f"fastckpt: _Replay writes a snapshot, not {type(snap).__name__}")
             for storage in snap.staged:
                 self.persistent_id(storage)
             self._file.write(snap.data_pkl)
 
 
-def write_snapshot(path: str, snap: _Snapshot, group: Any) -> None:
+def write_snapshot(path: str, snap: SaveSnapshot, group: Any) -> None:
     """Collective on ``group``: the snapshot ``snap`` written to ``path`` by
     every rank of ``group`` (:func:`fastckpt.save` with ``group=``)."""
     _save(snap, path, pickle_module=_Replay, group=group,
@@ -82,7 +82,7 @@ def async_save(mgr: Any, step: int, name: str, state: Any) -> SaveFuture:
     staged, err = None, None
     try:
         staged = saver.stage(state, path, zip_only=True)
-    except _failures() as e:  # noqa: BLE001 - every rank learns of it
+    except failure_types() as e:  # noqa: BLE001 - every rank learns of it
         err = e
     try:
         ranks.agree(err, f"snapshotting the checkpoint of step {step} ({path})")
@@ -94,7 +94,7 @@ def async_save(mgr: Any, step: int, name: str, state: Any) -> SaveFuture:
 
     group = ranks.async_pg  # not released while this save is in flight: close() and exit wait for it
 
-    def write(target: str, snap: _Snapshot) -> None:
+    def write(target: str, snap: SaveSnapshot) -> None:
         write_snapshot(target, snap, group)
 
     def commit() -> None:
@@ -104,7 +104,7 @@ def async_save(mgr: Any, step: int, name: str, state: Any) -> SaveFuture:
         if mgr.rank == 0:
             try:
                 mgr._commit(name)
-            except _failures() as e:  # noqa: BLE001
+            except failure_types() as e:  # noqa: BLE001
                 err = e
         try:
             ranks.agree(err, f"committing {path} (moving `latest`)", background=True)

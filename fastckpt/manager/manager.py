@@ -73,11 +73,11 @@ from pathlib import Path
 from typing import Any, List, NamedTuple, Optional, Set, Union
 
 from .asyncsave import async_save as _collective_async_save
-from .ranks import Ranks, _failures, _register
-from .policy import TMP_MARK, StepDirectory, _failure_kind, _unwrap
+from .ranks import Ranks, failure_types, register_manager
+from .policy import TMP_MARK, StepDirectory, failure_kind, unwrap
 from . import remote as _remote_tier
 from .remote import candidates as _remote_candidates
-from ..saver import AsyncSaver, SaveFuture, _fail_inherited, default_saver
+from ..saver import AsyncSaver, SaveFuture, fail_inherited, default_saver
 from ..serialization import load as _load
 from ..serialization import save as _save
 
@@ -164,25 +164,25 @@ class CheckpointManager:
                 if clean:
                     self.clean_temporaries()
                 prefix = _remote_tier.open_rank0(self, replicate_to, storage_options, keep_last_remote)
-            except _failures() as e:  # noqa: BLE001 - every rank learns of it
+            except failure_types() as e:  # noqa: BLE001 - every rank learns of it
                 err = e
         prefix = self._ranks.agree(err, "preparing the checkpoint directory", prefix)
         _remote_tier.open_others(self, replicate_to, storage_options, keep_last_remote, prefix)  # collective
         if sharded:
             self._ranks.open_async_group()
-        _register(self)
+        register_manager(self)
 
     def _after_fork(self) -> None:
         """In a child made by ``fork()`` (only the forking thread survives; see
         fastckpt/_manager_dist.py): a new lock (another thread may have held
         it at fork()); the parent's saves in flight are not the child's: their
-        futures fail at once (see :func:`fastckpt.saver._fail_inherited`)
+        futures fail at once (see :func:`fastckpt.saver.fail_inherited`)
         and the names they were writing are not the child's to protect, so the
         child's ``wait``, ``clean_temporaries`` and exit never wait for them."""
         self._lock = threading.Lock()
         self._remote = None  # the parent's uploads are not the child's (its replicator's thread is gone)
         for f in self._futures:
-            _fail_inherited(f)
+            fail_inherited(f)
         self._futures = []
         self._writing = set()
 
@@ -230,7 +230,7 @@ class CheckpointManager:
                 self.wait_local()
             if tmp_dir and self.rank == 0:
                 tmp_name = self._dir.new_temp_dir(name)
-        except _failures() as e:  # noqa: BLE001
+        except failure_types() as e:  # noqa: BLE001
             err = e
         try:
             tmp_name = self._ranks.agree(err, f"an earlier checkpoint save (before step {step})", tmp_name)
@@ -276,7 +276,7 @@ class CheckpointManager:
                 _save(state, path, group=self._ranks.own_group() if self.collective else None)
                 if self.rank == 0:
                     self._commit(name)  # `latest` moves once the file is committed
-            except _failures() as e:  # noqa: BLE001
+            except failure_types() as e:  # noqa: BLE001
                 err = e
             finally:
                 with self._lock:
@@ -328,7 +328,7 @@ class CheckpointManager:
                 self._writing.add(name)
             try:
                 fut = self.saver.save(state, self.directory / name, after=lambda: self._commit(name))
-            except _failures() as e:  # noqa: BLE001
+            except failure_types() as e:  # noqa: BLE001
                 err = e
                 with self._lock:
                     self._writing.discard(name)
@@ -363,7 +363,7 @@ class CheckpointManager:
         try:
             self.wait_local()
             self.saver.raise_unobserved()
-        except _failures() as e:  # noqa: BLE001
+        except failure_types() as e:  # noqa: BLE001
             err = e
         self._ranks.agree(err, "an asynchronous checkpoint save")
 
@@ -472,14 +472,14 @@ class CheckpointManager:
         try:
             try:
                 self._ranks.dcp_save(state, str(tmp))
-            except _failures() as e:  # noqa: BLE001
+            except failure_types() as e:  # noqa: BLE001
                 err = e
             self._ranks.agree(err, f"writing the shards of step {step}")
             if self.rank == 0:
                 try:
                     self._dir.publish_dir(tmp, name)
                     self._commit(name)
-                except _failures() as e:  # noqa: BLE001
+                except failure_types() as e:  # noqa: BLE001
                     err = e
             self._ranks.agree(err, f"committing the checkpoint of step {step}")
         except BaseException:
@@ -508,7 +508,7 @@ class CheckpointManager:
         dfut = None
         try:
             dfut = self._ranks.dcp_async_save(state, str(tmp))
-        except _failures() as e:  # noqa: BLE001
+        except failure_types() as e:  # noqa: BLE001
             err = e
         try:
             self._ranks.agree(err, f"staging the shards of step {step}")
@@ -605,7 +605,7 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 listing = self._dir.candidates()
-            except _failures() as e:  # noqa: BLE001
+            except failure_types() as e:  # noqa: BLE001
                 err = e
         listing = self._ranks.agree(err, "listing checkpoints", listing)
         failures = []
@@ -620,10 +620,10 @@ class CheckpointManager:
                     group = self._ranks.own_group() if self.collective else None
                     result = _load(path, map_location=map_location, weights_only=weights_only, verify=self.verify,
                                    group=group)
-            except _failures() as e:  # noqa: BLE001 - classified below
+            except failure_types() as e:  # noqa: BLE001 - classified below
                 err = e
-            kind = None if err is None else _failure_kind(err)
-            got = self._ranks.gather(None if err is None else (type(_unwrap(err)).__name__, str(_unwrap(err)), kind))
+            kind = None if err is None else failure_kind(err)
+            got = self._ranks.gather(None if err is None else (type(unwrap(err)).__name__, str(unwrap(err)), kind))
             bad = [(r, g) for r, g in enumerate(got) if g is not None]
             if not bad:
                 return Restored(step, result, str(path))
@@ -632,7 +632,7 @@ class CheckpointManager:
                 if not ranks:
                     continue
                 if kind == what:
-                    e = _unwrap(err)
+                    e = unwrap(err)
                     note = (f"fastckpt.CheckpointManager: raised while loading {path}; " +
                             ("not a damaged checkpoint, so older checkpoints were not tried"
                              if what == "error" else "the weights-only unpickler refused it (not corruption)"))

@@ -15,7 +15,6 @@ import errno
 import logging
 import os
 import pickle
-import re
 import shutil
 import stat
 import warnings
@@ -26,6 +25,7 @@ from .._core.atomic import write_file
 from .._core.tempnames import (TMP_MARK, parse_temp, remove_leftovers, temp_host, temp_name,
                                writer_gone)
 from .._core.owner import check_directory_owner
+from .._core.steps import FILE_SUFFIX, parse_step_name, step_name
 from .._core.engine import fsync_dir
 from ..errors import FormatError
 
@@ -62,14 +62,14 @@ def _replace_dir(tmp: Union[str, os.PathLike], final: Union[str, os.PathLike]) -
 _DAMAGE_ERRNOS = frozenset({errno.ENOENT, errno.ENOTDIR, errno.EISDIR})
 
 
-def _failure_kind(e: BaseException) -> str:
+def failure_kind(e: BaseException) -> str:
     """How :meth:`CheckpointManager.load_latest` treats a failure to load one
     checkpoint: ``"damaged"`` (missing, incomplete or failing its checks: try
     the previous one), ``"refused"`` (the weights-only unpickler refused a
     value: raised, not corruption) or ``"error"`` (anything else: raised)."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and type(e).__name__ == "CheckpointException":  # DCP wraps every rank's error
-        kinds = {_failure_kind(f[0] if isinstance(f, tuple) else f) for f in failures.values()}
+        kinds = {failure_kind(f[0] if isinstance(f, tuple) else f) for f in failures.values()}
         if not kinds or "error" in kinds:
             return "error"
         return "refused" if "refused" in kinds else "damaged"
@@ -82,7 +82,7 @@ def _failure_kind(e: BaseException) -> str:
     return "error"
 
 
-def _unwrap(e: BaseException) -> BaseException:
+def unwrap(e: BaseException) -> BaseException:
     """DCP's CheckpointException holding exactly one error: that error."""
     failures = getattr(e, "failures", None)
     if isinstance(failures, dict) and type(e).__name__ == "CheckpointException" and len(failures) == 1:
@@ -110,11 +110,10 @@ class StepDirectory:
 
     # ------------------------------------------------------------ names
     def name_for(self, step: int) -> str:
-        return f"step_{step:08d}" if self.sharded else f"step_{step:08d}.pt"
+        return step_name(step, "" if self.sharded else FILE_SUFFIX)
 
     def parse(self, name: str) -> Optional[int]:
-        m = re.fullmatch(r"step_(\d+)" if self.sharded else r"step_(\d+)\.pt", name)
-        return int(m.group(1)) if m else None
+        return parse_step_name(name, "" if self.sharded else FILE_SUFFIX)
 
     def complete(self) -> List[Tuple[int, str]]:
         """Complete checkpoints as (step, name), oldest first."""

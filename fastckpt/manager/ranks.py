@@ -29,6 +29,8 @@ from datetime import timedelta
 from typing import Any, List, Optional, Tuple
 
 from .._core import dist_exit as _dist_exit
+from ..collective.group import describe, raise_failures
+from ..errors import RanksFailed
 
 log = logging.getLogger("fastckpt")
 
@@ -38,7 +40,7 @@ log = logging.getLogger("fastckpt")
 _failures_cache: Optional[Tuple[type, ...]] = None
 
 
-def _failures() -> Tuple[type, ...]:
+def failure_types() -> Tuple[type, ...]:
     """What a failed save or load can raise: Exception, and DCP's
     CheckpointException, which is a BaseException."""
     global _failures_cache
@@ -51,8 +53,9 @@ def _failures() -> Tuple[type, ...]:
     return _failures_cache
 
 
-class PeerFailed(RuntimeError):
-    """Raised by :meth:`Ranks.agree` on the ranks that did not fail: another rank did (the message says which and why)."""
+# Raised by :meth:`Ranks.agree` on the ranks that did not fail: another rank did
+# (the message says which and why). The one "rank r failed" error of fastckpt.
+PeerFailed = RanksFailed
 
 
 # ------------------------------------------------------------------ groups
@@ -128,16 +131,16 @@ class Ranks:
     def agree(self, err: Optional[BaseException], what: str, payload: Any = None, background: bool = False,
               who: str = "fastckpt.CheckpointManager") -> Any:
         """A barrier that also tells every rank whether any rank failed: raises
-        ``err`` here, or a RuntimeError naming the rank that failed (``who``:
-        the component the message starts with). Returns rank 0's ``payload``.
+        ``err`` here, or :class:`~fastckpt.errors.RanksFailed` (an OSError and
+        a RuntimeError) naming the ranks that failed (``who``: the component
+        the message starts with). Returns rank 0's ``payload``.
         ``background``: on the group of background saves (:meth:`gather`)."""
-        msg = None if err is None else f"{type(err).__name__}: {err}"
+        msg = None if err is None else describe(err)[1]
         got = self.gather((msg, payload), background)
         if err is not None:
             raise err
-        for r, (m, _) in enumerate(got):
-            if m is not None:
-                raise PeerFailed(f"{who}: {what} failed on rank {r}: {m}")
+        raise_failures([None if m is None else (None, m) for m, _ in got],
+                       lambda r, m: f"{who}: {what} failed on rank {r}: {m}")
         return got[0][1]
 
     def store(self) -> Any:
@@ -253,7 +256,7 @@ def _release_at_exit() -> None:
                   exc_info=True)
 
 
-def _register(mgr: Any) -> None:
+def register_manager(mgr: Any) -> None:
     """A new manager: released at exit (``mgr._release(wait=True)``) and told of a fork (``mgr._after_fork()``)."""
     global _exit_hook
     with _exit_lock:

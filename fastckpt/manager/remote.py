@@ -35,7 +35,7 @@ import uuid
 import warnings
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
-from .ranks import _failures
+from .ranks import failure_types
 
 log = logging.getLogger("fastckpt")
 
@@ -68,7 +68,7 @@ def open_others(mgr: Any, url: Optional[str], storage_options: Optional[Dict[str
     if mgr.rank != 0:
         try:
             mgr._remote = RemoteTier(mgr, url, storage_options, keep_last_remote, prefix)
-        except _failures() as e:  # noqa: BLE001 - every rank learns of it
+        except failure_types() as e:  # noqa: BLE001 - every rank learns of it
             err = e
     try:
         mgr._ranks.agree(err, f"opening the remote tier {url}")
@@ -214,7 +214,7 @@ def candidates(mgr: Any, listing: List[Tuple[int, str]]) -> Iterator[Tuple[int, 
         try:
             latest = mgr._dir.latest_name()
             remote = mgr._remote.steps(None if latest is None else mgr._dir.parse(latest))
-        except _failures() as e:  # noqa: BLE001 - every rank learns of it
+        except failure_types() as e:  # noqa: BLE001 - every rank learns of it
             err = e
     remote = mgr._ranks.agree(err, f"listing the remote checkpoints of {mgr._remote_url}", remote)
     local = dict(listing)
@@ -226,7 +226,7 @@ def candidates(mgr: Any, listing: List[Tuple[int, str]]) -> Iterator[Tuple[int, 
             if mgr.rank == 0:
                 try:
                     name = mgr._remote.restore(step)
-                except _failures() as e:  # noqa: BLE001
+                except failure_types() as e:  # noqa: BLE001
                     err = e
             name = mgr._ranks.agree(err, f"restoring step {step} from {mgr._remote_url}", name)
             if name is not None:

@@ -18,10 +18,10 @@ an incomplete step, never a manifest naming missing files.
 """
 
 import json
-import re
 import time
 from typing import Any, Dict, List, Optional
 
+from .._core.steps import parse_step_name, step_name
 from ..errors import FormatError
 from ._policy import TransferOptions, retry
 from .store import Store
@@ -33,11 +33,11 @@ MANIFEST = "fastckpt-manifest.json"
 FORMAT = "fastckpt-remote-manifest"
 VERSION = 1
 MAX_MANIFEST_BYTES = 64 << 20  # a manifest lists files; a bigger object is not one
-_STEP = re.compile(r"^step_(\d+)$")
 
 
 def step_prefix(step: int) -> str:
-    return f"step_{int(step)}"
+    """The unpadded ``step_<N>`` prefix of a step's keys (what stored manifests use)."""
+    return step_name(step, width=0)
 
 
 def manifest_key(step: int) -> str:
@@ -150,9 +150,9 @@ def list_step_prefixes(store: Store, opts: Optional[TransferOptions] = None) -> 
     out: Dict[int, Dict[str, int]] = {}
     for k, size in objs.items():
         head, _, rest = k.partition("/")
-        m = _STEP.match(head)
-        if m and rest:
-            out.setdefault(int(m.group(1)), {})[rest] = size
+        step = parse_step_name(head)
+        if step is not None and rest:
+            out.setdefault(step, {})[rest] = size
     return out
 
 

@@ -61,6 +61,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from ..errors import RanksFailed
 from . import manifest as mf
 from ._policy import TransferOptions, retry
 from .replicator import LocalCheckpoint, commit_step, upload_step_files
@@ -73,15 +74,6 @@ __all__ = ["Coordinator", "Worker", "RanksFailed", "owner_of"]
 log = logging.getLogger("fastckpt.remote")
 
 _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
-
-
-class RanksFailed(OSError):
-    """A step was not replicated because some ranks failed or died (no
-    manifest was written). ``failures``: rank -> what happened there."""
-
-    def __init__(self, code: int, message: str, url: str, failures: Dict[int, str]):
-        super().__init__(code, message, url)
-        self.failures = failures
 
 
 def owner_of(rel: str, world: int) -> int:

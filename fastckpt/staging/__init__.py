@@ -1,3 +1,5 @@
-"""Host memory between tensors and the engine: aligned (pinned, for CUDA)
-buffers and pools, the device-copy interface (CUDA, and the simulated device
-of the tests), and the snapshots that async, DCP and collective saves take."""
+"""Host memory between tensors and the engine: the device-copy interface and
+its host buffers and pools (``device``), the one snapshot component that
+async, DCP and collective saves take their copies with (``snapshot``),
+streaming device bytes to the host (``tohost``) and file ranges to devices
+(``todevice``), and DCP's state-dict staging (``statedict``)."""

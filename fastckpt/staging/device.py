@@ -1,4 +1,4 @@
-"""The one staging component: host buffers and the device-copy interface.
+"""The device-copy interface and the host buffers it copies through.
 
 Every copy between a device (CUDA, or the simulated device of the tests) and
 host memory goes through a :class:`DeviceCopier`:
@@ -12,34 +12,35 @@ host memory goes through a :class:`DeviceCopier`:
   (4 KiB aligned), page-locked once (``cudaHostRegister``; no power-of-two
   rounding, nothing cached behind the caller's back) and unlocked when it
   goes;
-* ``check_ready(view)`` / ``check_idle(view)``: hooks that the pipeline calls
+* ``check_ready(view)`` / ``check_idle(view)``: hooks that the pipelines call
   where host bytes are handed to the engine and where a buffer is given back
   for reuse (no-ops on CUDA; the simulated device checks them).
 
-On top of it, one host-staging face used by every path:
+The one stream/event discipline every user follows: a copy's host bytes are
+read (``check_ready``) only after the event of that copy, or of a later copy
+on the same copy stream, has been synchronized; a host buffer is reused or
+freed (``check_idle``) only after the events of every copy into or out of it
+have been synchronized. The pipelines that apply it:
 
-* :class:`ToHost`: the host bytes of many tensors, in order, through a
-  bounded :class:`HostPool` (``fastckpt.save`` of device storages, FastWriter's
-  synchronous path): copies run ahead of the consumer, small tensors are
-  packed into one buffer, nothing synchronizes per tensor, and the consumer
-  waits only for the event of the buffer it is about to write;
-* :func:`snapshot_into`: copies into caller-owned exact-size buffers and
-  waits (async_save's snapshot, FastWriter.stage);
-* :func:`load_into_device`: file ranges read in chunks into the pool and
-  copied to device storages while the next chunks are read (``fastckpt.load``
-  with a device ``map_location``).
+* :mod:`fastckpt.staging.snapshot`: copies taken at one moment into host
+  memory kept for reuse (async_save, DCP's async staging);
+* :mod:`fastckpt.staging.tohost`: host bytes of many tensors or storage
+  ranges, streamed through a bounded :class:`HostPool` (``fastckpt.save``,
+  FastWriter's synchronous path, collective saves);
+* :mod:`fastckpt.staging.todevice`: file ranges read into the pool and copied
+  to device storages (device loads, the collective load).
 
 Only CUDA is real here; no GPU ever ran this module's CUDA class in the
-project's CI: the pipeline is tested on the simulated device
+project's CI: the pipelines are tested on the simulated device
 (tests/python/sim_device.py).
 """
 
 import contextlib
 import logging
+import os
 import threading
 import weakref
-from collections import deque
-from typing import Any, Callable, Deque, Dict, Iterable, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -47,16 +48,15 @@ from .. import _C
 
 log = logging.getLogger("fastckpt")
 
-__all__ = ["DeviceCopier", "CudaCopier", "HostBuffer", "HostPool", "ToHost", "copier_for", "copier_for_location",
-           "register", "pool_for", "clear_pools", "snapshot_into", "load_into_device"]
+__all__ = ["DeviceCopier", "CudaCopier", "HostBuffer", "HostPool", "Buf", "copier_for", "copier_for_location",
+           "register", "pool_for", "clear_pools", "default_chunk", "bytes_view", "nbytes"]
 
 ALIGN = 4096        # host buffers start on a page
 PACK_ALIGN = 64     # small tensors packed into one buffer start on a cache line
 POOL_BUFFERS = 4    # buffers in a pool (x chunk bytes: the host memory one pool may hold)
-LOOKAHEAD = 256     # items a ToHost resolves ahead of its consumer
 
 
-def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+def bytes_view(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of contiguous `t` (a tensor or an UntypedStorage)."""
     if isinstance(t, torch.UntypedStorage):
         return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t)
@@ -328,14 +328,16 @@ def _after_fork_in_child() -> None:
     _cuda._streams.clear()
 
 
-import os as _os  # noqa: E402
-if hasattr(_os, "register_at_fork"):
-    _os.register_at_fork(after_in_child=_after_fork_in_child)
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-# ---------------------------------------------------------------- device -> host, many tensors
+# ---------------------------------------------------------------- a lent buffer
 
-class _Buf:
+class Buf:
+    """A pool buffer lent to one pipeline, with the events of the copies
+    issued into or out of it since it was last waited for."""
+
     __slots__ = ("hb", "pool", "key", "fill", "events", "pending", "closed")
 
     def __init__(self, hb: HostBuffer, pool: HostPool, key: Any):
@@ -346,355 +348,10 @@ class _Buf:
         self.closed = False  # the consumer reached it: nothing more is packed in
 
 
-class _Job:
-    __slots__ = ("item", "src", "copier", "copied", "segs")
-
-    def __init__(self, item, src, copier):
-        self.item, self.src, self.copier = item, src, copier
-        self.copied = 0
-        self.segs: Deque[Tuple[_Buf, int, int]] = deque()
-
-
-class ToHost:
-    """The host bytes of many tensors, in order, through bounded staging.
-
-    ``ToHost(items, tensor_of)``: ``tensor_of(item)`` is the item's tensor
-    (or None). Iterating yields ``(item, tensor, pieces)`` in order, where
-    ``pieces`` iterates the tensor's bytes as ready host uint8 views (one for a
-    host tensor: the tensor itself; for a device tensor, views of pool
-    buffers, each handed out only after its copy's event fired). Pieces must be
-    consumed before the next item. Copies of later tensors run while earlier
-    ones are written; at most the pool's buffers are used. :meth:`close` (also
-    on error) waits for copies in flight and returns every buffer."""
-
-    def __init__(self, items: Iterable[Any], tensor_of: Callable[[Any], Optional[torch.Tensor]] = lambda t: t,
-                 chunk: Optional[int] = None):
-        self._src = iter(items)
-        self._tensor_of = tensor_of
-        self._chunk = chunk
-        self._jobs: Deque[_Job] = deque()      # pulled, not yet handed to the consumer
-        self._to_copy: Deque[_Job] = deque()   # device jobs not yet copied in full, in order
-        self._bufs: List[_Buf] = []  # buffers this pipeline holds
-        self._host_queued = 0        # host tensors pulled, not yet handed out
-        self._exhausted = False
-
-    # -- copying ahead
-
-    def _pull(self) -> bool:
-        # Host tensors are not resolved more than one ahead (a planner may
-        # materialize them, e.g. `fastckpt convert`); device ones up to LOOKAHEAD.
-        if self._exhausted or len(self._jobs) >= LOOKAHEAD or self._host_queued >= 2:
-            return False
-        try:
-            item = next(self._src)
-        except StopIteration:
-            self._exhausted = True
-            return False
-        t = self._tensor_of(item)
-        c = copier_for(t) if t is not None else None
-        job = _Job(item, t, c)
-        self._jobs.append(job)
-        if c is not None and _nbytes(t):
-            self._to_copy.append(job)
-        elif c is None and t is not None:
-            self._host_queued += 1
-        return True
-
-    def _buffer_for(self, job: _Job, block: bool) -> Optional[_Buf]:
-        key = (job.copier, job.copier.device_key(job.src))
-        if self._bufs:
-            last = self._bufs[-1]
-            if not last.closed and last.key == key and last.fill + PACK_ALIGN <= last.pool.chunk:
-                return last
-        pool = pool_for(job.copier, self._chunk)
-        hb = pool.acquire(block=block and not any(b.pool is pool for b in self._bufs))
-        if hb is None:
-            return None
-        b = _Buf(hb, pool, key)
-        self._bufs.append(b)
-        return b
-
-    def _fill(self, need: Optional[_Job] = None) -> None:
-        """Issue copies ahead while buffers are free; blocks only when `need`
-        (the job the consumer waits for) has nothing copied and this pipeline
-        holds no buffer of its pool."""
-        while True:
-            while not self._to_copy:
-                if not self._pull():
-                    return
-            job = self._to_copy[0]
-            b = self._buffer_for(job, block=job is need and not job.segs)
-            if b is None:
-                return
-            if job.copied == 0 and isinstance(job.src, torch.Tensor) and not job.src.is_contiguous():
-                job.src = job.copier.contiguous(job.src)  # a device temporary only once its copy starts
-            src = _bytes_view(job.src)
-            n = min(src.numel() - job.copied, b.pool.chunk - b.fill)
-            dst = b.hb.tensor[b.fill:b.fill + n]
-            b.events.append(job.copier.to_host_async(dst, src[job.copied:job.copied + n]))
-            job.segs.append((b, b.fill, n))
-            b.pending += 1
-            job.copied += n
-            b.fill = min(b.pool.chunk, b.fill + n + (-n) % PACK_ALIGN)
-            if job.copied == src.numel():
-                self._to_copy.popleft()
-
-    def _pieces(self, job: _Job) -> Iterator[torch.Tensor]:
-        n = _nbytes(job.src)
-        done = 0
-        while done < n:
-            if not job.segs:
-                self._fill(need=job)
-            b, off, k = job.segs.popleft()
-            b.closed = True
-            for ev in b.events:  # one device's stream: these are all this buffer's copies so far
-                ev.synchronize()
-            b.events = [e for e in b.events if not e.query()]
-            view = b.hb.tensor[off:off + k]
-            job.copier.check_ready(view)
-            yield view
-            done += k
-            b.pending -= 1
-            if b.pending == 0:
-                self._bufs.remove(b)
-                b.pool.release(b.hb)
-            self._fill()
-
-    def __iter__(self):
-        self._fill()
-        while True:
-            if not self._jobs and not self._pull():
-                return
-            job = self._jobs[0]
-            if job.src is None:
-                self._jobs.popleft()
-                yield job.item, None, None
-                continue
-            if job.copier is None:
-                self._jobs.popleft()
-                self._host_queued -= 1
-                host = job.src
-                yield job.item, host, [_bytes_view(host.contiguous())] if _nbytes(host) else []
-                continue
-            pieces = self._pieces(job)
-            yield job.item, job.src, pieces
-            for _ in pieces:  # the consumer did not take every piece (e.g. an empty record)
-                pass
-            self._jobs.popleft()
-
-    def close(self) -> None:
-        """Wait for every copy in flight and give the buffers back."""
-        bufs, self._bufs = self._bufs, []
-        self._jobs.clear()
-        self._to_copy.clear()
-        self._host_queued = 0
-        error = None
-        for b in bufs:
-            try:
-                for ev in b.events:
-                    ev.synchronize()
-            finally:
-                try:
-                    b.pool.release(b.hb)
-                except BaseException as e:  # every buffer goes back; the first error is raised
-                    error = error or e
-        if error is not None:
-            raise error
-
-
-def _nbytes(t) -> int:
+def nbytes(t) -> int:
+    """The bytes of tensor or storage `t` (0 for None)."""
     if t is None:
         return 0
     if isinstance(t, torch.UntypedStorage):
         return t.nbytes()
     return t.numel() * t.element_size()
-
-
-class DeviceStorages:
-    """fastckpt.save's use of :class:`ToHost`: the device storages among a
-    plan's payloads, copied ahead in plan order; ``write(sink, storage, crc)``
-    writes the next one's bytes through ``sink.write_crc``."""
-
-    def __init__(self, payloads: Iterable[Any], skip_data: bool = False):
-        staged = [] if skip_data else [p for p in payloads if isinstance(p, torch.UntypedStorage) and p.nbytes()
-                                       and copier_for(p) is not None]
-        self._ids = {id(p) for p in staged}
-        self._pipe = ToHost(staged) if staged else None
-        self._it = iter(self._pipe) if staged else None
-
-    def owns(self, payload: Any) -> bool:
-        return id(payload) in self._ids
-
-    def write(self, sink, payload, crc: int) -> int:
-        item, _, pieces = next(self._it)
-        if item is not payload:  # the archive writes storages in plan order
-            raise RuntimeError("fastckpt: device storages written out of order")
-        for p in pieces:
-            crc = sink.write_crc(p, crc)
-        return crc
-
-    def release(self) -> None:
-        """Wait for copies in flight and give the buffers back (after an error too)."""
-        if self._pipe is not None:
-            self._it.close()
-            self._pipe.close()
-            self._pipe = self._it = None
-
-
-# ---------------------------------------------------------------- copies into caller-owned buffers
-
-def snapshot_into(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """Copy every (host dst, src) pair; device sources through their copier,
-    asynchronously, then wait for all of them (each event on its own copy
-    stream) and check the destinations. Host sources are copied directly."""
-    events = []
-    try:
-        for dst, src in pairs:
-            c = copier_for(src)
-            if c is None:
-                dst.copy_(src if src.device.type == "cpu" else src.cpu())
-            else:
-                events.append((c, dst, c.to_host_async(dst, src)))
-    finally:
-        for c, dst, ev in events:
-            ev.synchronize()
-    for c, dst, _ in events:
-        c.check_ready(dst)
-
-
-# ---------------------------------------------------------------- file -> host -> device
-
-class LoadJob:
-    """One record to load: `nbytes` at file offset `offset` into device storage `dst`."""
-    __slots__ = ("name", "offset", "nbytes", "dst", "copier", "crc")
-
-    def __init__(self, name: str, offset: int, nbytes: int, dst: torch.UntypedStorage, copier: DeviceCopier):
-        self.name, self.offset, self.nbytes, self.dst, self.copier = name, offset, nbytes, dst, copier
-        self.crc = 0
-
-
-def load_into_device(read: Callable[[List[Tuple[torch.Tensor, int]], bool], Optional[List[int]]],
-                     jobs: List[LoadJob], crc: bool = False, chunk: Optional[int] = None) -> None:
-    """Fill every job's device storage from the file: ``read(ranges, crc)``
-    reads (host view, file offset) ranges into pool buffers (one buffer's worth
-    per call, small records packed into one buffer) and, with `crc`, returns
-    the CRC-32 of each range (the engine computes them during the reads, on
-    its thread); each piece is then copied to its device asynchronously while
-    the next buffer is read. A buffer is read into again only after its copies'
-    events fired. With `crc`, each job's ``crc`` is the CRC-32 of its bytes
-    (its pieces' CRCs combined). Host memory: the pool's buffers, whatever the
-    file's size."""
-    jobs = sorted((j for j in jobs if j.nbytes), key=lambda j: j.offset)
-    if not jobs:
-        return
-    ring: List[_Buf] = []
-    pools: Dict[int, HostPool] = {}
-    try:
-        pos = 0  # bytes of jobs[ji] already read
-        ji = 0
-        turn = 0
-        while ji < len(jobs):
-            copier = jobs[ji].copier
-            pool = pools.setdefault(id(copier), pool_for(copier, chunk))
-            mine = [x for x in ring if x.pool is pool]
-            b = None
-            if len(mine) < pool.count:
-                hb = pool.acquire(block=not mine)
-                if hb is not None:
-                    b = _Buf(hb, pool, id(copier))
-                    ring.append(b)
-            if b is None:  # reuse the oldest of this pipeline's buffers once its copies are done
-                b = mine[turn % len(mine)]
-                turn += 1
-                for ev in b.events:
-                    ev.synchronize()
-                b.events = []
-                b.pool.copier.check_idle(b.hb.tensor)
-            fill = 0
-            pieces = []  # (host view, file offset, job, offset in record)
-            while ji < len(jobs) and fill < b.pool.chunk and jobs[ji].copier is b.pool.copier:
-                j = jobs[ji]
-                n = min(j.nbytes - pos, b.pool.chunk - fill)
-                pieces.append((b.hb.tensor[fill:fill + n], j.offset + pos, j, pos))
-                fill += n + (-n) % PACK_ALIGN
-                pos += n
-                if pos == j.nbytes:
-                    ji, pos = ji + 1, 0
-            crcs = read([(v, off) for v, off, _, _ in pieces], crc)
-            for i, (v, _, j, at) in enumerate(pieces):
-                if crc:
-                    j.crc = crcs[i] if at == 0 else _C.crc32_combine(j.crc, crcs[i], v.numel())
-                dst = _bytes_view(j.dst)[at:at + v.numel()]
-                b.events.append(j.copier.to_device_async(dst, v))
-    finally:
-        for b in ring:
-            for ev in b.events:
-                ev.synchronize()
-            b.pool.release(b.hb)
-
-
-# ---------------------------------------------------------------- round by round (the collective load)
-
-class RoundRing:
-    """Host staging for a pipeline that goes round by round (the collective
-    load onto devices): ``depth`` slots of ``nbuf`` buffers each, from one
-    :class:`HostPool` of `copier` (page-locked once, reused across loads).
-    :meth:`next` hands out the slot for the next round; a slot comes back
-    round after round, each time only after every copy issued from it (the
-    events its buffers carry) has completed and the copier found it idle.
-    Host memory: ``depth * nbuf * chunk`` bytes, whatever the checkpoint's
-    size. :meth:`close` (also on error) waits for copies in flight and gives
-    every buffer back."""
-
-    def __init__(self, copier: DeviceCopier, nbuf: int, depth: int, chunk: Optional[int] = None):
-        self.depth, self.nbuf = depth, nbuf
-        self.pool = pool_for(copier, chunk, count=depth * nbuf)
-        self.chunk = self.pool.chunk
-        self._slots: List[List[_Buf]] = []
-        self._n = 0
-
-    def next(self, on_error: Optional[Callable[[BaseException], None]] = None) -> List[_Buf]:
-        """The next round's buffers (``b.hb.tensor``: the host memory; append
-        the event of every copy issued from it to ``b.events``). With
-        `on_error`, a failure while waiting for the slot's copies (a copy
-        that failed on the device) goes to it and the slot is handed out
-        anyway: the caller still needs memory to take part in a collective,
-        and must copy nothing more from it."""
-        if len(self._slots) < self.depth:
-            bufs: List[_Buf] = []
-            self._slots.append(bufs)
-            for _ in range(self.nbuf):
-                bufs.append(_Buf(self.pool.acquire(block=True), self.pool, None))
-        else:
-            bufs = self._slots[self._n % self.depth]
-            try:
-                for b in bufs:
-                    for ev in b.events:
-                        ev.synchronize()
-                    b.events = []
-                    self.pool.copier.check_idle(b.hb.tensor)
-            except Exception as e:
-                if on_error is None:
-                    raise
-                on_error(e)
-        self._n += 1
-        return bufs
-
-    def close(self) -> None:
-        """Wait for every copy in flight and give the buffers back (the first error is raised)."""
-        slots, self._slots = self._slots, []
-        error = None
-        for bufs in slots:
-            for b in bufs:  # every buffer goes back; the first error is raised
-                try:
-                    for ev in b.events:
-                        ev.synchronize()
-                    b.events = []
-                except BaseException as e:
-                    error = error or e
-                try:
-                    self.pool.release(b.hb)
-                except BaseException as e:
-                    error = error or e
-        if error is not None:
-            raise error

@@ -13,6 +13,7 @@ from .. import _C
 from .._core.engine import get_engine
 from ..formats import pickle_scan, zip as _zip
 from ..staging import device as _staging
+from ..staging.todevice import LoadJob, load_into_device
 from .reader import SMALL_RECORDS, Records, host_storage, no_checksums, parse_checkpoint
 from .writer import as_bytes_tensor
 from ..formats.torch_rules import MapLocation
@@ -53,7 +54,7 @@ class DeviceRecords(dict):
         super().__init__()
         self.path, self.archive, self.host, self.map_location = path, archive, host, map_location
         self.restore = ts._get_restore_location(map_location)
-        self.jobs: List[_staging.LoadJob] = []
+        self.jobs: List[LoadJob] = []
         self.host_jobs: List[Tuple[str, torch.UntypedStorage]] = []
         self._dest: Dict[str, Any] = {}
         self._name: Optional[str] = None
@@ -92,7 +93,7 @@ class DeviceRecords(dict):
             if isinstance(u, torch.UntypedStorage) and u.nbytes() == rec.size:
                 copier = _staging.copier_for(u)
                 if copier is not None:
-                    self.jobs.append(_staging.LoadJob(name, rec.data_offset, rec.size, u, copier))
+                    self.jobs.append(LoadJob(name, rec.data_offset, rec.size, u, copier))
                 elif u.device.type == "cpu":
                     self.host_jobs.append((name, u))
                 else:  # another accelerator: a plain copy of the bytes read now
@@ -111,7 +112,7 @@ class DeviceRecords(dict):
         # Filled after the unpickling: until then no tensor may stretch it (torch's error, as on the host);
         # resizable again in finish(), as torch's restored device storages are.
         _C.set_resizable(as_bytes_tensor(dst), False)
-        self.jobs.append(_staging.LoadJob(name, rec.data_offset, rec.size, dst, copier))
+        self.jobs.append(LoadJob(name, rec.data_offset, rec.size, dst, copier))
         return dst
 
     def unseal(self) -> None:
@@ -137,7 +138,7 @@ class DeviceRecords(dict):
             # host-bound storages: one batch, CRC-32s computed by the engine during the reads
             host_crcs = self.host.read_into([(n, 0, as_bytes_tensor(u), verify is not False)
                                              for n, u in self.host_jobs])
-            _staging.load_into_device(read, self.jobs, verify is not False)
+            load_into_device(read, self.jobs, verify is not False)
         if verify is False:
             return []
         names = [n for n in [j.name for j in self.jobs] + [n for n, _ in self.host_jobs] + list(self.host)

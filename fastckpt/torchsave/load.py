@@ -89,11 +89,12 @@ def unpickle_records(path: str, small, archive, storages, bad, map_location, wei
         pickle_module = ts._weights_only_unpickler
         # torch's weights-only unpickler is never handed a pickle that nests deep
         # enough to overflow the C stack (a key hashed a million tuples deep) or
-        # that would allocate far more than its size: the one walk of _unpickle.
+        # that would allocate far more than its size: the one walk (formats.unpickler.check), which
+        # leaves every class and callable to torch's rules.
         try:
             _unpickle.check(small["data.pkl"], f"{path}: data.pkl")
         except _unpickle.Refused as e:
-            raise pickle.UnpicklingError(weights_only_message(path, str(e))) from None
+            raise pickle.UnpicklingError(weights_only_message(path, str(e), from_torch=False)) from None
     reader = Reader(archive, small, storages)
     if bad:
         names = tensor_names(reader, bad, pickle_module, pickle_load_args)

@@ -11,13 +11,12 @@ import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
-import torch.serialization as ts
 
 from .. import _C
 from .._core import paths as _paths
 from .._core.engine import get_engine
 from ..errors import FormatError
-from ..formats import unpickler as _unpickle, zip as _zip
+from ..formats import torch_rules as _rules, unpickler as _unpickle, zip as _zip
 from ..formats.pickle_scan import referenced_storages
 from ..formats.torch_rules import FileLike
 
@@ -324,7 +323,7 @@ def check_layout(f: FileLike, weights_only: bool = False) -> None:
             try:
                 _unpickle.check(data, f"{name}: data.pkl")
             except _unpickle.Refused as e:
-                raise pickle.UnpicklingError(weights_only_message(name, str(e))) from None
+                raise pickle.UnpicklingError(weights_only_message(name, str(e), from_torch=False)) from None
 
     if _paths.is_path(f):
         with open(f, "rb") as fh:  # FileNotFoundError etc. as torch.load would raise them
@@ -398,11 +397,11 @@ def check_storages(path: str, archive: "_zip.Archive", storages: "Records", veri
         return []
     return storages.bad(list(storages))
 
-def weights_only_message(path: str, why: str) -> str:
-    """The refusal message: it starts as torch.load's does ("Weights only load
-    failed"), which callers match on, then says what fastckpt adds."""
-    return (f"Weights only load failed. fastckpt.load({path!r}): the weights-only unpickler refused the file; "
-            f"nothing from the file was run.\n{ts.UNSAFE_MESSAGE}\nWeightsUnpickler error: {why}\n"
-            "If you trust its source, load it with weights_only=False, "
-            "or allow the classes it needs with torch.serialization.add_safe_globals([...]) "
-            "(or the torch.serialization.safe_globals context manager).")
+def weights_only_message(path: str, why: str, from_torch: bool = True) -> str:
+    """The refusal message: torch.load's (:func:`fastckpt.formats.torch_rules.weights_only_failure`:
+    it starts "Weights only load failed", which callers match on, and names the
+    blocked global and how to allow it), with the user's path and that nothing
+    from the file was run. `from_torch=False`: `why` is a refusal of fastckpt's walk."""
+    msg = _rules.weights_only_failure(why, from_torch)
+    head = "Weights only load failed."
+    return f"{head} fastckpt.load({path!r}): nothing from the file was run.{msg[len(head):]}"

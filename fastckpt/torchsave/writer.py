@@ -15,7 +15,7 @@ from .._core import paths as _paths
 from .._core.atomic import AtomicFile
 from ..formats import torch_rules as _torch_rules, zip as _zip
 from ..formats.archive import plan_archive
-from ..staging import device as _staging
+from ..staging.tohost import DeviceStorages
 from ..formats.torch_rules import FileLike
 
 
@@ -110,7 +110,7 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
     u32 = _zip.U32_MAX
 
     path = os.fspath(f) if _paths.is_path(f) else None
-    stager = _staging.DeviceStorages([p[0] for p in plan], skip_data)  # copied ahead through the pool
+    stager = DeviceStorages([p[0] for p in plan], skip_data)  # copied ahead through the pool
     owns = stager.owns
     sink = None
     descriptor, desc32 = _zip.descriptor, _zip._descriptor32.pack
@@ -159,7 +159,7 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
         stager.release()
 
 
-def write_storage(sink, stager: "_staging.DeviceStorages", payload, size: int, skip_data: bool) -> int:
+def write_storage(sink, stager: DeviceStorages, payload, size: int, skip_data: bool) -> int:
     """Write the bytes of one storage record through `sink`; returns its CRC."""
     if skip_data:
         sink.write_zeros(size)  # torch writes the record's metadata only

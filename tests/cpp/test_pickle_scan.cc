@@ -147,4 +147,21 @@ TEST(budget_refuses_amplifiers, ONCE) {
   CHECK_CONTAINS(v.message, "the objects would take more than 16777600 bytes (64 times the pickle's size)");
 }
 
+TEST(calls_of_what_a_call_returned_only_with_call_objects, ONCE) {
+  // {"i": Outer.Inner(3)} at protocol 2: getattr(Outer, "Inner") is called (REDUCE), its result
+  // made with NEWOBJ, as pickle writes a nested class below protocol 4
+  using namespace std::string_literals;
+  std::string s = P2 + "}X\x01\x00\x00\x00i" "cbuiltins\ngetattr\ncm\nOuter\nX\x05\x00\x00\x00Inner\x86R)\x81}X\x01\x00\x00\x00vK\x03sbs."s;
+  PickleVerdict strict = walk(s);
+  CHECK_EQ(static_cast<int>(strict.kind), static_cast<int>(PickleVerdict::kRefused));
+  CHECK_CONTAINS(strict.message, "NEWOBJ calls a constructed object, not an allowed global");
+  PickleVerdict v = fastckpt::pickle_check(s.data(), s.size(), true, 1000, 64, 1 << 20, 4300, /*call_objects=*/true);
+  CHECK_MSG(v.kind == PickleVerdict::kAccepted, v.message);
+  // a container is never callable
+  std::string t = P2 + "]N\x85R."s;
+  v = fastckpt::pickle_check(t.data(), t.size(), true, 1000, 64, 1 << 20, 4300, true);
+  CHECK_EQ(static_cast<int>(v.kind), static_cast<int>(PickleVerdict::kRefused));
+  CHECK_CONTAINS(v.message, "REDUCE calls a list, not an allowed global");
+}
+
 FCT_MAIN()

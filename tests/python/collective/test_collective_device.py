@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from fastckpt.collective import save as _collective, stage as _collective_stage
 from fastckpt.formats import torch_rules as _torch_rules
+import fastckpt.formats.pickler
 from fastckpt import serialization
 
 from collective_ranks import last_line, leftovers, reference_bytes, run_ranks

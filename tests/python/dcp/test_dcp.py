@@ -356,13 +356,13 @@ def test_async_save_reuses_staging_buffers(tmp_path):
     src["w"].add_(1)  # after async_save returned: not in the checkpoint
     fut.result()
     allocs = w.staging_allocations
-    assert allocs == 3
-    ptr = w._stager._slots[0].buffers[("w",)].data_ptr()
-    assert ptr % 4096 == 0
+    assert allocs == 1  # one arena for the three tensors
+    arenas = w._stager.snapshots._free
+    assert len(arenas) == 1 and arenas[0].buf.data_ptr() % 4096 == 0
+    arena = arenas[0]
     fut = dcp.async_save(src, checkpoint_id=tmp_path / "b", storage_writer=w)
     fut.result()
-    assert w.staging_allocations == allocs and w._stager._slots[0].buffers[("w",)].data_ptr() == ptr
-    assert len(w._stager._slots) == 1
+    assert w.staging_allocations == allocs and w._stager.snapshots._free == [arena]
     for name, want in (("a", orig), ("b", src["w"])):
         tgt = {"w": torch.zeros(100, 100), "b": torch.zeros(100), "step": 0, "nested": {"m": torch.zeros(5)}}
         dcp.load(tgt, storage_reader=FastReader(tmp_path / name))

@@ -1,7 +1,9 @@
-"""The C++ safety walk of a pickle (``_C.pickle_check`` behind
-``fastckpt.formats.unpickler.check``) against the Python walk, the reference
-(``_unpickle.check_reference``): the same verdict (accepted with the same
-estimate, or refused with the same exception type and message) on
+"""The C++ safety walk of a pickle (``_C.pickle_check``, the one walk fastckpt
+runs: behind ``fastckpt.formats.unpickler.check`` and ``loads``) against the
+Python walk, kept as the oracle (``_unpickle.check_reference``): the same verdict
+(accepted with the same estimate, or refused with the same exception type and
+message), in both modes (calls of what a call returned allowed, for torch's
+unpickler; only globals called, for ``loads``), on
 
 - every pickle of the hostile corpora (hostile_pickles.py, crafted.py, the
   data.pkl of the fuzz corpora's archives), and the tricks spliced into real
@@ -52,10 +54,21 @@ def verdict(fn, data, **kw):
         return ("FormatError", msg)
 
 
+def _strict_c(data, where, persistent=True, max_depth=_unpickle.MAX_OBJECT_DEPTH):
+    """The C++ walk as loads() runs it (only globals may be called)."""
+    return _unpickle._c_walk(data, where, persistent, max_depth, call_objects=False)
+
+
 def same(data, **kw):
+    """check() (calls of what a call returned allowed, for torch's unpickler) and
+    the walk of loads() (only globals called): C++ and Python agree on both."""
     want = verdict(_unpickle.check_reference, data, **kw)
     got = verdict(_unpickle.check, data, **kw)
     assert got == want, f"{data[:200]!r}... ({len(data)} bytes): C++ {got} != Python {want}"
+    strict_want = verdict(_unpickle.check_reference, data, call_objects=False, **kw)
+    strict_got = verdict(_strict_c, data, **kw)
+    assert strict_got == strict_want, f"{data[:200]!r}... ({len(data)} bytes), loads' walk: C++ {strict_got} " \
+        f"!= Python {strict_want}"
     return got
 
 

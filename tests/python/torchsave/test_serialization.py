@@ -370,16 +370,21 @@ def record_layout(path):
 
 
 def assert_fastckpt_layout(path, alignment=64):
-    """docs/FORMAT.md 1.3: every record starts on a multiple of `alignment`
-    (torch's storage_alignment), storage records of 64 KiB or more on a multiple
-    of it and of 4096 (O_DIRECT), and there is no .format_version record (torch
-    would predict offsets from one alignment). Returns record_layout(path)."""
+    """docs/FORMAT.md 1.3: torch.save's .format_version record, and every record
+    on the one alignment .storage_alignment states (torch predicts storage
+    offsets from it): a multiple of `alignment` (torch's storage_alignment) and,
+    where the file has storage records of 64 KiB or more and few small ones, of
+    4096 (O_DIRECT). Returns record_layout(path)."""
     layout = record_layout(path)
-    assert ".format_version" not in layout
+    assert ".format_version" in layout
+    with zipfile.ZipFile(path) as z:
+        stated = int(z.read(next(i for i in z.infolist() if i.filename.endswith("/.storage_alignment"))))
     large = math.lcm(4096, alignment)
+    sizes = [size for n, (_, size, _) in layout.items() if n.startswith("data/")]
+    assert stated == (large if any(s >= 65536 for s in sizes) and
+                      sum(s < 65536 for s in sizes) * large <= max(1 << 20, sum(sizes) // 64) else alignment)
     for n, (off, size, _) in layout.items():
-        want = large if n.startswith("data/") and size >= 65536 else alignment
-        assert off % want == 0, f"{n} ({size} bytes) starts at {off}, not on a multiple of {want}"
+        assert off % stated == 0, f"{n} ({size} bytes) starts at {off}, not on a multiple of {stated}"
     return layout
 
 

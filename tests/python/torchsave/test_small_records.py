@@ -43,12 +43,19 @@ def layout(path):
 
 
 def check_rule(path, alignment=64):
+    """docs/FORMAT.md 1.3: .format_version as torch.save writes it, every record on
+    the alignment .storage_alignment states: 4096 (and a multiple of `alignment`)
+    where large storages dominate, else `alignment`."""
     lay = layout(path)
-    assert ".format_version" not in lay
+    assert ".format_version" in lay
+    with zipfile.ZipFile(path) as z:
+        stated = int(z.read(next(i for i in z.infolist() if i.filename.endswith("/.storage_alignment"))))
     large = math.lcm(4096, alignment)
+    sizes = [size for n, (_, size, _) in lay.items() if n.startswith("data/")]
+    assert stated == (large if any(s >= DIRECT_MIN for s in sizes) and
+                      sum(s < DIRECT_MIN for s in sizes) * large <= max(1 << 20, sum(sizes) // 64) else alignment)
     for n, (off, size, _) in lay.items():
-        want = large if n.startswith("data/") and size >= DIRECT_MIN else alignment
-        assert off % want == 0, f"{n} ({size} bytes) at {off}: not on a multiple of {want}"
+        assert off % stated == 0, f"{n} ({size} bytes) at {off}: not on a multiple of {stated}"
     return lay
 
 
@@ -98,7 +105,6 @@ def test_mixed_layout_is_read_by_stock_torch(tmp_path):
     lay = check_rule(p)
     data = {n: v for n, v in lay.items() if n.startswith("data/")}
     assert any(size >= DIRECT_MIN for _, size, _ in data.values())
-    assert any(off % 4096 for off, size, _ in data.values() if size < DIRECT_MIN), "no small record was packed"
     raw = p.read_bytes()
     assert all(zlib.crc32(raw[off:off + size]) == crc for off, size, crc in lay.values())
     for kw in ({}, {"mmap": True}, {"weights_only": False}, {"mmap": True, "weights_only": False}):
@@ -152,7 +158,8 @@ def test_many_scalars_file_size_close_to_torch_save(tmp_path):
 
 def test_small_model_with_large_params(tmp_path):
     """A model of many small parameters (norms, biases) and a few large ones:
-    the large ones 4 KiB-aligned, the file close to torch.save's size."""
+    800 small storages would take 3.2 MB of padding on 4 KiB next to 1.7 MB of
+    data, so the file keeps torch.save's alignment and stays close to its size."""
     m = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Linear(32, 32))
                               for _ in range(200)])
     sd = m.state_dict()
@@ -162,7 +169,7 @@ def test_small_model_with_large_params(tmp_path):
     torch.save(sd, tmp_path / "t.pt")
     lay = check_rule(tmp_path / "f.pt")
     big = [off for n, (off, size, _) in lay.items() if n.startswith("data/") and size >= DIRECT_MIN]
-    assert len(big) == 2 and all(off % 4096 == 0 for off in big)
+    assert len(big) == 2
     assert os.path.getsize(tmp_path / "f.pt") <= 1.3 * os.path.getsize(tmp_path / "t.pt")
     same(dict(sd), dict(fastckpt.load(tmp_path / "f.pt", verify=True)))
     same(dict(sd), dict(torch.load(tmp_path / "f.pt", mmap=True)))
@@ -188,14 +195,14 @@ def test_large_records_are_read_with_direct_io(tmp_path):
 
 def test_inspect_and_verify_packed_file(tmp_path, capsys):
     from fastckpt.cli import main
-    sd = {f"p{i}": torch.full((i % 5 + 1,), float(i)) for i in range(300)}
+    sd = {f"p{i}": torch.full((i % 5 + 1,), float(i)) for i in range(200)}  # 800 KiB of padding: < 1 MiB
     sd["w"] = torch.randn(128, 128)
     p = tmp_path / "s.pt"
     fastckpt.save(sd, p)
     assert main(["inspect", "--json", str(p)]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["format"] == "fastckpt"
-    assert rep["archive"]["alignment"] == 64 and rep["archive"]["large_alignment"] == 4096
+    assert rep["archive"]["alignment"] == 4096 and rep["archive"]["large_alignment"] == 4096
     assert main(["verify", str(p)]) == 0
     assert capsys.readouterr().out.rstrip().endswith("OK")
     # a flipped byte in a packed record is found and named

@@ -1,0 +1,112 @@
+"""The group of a collective save or load: its exchanges and their agreement.
+
+:class:`Group` wraps the process group of one collective operation: every
+exchange is an ``all_gather_object`` of (this rank's failure or None, its
+payload), so every rank learns every other rank's failure and all raise
+together. A rank that failed raises its own error; the others raise
+:class:`~fastckpt.errors.RanksFailed` naming the ranks that failed and why
+(:func:`raise_failures`, which the checkpoint manager's agreement uses too),
+or, when the collective itself broke (a rank died or timed out), a
+RanksFailed that says so and what that means for the file.
+"""
+
+import errno
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+from .._core import dist_exit as _dist_exit
+from ..errors import RanksFailed
+
+__all__ = ["Group", "Outcome", "describe", "raise_failures"]
+
+
+Outcome = Optional[Tuple[Optional[int], str]]   # None, or a failure: (errno or None, "Type: message")
+
+
+def describe(e: BaseException) -> Tuple[Optional[int], str]:
+    """A failure as another rank sees it: (its errno or None, "Type: message")."""
+    return (e.errno if isinstance(e, OSError) else None), f"{type(e).__name__}: {e}"
+
+
+def raise_failures(outcomes: Sequence[Outcome], message: Callable[[int, str], str],
+                   filename: Optional[str] = None) -> None:
+    """The agreement's verdict on a rank that had no error of its own: raise
+    :class:`~fastckpt.errors.RanksFailed` when any rank's outcome (one per
+    rank, in rank order) is a failure. The message is ``message(r, msg)`` of
+    the first failed rank r, followed by the others' ranks and causes; the
+    errno is that rank's own (EIO when it had none)."""
+    failed = {r: o for r, o in enumerate(outcomes) if o is not None}
+    if not failed:
+        return
+    first = min(failed)
+    text = message(first, failed[first][1])
+    if len(failed) > 1:
+        text += " (also failed: " + "; ".join(f"rank {r}: {failed[r][1]}" for r in sorted(failed) if r != first) + ")"
+    raise RanksFailed(failed[first][0] or errno.EIO, text, filename, {r: o[1] for r, o in failed.items()})
+
+
+class Group:
+    """The collectives of one save; every exchange is an all_gather_object,
+    so every rank learns every other rank's failure."""
+
+    def __init__(self, group, path: str, action: str = "save to", outcome: str = "nothing was committed"):
+        import torch.distributed as dist
+        self.dist, self.group, self.path = dist, group, path
+        self.action, self.outcome = action, outcome  # for the messages: "cannot <action> <path>: ...; <outcome>"
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        _dist_exit.register()  # a destroyed group that torch still references must not live into finalization
+
+    def exchange(self, mine: Any, local_error: Optional[BaseException], what: str) -> List[Any]:
+        """all_gather (error description | None, mine); raises on every rank
+        when any rank failed: the local error itself on the rank that had it."""
+        out: List[Any] = [None] * self.world
+        payload = (describe(local_error) if local_error is not None else None, mine)
+        try:
+            self.dist.all_gather_object(out, payload, group=self.group)
+        except Exception as e:
+            if local_error is not None:
+                raise local_error
+            # A rank died, or did not arrive within the group's timeout.
+            raise self.lost(e, f"the group's exchange after each rank's attempt {what}", what) from e
+        if local_error is not None:
+            raise local_error
+        raise_failures([err for err, _ in out], lambda r, msg: f"cannot {self.action} {self.path!r}: rank {r} of the "
+                       f"group failed {what} ({msg}); {self._failed_outcome(what)}", self.path)
+        return [m for _, m in out]
+
+    def lost(self, e: BaseException, during: str, what: Optional[str] = None) -> RanksFailed:
+        """The error for a collective that failed: a rank died, or did not
+        arrive within the group's timeout (in the exchange after `what`, if
+        given); which rank, no rank can tell (``failures`` is empty)."""
+        return RanksFailed(errno.EIO, f"cannot {self.action} {self.path!r}: a rank died or did not answer in time "
+                                  f"({during} failed: {type(e).__name__}: {e}); {self._outcome(what)}", self.path)
+
+    def _failed_outcome(self, what: str) -> str:
+        """What every rank can say when a rank reported a failure in the step
+        before the exchange after `what`: rank 0's commit may fail after its
+        rename (the directory fsync), the new file then in place, as with a
+        single-process save (docs/ENGINE.md)."""
+        if self.action == "save to" and what == "to commit":
+            return (f"{self.path!r} holds the previous checkpoint, or the complete new one if rank 0 failed after "
+                    "its rename (in the directory fsync)")
+        return self.outcome
+
+    def _outcome(self, what: Optional[str]) -> str:
+        """What this rank can say about the file when the group broke (a rank
+        died or timed out) in the save's exchange after `what` and this rank had
+        no error of its own. Rank 0 commits after the exchange "to write its
+        share" and before the one "to commit": there, without an error, it has
+        committed. Another rank that loses the group in either of those two
+        exchanges cannot know whether rank 0 got that far; before them, rank 0
+        cannot have. (Loads, and other stages: self.outcome.)"""
+        if self.action != "save to":
+            return self.outcome
+        if what == "to commit" and self.rank == 0:
+            return f"the new checkpoint at {self.path!r} was committed (complete and durable) before that"
+        if what == "to commit" and self.rank != 0:
+            return (f"{self.path!r} holds either the previous checkpoint or the complete new one (rank 0 may "
+                    "have committed before the group broke)")
+        if what == "to write its share" and self.rank != 0:
+            return (f"nothing was committed unless rank 0 had every rank's share result before the group broke "
+                    f"({self.path!r} holds the previous checkpoint or, if rank 0 committed, the complete new one)")
+        return self.outcome

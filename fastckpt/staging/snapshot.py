@@ -1,0 +1,234 @@
+"""Snapshots: host copies of many tensors taken at one moment, in memory kept for reuse.
+
+The one snapshot component of the staging layer. ``async_save`` (its
+storages), ``FastWriter.stage`` (DCP's async staging of a state dict) and,
+later, an in-memory tier all take their copies here:
+
+* :meth:`Snapshotter.take` copies every source (tensor or UntypedStorage, on
+  the host or a device) into one :class:`Arena` (one block of host memory,
+  4 KiB aligned, each source on a 64-byte boundary, rounded up to 1 MiB so
+  that a state that grows a little reuses it) and returns a :class:`Snapshot`
+  whose ``views`` are the copies, one per source (same shape and dtype);
+* device sources are copied by :func:`snapshot_into`: each copy on its
+  device's copy stream (:mod:`fastckpt.staging.device`), all issued before
+  any is waited for, each then waited for on its own event; ``take`` returns
+  once every copy is complete, so the caller may change its tensors;
+* the arena is page-locked once through the device's copier when a source
+  lives on a device (``cudaHostRegister`` of exactly its size: no
+  power-of-two rounding, nothing of torch's caching host allocator);
+* :meth:`Snapshot.release` gives the arena back, once: a second release of
+  the same snapshot (a late finalizer, an error path) is a no-op, so an arena
+  that a newer snapshot took is never freed under it. Free arenas are kept
+  for reuse (at most ``keep`` of them, and only those large enough for the
+  last snapshot): taking the same state again allocates nothing.
+"""
+
+import logging
+import threading
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from .. import _C
+from .device import ALIGN as PAGE, DeviceCopier, HostBuffer, copier_for
+
+log = logging.getLogger("fastckpt")
+
+__all__ = ["Arena", "Snapshot", "Snapshotter", "snapshot_into", "ALIGN", "ARENA_ROUND"]
+
+ALIGN = 64               # each source starts on a cache line
+ARENA_ROUND = 1 << 20    # arenas are rounded up to 1 MiB so small growth reuses them
+
+Source = Union[torch.Tensor, torch.UntypedStorage]
+
+
+def snapshot_into(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Copy every (host dst, src) pair; device sources through their copier,
+    asynchronously, then wait for all of them (each event on its own copy
+    stream) and check the destinations. Host sources are copied directly."""
+    events = []
+    try:
+        for dst, src in pairs:
+            c = copier_for(src)
+            if c is None:
+                dst.copy_(src if src.device.type == "cpu" else src.cpu())
+            else:
+                events.append((c, dst, c.to_host_async(dst, src)))
+    finally:
+        for c, dst, ev in events:
+            ev.synchronize()
+    for c, dst, _ in events:
+        c.check_ready(dst)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _nbytes(s: Source) -> int:
+    return s.nbytes() if isinstance(s, torch.UntypedStorage) else s.numel() * s.element_size()
+
+
+def _flat(t: Union[torch.Tensor, torch.UntypedStorage]) -> torch.Tensor:
+    """A flat uint8 view of contiguous `t`."""
+    if isinstance(t, torch.UntypedStorage):
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t)
+    return t.reshape(-1).view(torch.uint8)
+
+
+class Arena:
+    """One snapshot's host memory: ``capacity`` bytes, 4 KiB aligned, page-locked through
+    `copier` when the snapshot holds device sources (a :class:`HostBuffer`,
+    unlocked and freed when the arena is dropped)."""
+    __slots__ = ("buf", "pinned", "host", "copier")
+
+    def __init__(self, nbytes: int, copier: Optional[DeviceCopier]):
+        self.copier = copier
+        self.host: Optional[HostBuffer] = copier.alloc_host(nbytes) if copier is not None else None
+        self.buf = self.host.tensor if self.host is not None else _C.empty_aligned(nbytes, PAGE)
+        self.pinned = copier is not None
+
+    @property
+    def capacity(self) -> int:
+        return self.buf.numel()
+
+    def holds(self, ptr: int) -> bool:
+        """Whether host address `ptr` lies in this arena."""
+        start = self.buf.data_ptr()
+        return start <= ptr < start + self.buf.numel()
+
+
+class Snapshot:
+    """The copies of one :meth:`Snapshotter.take`: ``views`` (one per source,
+    like it: an UntypedStorage for a storage, a tensor of the same shape and
+    dtype for a tensor), ``nbytes`` (the sources' bytes) and the ``arena``
+    that holds them until :meth:`release`."""
+    __slots__ = ("views", "nbytes", "arena", "_owner", "__weakref__")
+
+    def __init__(self, owner: "Snapshotter", arena: Optional[Arena], views: List[Source], nbytes: int):
+        self._owner, self.arena, self.views, self.nbytes = owner, arena, views, nbytes
+
+    def release(self, keep: Optional[int] = 1) -> bool:
+        """Give the arena back for reuse (see :meth:`Snapshotter.release`);
+        returns whether this call did (False when released already)."""
+        return self._owner.release(self, keep)
+
+
+class Snapshotter:
+    """Takes snapshots into host arenas that are reused across snapshots.
+
+    ``allocations`` and ``allocated_bytes`` count what was ever allocated;
+    ``free_bytes`` what is kept free for reuse; :meth:`clear` drops it."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._free: List[Arena] = []
+        self._last_need = 0
+        self._held: List[Snapshot] = []   # the snapshots not yet released (each holds its arena)
+        self.allocations = 0
+        self.allocated_bytes = 0
+
+    # -- arenas
+
+    def _acquire(self, need: int, copier: Optional[DeviceCopier]) -> Arena:
+        with self._lock:
+            self._last_need = need
+            fits = [a for a in self._free if a.copier is copier and a.capacity >= need]
+            if fits:
+                arena = min(fits, key=lambda a: a.capacity)
+                self._free.remove(arena)
+                return arena
+            # The state grew (or changed kind): smaller free arenas will not fit it again.
+            self._free = [a for a in self._free if a.copier is not copier or a.capacity >= need]
+        size = max(ARENA_ROUND, (need + ARENA_ROUND - 1) // ARENA_ROUND * ARENA_ROUND)
+        arena = Arena(size, copier)
+        with self._lock:
+            self.allocations += 1
+            self.allocated_bytes += size
+        log.debug("fastckpt: new %s snapshot arena of %d bytes", "pinned" if copier is not None else "host", size)
+        return arena
+
+    def release(self, snap: Snapshot, keep: Optional[int] = 1) -> bool:
+        """Give `snap`'s arena back, if `snap` still holds it (else a no-op,
+        returning False). At most `keep` free arenas are kept (None: all),
+        and only those large enough for the last snapshot."""
+        with self._lock:
+            arena, snap.arena = snap.arena, None
+            if arena is None:
+                return False
+            self._held = [h for h in self._held if h is not snap]
+            if arena.capacity >= self._last_need:
+                self._free.insert(0, arena)
+            if keep is not None:
+                del self._free[max(keep, 0):]
+            return True
+
+    def owner_of(self, t: Source) -> Optional[Snapshot]:
+        """The unreleased snapshot whose copy `t` is (or views), if any."""
+        with self._lock:
+            if not self._held:
+                return None
+            try:
+                ptr = t.data_ptr()
+            except Exception:  # a tensor without storage (meta, wrapper subclasses)
+                return None
+            return next((h for h in self._held if h.arena is not None and h.arena.holds(ptr)), None) if ptr else None
+
+    @property
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(a.capacity for a in self._free)
+
+    def clear(self) -> None:
+        """Drop the free arenas (their memory goes once no snapshot uses them)."""
+        with self._lock:
+            self._free.clear()
+
+    # -- snapshots
+
+    def take(self, sources: Sequence[Source]) -> Snapshot:
+        """Copies of `sources` (see the module's docstring); returns once
+        every copy is complete. Raises what a copy raised (the arena is given
+        back)."""
+        sizes = [_nbytes(s) for s in sources]
+        need = sum(_align(n) for n in sizes)
+        copier = next((c for c in map(copier_for, sources) if c is not None), None) if need else None
+        arena = self._acquire(need, copier) if need else None
+        snap = Snapshot(self, arena, [], sum(sizes))
+        try:
+            snap.views = self._copy(arena, sources, sizes)
+        except BaseException:
+            self.release(snap, keep=None)
+            raise
+        if arena is not None:
+            with self._lock:
+                self._held.append(snap)
+        return snap
+
+    @staticmethod
+    def _copy(arena: Optional[Arena], sources: Sequence[Source], sizes: List[int]) -> List[Source]:
+        views: List[Source] = []
+        pairs = []
+        whole = arena.buf.untyped_storage() if arena is not None else None
+        base = arena.buf.storage_offset() if arena is not None else 0
+        off = 0
+        for src, n in zip(sources, sizes):
+            storage = isinstance(src, torch.UntypedStorage)
+            if n == 0:
+                views.append(torch.UntypedStorage(0) if storage else torch.empty(src.shape, dtype=src.dtype))
+                continue
+            at, off = off, off + _align(n)
+            if storage:
+                dst = whole[base + at:base + at + n]  # a storage viewing the arena, exactly n bytes
+                views.append(dst)
+                pairs.append((_flat(dst), _flat(src)))
+                continue
+            view = arena.buf[at:at + n].view(src.dtype).view(src.shape)  # a tensor on the arena's storage
+            views.append(view)
+            c = copier_for(src)
+            if c is None:
+                view.copy_(src)  # host (any strides) or another accelerator: torch's copy, synchronous
+            else:
+                pairs.append((_flat(view), _flat(c.contiguous(src))))
+        snapshot_into(pairs)  # returns once every copy is complete
+        return views
