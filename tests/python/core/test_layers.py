@@ -6,11 +6,9 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from paths import ROOT
 
 
 def _lint(cwd, config=None):

@@ -3,16 +3,13 @@ and FastWriter.stage take their copies with: one arena per snapshot, reused;
 a release is once only; device copies follow the staging discipline (checked
 by the simulated device, whose copies land late and out of order)."""
 
-import os
-import sys
 
 import pytest
 import torch
 
 from fastckpt.staging.snapshot import ARENA_ROUND, Snapshotter
 
-sys.path.insert(0, os.path.dirname(__file__))
-from sim_device import SimDevice  # noqa: E402
+from sim_device import SimDevice
 
 
 def _sources(g):
