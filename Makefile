@@ -108,10 +108,10 @@ distclean: clean
 	rm -rf $(VENV) *.egg-info
 
 # Issue 11 item 13, the long run: 50 torchrun jobs per manager mode (replicated/DDP, sharded/DCP) that
-# end with destroy_process_group(); 0 failures allowed (tests/python/test_manager_exit.py).
+# end with destroy_process_group(); 0 failures allowed (tests/python/manager/test_manager_exit.py).
 .PHONY: test-exit-long
 test-exit-long: build
-	FASTCKPT_EXIT_RUNS=50 $(PY) -m pytest -q tests/python/test_manager_exit.py $(PYTEST_ARGS)
+	FASTCKPT_EXIT_RUNS=50 $(PY) -m pytest -q tests/python/manager/test_manager_exit.py $(PYTEST_ARGS)
 
 # Issue 12: CRC-32 (zip polynomial) of zlib and of whichever accelerated libraries are installed
 # (ISA-L: libisal-dev, libdeflate: libdeflate-dev, zlib-ng: libz-ng-dev), found with pkg-config;

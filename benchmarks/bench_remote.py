@@ -11,7 +11,7 @@ and the time a fresh node takes to restore the newest step
 (:meth:`Replicator.restore`: list, manifest, download, CRC, commit).
 
 The endpoint is moto's standalone server on this machine
-(tests/python/s3_server.py), an in-memory Python server: it is the
+(tests/support/s3_server.py), an in-memory Python server: it is the
 bottleneck, far slower than S3 or a real S3-compatible store, so the figures
 compare the clients' overheads on one machine, not what a real store gives.
 
@@ -29,7 +29,7 @@ import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests", "support"))
 
 from s3_server import BUCKET, REGION, MotoServer  # noqa: E402
 

@@ -2,7 +2,7 @@
 # One script for a machine with an NVIDIA GPU, under one time limit
 # (LIMIT seconds, default 540): builds fastckpt's extension if needed (no
 # network needed when torch, pybind11 and pytest are installed), runs the real
-# CUDA tests (tests/python/test_staging_cuda.py and every test named cuda;
+# CUDA tests (tests/python/staging/test_staging_cuda.py and every test named cuda;
 # they skip on a CPU-only machine) and the simulated-device tests, then a
 # device-to-disk save and disk-to-device load benchmark with host RSS
 # (benchmarks/bench_gpu.py). Usage: bash benchmarks/gpu_check.sh [DIR]
@@ -31,10 +31,10 @@ echo "== build done after $(( $(date +%s) - t0 )) s"
 
 rc=0
 timeout "$(( $(left) * 2 / 3 ))" $PY -m pytest -q -rs -x -p no:cacheprovider \
-  tests/python/test_staging_cuda.py tests/python/test_staging_sim.py 2>&1 | tee "$OUT/gpu_pytest.log" | tail -30
+  tests/python/staging/test_staging_cuda.py tests/python/staging/test_staging_sim.py 2>&1 | tee "$OUT/gpu_pytest.log" | tail -30
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 timeout "$(( $(left) / 2 ))" $PY -m pytest -q -rs -p no:cacheprovider tests/python -k "cuda or CUDA or Cuda" \
-  --ignore=tests/python/test_staging_cuda.py 2>&1 | tee -a "$OUT/gpu_pytest.log" | tail -15
+  --ignore=tests/python/staging/test_staging_cuda.py 2>&1 | tee -a "$OUT/gpu_pytest.log" | tail -15
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== CUDA tests done after $(( $(date +%s) - t0 )) s (rc=$rc)"
 
@@ -43,7 +43,7 @@ echo "== CUDA tests done after $(( $(date +%s) - t0 )) s (rc=$rc)"
 # at world size 2, each against a plain load (STATS: peak host RSS per rank), with the simulated-device
 # tests of the same file. What only this machine checks: real NCCL broadcasts into CUDA storages,
 # their stream order, page-locked ring buffers and the copy streams.
-timeout "$(( $(left) / 3 ))" $PY -m pytest -q -rs -s -p no:cacheprovider tests/python/test_collective_load_device.py \
+timeout "$(( $(left) / 3 ))" $PY -m pytest -q -rs -s -p no:cacheprovider tests/python/collective/test_collective_load_device.py \
   2>&1 | tee "$OUT/gpu_collective_load.log" | grep -E "STATS|passed|failed|skipped|Error" | tail -12
 [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 echo "== collective load checks done after $(( $(date +%s) - t0 )) s (rc=$rc)"

@@ -14,25 +14,31 @@ A test that is not in it counts as short. Serial runs keep pytest's order.
 """
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
+# The shared helpers (tests/support: fastspawn, dist_launch, states, ...) are imported by their bare
+# names, `import fastspawn`, by every test module of tests/python/<area>/ and tests/powerloss/; the
+# scripts the tests start as children (tests/support/workers/) put the same folder on sys.path.
+if str(HERE / "support") not in sys.path:
+    sys.path.insert(0, str(HERE / "support"))
 DURATIONS = HERE / "durations.json"
 # Tests shorter than this are left out of durations.json (they count as DEFAULT_S).
 RECORD_MIN_S, DEFAULT_S = 1.0, 0.3
 # Modules whose module-scoped fixtures are worth building once: their tests share one worker.
 GROUPED = {
     "tests/powerloss/test_powerloss.py",
-    "tests/python/test_collective_load_device.py",
-    "tests/python/test_crash_short.py",
-    "tests/python/test_dcp.py",
-    "tests/python/test_ddp_resume.py",
-    "tests/python/test_fuzz_dcp.py",
-    "tests/python/test_fuzz_load.py",
-    "tests/python/test_hostile.py",
-    "tests/python/test_zip_bounds.py",
+    "tests/python/collective/test_collective_load_device.py",
+    "tests/python/crash/test_crash_short.py",
+    "tests/python/dcp/test_dcp.py",
+    "tests/python/dcp/test_fuzz_dcp.py",
+    "tests/python/formats/test_hostile.py",
+    "tests/python/formats/test_zip_bounds.py",
+    "tests/python/manager/test_ddp_resume.py",
+    "tests/python/torchsave/test_fuzz_load.py",
 }
 
 

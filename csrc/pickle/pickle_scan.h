@@ -1,7 +1,7 @@
 // The safety walk of a pickle's opcodes (protocols 0-5), in C++: the one walk
 // fastckpt runs (fastckpt/formats/unpickler.py's `check()` and `loads()`), with
 // the verdicts of the Python walk there (`check_reference`), which is kept only
-// as the test oracle (tests/python/test_pickle_walk.py). Nothing is built and
+// as the test oracle (tests/python/formats/test_pickle_walk.py). Nothing is built and
 // nothing is imported: the walk follows the unpickler's stack and refuses a
 // pickle whose opcodes or arguments are damaged (what pickletools.genops
 // refuses), that uses an opcode torch.save never writes, a persistent id where

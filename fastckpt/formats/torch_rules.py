@@ -6,7 +6,7 @@ alignment and the checksums; and how torch.save describes a storage in
 element sizes, contiguous strides), for every writer of such pickles. torch inlines most of these in torch.load and
 torch._save; where it has a helper (``_default_to_weights_only``,
 ``_get_storage_alignment``, ``get_crc32_options``, ``_is_meta_location``) it is
-called, and tests/python/test_torch_semantics.py checks the result against
+called, and tests/python/formats/test_torch_semantics.py checks the result against
 torch's own functions.
 """
 
@@ -36,7 +36,7 @@ def weights_only_policy(weights_only: Optional[bool], pickle_module: Any) -> Tup
     """``(weights_only, pickle_module)`` as torch.load decides them (torch
     inlines this in torch.load, so it is followed step by step here, with
     torch's own default rule ``_default_to_weights_only``, and checked
-    against torch.load by tests/python/test_torch_semantics.py):
+    against torch.load by tests/python/formats/test_torch_semantics.py):
 
     - ``None`` means weights-only unless a ``pickle_module`` is given;
     - ``TORCH_FORCE_WEIGHTS_ONLY_LOAD=1`` forces weights-only, even over
@@ -77,7 +77,7 @@ def weights_only_failure(message: str, from_torch: bool = True) -> str:
     """torch.load's message for a refusal by its weights-only unpickler, whose
     error is `message` (torch builds it in a function nested in torch.load,
     ``_get_wo_message``, so it is followed here line by line, and
-    tests/python/test_unpickler_rules.py compares the result with torch.load's):
+    tests/python/formats/test_unpickler_rules.py compares the result with torch.load's):
     for a global that is not allowed, the two ways to load the file and torch's
     error, which names the global and how to allow it
     (``torch.serialization.add_safe_globals([...])`` or the ``safe_globals``

@@ -49,7 +49,7 @@ unpickler then allows or refuses by value.
 The walk runs in C++ (``_C.pickle_check``, csrc/pickle/pickle_scan.cc, without
 the GIL), about 100 times faster than the same walk in Python
 (:func:`check_reference`, ``pickletools.genops``), which is kept only as the
-test oracle: tests/python/test_pickle_walk.py asserts that both give the same
+test oracle: tests/python/formats/test_pickle_walk.py asserts that both give the same
 verdicts and messages.
 Every message names the caller's ``where`` (the user's path) and, for a
 refusal, says that nothing from the file was run.

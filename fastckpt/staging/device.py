@@ -32,7 +32,7 @@ have been synchronized. The pipelines that apply it:
 
 Only CUDA is real here; no GPU ever ran this module's CUDA class in the
 project's CI: the pipelines are tested on the simulated device
-(tests/python/sim_device.py).
+(tests/support/sim_device.py).
 """
 
 import contextlib

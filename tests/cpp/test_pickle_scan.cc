@@ -2,7 +2,7 @@
 // the hostile shapes it must refuse without recursing and without allocating
 // more than the input accounts for: nesting a million deep, huge memo
 // indices, counted sizes past the end, truncated input; and real pickles
-// accepted. (Its verdicts equal the Python reference's: tests/python/test_pickle_walk.py.)
+// accepted. (Its verdicts equal the Python reference's: tests/python/formats/test_pickle_walk.py.)
 #include <sys/resource.h>
 
 #include <string>

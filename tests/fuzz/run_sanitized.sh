@@ -5,7 +5,7 @@
 #   tests/fuzz/run_sanitized.sh [EXAMPLES]
 #
 # EXAMPLES (else $FASTCKPT_FUZZ_EXAMPLES, else 17000) is hypothesis' example
-# count per fuzz test: tests/python/test_fuzz_load.py and test_fuzz_dcp.py
+# count per fuzz test: tests/python/torchsave/test_fuzz_load.py and test_fuzz_dcp.py
 # have 3 each, so the default runs >= 100,000 inputs. The total actually
 # executed is counted where the loaders are called (tests/fuzz/fuzz_plugin.py)
 # and the run FAILS unless it reaches $FASTCKPT_FUZZ_MIN_INPUTS (default
@@ -18,14 +18,14 @@
 #  2. check the built .so calls into both sanitizers (nm -D);
 #  3. canary: a deliberate heap overflow through fastckpt._C must be stopped
 #     by ASan (tests/fuzz/asan_canary.py) under the same environment;
-#  4. tests/python/test_engine.py as a smoke test, then the fuzzers, with the
+#  4. tests/python/core/test_engine.py as a smoke test, then the fuzzers, with the
 #     ASan runtime preloaded; fuzz_plugin refuses to run unless fastckpt._C is
 #     the sanitized one and libasan is in the process;
 #  5. any sanitizer report fails the run, as does a count below the minimum.
 #
 # PYTEST_ARGS (word-split) go to pytest; node ids there are relative to the
 # repository root, e.g.
-#   PYTEST_ARGS=--deselect=tests/python/test_fuzz_load.py::test_corpus_regressions
+#   PYTEST_ARGS=--deselect=tests/python/torchsave/test_fuzz_load.py::test_corpus_regressions
 set -euo pipefail
 
 REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -139,9 +139,9 @@ rm -f "$REPORT"
 say "running test_engine.py and the fuzzers with FASTCKPT_FUZZ_EXAMPLES=$EXAMPLES (log: $LOG)"
 set +e
 "$PY" -m pytest -q -p no:cacheprovider -p fuzz_plugin \
-    "$REPO/tests/python/test_engine.py" \
-    "$REPO/tests/python/test_fuzz_load.py" \
-    "$REPO/tests/python/test_fuzz_dcp.py" \
+    "$REPO/tests/python/core/test_engine.py" \
+    "$REPO/tests/python/torchsave/test_fuzz_load.py" \
+    "$REPO/tests/python/dcp/test_fuzz_dcp.py" \
     ${PYTEST_ARGS:-} > "$LOG" 2>&1
 RC=$?
 set -e

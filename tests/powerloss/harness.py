@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-sys.path.insert(1, os.path.join(os.path.dirname(HERE), "python"))
+sys.path.insert(1, os.path.join(os.path.dirname(HERE), "support"))  # fastspawn
 import crashfs  # noqa: E402
 import fastspawn  # noqa: E402
 import scenarios  # noqa: E402

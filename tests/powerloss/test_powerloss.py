@@ -63,7 +63,7 @@ REPORTS = []
 @pytest.fixture(scope="module", autouse=True)
 def _print_counts(request):
     """Prints each run's counts (cut points, crash states checked, violations) after the module,
-    also without -s. (No conftest.py here: tests/python's tests import theirs as `conftest`.)"""
+    also without -s. (No conftest.py here: pytest imports tests/python's as the module `conftest`; a second one would clash.)"""
     yield
     tr = request.config.pluginmanager.get_plugin("terminalreporter")
     cap = request.config.pluginmanager.get_plugin("capturemanager")

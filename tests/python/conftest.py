@@ -1,77 +1,13 @@
-import gc
-import os
-
+"""Fixtures of the Python tests: engines and backends, torch's process-wide settings, injected faults, and
+a real S3 endpoint. Plain helpers live in tests/support/ (imported by their bare names, `from leaks import
+temp_files`; tests/conftest.py puts that folder on sys.path)."""
 import torch
 
 import pytest
 
-import fastckpt
 from fastckpt import _C
 
-from dist_launch import kill_all
-
-
-def fd_table():
-    """This process's open descriptors -> what they point at, sockets left out:
-    the leak checks compare descriptors before and after an operation on files,
-    which opens no socket, while sockets of earlier tests' network clients and
-    their threads come and go on their own (under xdist such changes made three
-    fault tests see the count drop by 1-2 during the test)."""
-    gc.collect()  # engines of earlier tests close their io_uring descriptors
-    out = {}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:  # the listing's own descriptor, or one closed meanwhile
-            continue
-        if not target.startswith("socket:"):
-            out[fd] = target
-    return out
-
-
-def fd_count():
-    """How many descriptors :func:`fd_table` lists."""
-    return len(fd_table())
-
-
-def temp_files(directory):
-    return sorted(n for n in os.listdir(directory) if ".fastckpt-tmp." in n)
-
-
-def drop_page_cache(path, offset=0, length=0):
-    """Evicts `path`'s pages (a range of them with offset/length) from the page
-    cache, so that the engine's next read of them goes to the disk (read_ranges
-    serves cached bytes first). Written pages are made clean first."""
-    fd = os.open(os.fspath(path), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, offset, length, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-def make_config(**kw):
-    cfg = _C.EngineConfig()
-    for k, v in kw.items():
-        setattr(cfg, k, v)
-    return cfg
-
-
-_uring_probe = {}
-
-
-def uring_refusal():
-    """None when io_uring works here, else the reason it does not."""
-    if "r" not in _uring_probe:
-        if not _C.uring_compiled():
-            _uring_probe["r"] = "fastckpt was built without liburing"
-        else:
-            try:
-                _C.Engine(make_config(backend="uring", buffer_size=4096, buffer_count=1)).backend
-                _uring_probe["r"] = None
-            except OSError as e:
-                _uring_probe["r"] = f"io_uring refused by the kernel: {e}"
-    return _uring_probe["r"]
+from engines import make_config, uring_refusal
 
 
 @pytest.fixture(params=["uring", "threads"])
@@ -108,50 +44,11 @@ def _clear_faults():
     _C.fault_clear()
 
 
-def same_state(a, b):
-    """Nested dicts of tensors and plain values equal: dtypes, shapes and bytes."""
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
-    return a == b
-
-
-def dcp_unwrapped(fn, *args, **kw):
-    """Call fn; dcp wraps a rank's exception in a CheckpointException (a
-    BaseException) even without a process group: re-raise the single
-    underlying exception as itself."""
-    from torch.distributed.checkpoint.api import CheckpointException
-    try:
-        return fn(*args, **kw)
-    except CheckpointException as ce:
-        errors = [f[0] if isinstance(f, tuple) else f for f in ce.failures.values()]
-        if len(errors) == 1 and isinstance(errors[0], BaseException):
-            raise errors[0] from None
-        raise
-
-
-def wait_for_ranks(procs, scenario, timeout):
-    """Wait for the rank processes (stdout piped, stderr merged) of a multi-process
-    test, killing any still running at the end, and assert that each exited 0 and
-    printed "OK <scenario> rank <r>"; the failure message holds every rank's output."""
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        kill_all(procs)
-    report = "\n".join(f"--- rank {r} (exit {p.returncode})\n{o[-6000:]}" for r, (p, o) in enumerate(zip(procs, outs)))
-    assert all(p.returncode == 0 for p in procs), report
-    for r, o in enumerate(outs):
-        assert f"OK {scenario} rank {r}" in o, report
-
-
 # ---------------------------------------------------------------- a real S3 endpoint (issue 14)
 
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory):
-    """moto's standalone S3 server (tests/python/s3_server.py), one per session,
+    """moto's standalone S3 server (tests/support/s3_server.py), one per session,
     with authentication enforced and the bucket s3_server.BUCKET."""
     try:
         import moto.server  # noqa: F401

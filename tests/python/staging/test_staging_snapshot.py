@@ -1,0 +1,81 @@
+"""The one snapshot component (fastckpt/staging/snapshot.py) that async_save
+and FastWriter.stage take their copies with: one arena per snapshot, reused;
+a release is once only; device copies follow the staging discipline (checked
+by the simulated device, whose copies land late and out of order)."""
+
+
+import pytest
+import torch
+
+from fastckpt.staging.snapshot import ARENA_ROUND, Snapshotter
+
+from sim_device import SimDevice
+
+
+def _sources(g):
+    big = torch.randn(300, 70, generator=g)
+    return [big, big.t(), torch.arange(7, dtype=torch.int16), torch.empty(0, 3),
+            torch.tensor(True), torch.randn(5, generator=g).untyped_storage()]
+
+
+def _same(a, b):
+    if isinstance(a, torch.UntypedStorage):
+        return bytes(a) == bytes(b)
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_copies_are_exact_and_independent_of_the_sources():
+    g = torch.Generator().manual_seed(0)
+    src = _sources(g)
+    want = [s.clone() for s in src]
+    snap = Snapshotter().take(src)
+    src[0].add_(1)  # after take(): not in the snapshot
+    assert all(_same(v, w) for v, w in zip(snap.views, want))
+    assert snap.nbytes == sum(s.nbytes() if isinstance(s, torch.UntypedStorage) else s.nbytes for s in want)
+    assert snap.arena.buf.data_ptr() % 4096 == 0 and snap.arena.capacity == ARENA_ROUND
+
+
+def test_arenas_are_reused_and_a_release_is_once_only():
+    st = Snapshotter()
+    src = _sources(torch.Generator().manual_seed(1))
+    a = st.take(src)
+    arena = a.arena
+    assert st.owner_of(a.views[2]) is a and st.owner_of(torch.ones(3)) is None
+    assert a.release() and not a.release()  # the second release of the same snapshot is a no-op
+    b = st.take(src)
+    assert b.arena is arena and st.allocations == 1
+    assert not a.release() and b.arena is arena  # a late release of the old one leaves the newer alone
+    c = st.take(src)  # b still holds its arena: c gets another
+    assert c.arena is not arena and st.allocations == 2
+    b.release(keep=None)
+    c.release(keep=None)
+    assert st.free_bytes == 2 * ARENA_ROUND
+    st.clear()
+    assert st.free_bytes == 0
+
+
+def test_a_grown_state_gets_a_larger_arena_and_the_small_one_goes():
+    st = Snapshotter()
+    st.take([torch.zeros(1000)]).release()
+    st.take([torch.zeros(ARENA_ROUND)]).release()  # 4 MiB: does not fit the first arena
+    assert st.allocations == 2 and st.free_bytes == 4 * ARENA_ROUND
+
+
+@pytest.mark.parametrize("spontaneous", [True, False])
+def test_device_sources_through_the_simulated_device(spontaneous):
+    g = torch.Generator().manual_seed(2)
+    src = _sources(g)
+    with SimDevice(seed=2, spontaneous=spontaneous) as sim:
+        dev = [sim.tensor(s, 0) if isinstance(s, torch.Tensor) else s for s in src[:-1]]
+        dev.append(sim.tensor(torch.empty(0, dtype=torch.uint8).set_(src[-1]), 1).untyped_storage())
+        st = Snapshotter()
+        snap = st.take(dev)
+        assert sim.violations == []
+        assert all(_same(v, w) for v, w in zip(snap.views, src))
+        assert snap.arena.pinned and sim.locked_bytes == snap.arena.capacity  # page-locked once
+        snap.release()
+        again = st.take(dev)
+        assert again.arena is not None and st.allocations == 1 and sim.locked_bytes == again.arena.capacity
+        again.release()
+        st.clear()
+    assert sim.violations == []

@@ -1,0 +1,119 @@
+"""Launching ranks: a script as a job of several processes (the integration, manager and DCP tests),
+under torchrun, or rank by rank with torchrun's environment (so that a rank
+that is killed is not followed by torchrun's agent stopping the others); free
+ports; killing and reaping the ranks and waiting for their "OK" lines."""
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List
+
+import fastspawn
+from paths import ROOT
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def env(**extra) -> dict:
+    e = {k: v for k, v in os.environ.items() if not k.startswith(("FASTCKPT_TEST_", "RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                    "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC"))}
+    e.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1",
+             TRANSFORMERS_OFFLINE="1")
+    e.update(extra)
+    return e
+
+
+def torchrun(script, *args, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node nproc script args``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           str(script), *map(str, args)]
+    return subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def kill_all(procs) -> None:
+    """Kill and reap every process of ``procs`` still running (none is left behind a test)."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def reap(procs, timeout: float, wait_for=None) -> None:
+    """Wait until the processes ``wait_for`` (indices into ``procs``; all by
+    default) have exited, ``timeout`` seconds at most in all, then
+    :func:`kill_all` of ``procs`` (a process killed here has return code -SIGKILL)."""
+    deadline = time.monotonic() + timeout
+    try:
+        for i, p in enumerate(procs):
+            if wait_for is None or i in wait_for:
+                p.wait(max(0.1, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        kill_all(procs)
+
+
+def ranks(script, *args, world: int = 2, timeout: float = 300) -> List[subprocess.CompletedProcess]:
+    """Every rank of ``script args`` started directly, with RANK, WORLD_SIZE,
+    LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them; waits for all
+    (killing any still running past ``timeout``: its return code is then
+    -SIGKILL) and returns one CompletedProcess each."""
+    port = str(free_port())
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(world)]  # no pipe to fill
+    procs = [fastspawn.Popen([sys.executable, str(script), *map(str, args)], cwd=ROOT, text=True,
+                              stdout=files[r][0], stderr=files[r][1],
+                              env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
+             for r in range(world)]
+    reap(procs, timeout)
+    out = []
+    for p, (o, e) in zip(procs, files):
+        o.seek(0)
+        e.seek(0)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o.read(), e.read()))
+        o.close()
+        e.close()
+    return out
+
+
+def report(results) -> str:
+    if isinstance(results, subprocess.CompletedProcess):
+        results = [results]
+    return "\n".join(f"--- exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-5000:]}" for r in results)
+
+
+def wait_for_ranks(procs, scenario, timeout):
+    """Wait for the rank processes (stdout piped, stderr merged) of a multi-process
+    test, killing any still running at the end, and assert that each exited 0 and
+    printed "OK <scenario> rank <r>"; the failure message holds every rank's output."""
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=timeout)[0])
+    finally:
+        kill_all(procs)
+    text = "\n".join(f"--- rank {r} (exit {p.returncode})\n{o[-6000:]}" for r, (p, o) in enumerate(zip(procs, outs)))
+    assert all(p.returncode == 0 for p in procs), text
+    for r, o in enumerate(outs):
+        assert f"OK {scenario} rank {r}" in o, text
+
+
+def start_ranks(script, scenario, work, world_size: int) -> list:
+    """``world_size`` processes of ``script SCENARIO WORK`` with torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR/PORT on a free port), one thread each and 1 MiB x 4 engine buffers, stdout and stderr
+    piped together (the multi-process DCP tests; :func:`wait_for_ranks` waits for them)."""
+    e = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
+             OMP_NUM_THREADS="1", FASTCKPT_BUFFER_SIZE="1M", FASTCKPT_BUFFER_COUNT="4",
+             PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    procs = []
+    for r in range(world_size):
+        e["RANK"] = str(r)
+        procs.append(fastspawn.Popen([sys.executable, str(script), scenario, str(work)], env=dict(e),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
