@@ -67,7 +67,7 @@ test: $(SYS_STAMP)
 powerloss-long: build
 	FASTCKPT_POWERLOSS_LONG=1 $(PY) -m pytest -q tests/powerloss $(PYTEST_ARGS)
 
-# The long fuzz run of issue 6: >= 100,000 damaged inputs to fastckpt.load and FastReader against a
+# The long fuzz run: >= 100,000 damaged inputs to fastckpt.load and FastReader against a
 # build of fastckpt._C with AddressSanitizer and UBSan (out of tree; about 25 min here).
 # FUZZ_EXAMPLES=N for N examples per fuzz test instead.
 fuzz-sanitized: $(STAMP)
@@ -107,13 +107,13 @@ clean:
 distclean: clean
 	rm -rf $(VENV) *.egg-info
 
-# Issue 11 item 13, the long run: 50 torchrun jobs per manager mode (replicated/DDP, sharded/DCP) that
+# 50 torchrun jobs per manager mode (replicated/DDP, sharded/DCP) that
 # end with destroy_process_group(); 0 failures allowed (tests/python/manager/test_manager_exit.py).
 .PHONY: test-exit-long
 test-exit-long: build
 	FASTCKPT_EXIT_RUNS=50 $(PY) -m pytest -q tests/python/manager/test_manager_exit.py $(PYTEST_ARGS)
 
-# Issue 12: CRC-32 (zip polynomial) of zlib and of whichever accelerated libraries are installed
+# CRC-32 (zip polynomial) of zlib and of whichever accelerated libraries are installed
 # (ISA-L: libisal-dev, libdeflate: libdeflate-dev, zlib-ng: libz-ng-dev), found with pkg-config;
 # parity with zlib first (non-zero exit on a mismatch), then GB/s per buffer size. CRC_ARGS: --reps,
 # --sizes, --parity-only. docs/ENGINE.md "CRC-32: measured" has the figures.
@@ -126,14 +126,14 @@ build/bench_crc: benchmarks/bench_crc.cc Makefile
 bench-crc: build/bench_crc
 	./build/bench_crc $(CRC_ARGS)
 
-# Issue 12, fixed costs: the first fastckpt.load / save of a ~400 KB checkpoint in fresh processes
+# Fixed costs: the first fastckpt.load / save of a ~400 KB checkpoint in fresh processes
 # against torch.load / torch.save (+fsync), medians of FIRST_LOAD_REPS alternating runs, on BENCH_DIR.
 FIRST_LOAD_REPS ?= 12
 .PHONY: bench-first-load
 bench-first-load: build
 	$(PY) benchmarks/bench_first_load.py --dir "$(BENCH_DIR)" --reps $(FIRST_LOAD_REPS)
 
-# Issue 13, the cluster benchmark (benchmarks/cluster_emulate.py -> bench_cluster.py): N = CLUSTER_WORLDS emulated
+# The cluster benchmark (benchmarks/cluster_emulate.py -> bench_cluster.py): N = CLUSTER_WORLDS emulated
 # nodes on this machine (root: one ext4 loop filesystem per node + one shared, each rank in its own cgroup v1 blkio
 # cgroup throttled to CLUSTER_LINK_MBPS MB/s per node), every save/load mode of replicated state at CLUSTER_SIZE;
 # CLUSTER.md, cluster.json and cluster_scaling.png into CLUSTER_OUT (CLUSTER_OUT=benchmarks/results/cluster to keep
@@ -148,7 +148,7 @@ bench-cluster: build
 	$(PY) benchmarks/cluster_emulate.py --dir "$(BENCH_DIR)" --worlds $(CLUSTER_WORLDS) --size $(CLUSTER_SIZE) \
 	  --link-mbps $(CLUSTER_LINK_MBPS) --out "$(CLUSTER_OUT)" $(CLUSTER_ARGS)
 
-# Issue 14, the remote tier: fastckpt's uploader/downloader vs s3fs and boto3, and a fresh node's restore, against
+# The remote tier: fastckpt's uploader/downloader vs s3fs and boto3, and a fresh node's restore, against
 # moto's S3 server started on this machine (in-memory and slow: it, not the clients, sets the pace).
 REMOTE_SIZE ?= 128M
 REMOTE_REPS ?= 3

@@ -134,7 +134,7 @@ setup(
         # fastckpt.remote (s3://, gs:// URLs; file:// needs only fsspec, which comes with torch)
         "s3": ["s3fs>=2024.6"],
         "gcs": ["gcsfs>=2024.6"],
-        # framework integrations (issue 15): fastckpt.integrations.*, tested at the pinned versions
+        # framework integrations: fastckpt.integrations.*, tested at the pinned versions
         # of requirements-dev.txt
         "lightning": ["lightning>=2.6,<2.7"],
         "accelerate": ["accelerate>=1.15,<2", "safetensors"],

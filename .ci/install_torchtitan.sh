@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Optional: torchtitan for fastckpt.integrations.torchtitan's test (issue 15). Installed with --no-deps and
+# Optional: torchtitan for fastckpt.integrations.torchtitan's test. Installed with --no-deps and
 # the few packages its checkpointer and optimizer containers import, so that pip never replaces the pinned
 # torch. A full resolve of torchtitan 0.3.0 would downgrade huggingface_hub (2.4 -> 1.33, below what
 # transformers 5.24 needs) and fsspec (for datasets<4.8) and pull wandb/tensorboard/datasets: not installed,

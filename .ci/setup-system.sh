@@ -12,7 +12,7 @@ say() { printf '[setup +%ss] %s\n' "$((SECONDS - START))" "$*"; }
 # the benchmark), a C++ toolchain and cmake/ninja for the C++ tests; fuse3 and
 # libfuse3 for the power-loss simulator (tests/powerloss, through mfusepy).
 pkgs=(liburing-dev zlib1g-dev fio g++ make cmake ninja-build python3-venv fuse3 libfuse3-dev pkg-config)
-# ISA-L: the engine's hardware-accelerated CRC-32 (optional; zlib's without it). ISA-L and libdeflate: the accelerated CRC-32s that `make bench-crc` measures against zlib (issue 12).
+# ISA-L: the engine's hardware-accelerated CRC-32 (optional; zlib's without it). ISA-L and libdeflate: the accelerated CRC-32s that `make bench-crc` measures against zlib.
 pkgs+=(libisal-dev libdeflate-dev)
 if command -v apt-get >/dev/null 2>&1 && command -v dpkg >/dev/null 2>&1; then
   missing=()

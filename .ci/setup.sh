@@ -29,7 +29,7 @@ fi
 echo "torch==$TORCH_VERSION" > "$VENV/torch-constraint.txt"
 say "installing Python dependencies"
 "$PY" -m pip install -q -c "$VENV/torch-constraint.txt" -r requirements-dev.txt
-# DeepSpeed for fastckpt.integrations.deepspeed's tests (issue 15): --no-deps, so that torch stays pinned;
+# DeepSpeed for fastckpt.integrations.deepspeed's tests: --no-deps, so that torch stays pinned;
 # optional (its test skips with the reason where it cannot be installed or run)
 PY="$PY" .ci/install_deepspeed.sh || say "deepspeed not installed: its integration test will skip"
 # torchtitan for fastckpt.integrations.torchtitan's test: --no-deps plus the few packages its checkpointer

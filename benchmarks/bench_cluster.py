@@ -8,7 +8,7 @@ for each mode, saves it and then loads it back (the checkpoint's pages evicted f
 in between), timing every rank between two barriers:
 
 * ``rank0``: rank 0 ``fastckpt.save(sd, path)`` while the others wait; load: every rank
-  ``fastckpt.load(path)`` of the whole file (the DDP way before issue 13);
+  ``fastckpt.load(path)`` of the whole file (the DDP way without the collective load);
 * ``collective``: ``fastckpt.save(sd, path, group=pg)`` into ONE file on the shared directory;
   load: ``fastckpt.load(path, group=pg)`` (each rank reads its share, the shares are exchanged);
 * ``node``: ``fastckpt.save(sd, local, group=pg, placement="node")``: one complete copy per node

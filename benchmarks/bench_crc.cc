@@ -1,6 +1,6 @@
 // CRC-32 (zip polynomial 0xEDB88320, the checksum torch.save records: zlib's
 // crc32) from each installed library, measured on this machine, and checked
-// against zlib: the measurement issue 12 asks for before choosing the engine's
+// against zlib: the measurement made before choosing the engine's
 // implementation ("measure before choosing"). Built by `make bench-crc`.
 //
 //   zlib       crc32_z                (always; Debian zlib1g)

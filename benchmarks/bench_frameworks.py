@@ -13,7 +13,7 @@ The model: a stack of 4096x4096 (narrower below 600 MB) float32 linear layers wi
 step), about --size bytes of state in all. Every operation runs in a fresh Python process (the
 framework, the model and one training step are set up before the clock starts; imports are not
 timed), the operations interleaved round by round (--rounds); seconds are medians over the rounds.
-Issue 15's targets: Lightning and Accelerate checkpoints >= 2x faster than their (durable) defaults.
+The targets: Lightning and Accelerate checkpoints >= 2x faster than their (durable) defaults.
 
 Run alone: ``python benchmarks/bench_frameworks.py [--size 1G] [--rounds 3] [--dir DIR] [--json OUT]
 [--quick]``. Timing figures depend on the machine and on what else runs on it.

@@ -1,4 +1,4 @@
-"""Upload and download throughput against a local S3 endpoint (issue 14).
+"""Upload and download throughput against a local S3 endpoint.
 
 fastckpt's uploader (:func:`fastckpt.remote.upload`: parallel multipart,
 CRC-32 while reading) against ``s3fs``'s ``put_file`` and boto3's
@@ -175,7 +175,7 @@ def main(argv=None):
 
 
 def report(n: int, reps: int, rows: dict, shares=None) -> dict:
-    """The STANDALONE contract of benchmarks/report.py: one table, no numeric target (issue 14 asks for
+    """The STANDALONE contract of benchmarks/report.py: one table, no numeric target (none is asked for
     the figures), the endpoint said."""
     ref = {"upload": "upload fastckpt", "download": "download fastckpt (CRC checked)"}
     table = []
@@ -184,7 +184,7 @@ def report(n: int, reps: int, rows: dict, shares=None) -> dict:
         vs = round(rows[name] / rows[mine], 2) if mine and mine != name and rows[mine] > 0 else ""
         table.append([name, round(t, 3), round(n / t / 1e6, 1), vs])
     return {"title": f"Remote tier: upload, download and restore of a {n / 2 ** 20:.0f} MiB checkpoint "
-                     "against a local S3 endpoint (issue 14)",
+                     "against a local S3 endpoint",
             "columns": ["operation", "seconds", "MB/s", "fastckpt's speed vs it"],
             "rows": table, "targets": [],
             "notes": [f"medians of {reps}; the endpoint is moto's standalone server on this machine, an in-memory "

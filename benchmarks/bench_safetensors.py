@@ -14,7 +14,7 @@ own, as fastckpt's does, must fault all of it in; on a VM that is slow, 3-9 GB/s
 of the page cache, as safetensors', skips the zeroing and is not bound by it). The larger of the
 two is the limit, and safetensors' load median over it is the most a loader of this file that
 returns memory of its own could gain over safetensors in this run (with the disk row alone: any
-loader): when that bound is under 1.3, issue 15's load target cannot be met on this machine.
+loader): when that bound is under 1.3, the load target cannot be met on this machine.
 
 The state: the model part of benchmarks/workload.py's synthetic state dict (transformer-like
 layers, float32 and bfloat16, three large matrices), about --size bytes. Every operation runs in a
@@ -23,7 +23,7 @@ the operations interleaved round by round (--rounds), the page cache dropped bef
 when this process may (root; else the table says "warm"). Seconds are medians over the rounds;
 the result of every load is compared with the saved state once, outside the timing.
 
-Issue 15's targets: fastckpt.safetensors save >= 2x safetensors' save_file+fsync, load >= 1.3x
+The targets: fastckpt.safetensors save >= 2x safetensors' save_file+fsync, load >= 1.3x
 load_file with every page touched.
 
 Run alone: ``python benchmarks/bench_safetensors.py [--size 1G] [--rounds 3] [--dir DIR]

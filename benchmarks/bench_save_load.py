@@ -41,12 +41,12 @@ Loads, each in its own fresh child from a cold page cache (``os.sync()`` and ``e
 /proc/sys/vm/drop_caches`` right before the clock starts), several of them reading the same
 saved file (a method's ``load_variants``, their order reversed on odd repetitions):
 ``fastckpt.load(path, map_location="cpu", weights_only=True, verify=True)`` (paired with the
-save; verify is on by default since issue 12) and ``verify=False``; ``torch.load(path, map_location="cpu", weights_only=True)`` and the
+save; verify is on by default) and ``verify=False``; ``torch.load(path, map_location="cpu", weights_only=True)`` and the
 same with ``mmap=True``; ``dcp.load`` (stock ``FileSystemReader`` of the t=2 checkpoint;
 fastckpt's ``FastReader(verify=True)`` of the FastWriter one) into a pre-built state dict of the
 same shapes (``zeros_like``, allocated and touched outside the timing: an advantage to DCP),
-and safetensors ``load_file`` plus rebuilding the nesting from the header's metadata. Issue
-12's targets are judged on these rows (``targets_issue12``: the report states them next to the
+and safetensors ``load_file`` plus rebuilding the nesting from the header's metadata. The
+targets are judged on these rows (``size_targets``: the report states them next to the
 figures). DeepSpeed has no reader of its own (its checkpoint engine loads with torch.load), so
 it has no load row. Every load is followed, inside the timing, by reading one byte of every
 4 KiB page of every tensor, so that a lazily mapped result (safetensors maps the file) is
@@ -848,7 +848,7 @@ def row_of(rows: Dict[str, List[Row]], op: str, key: str) -> Optional[Row]:
     return next((r for r in rows[op] if r.key == key), None)
 
 
-# Issue 12's targets (make bench and the report; never timed tests): (id, what, goal, how it is measured)
+# The save/load targets (make bench and the report; never timed tests): (id, what, goal, how it is measured)
 TARGETS_12 = (
     ("load_vs_torch_mmap", f"{LABEL_LOAD_VERIFY} vs {LABEL_TORCH_MMAP}", 1.3, "x"),
     ("load_vs_fio", f"{LABEL_LOAD_VERIFY} vs fio O_DIRECT read", 0.95, "x"),
@@ -858,8 +858,8 @@ TARGETS_12 = (
 )
 
 
-def targets_issue12(rows: Dict[str, List[Row]], summary: Dict[str, Any]) -> List[str]:
-    """Issue 12's targets, each with the figure it is judged on: summary['targets_issue12'] is a list of
+def size_targets(rows: Dict[str, List[Row]], summary: Dict[str, Any]) -> List[str]:
+    """The save/load targets, each with the figure it is judged on: summary['size_targets'] is a list of
     {id, target, goal, unit, measured, met} (measured None and met None when a figure is missing)."""
     fs, fl = row_of(rows, "save", "fastckpt"), row_of(rows, "load", "fastckpt")
     tm, fr = row_of(rows, "load", "torch_mmap"), row_of(rows, "load", "fastdcp")
@@ -880,8 +880,8 @@ def targets_issue12(rows: Dict[str, List[Row]], summary: Dict[str, Any]) -> List
         res.append({"id": tid, "target": f"{what} {sign} {goal:g}{' x' if unit == 'x' else ' ' + unit}",
                     "goal": goal, "unit": unit, "measured": m, "met": met})
         shown = "not measured" if m is None or m != m else (f"{m:.2f} x" if unit == "x" else f"{m:.3f} {unit}")
-        out.append(f"issue 12: {res[-1]['target']}: {shown}: {verdict(met)}")
-    summary["targets_issue12"] = res
+        out.append(f"target: {res[-1]['target']}: {shown}: {verdict(met)}")
+    summary["size_targets"] = res
     return out
 
 
@@ -950,7 +950,7 @@ def report(bench: Bench, ctx: Dict[str, Any], skipped: Dict[str, str]) -> Dict[s
     print("\n## targets\n")
     for line in targets(rows, summary):
         print(line)
-    for line in targets_issue12(rows, summary):
+    for line in size_targets(rows, summary):
         print(line)
     for k, why in skipped.items():
         print(f"skipped {k}: {why}")

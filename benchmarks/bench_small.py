@@ -5,7 +5,7 @@ torch.save / torch.load (and torch.load(mmap=True)), and the file sizes.
 Cases (--case):
 
 * ``scalars``: a dict of N 0-d float32 tensors (N = --n, 100,000 by default): the
-  worst case for per-record overheads (issue 12: 424 MB and slower than
+  worst case for per-record overheads (424 MB and slower than
   torch.save when every record was 4 KiB-aligned).
 * ``model``: a model-like state dict of about N/10 small parameters (LayerNorm
   weights and biases, 256 floats each, 1 KiB) and 4 large ones (2048 x 2048
@@ -72,7 +72,7 @@ elif op == "torch.save":
     dfd = os.open(os.path.dirname(path), os.O_RDONLY)
     os.fsync(dfd)
     os.close(dfd)
-elif op == "fastckpt.load":  # verify off (the default verifies since issue 12)
+elif op == "fastckpt.load":  # verify off (the default verifies)
     out = fastckpt.load(path, verify=False)
 elif op == "fastckpt.load(verify)":
     out = fastckpt.load(path, verify=True)
@@ -140,7 +140,7 @@ def table(res: dict) -> str:
 
 
 def report(results: list) -> dict:
-    """benchmarks/report.py's STANDALONE contract: one table and the issue's targets
+    """benchmarks/report.py's STANDALONE contract: one table and its targets
     (save, load and verify at least as fast as torch.save / torch.load; file <= 1.3x)."""
     rows, targets = [], []
     ref = {"fastckpt.save": "torch.save", "fastckpt.load": "torch.load", "fastckpt.load(verify)": "torch.load"}

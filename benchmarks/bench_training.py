@@ -26,7 +26,7 @@ loop, what checkpointing took from the loop per step (blocked time plus the
 final wait for the last async save, over the steps: robust to noisy step
 times), the wall time per step over the whole run and its overhead over
 ``none`` (which moves with the machine's other load). Headline: async_save's
-blocking time as a fraction of fastckpt.save's (the issue's target: below 10%
+blocking time as a fraction of fastckpt.save's (the target: below 10%
 on a 1-2 GiB state; on a CPU-only machine the snapshot is a memcpy of the
 whole state, so the fraction is about disk bandwidth / memory bandwidth).
 

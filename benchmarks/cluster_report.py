@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """The cluster benchmark's report: bench_cluster.py's JSON (one per world size) -> Markdown, a
-scaling chart and the issue-13 targets.
+scaling chart and the cluster targets.
 
     python benchmarks/cluster_report.py build/bench-cluster/w1.json build/bench-cluster/w2.json ... \\
         --out build/bench-cluster
@@ -109,7 +109,7 @@ def _table(header: List[str], rows: List[List[str]]) -> List[str]:
 # ----------------------------------------------------------------------------- targets
 
 def targets(runs: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """Issue 13's targets per world size: [{"target", "measured", "unit", "met", "at"}]."""
+    """The cluster targets per world size: [{"target", "measured", "unit", "met", "at"}]."""
     out = []
     for run in sorted(runs, key=lambda r: r["world"]):
         n, b = nodes(run), link_gbps(run)
@@ -199,7 +199,7 @@ def markdown(runs: List[Dict[str, Any]], chart: Optional[str] = None, level: int
         L += _table(HEADER, run_rows(run))
     t = targets(runs)
     if t:
-        L += ["", f"{h}# Targets (issue 13)", ""]
+        L += ["", f"{h}# Targets", ""]
         L += _table(["target", "at", "measured", "verdict"],
                     [[x["target"], x["at"], "not measured" if x["measured"] is None else
                       f"{x['measured']:.2f} {x['unit']}", _verdict(x["met"])] for x in t])

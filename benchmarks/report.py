@@ -11,14 +11,14 @@ What it runs, on the directory ``--dir`` (default: the repository root, i.e. the
    cold loads, all of them interleaved with fio in each repetition, medians of ``--reps``;
 2. with ``--tune-size`` (default 1G; 0 for none), the knob sweep of ``fastckpt bench --tune``
    (benchmarks/bench_tune.py) on the same directory;
-3. the standalone scripts of ``STANDALONE`` (``--standalone``; issue 12's small-tensor and
+3. the standalone scripts of ``STANDALONE`` (``--standalone``; the small-tensor and
    first-load figures: bench_small.py, bench_first_load.py), each rendered from its JSON (the
    contract is at ``STANDALONE``); a script missing from the checkout is reported as not run;
 4. with ``--extras`` (make bench-full): bench_engine.py --full, bench_dcp.py, bench_training.py,
    whose own reports are kept in results/raw/ and linked.
 
-Issue 12's targets are stated next to the figures they are judged on ("Targets" section:
-bench_save_load.py's ``targets_issue12`` per size, and the standalone scripts' own).
+The targets are stated next to the figures they are judged on ("Targets" section:
+bench_save_load.py's ``size_targets`` per size, and the standalone scripts' own).
 
 ``--quick`` checks the whole pipeline in about a minute (64M, one repetition, no knob sweep,
 one fio point, DCP thread_count 2 only), into build/bench-quick/ unless ``--out`` is given:
@@ -71,7 +71,7 @@ DEFAULT_OUT = os.path.join(REPO_ROOT, "build", "bench")  # the committed report 
 QUICK_OUT = os.path.join(REPO_ROOT, "build", "bench-quick")
 
 # Standalone measurements run after the save/load sizes, each rendered from its JSON: the hook for
-# measurements that do not fit the per-size save/load table (issue 12: many small tensors, the first
+# measurements that do not fit the per-size save/load table (many small tensors, the first
 # load in a fresh process). Each entry: (name, script in benchmarks/, what it measures). The report runs
 #     python benchmarks/SCRIPT --dir DIR --json raw/NAME.json [--quick]
 # (stdout, Markdown, kept as raw/NAME.md; progress on stderr; exit 0 unless a measurement failed) and
@@ -85,13 +85,13 @@ QUICK_OUT = os.path.join(REPO_ROOT, "build", "bench-quick")
 STANDALONE = (
     ("small", "bench_small.py", "100,000 scalar tensors: save, load and verify against torch, file size"),
     ("first_load", "bench_first_load.py", "the first small load in a fresh process against torch.load"),
-    ("safetensors", "bench_safetensors.py", "issue 15: fastckpt.safetensors save_file/load_file against the "
+    ("safetensors", "bench_safetensors.py", "fastckpt.safetensors save_file/load_file against the "
      "safetensors package (durable saves, loads with every page read)"),
-    ("frameworks", "bench_frameworks.py", "issue 15: Lightning's and Accelerate's own durable checkpoints against "
+    ("frameworks", "bench_frameworks.py", "Lightning's and Accelerate's own durable checkpoints against "
      "fastckpt.integrations (about 3 minutes)"),
-    ("remote", "bench_remote.py", "issue 14: upload, download and restore against a local S3 endpoint (moto): "
+    ("remote", "bench_remote.py", "upload, download and restore against a local S3 endpoint (moto): "
      "fastckpt against s3fs and boto3"),
-    ("cluster", "cluster_emulate.py", "issue 13's cluster benchmark: N = 1, 2, 4 emulated nodes (root: loop "
+    ("cluster", "cluster_emulate.py", "the cluster benchmark: N = 1, 2, 4 emulated nodes (root: loop "
      "filesystems, blkio cgroups), every save/load mode of replicated state"),
 )
 # Standalone scripts run only when named in --standalone (minutes, or root): the cluster benchmark is
@@ -278,7 +278,7 @@ def collect_size(raw_json: Dict[str, Any]) -> Dict[str, Any]:
             "notes": raw_json.get("notes") or [], "errors": raw_json.get("errors") or [],
             "cache": ("NOT dropped: " + raw_json["drop_caches_error"]) if raw_json.get("drop_caches_error")
             else "dropped before every load", "targets": s.get("targets"),
-            "targets_issue12": s.get("targets_issue12") or [],
+            "size_targets": s.get("size_targets") or [],
             "versions": {k: ctx[k] for k in ("safetensors", "deepspeed") if k in ctx},
             "load_avg": ctx.get("load_avg")}
 
@@ -628,10 +628,10 @@ def _figure(x: Optional[float], unit: str) -> str:
 
 
 def targets_section(res: Dict[str, Any]) -> List[str]:
-    """Issue 12's targets next to the figures they are judged on: every size's, then the standalone scripts'."""
+    """The targets next to the figures they are judged on: every size's, then the standalone scripts'."""
     rows = []
     for e in res["sizes"]:
-        for t in e.get("targets_issue12") or []:
+        for t in e.get("size_targets") or []:
             rows.append([t["target"], human_size(e["size"]), _figure(num(t.get("measured")), t.get("unit", "")),
                          _verdict(t.get("met"))])
     for x in res.get("standalone") or []:
@@ -642,7 +642,7 @@ def targets_section(res: Dict[str, Any]) -> List[str]:
             rows.append([x["title"], x["script"], x["failed"], "n/a"])
     if not rows:
         return []
-    return ["", "## Targets (issue 12)", "",
+    return ["", "## Targets", "",
             "Each operation in a fresh process from a cold page cache, interleaved with its peers and with fio "
             "(the rows of each size below); one machine, so the verdicts hold for this disk and these CPUs.", ""] + \
         _table(["target", "measured at", "figure", "verdict"], rows)

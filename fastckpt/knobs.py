@@ -48,7 +48,7 @@ NAMES = ("buffer_size", "buffer_count", "queue_depth", "io_threads", "backend", 
 # Knobs of the Python side: name -> (environment variable, default, smallest allowed value). Integers.
 PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
             "allow_foreign_owner": ("FASTCKPT_ALLOW_FOREIGN_OWNER", 0, 0),
-            # fastckpt.remote (object stores and shared filesystems, issue 14)
+            # fastckpt.remote (object stores and shared filesystems)
             "remote_part_size": ("FASTCKPT_REMOTE_PART_SIZE", 16 << 20, 1 << 10),
             "remote_parallelism": ("FASTCKPT_REMOTE_PARALLELISM", 8, 1),
             "remote_attempts": ("FASTCKPT_REMOTE_ATTEMPTS", 5, 1),

@@ -300,7 +300,7 @@ class AsyncSaver:
             raise ValueError(f"cannot save {path!r} collectively in the background: the legacy format and "
                              "torch.serialization.skip_data() are not supported by collective saves")
         # An earlier failure is not raised here: it was logged when it happened and
-        # wait() raises it; this save goes ahead (issue 11, item 8).
+        # wait() raises it; this save goes ahead.
         limit = self.max_in_flight
         with self._cv:
             while len(self._in_flight) >= limit:

@@ -30,7 +30,7 @@ def drop_torch_refs_to_destroyed_groups() -> int:
     hold Python objects, until the group is destroyed; releasing them then
     takes the GIL, and a thread that takes the GIL during finalization is
     killed inside a noexcept destructor: "terminate called without an
-    active exception", SIGABRT (issue 11 item 13).
+    active exception", SIGABRT.
 
     Called at exit, while the interpreter is fully alive: replaces those
     default arguments, where they name a group that was already destroyed

@@ -1,4 +1,4 @@
-"""CheckpointManager's remote tier (``replicate_to=URL``, issue 14).
+"""CheckpointManager's remote tier (``replicate_to=URL``).
 
 The manager's directory is the first tier: a step is committed there (durable,
 ``latest`` moved) exactly as without a remote tier. Rank 0 then queues the

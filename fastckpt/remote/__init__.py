@@ -1,4 +1,4 @@
-"""fastckpt's remote tier (issue 14): checkpoints on object stores (S3, GCS,
+"""fastckpt's remote tier: checkpoints on object stores (S3, GCS,
 any S3-compatible store) and shared filesystems, through fsspec.
 
 Rooms (one concern each): :mod:`.store` (URL -> a checked store, the

@@ -1,4 +1,4 @@
-// Issue 11 hardening of the engine: leftovers of crashed saves, fork(),
+// Hardening of the engine: leftovers of crashed saves, fork(),
 // io_uring submit/wait failures, size knobs that overflow, errors naming the
 // user's file.
 #include <signal.h>

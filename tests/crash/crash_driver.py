@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """Crash-consistency driver: SIGKILL checkpoint saves at random moments and
-check that nothing is lost (issue #6, README "Guarantees").
+check that nothing is lost (README "Guarantees").
 
     python tests/crash/crash_driver.py --kills 300 --seed 7    # every kind
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The loaders' fuzzers against a build of fastckpt._C with AddressSanitizer and
-# UBSan (issue 6: hostile and damaged input).
+# UBSan (hostile and damaged input).
 #
 #   tests/fuzz/run_sanitized.sh [EXAMPLES]
 #

@@ -44,7 +44,7 @@ def _clear_faults():
     _C.fault_clear()
 
 
-# ---------------------------------------------------------------- a real S3 endpoint (issue 14)
+# ---------------------------------------------------------------- a real S3 endpoint
 
 @pytest.fixture(scope="session")
 def moto_server(tmp_path_factory):

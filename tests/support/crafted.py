@@ -386,7 +386,7 @@ class MemoryProbe:
 # builds take more memory than its bytes: a tensor about 2.4 KiB for ~100
 # pickle bytes, a list nested 150,000 deep 13 MiB for 300 KB), and
 # MEMORY_SLACK for torch's per-call state. Measured: under 1 MiB for every
-# crafted kind but deep nesting; the overlapping records of issue 11 took
+# crafted kind but deep nesting; the overlapping records  took
 # 300 MiB for a 2 MiB file with a 4 KB pickle.
 MEMORY_FACTOR = 4
 PICKLE_FACTOR = 64

@@ -1,4 +1,4 @@
-"""A real S3 HTTP endpoint for the tests (issue 14): moto's standalone server
+"""A real S3 HTTP endpoint for the tests: moto's standalone server
 in a subprocess, with IAM authentication enforced, and a small fault-injecting
 HTTP proxy in front of it (test-only code, stdlib only).
 

@@ -349,7 +349,7 @@ def _save_load_module():
     return mod
 
 
-def test_issue12_targets_are_judged_on_their_figures():
+def test_size_targets_are_judged_on_their_figures():
     sl = _save_load_module()
     Row = sl.Row
 
@@ -361,8 +361,8 @@ def test_issue12_targets_are_judged_on_their_figures():
                      row(sl.LABEL_TORCH_MMAP, "torch_mmap", "load", 2.0, 0.25),
                      row(sl.LABEL_FASTREADER, "fastdcp", "load", 2.2, 0.3)]}
     summary = {"disk_load_gbps": 2.5}
-    lines = sl.targets_issue12(rows, summary)
-    got = {t["id"]: t for t in summary["targets_issue12"]}
+    lines = sl.size_targets(rows, summary)
+    got = {t["id"]: t for t in summary["size_targets"]}
     assert got["load_vs_torch_mmap"]["measured"] == pytest.approx(1.3) and got["load_vs_torch_mmap"]["met"]
     assert got["load_vs_fio"]["measured"] == pytest.approx(1.04) and got["load_vs_fio"]["met"]
     assert got["fastreader_vs_load"]["measured"] == pytest.approx(2.2 / 2.6)
@@ -371,8 +371,8 @@ def test_issue12_targets_are_judged_on_their_figures():
     assert len(lines) == 5 and any("NOT MET" in l and "CPU-s/GB <= 0.2" in l for l in lines)
     # a figure that was not measured is said, never judged
     summary = {}
-    sl.targets_issue12({"save": [], "load": rows["load"][:1]}, summary)
-    got = {t["id"]: t for t in summary["targets_issue12"]}
+    sl.size_targets({"save": [], "load": rows["load"][:1]}, summary)
+    got = {t["id"]: t for t in summary["size_targets"]}
     assert got["load_vs_fio"]["met"] is None and got["save_cpu"]["measured"] is None
 
 
@@ -381,7 +381,7 @@ def test_report_states_targets_and_renders_standalone_scripts(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     sl = _fake_save_load(256 << 20)
-    sl["summary"]["targets_issue12"] = [
+    sl["summary"]["size_targets"] = [
         {"id": "load_vs_torch_mmap", "target": "fastckpt.load (verify on) vs torch.load(mmap=True) >= 1.3 x",
          "goal": 1.3, "unit": "x", "measured": 1.42, "met": True},
         {"id": "load_cpu", "target": "fastckpt.load (verify on) CPU-s/GB <= 0.2 s/GB", "goal": 0.2, "unit": "s/GB",
@@ -403,7 +403,7 @@ def test_report_states_targets_and_renders_standalone_scripts(tmp_path):
                                                "settings": settings}))
     assert report.main(["--assemble-only", "--out", str(tmp_path)]) == 0
     md = (tmp_path / "REPORT.md").read_text()
-    for s in ("## Targets (issue 12)", "| fastckpt.load (verify on) vs torch.load(mmap=True) >= 1.3 x | 256 MiB | "
+    for s in ("## Targets", "| fastckpt.load (verify on) vs torch.load(mmap=True) >= 1.3 x | 256 MiB | "
               "1.42 x | **met** |", "| fastckpt.load (verify on) CPU-s/GB <= 0.2 s/GB | 256 MiB | 0.310 s/GB | "
               "**NOT met** |", "| file <= 1.3 x torch.save's | bench_small.py | 1.11 x | **met** |",
               "## 100,000 scalar tensors", "| fastckpt | 0.5 | 30 |", "- note: a small note",

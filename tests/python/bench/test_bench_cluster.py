@@ -1,4 +1,4 @@
-"""The cluster benchmark (issue 13): benchmarks/bench_cluster.py (every rank), cluster_emulate.py
+"""The cluster benchmark: benchmarks/bench_cluster.py (every rank), cluster_emulate.py
 (N emulated nodes: loop filesystems + blkio cgroups, or plain directories) and cluster_report.py.
 
 Structure and accounting only, no speed is compared with anything (speeds belong in the benchmark):
@@ -86,7 +86,7 @@ def test_world2_plain_directories_every_mode_accounted_or_unavailable(tmp_path):
             # evicted from the page cache: every byte came from the disk at least once, to some rank
             assert sum(r["read_bytes"] for r in load["ranks"]) >= 0.9 * ckpt, (m["mode"], load["ranks"])
         checked.append(m["mode"])
-    # what exists in every fastckpt since issue 13's first step runs, whatever else is still missing
+    # what exists in every fastckpt since the collective save runs, whatever else is still missing
     assert {"rank0", "fastdcp", "dcp"} <= set(checked) | {m["mode"] for m in run["modes"] if m.get("load", {}).get(
         "skipped")}, checked
     md = (out / "CLUSTER.md").read_text()

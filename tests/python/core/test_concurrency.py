@@ -1,4 +1,4 @@
-"""Issue #6, concurrency and load: two processes saving to one path at once;
+"""Concurrency and load: two processes saving to one path at once;
 many threads saving and loading different checkpoints through one engine; a
 save while another process writes a big file to the same disk."""
 import os

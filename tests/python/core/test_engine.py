@@ -424,7 +424,7 @@ def test_reading_while_this_thread_holds_every_buffer_raises_instead_of_hanging(
     assert bytes(dst.numpy()) == data
 
 
-# ---------------------------------------------------------------- issue 11: leftovers, fork, inputs, errors
+# ---------------------------------------------------------------- leftovers, fork, inputs, errors
 
 def _wait_for(cond, what, limit=120.0):
     """Poll until cond() is true; a hang guard, not a timing assertion."""

@@ -1,4 +1,4 @@
-"""Fixed costs grow lazily (issue 12): a fresh process's engine touches and
+"""Fixed costs grow lazily: a fresh process's engine touches and
 registers only the staging buffers its I/O used, and `import fastckpt` does not
 import what a plain save or load does not need. Counts, never times."""
 import json
@@ -94,7 +94,7 @@ _FRESH_CACHED_LOAD = textwrap.dedent("""
 def test_fresh_process_small_cached_load_makes_no_backend_and_touches_no_buffer(tmp_path, backend):
     """A just-saved small checkpoint that is in the page cache (as torch.load would
     find it) is read with page-cache reads on the calling thread: no ring or thread
-    pool is made, no staging buffer touched (issue 12, fixed costs)."""
+    pool is made, no staging buffer touched."""
     if backend == "uring" and uring_refusal():
         pytest.skip(uring_refusal())
     path = tmp_path / "small.pt"

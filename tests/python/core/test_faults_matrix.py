@@ -1,4 +1,4 @@
-"""Issue #6, faults: a matrix of injected errors (ENOSPC, EIO), EINTR/EAGAIN
+"""Faults: a matrix of injected errors (ENOSPC, EIO), EINTR/EAGAIN
 storms (50 in a row) and short transfers at several points of fastckpt.save,
 fastckpt.load, dcp.save/dcp.load with FastWriter/FastReader (one process, no
 process group) and CheckpointManager.save/load_latest.
@@ -333,7 +333,7 @@ def test_manager_load_latest_faults(tmp_path, case):
         fds = fd_count()
         if case == "eio_newest":
             # EIO says the machine is in trouble, not the checkpoint: it propagates, naming
-            # the file, instead of a silent rollback to step 1 (issue 11, item 12)
+            # the file, instead of a silent rollback to step 1
             _C.fault_inject("read", nth=1, errno=errno.EIO, times=0, path_contains="step_00000002")
             with warnings.catch_warnings():
                 warnings.simplefilter("error", RuntimeWarning)

@@ -1,4 +1,4 @@
-"""Packaging (issue 15): the distribution ``fastckpt-io`` (the import name and the command stay
+"""Packaging: the distribution ``fastckpt-io`` (the import name and the command stay
 ``fastckpt``) builds as a wheel with build isolation (pyproject.toml's build requirements, torch pinned
 to the one running) and without it; the wheel, installed outside the checkout, imports its own engine,
 saves and loads, and says its version; ``fastckpt --version`` agrees with ``__version__`` and the

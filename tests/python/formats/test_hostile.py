@@ -1,4 +1,4 @@
-"""Hostile files and unreadable paths (issue 11, items 1, 3 and part of 7).
+"""Hostile files and unreadable paths.
 
 - No pickle fastckpt reads outside torch's own weights_only path runs code:
   DCP ``.metadata`` whose pickle reduces to os.system / subprocess /

@@ -1,4 +1,4 @@
-"""Bounded memory on any archive (issue 11, item 2; docs/FORMAT.md 1.5).
+"""Bounded memory on any archive (docs/FORMAT.md 1.5).
 
 A reader that trusts the central directory allocates what it claims: records
 that overlap (many entries over one blob) made a 2 MiB file allocate hundreds
@@ -22,7 +22,7 @@ from fastckpt import serialization as ser
 
 import crafted
 
-BLOB = 2 << 20  # the issue's case: 150 records over one 2 MiB blob
+BLOB = 2 << 20  # the reported case: 150 records over one 2 MiB blob
 N_OVERLAP = 150
 
 

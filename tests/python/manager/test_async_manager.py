@@ -141,7 +141,7 @@ def test_error_comes_back_through_the_future(tmp_path):
 
 
 def test_a_failed_save_does_not_swallow_the_next_one(tmp_path, caplog):
-    """Issue 11 item 8: nobody looked at a failed future; the next async_save
+    """nobody looked at a failed future; the next async_save
     still writes its file; the failure was logged when it happened and is
     raised, once, by wait()."""
     saver = AsyncSaver()
@@ -372,7 +372,7 @@ def test_retention_spares_latest_target_and_saves_in_flight(tmp_path):
     assert mgr.steps() == [40]
     mgr.save(20, small_state(20))  # e.g. after rolling back: latest names an older step
     assert (tmp_path / "latest").read_text() == "step_00000020.pt\n"
-    # step 40 is an abandoned branch now (issue 11 item 11): set aside, not deleted
+    # step 40 is an abandoned branch now: set aside, not deleted
     assert mgr.steps() == [20] and os.listdir(tmp_path / "abandoned") == ["step_00000040.pt"]
     mgr.save(50, small_state(50))
     assert mgr.steps() == [50]
@@ -432,7 +432,7 @@ def test_failed_pointer_update_keeps_the_old_pointer(tmp_path):
     assert (tmp_path / "latest").read_text() == "step_00000010.pt\n"
     assert temp_files(tmp_path) == []
     # step 20 was renamed into place before the pointer failed: complete, but the save
-    # failed and `latest` is authoritative (issue 11 item 11): resume from 10, say why.
+    # failed and `latest` is authoritative: resume from 10, say why.
     assert mgr.steps() == [10, 20]
     with pytest.warns(RuntimeWarning, match=r"not loading step_00000020\.pt .*never committed"):
         assert mgr.load_latest().step == 10

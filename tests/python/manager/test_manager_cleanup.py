@@ -1,5 +1,5 @@
 """CheckpointManager.clean_temporaries removes only what crashed saves *of
-this host* left (issue 11 item 9's class): on a shared filesystem another
+this host* left: on a shared filesystem another
 node may be writing its temporary file right now, and its pid means nothing
 here. Every temporary name fastckpt makes (the engine's, the manager's
 sharded directories, ``fastckpt convert``'s) carries its host."""

@@ -1,5 +1,5 @@
 """Jobs that use CheckpointManager, or save and load with group=, end cleanly
-under torchrun (issue 11, item 13).
+under torchrun.
 
 `torchrun --standalone --nproc_per_node 2` of tests/support/workers/exit_worker.py:
 a DDP job (replicated mode: collective, the asynchronous saves written by every

@@ -1,7 +1,6 @@
 """CheckpointManager.load_latest: `latest` is authoritative (rollbacks), only a
-damaged checkpoint is skipped, and weights_only holds in sharded mode too
-(issue 11, items 11, 12 and the manager's part of item 1). One process; the
-two-rank runs are in test_ddp_resume.py and test_manager_exit.py.
+damaged checkpoint is skipped, and weights_only holds in sharded mode too.
+One process; the two-rank runs are in test_ddp_resume.py and test_manager_exit.py.
 """
 import errno
 import os

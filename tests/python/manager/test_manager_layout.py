@@ -71,7 +71,7 @@ def test_the_public_face_leaves_every_collective_to_the_coordination():
 def test_modules_stay_readable():
     for mod in (manager, _manager_policy, _manager_dist):
         with open(mod.__file__) as f:
-            assert sum(1 for _ in f) <= 660, mod.__file__  # 620 before the remote tier's hooks (issue 14)
+            assert sum(1 for _ in f) <= 660, mod.__file__  # 620 before the remote tier's hooks
 
 
 def test_public_names_unchanged():

@@ -1,4 +1,4 @@
-"""CheckpointManager(replicate_to=URL) (issue 14): committed steps reach the remote tier in the
+"""CheckpointManager(replicate_to=URL): committed steps reach the remote tier in the
 background, retention applies per tier, and load_latest restores from the remote tier when the
 local copy is missing or damaged, never an incomplete or damaged remote step; against a real S3
 endpoint (moto's server, through s3fs and a fault-injecting proxy) and a second local filesystem

@@ -1,4 +1,4 @@
-"""CheckpointManager(replicate_to=URL) with several ranks (issue 14): every rank uploads its part
+"""CheckpointManager(replicate_to=URL) with several ranks: every rank uploads its part
 of each step, rank 0 writes the manifest once every rank reported success.
 
 Two gloo ranks on the CPU (tests/support/workers/remote_ranks_worker.py), against moto's S3 server

@@ -1,4 +1,4 @@
-"""fastckpt.remote.team: a step replicated by every rank of a job, each uploading its part (issue 14).
+"""fastckpt.remote.team: a step replicated by every rank of a job, each uploading its part.
 
 The ranks are threads of this process here, each with its own client of one c10d store
 (HashStore; the manager uses the job's TCPStore the same way, test_manager_remote_ranks.py

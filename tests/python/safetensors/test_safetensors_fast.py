@@ -1,4 +1,4 @@
-"""fastckpt.safetensors (issue 15): the safetensors.torch API through the engine.
+"""fastckpt.safetensors: the safetensors.torch API through the engine.
 
 Files it writes are read by the real safetensors package unchanged, and it reads what that package
 writes; it refuses what that package refuses, with the same exception types; saves are atomic

@@ -1,5 +1,5 @@
 """fastckpt.async_save takes what torch.save takes and honours torch's
-settings as fastckpt.save does (issue 11 item 5's class): the keyword
+settings as fastckpt.save does: the keyword
 arguments ``_use_new_zipfile_serialization`` and ``_disable_byteorder_record``,
 ``torch.serialization.skip_data()`` (a per-thread setting, read in the
 caller's thread) and ``torch.utils.serialization.config.save`` (read when

@@ -392,7 +392,7 @@ def test_load_verify_names_the_damaged_tensor_on_the_device_path(tmp_path):
     with SimDevice(seed=14) as sim:
         with pytest.raises(fastckpt.FormatError, match=r"checksum mismatch.*tensor b"):
             fastckpt.load(path, map_location="sim:0", verify=True)
-        # verify is on by default (issue 12), on the device path too
+        # verify is on by default, on the device path too
         with pytest.raises(fastckpt.FormatError, match=r"checksum mismatch.*tensor b"):
             fastckpt.load(path, map_location="sim:0")
         got = fastckpt.load(path, map_location="sim:0", verify=False)  # opted out: loads

@@ -18,7 +18,7 @@ atexit handler registered before fastckpt is imported runs after fastckpt's
 own), the rank checks that no gloo worker thread is still alive: one that
 lives on into interpreter finalization is what aborts a rank with
 "terminate called without an active exception" when it releases a finished
-collective's tensors there (issue 11, item 13). If any is alive, the rank
+collective's tensors there. If any is alive, the rank
 says so and exits with status 3.
 """
 import atexit

@@ -2,7 +2,7 @@
 save, load, fallback from a damaged checkpoint, asynchronous sharded saves; an
 EIO on one rank propagates on every rank (no fallback); a rollback makes
 `latest` authoritative and sets the newer steps aside; the job ends with
-destroy_process_group() and no gc.collect()/close() (issue 11 items 11-13).
+destroy_process_group() and no gc.collect()/close().
 
 Usage (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment):
     python sharded_worker.py CKPT_DIR
@@ -24,7 +24,7 @@ from fastckpt import CheckpointManager
 def main(ckpt: str) -> None:
     dist.init_process_group("gloo")
     run(ckpt)
-    # No gc.collect() or close() before this (issue 11 item 13): the manager frees its
+    # No gc.collect() or close() before this: the manager frees its
     # own gloo group at exit, before interpreter finalization, by itself.
     dist.destroy_process_group()
 
@@ -98,7 +98,7 @@ def run(ckpt: str) -> None:
     check(state(4), target)
     assert not [n for n in os.listdir(ckpt) if ".fastckpt-tmp." in n]
 
-    # Issue 11 item 12: EIO while rank 1 reads step 5 is not damage: every rank raises,
+    # EIO while rank 1 reads step 5 is not damage: every rank raises,
     # nobody falls back to step 4.
     from fastckpt import _C
     if rank == 1:
@@ -114,7 +114,7 @@ def run(ckpt: str) -> None:
     _C.fault_clear()
     dist.barrier()
 
-    # Issue 11 item 11: a rollback (step 1 after 4, 5): `latest` names step 1, load_latest
+    # a rollback (step 1 after 4, 5): `latest` names step 1, load_latest
     # loads it on every rank, steps 4 and 5 are set aside in abandoned/.
     mgr.save(1, state(11))
     r = mgr.load_latest(state=state(0))
