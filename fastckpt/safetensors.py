@@ -144,44 +144,23 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-class _Prepared:
-    """A file planned and written, not yet committed (the engine's writer holds its temporary file)."""
-
-    def __init__(self, path: str, tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]]):
-        self.path = path
-        head, order, self.size = _plan(tensors, metadata)
-        self.writer = AtomicFile(path, self.size)
-        try:
-            self.writer.write(head)
-            for n in order:
-                t = tensors[n]
-                if t.numel() == 0:
-                    continue
-                # a device tensor: one host copy at a time (the largest tensor bounds the memory)
-                host = t if t.device.type == "cpu" else t.cpu()
-                self.writer.write(_bytes_of(host))
-            if self.writer.position != self.size:
-                raise RuntimeError(f"{path}: wrote {self.writer.position} bytes, planned {self.size}")
-        except BaseException:
-            self.writer.abort()
-            raise
-
-    def commit(self) -> None:
-        self.writer.commit()
-
-    def abort(self) -> None:
-        self.writer.abort()
-
-
-def _write(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Optional[Dict[str, str]]) -> _Prepared:
+def _write_file(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Optional[Dict[str, str]]) -> None:
+    """Plan, write and commit one safetensors file (AtomicFile: the previous file or the complete
+    new one at `filename`; its errors name `filename`)."""
     if sys.byteorder != "little":
         raise NotImplementedError("fastckpt.safetensors writes little-endian files on little-endian machines only")
     path = check_save_target(os.fsdecode(os.fspath(filename)))
-    try:
-        return _Prepared(path, tensors, metadata)
-    except OSError as e:
-        raise_named_after_target(e, path)
-        raise
+    head, order, size = _plan(tensors, metadata)
+    with AtomicFile(path, size) as w:
+        w.write(head)
+        for n in order:
+            t = tensors[n]
+            if t.numel() == 0:
+                continue
+            # a device tensor: one host copy at a time (the largest tensor bounds the memory)
+            w.write(_bytes_of(t if t.device.type == "cpu" else t.cpu()))
+        if w.position != size:
+            raise RuntimeError(f"{path}: wrote {w.position} bytes, planned {size}")
 
 
 def save_file(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Optional[Dict[str, str]] = None) -> None:
@@ -189,12 +168,7 @@ def save_file(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Op
     one or the complete new one, whatever happens during the call."""
     _check_tensors(tensors)
     metadata = _check_metadata(metadata) if metadata is not None else None
-    p = _write(tensors, filename, metadata)
-    try:
-        p.commit()
-    except OSError as e:
-        raise_named_after_target(e, p.path)
-        raise
+    _write_file(tensors, filename, metadata)
 
 
 # ---------------------------------------------------------------- reading
@@ -430,7 +404,7 @@ def save_sharded(state_dict: Dict[str, torch.Tensor], save_directory: PathLike,
         # commit, and a pool thread's next shard would wait for them forever). The directory
         # commit below is what makes the set of files appear at once.
         with ThreadPoolExecutor(min(_PARALLEL_FILES, len(shards))) as ex:
-            futs = [ex.submit(_write_shard, {n: state_dict[n] for n in names}, os.path.join(tmp, f), metadata)
+            futs = [ex.submit(_write_file, {n: state_dict[n] for n in names}, os.path.join(tmp, f), metadata)
                     for f, names in shards.items()]
             errors = []
             for fu in futs:
@@ -455,14 +429,6 @@ def save_sharded(state_dict: Dict[str, torch.Tensor], save_directory: PathLike,
         raise
     return shards
 
-
-def _write_shard(tensors: Dict[str, torch.Tensor], filename: str, metadata: Optional[Dict[str, str]]) -> None:
-    p = _write(tensors, filename, metadata)
-    try:
-        p.commit()
-    except BaseException:
-        p.abort()
-        raise
 
 
 def _not_the_checkpoint(directory: str, weights_name: str, index_name: str):

@@ -12,6 +12,8 @@ import json
 import os
 import random
 import struct
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ import fastckpt.safetensors as fst
 st = pytest.importorskip("safetensors.torch", reason="the safetensors package is not installed")
 from safetensors import safe_open  # noqa: E402
 
+import fastspawn  # noqa: E402
 from sim_device import SimDevice  # noqa: E402
 from states import assert_same  # noqa: E402
 
@@ -300,9 +303,6 @@ def test_sharded_save_of_more_shards_than_staging_buffers_finishes(tmp_path):
     # written but left uncommitted keeps buffers, so every pool thread's next shard would wait
     # for one forever (a hang, seen in the crash driver's resave_st under load). Each shard is
     # committed inside the new directory as soon as it is written.
-    import subprocess
-    import sys
-    import fastspawn
     env = dict(os.environ, FASTCKPT_BUFFER_COUNT="4")
     try:
         r = fastspawn.run([sys.executable, "-c", _MANY_SHARDS, str(tmp_path / "m")], env=env,
