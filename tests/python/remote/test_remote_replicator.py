@@ -31,6 +31,20 @@ SMALL = TransferOptions(part_size=5 * MiB, parallelism=2, attempts=3, backoff_s=
 HERE = str(SUPPORT)  # the helpers' folder, for the child of test_sigkill_mid_upload
 
 
+def _hold_step_one(monkeypatch) -> threading.Event:
+    """Make the replicator's upload of step 1 wait (at most 30 s) until the returned event is set."""
+    gate = threading.Event()
+    real = rep_mod.upload_step_files
+
+    def slow(store, step, opened, *a, **kw):
+        if step == 1:
+            gate.wait(30)
+        return real(store, step, opened, *a, **kw)
+
+    monkeypatch.setattr(rep_mod, "upload_step_files", slow)
+    return gate
+
+
 def _open_under(d):
     """This process's descriptors open on files under `d` (a leak check)."""
     out = []
@@ -139,15 +153,7 @@ def test_keep_last_remote(s3, tmp_path):
 
 def test_a_newer_step_supersedes_a_queued_one(s3, tmp_path, monkeypatch):
     url, opts, _, _ = s3
-    gate = threading.Event()
-    real = rep_mod.upload_step_files
-
-    def slow(store, step, opened, *a, **kw):
-        if step == 1:
-            gate.wait(30)
-        return real(store, step, opened, *a, **kw)
-
-    monkeypatch.setattr(rep_mod, "upload_step_files", slow)
+    gate = _hold_step_one(monkeypatch)
     for s in (1, 2, 3):
         _ckpt(tmp_path / f"s{s}.pt", s, 1000)
     r = Replicator(url, opts, transfer=SMALL)
@@ -362,15 +368,7 @@ def test_other_fsspec_filesystems_stream_in_order(tmp_path):
 
 
 def test_a_step_cancelled_by_its_caller_does_not_hang_wait(tmp_path, monkeypatch):
-    gate = threading.Event()
-    real = rep_mod.upload_step_files
-
-    def slow(store, step, opened, *a, **kw):
-        if step == 1:
-            gate.wait(30)
-        return real(store, step, opened, *a, **kw)
-
-    monkeypatch.setattr(rep_mod, "upload_step_files", slow)
+    gate = _hold_step_one(monkeypatch)
     for s in (1, 2):
         _ckpt(tmp_path / f"s{s}.pt", s, 1000)
     r = Replicator("file://" + str(tmp_path / "tier"))
