@@ -51,6 +51,8 @@ class Group:
     def __init__(self, group, path: str, action: str = "save to", outcome: str = "nothing was committed"):
         import torch.distributed as dist
         self.dist, self.group, self.path = dist, group, path
+        # the object collectives: torch's, but returning only once gloo's workers let go of their tensors
+        self.gather_objects, self.broadcast_objects = _dist_exit.all_gather_object, _dist_exit.broadcast_object_list
         self.action, self.outcome = action, outcome  # for the messages: "cannot <action> <path>: ...; <outcome>"
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -62,7 +64,7 @@ class Group:
         out: List[Any] = [None] * self.world
         payload = (describe(local_error) if local_error is not None else None, mine)
         try:
-            self.dist.all_gather_object(out, payload, group=self.group)
+            self.gather_objects(out, payload, group=self.group)
         except Exception as e:
             if local_error is not None:
                 raise local_error

@@ -400,7 +400,7 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
         if len(holders) < g.world:
             box = [archive, small] if g.rank == holders[0] else [None, None]
             try:
-                g.dist.broadcast_object_list(box, src=xch.global_rank(g, holders[0]), group=group)
+                g.broadcast_objects(box, src=xch.global_rank(g, holders[0]), group=group)
             except Exception as e:
                 raise g.lost(e, "the broadcast of the file's directory") from e
             archive, small = box

@@ -170,7 +170,7 @@ def descriptor(crc: int, size: int, header_offset: int) -> bytes:
     return _descriptor32.pack(DESCRIPTOR_SIG, crc, size, size)
 
 
-@dataclass
+@dataclass(slots=True)
 class Entry:
     name: str
     size: int
@@ -470,20 +470,19 @@ class Archive:
         # are a few dozen reads, not 100,000 buffers. (The engine reads aligned
         # blocks anyway, so a window reads no more of the file than separate
         # reads would.) Windows go in batches of at most _HEADER_BATCH_BYTES.
-        records: Dict[str, Entry] = {}
-        items = list(entries.items())  # in file order: parse_directory checked it
-        windows = []  # (file offset, length, [(rest, entry, name bytes)])
-        for rest, e in items:
-            raw_name = e.name.encode("utf-8")
-            need = e.header_offset + LOCAL_HEADER_SIZE + len(raw_name)
+        # The entries are in file order (parse_directory checked it); each
+        # window lists the entries whose local headers it covers.
+        windows: List[Tuple[int, int, List[Entry]]] = []  # (file offset, length, entries)
+        for e in entries.values():
+            need = e.header_offset + LOCAL_HEADER_SIZE + len(e.name.encode("utf-8"))
             if windows:
                 w_off, w_len, w_items = windows[-1]
                 if (e.header_offset - (w_off + w_len) <= _HEADER_GAP and need - w_off <= _HEADER_WINDOW
                         and e.header_offset >= w_off):
                     windows[-1] = (w_off, max(w_len, need - w_off), w_items)
-                    w_items.append((rest, e, raw_name))
+                    w_items.append(e)
                     continue
-            windows.append((e.header_offset, need - e.header_offset, [(rest, e, raw_name)]))
+            windows.append((e.header_offset, need - e.header_offset, [e]))
         unpack_local = LOCAL_HEADER.unpack_from
         first = 0
         while first < len(windows):
@@ -500,16 +499,19 @@ class Archive:
                 for b, (w_off, w_len, _) in zip(bufs, batch):
                     b[:] = read_at(w_off, w_len)
             for buf, (w_off, _, w_items) in zip(bufs, batch):
-                for rest, e, raw_name in w_items:
+                for e in w_items:
                     q = e.header_offset - w_off
                     lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = unpack_local(buf, q)
                     if lsig != LOCAL_SIG:
                         raise bad(f"entry {e.name!r}: no local header at offset {e.header_offset}")
+                    raw_name = e.name.encode("utf-8")
                     if lname_len != len(raw_name) or buf[q + LOCAL_HEADER_SIZE:q + LOCAL_HEADER_SIZE + lname_len] \
                             != raw_name:
                         raise bad(f"entry {e.name!r}: local header names another record")
                     e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
-                    records[rest] = e
+            del bufs, batch
+        del windows
+        records = entries
         # Now with each record's real data offset: in order, disjoint, before the directory.
         data_bytes = check_layout(records.values(), cd_off, bad)
         archive = cls(path, prefix, records, size, data_bytes)

@@ -123,9 +123,8 @@ class Ranks:
         background saves."""
         if not self.dist:
             return [obj]
-        import torch.distributed as dist
         out: List[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.async_pg if background else self.pg)  # also a barrier
+        _dist_exit.all_gather_object(out, obj, group=self.async_pg if background else self.pg)  # also a barrier
         return out
 
     def agree(self, err: Optional[BaseException], what: str, payload: Any = None, background: bool = False,

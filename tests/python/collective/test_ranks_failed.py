@@ -18,13 +18,14 @@ class _FakeDist:
     def __init__(self, others):
         self.others = others
 
-    def all_gather_object(self, out, payload, group=None):
+    def gather_objects(self, out, payload, group=None):
         out[:] = [payload] + self.others
 
 
 def _group_of(others):
     g = object.__new__(_group.Group)
-    g.dist, g.group, g.path = _FakeDist(others), None, "/ckpt/x.pt"
+    g.dist, g.group, g.path = None, None, "/ckpt/x.pt"
+    g.gather_objects = _FakeDist(others).gather_objects
     g.action, g.outcome, g.rank, g.world = "save to", "nothing was committed", 0, 1 + len(others)
     return g
 
