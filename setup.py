@@ -128,7 +128,7 @@ setup(
     long_description_content_type="text/markdown",
     packages=find_packages(include=["fastckpt", "fastckpt.*"]),
     package_data={"fastckpt": ["_C.pyi", "py.typed"]},
-    python_requires=">=3.10",
+    python_requires=">=3.9",
     install_requires=["torch>=2.6", "numpy", "tqdm"],
     extras_require={
         # fastckpt.remote (s3://, gs:// URLs; file:// needs only fsspec, which comes with torch)

@@ -13,7 +13,6 @@ the file before it is used, and any inconsistency is a :class:`FormatError`.
 import math
 import os
 import struct
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import FormatError
@@ -170,15 +169,26 @@ def descriptor(crc: int, size: int, header_offset: int) -> bytes:
     return _descriptor32.pack(DESCRIPTOR_SIG, crc, size, size)
 
 
-@dataclass(slots=True)
 class Entry:
-    name: str
-    size: int
-    crc: int
-    header_offset: int
-    data_offset: int = 0
-    method: int = 0  # compression method: fastckpt writes 0 (stored); others are refused on load
-    compressed_size: int = -1  # as read from the central directory (-1: same as size)
+    """One record of a zip archive. A class with slots (a dataclass gets
+    them only from Python 3.10): an archive of 100,000 records keeps 100,000."""
+    __slots__ = ("name", "size", "crc", "header_offset", "data_offset", "method", "compressed_size")
+
+    def __init__(self, name: str, size: int, crc: int, header_offset: int, data_offset: int = 0,
+                 method: int = 0, compressed_size: int = -1):
+        self.name, self.size, self.crc, self.header_offset = name, size, crc, header_offset
+        self.data_offset = data_offset
+        self.method = method  # compression method: fastckpt writes 0 (stored); others are refused on load
+        self.compressed_size = compressed_size  # as read from the central directory (-1: same as size)
+
+    def _fields(self):
+        return tuple(getattr(self, n) for n in self.__slots__)
+
+    def __eq__(self, other):
+        return type(other) is Entry and self._fields() == other._fields()
+
+    def __repr__(self):
+        return "Entry(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__) + ")"
 
 
 def central_directory_size(entries: List[Entry], cd_offset: int) -> int:
