@@ -245,11 +245,34 @@ def _read(src: _File, location: Any) -> Dict[str, torch.Tensor]:
     return {e.name: out[e.name] for e in src.entries}  # the header's order
 
 
-def load_file(filename: PathLike, device: Union[str, int, torch.device] = "cpu") -> Dict[str, torch.Tensor]:
+BACKENDS = ("mmap", "pread")  # the values safetensors.torch (0.8) takes for ``backend``
+
+
+def _check_backend(backend: Any) -> None:
+    """``backend`` as safetensors.torch checks it: a str (else TypeError), one of :data:`BACKENDS`
+    (else safetensors' SafetensorError where safetensors is installed, ValueError otherwise)."""
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, not {type(backend).__name__}")
+    if backend not in BACKENDS:
+        msg = f'backend "{backend}" is invalid (expected one of: ' + ", ".join(f'"{b}"' for b in BACKENDS) + ")"
+        try:
+            from safetensors import SafetensorError
+        except ImportError:
+            raise ValueError(msg) from None
+        raise SafetensorError(msg)
+
+
+def load_file(filename: PathLike, device: Union[str, int, torch.device] = "cpu", *,
+              backend: str = "mmap") -> Dict[str, torch.Tensor]:
     """``safetensors.torch.load_file``: every tensor of the file on `device`, read in parallel by the
     engine (each in memory of its own; every page read, none left to fault in later). A file that is
     not a valid safetensors file is a :class:`fastckpt.FormatError` naming it; the format has no
-    checksums, so damaged tensor data goes undetected (see the module's docstring)."""
+    checksums, so damaged tensor data goes undetected (see the module's docstring).
+
+    ``backend`` is safetensors' (``"mmap"`` or ``"pread"``), checked as safetensors checks it; the
+    engine reads the same way for both (parallel reads into memory of the tensors' own, as
+    ``"pread"`` does; nothing stays mapped as with ``"mmap"``)."""
+    _check_backend(backend)
     location = _location(device)
     src = _open(filename)
     try:
@@ -314,10 +337,11 @@ def save_model(model: torch.nn.Module, filename: PathLike, metadata: Optional[Di
 
 
 def load_model(model: torch.nn.Module, filename: PathLike, strict: bool = True,
-               device: Union[str, int, torch.device] = "cpu") -> Tuple[Set[str], List[str]]:
+               device: Union[str, int, torch.device] = "cpu", *, backend: str = "mmap") -> Tuple[Set[str], List[str]]:
     """``safetensors.torch.load_model``: load the file into `model`; returns (missing, unexpected)
-    names, the names a shared storage was saved under counting as present; raises with ``strict``."""
-    state_dict = load_file(filename, device=device)
+    names, the names a shared storage was saved under counting as present; raises with ``strict``.
+    ``backend``: as :func:`load_file`'s."""
+    state_dict = load_file(filename, device=device, backend=backend)
     dropped = _names_to_drop(model.state_dict(), preferred=set(state_dict))
     missing, unexpected = model.load_state_dict(state_dict, strict=False)
     missing = set(missing)
