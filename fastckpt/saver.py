@@ -30,6 +30,10 @@ Errors are never lost, and a failed save never stops the next one:
   naming the save; at interpreter exit (which waits for pending saves) it is
   logged again at ERROR level.
 
+A saver of one's own (:class:`AsyncSaver`) is stopped with
+:meth:`AsyncSaver.close`: it finishes the pending saves, joins its writer
+thread and raises a failure nobody looked at; nothing of it is left running.
+
 A training loop that must stop at the first failed checkpoint checks the
 previous save's future (``fut.exception(timeout=0)`` once ``fut.done()``) or
 calls :func:`wait_for_saves` now and then.
@@ -207,7 +211,9 @@ class AsyncSaver:
     order, so the last save of a path wins), a :class:`~fastckpt.staging.snapshot.Snapshotter`, the in-flight
     limit and the record of failures nobody looked at.
 
-    Most code uses the process-wide one through :func:`async_save`.
+    Most code uses the process-wide one through :func:`async_save`. One made
+    for a component of its own is stopped with :meth:`close` (or used as a
+    context manager).
     """
 
     def __init__(self, max_in_flight: Optional[int] = None):
@@ -218,12 +224,18 @@ class AsyncSaver:
         self._in_flight: List[SaveFuture] = []
         self._failed: List[SaveFuture] = []
         self._worker_ident: Optional[int] = None
+        self._closed = False
         _savers.add(self)
 
     @property
     def max_in_flight(self) -> int:
         n = self._max_in_flight if self._max_in_flight is not None else knobs.get("async_max_in_flight")
         return max(1, int(n))
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called: this saver takes no more saves."""
+        return self._closed
 
     def pending(self) -> List[SaveFuture]:
         """Saves snapshotted and not yet finished, oldest first."""
@@ -303,8 +315,11 @@ class AsyncSaver:
         # wait() raises it; this save goes ahead.
         limit = self.max_in_flight
         with self._cv:
-            while len(self._in_flight) >= limit:
+            while not self._closed and len(self._in_flight) >= limit:
                 self._cv.wait()
+            if self._closed:
+                raise RuntimeError(f"fastckpt: cannot save {path!r}: this AsyncSaver is closed "
+                                   "(make a new AsyncSaver for further saves)")
             fut = SaveFuture(path)
             self._in_flight.append(fut)  # the slot is ours from here
         try:
@@ -395,6 +410,44 @@ class AsyncSaver:
             self.raise_unobserved()
         return True
 
+    def close(self, raise_errors: bool = True) -> None:
+        """Finish every pending save, then stop this saver: its writer thread
+        is shut down and joined (no thread of it is left), its free staging
+        memory dropped, and it is no longer waited for at interpreter exit or
+        renewed in a forked child. A later :meth:`save` or :meth:`stage`
+        raises RuntimeError; make a new AsyncSaver instead. Calling close
+        again does nothing (but raise a failure not raised yet).
+
+        With ``raise_errors``, once the thread is gone, raises the first
+        failure nobody looked at, as :meth:`wait` does. A snapshot staged
+        before close but not yet submitted keeps close waiting until it is
+        submitted or dropped.
+
+        Raises:
+            RuntimeError: called from the writer thread itself (it would wait
+                for itself).
+        """
+        if threading.get_ident() == self._worker_ident:
+            raise RuntimeError("fastckpt: AsyncSaver.close() called from its own save thread "
+                               "(it would wait for itself)")
+        with self._cv:
+            self._closed = True   # stage() takes no new slot from here
+            self._cv.notify_all()  # a stage() waiting for a slot wakes up and refuses
+        try:
+            self.wait(raise_errors=False)
+        finally:
+            self._executor.shutdown(wait=True)
+            self.stager.clear()
+            _savers.discard(self)
+        if raise_errors:
+            self.raise_unobserved()
+
+    def __enter__(self) -> "AsyncSaver":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close(raise_errors=exc[0] is None)
+
     def _after_fork_in_child(self) -> None:
         """In a child made by ``fork()``: a new writer thread pool (the
         parent's thread does not exist here), new locks, empty staging and no
@@ -447,7 +500,7 @@ def default_saver() -> AsyncSaver:
     """The process-wide saver behind :func:`async_save` (and the checkpoint manager)."""
     global _default
     with _default_lock:
-        if _default is None:
+        if _default is None or _default.closed:
             _default = AsyncSaver()
         return _default
 

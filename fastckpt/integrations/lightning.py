@@ -124,12 +124,32 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
     pending save. ``remove_checkpoint`` and ``load_checkpoint`` wait for pending
     saves first, so that a removed file cannot reappear and a load reads the
     finished file.
+
+    ``teardown()`` also stops the writer thread (as Lightning's own
+    ``AsyncCheckpointIO`` shuts its executor down): no thread of the plugin
+    outlives it, even when it raises a failed save's error, and a later save
+    (the next ``fit``) starts a new writer. The plugin pickles and deep-copies
+    (and with it a ``Trainer``) at any time: the copy has no saver and no
+    pending saves of its own (those stay the original's to finish); it makes
+    a writer when it first saves.
     """
 
     def __init__(self, verify: Optional[bool] = None, max_in_flight: Optional[int] = None):
         super().__init__(verify)
-        self._saver = AsyncSaver(max_in_flight)
+        self.max_in_flight = max_in_flight
+        self._saver: Optional[AsyncSaver] = None  # made by the first save, closed by teardown()
         self.last_future: Optional[SaveFuture] = None
+
+    def __getstate__(self) -> Dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_saver"] = None        # a thread and locks: never copied
+        state["last_future"] = None   # the original's save, not the copy's
+        return state
+
+    def _writer(self) -> AsyncSaver:
+        if self._saver is None:
+            self._saver = AsyncSaver(self.max_in_flight)
+        return self._saver
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         _no_storage_options(self, storage_options)
@@ -138,13 +158,14 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
         if parent:
             os.makedirs(parent, exist_ok=True)
         _paths.check_save_target(p)  # a careless path fails here, before anything is staged
+        saver = self._writer()
         earlier: Optional[BaseException] = None
         try:
-            self._saver.raise_unobserved()  # failures of earlier saves, known before this one starts
+            saver.raise_unobserved()  # failures of earlier saves, known before this one starts
         except BaseException as e:  # noqa: BLE001 - raised below, once this save is on its way
             earlier = e
         try:
-            self.last_future = self._saver.save(checkpoint, p)
+            self.last_future = saver.save(checkpoint, p)
         except BaseException as own:
             if earlier is not None and hasattr(own, "add_note"):
                 own.add_note(f"fastckpt: an earlier background save failed too: {type(earlier).__name__}: {earlier}")
@@ -154,7 +175,8 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
 
     def wait(self) -> None:
         """Wait for every pending save; raise the first failure not yet raised."""
-        self._saver.wait()
+        if self._saver is not None:
+            self._saver.wait()
 
     def load_checkpoint(self, path: Any, map_location: Optional[Any] = None,
                         weights_only: Optional[bool] = None) -> Dict[str, Any]:
@@ -162,9 +184,14 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
         return super().load_checkpoint(path, map_location, weights_only)
 
     def remove_checkpoint(self, path: Any) -> None:
-        self._saver.wait(raise_errors=False)  # a pending save of `path` must not recreate it afterwards
+        if self._saver is not None:  # a pending save of `path` must not recreate it afterwards
+            self._saver.wait(raise_errors=False)
         super().remove_checkpoint(path)
 
     def teardown(self) -> None:
-        """Wait for every pending save; raise a failure nobody has seen yet."""
-        self.wait()
+        """Wait for every pending save, stop the writer thread, then raise a
+        failure nobody has seen yet (the thread is gone in either case). The
+        next save makes a new writer."""
+        saver, self._saver = self._saver, None
+        if saver is not None:
+            saver.close()

@@ -1,8 +1,11 @@
 """fastckpt.integrations.lightning with a real Lightning Trainer and Fabric (CPU)."""
+import copy
 import errno
 import os
+import pickle
 import subprocess
 import sys
+import threading
 import zipfile
 
 import pytest
@@ -215,9 +218,67 @@ def test_async_takes_no_extra_copy_of_the_state(tmp_path):
     state = {"w": torch.randn(1 << 18)}
     io.save_checkpoint(state, tmp_path / "a.ckpt")
     io.save_checkpoint(state, tmp_path / "b.ckpt")
+    saver = io._saver
     io.teardown()
-    assert io._saver.stager.allocations == 1
-    assert io._saver.stager.allocated_bytes < 2 * state["w"].nbytes + (1 << 20)
+    assert saver.stager.allocations == 1
+    assert saver.stager.allocated_bytes < 2 * state["w"].nbytes + (1 << 20)
+
+
+def _save_threads(before):
+    return [t for t in threading.enumerate() if t not in before and t.name.startswith("fastckpt")]
+
+
+def test_async_teardown_stops_the_writer_and_the_plugin_copies(tmp_path):
+    """After fit (whose end calls teardown) no thread of the plugin is left, the
+    plugin and the Trainer pickle and deep-copy, and the next fit saves again
+    with a new writer."""
+    before = set(threading.enumerate())
+    plugin = AsyncFastCheckpointIO()
+    plugin.save_checkpoint({"w": torch.ones(8)}, tmp_path / "pre.ckpt")  # a save in flight or just done
+    for c in (pickle.loads(pickle.dumps(plugin)), copy.deepcopy(plugin)):
+        assert isinstance(c, AsyncFastCheckpointIO) and c.last_future is None
+    plugin.teardown()
+    assert _save_threads(before) == []
+
+    torch.manual_seed(0)
+    t = trainer(plugin, 1, [ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, filename="{epoch}")])
+    train, val = loaders()
+    t.fit(Tiny(), train, val)
+    assert written_by_fastckpt(tmp_path / "ck" / "epoch=0.ckpt")
+    assert _save_threads(before) == []
+    pickle.dumps(plugin)
+    t2 = copy.deepcopy(t)
+    assert isinstance(t2.strategy.checkpoint_io, AsyncFastCheckpointIO)
+
+    os.unlink(tmp_path / "ck" / "epoch=0.ckpt")
+    t = trainer(plugin, 1, [ModelCheckpoint(dirpath=tmp_path / "ck", save_top_k=-1, filename="{epoch}")])
+    t.fit(Tiny(), train, val)
+    assert written_by_fastckpt(tmp_path / "ck" / "epoch=0.ckpt")
+    assert _save_threads(before) == []
+
+    # a copy saves with a writer of its own, stopped by its own teardown
+    c = copy.deepcopy(plugin)
+    c.save_checkpoint({"w": torch.full((8,), 3.0)}, tmp_path / "copy.ckpt")
+    c.teardown()
+    assert torch.equal(torch.load(tmp_path / "copy.ckpt")["w"], torch.full((8,), 3.0))
+    assert _save_threads(before) == [] and temp_files(tmp_path) == []
+
+
+def test_async_teardown_raises_a_failed_save_with_the_thread_gone(tmp_path):
+    before = set(threading.enumerate())
+    io = AsyncFastCheckpointIO()
+    _C.fault_inject("write", errno=errno.EIO, times=0, path_contains="bad")
+    try:
+        io.save_checkpoint({"w": torch.ones(10)}, tmp_path / "bad.ckpt")
+        with pytest.raises(OSError, match="bad.ckpt"):
+            io.teardown()
+    finally:
+        _C.fault_clear()
+    assert _save_threads(before) == []
+    io.save_checkpoint({"w": torch.ones(10)}, tmp_path / "again.ckpt")  # a new writer
+    io.teardown()
+    assert torch.equal(torch.load(tmp_path / "again.ckpt")["w"], torch.ones(10))
+    assert _save_threads(before) == []
 
 
 def test_fabric_save_and_load_go_through_the_plugin(tmp_path):
