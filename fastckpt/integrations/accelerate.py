@@ -209,12 +209,21 @@ def _find_input_dir(acc: Accelerator, input_dir: Optional[str]) -> str:
     raise ValueError("No input_dir provided and automatic checkpoint naming is disabled.")
 
 
+def _check_map_location(map_location: Any) -> None:
+    """Accelerate's check of ``load_state(map_location=...)``, with its exception type (TypeError) and
+    meaning: None (the CPU), "cpu" or "on_device" (the accelerator's device)."""
+    if map_location not in (None, "cpu", "on_device"):
+        raise TypeError(f"fastckpt: unsupported optimizer map location {map_location!r} passed to load_state; "
+                        "choose one of None, 'cpu' or 'on_device' (as Accelerate's own load_state)")
+
+
 def _load_state(acc: Accelerator, original, input_dir: Optional[str] = None, load_kwargs: Optional[dict] = None,
                 **load_model_func_kwargs) -> None:
     why = _unsupported(acc)
     if why is not None:
         log.warning("fastckpt: accelerator.load_state is Accelerate's own here: %s", why)
         return original(input_dir, load_kwargs, **load_model_func_kwargs)
+    _check_map_location(load_model_func_kwargs.get("map_location"))  # on every rank, before any collective
     ranks = process_ranks(acc.num_processes)
     if ranks is None:
         return _load_here(acc, _find_input_dir(acc, input_dir), load_kwargs, load_model_func_kwargs)

@@ -165,6 +165,20 @@ def test_restore_and_errors(tmp_path):
         acc.save_state(str(tmp_path / "file"))
 
 
+
+@pytest.mark.parametrize("fast", [False, True], ids=["stock", "fastckpt"])
+def test_load_state_refuses_an_unknown_map_location_as_accelerate_does(tmp_path, fast):
+    """The same exception type (TypeError) for the same bad argument, before anything is read;
+    the accepted values load."""
+    acc, model, *_ = setup(fast=fast)
+    acc.save_state(str(tmp_path / "ckpt"))
+    for bad in ("invalid", "cuda", torch.device("cpu")):
+        with pytest.raises(TypeError, match="map location"):
+            acc.load_state(str(tmp_path / "ckpt"), map_location=bad)
+    for ok in (None, "cpu", "on_device"):
+        acc.load_state(str(tmp_path / "ckpt"), map_location=ok)
+
+
 # ---------------------------------------------------------------- several processes (gloo)
 DIST_WORKER = WORKERS / "accelerate_dist.py"
 needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
