@@ -41,14 +41,16 @@ every process.
 Scope: no DeepSpeed/FSDP/XLA/SageMaker model parallelism (their checkpoint
 files are written by their own engines); there the stock ``_save_checkpoint``
 runs and a warning says why. Routing
-``save_pretrained``'s weights writer: transformers' ``modeling_utils.safe_save_file``
-is replaced once by a dispatcher that calls fastckpt only inside a
-``FastTrainerMixin`` save on the same thread (everything else gets the
-original function).
+the weights: transformers' ``modeling_utils.safe_save_file`` (``save_pretrained``'s
+writer) and ``safetensors.torch.save_file`` (what the Trainer calls for a model
+that is not a ``PreTrainedModel``) are each replaced once by a dispatcher that
+calls fastckpt only inside a ``FastTrainerMixin`` save on the same thread
+(everything else, in this process too, gets the original function).
 
 Requires ``transformers`` (``pip install "fastckpt-io[transformers]"``).
 """
 import contextlib
+import functools
 import logging
 import os
 import threading
@@ -76,19 +78,29 @@ _tls = threading.local()
 _install_lock = threading.Lock()
 
 
-def _dispatching_save_file(tensors, filename, metadata=None):
-    if getattr(_tls, "active", False):
-        return _st.save_file(tensors, filename, metadata=metadata)
-    return _dispatching_save_file.original(tensors, filename, metadata=metadata)
+def _dispatcher(original):
+    """A stand-in for a safetensors ``save_file`` that calls fastckpt's only inside a
+    ``FastTrainerMixin`` save on this thread, and ``original`` everywhere else."""
+    @functools.wraps(original)  # the same name, docstring and signature
+    def save_file(tensors, filename, metadata=None):
+        if getattr(_tls, "active", False):
+            return _st.save_file(tensors, filename, metadata=metadata)
+        return original(tensors, filename, metadata=metadata)
+    save_file.original = original
+    save_file._fastckpt = True
+    return save_file
 
 
 def _install_dispatcher() -> None:
+    """Installs the dispatcher (once) where the Trainer's weights are written: transformers'
+    ``modeling_utils.safe_save_file`` (``save_pretrained``: PreTrainedModel weights and their
+    shards) and ``safetensors.torch.save_file`` (which ``Trainer._save`` calls for a model that is
+    not a PreTrainedModel)."""
+    import safetensors.torch as _stock
     with _install_lock:
-        if getattr(_mu.safe_save_file, "_fastckpt", False):
-            return
-        _dispatching_save_file.original = _mu.safe_save_file
-        _dispatching_save_file._fastckpt = True
-        _mu.safe_save_file = _dispatching_save_file
+        for mod, name in ((_mu, "safe_save_file"), (_stock, "save_file")):
+            if not getattr(getattr(mod, name), "_fastckpt", False):
+                setattr(mod, name, _dispatcher(getattr(mod, name)))
 
 
 @contextlib.contextmanager

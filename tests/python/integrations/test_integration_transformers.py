@@ -148,3 +148,41 @@ def test_the_main_process_killed_mid_checkpoint(tmp_path):
     assert all(".checkpoint-4.fastckpt-tmp." in n for n in os.listdir(out) if n.startswith("."))
     fastckpt.CheckpointManager(out).close()  # its constructor removes temporaries of processes that are gone
     assert os.listdir(out) == ["checkpoint-2"]
+
+
+class _PlainModel(torch.nn.Module):
+    """Not a PreTrainedModel: the Trainer saves its state dict with safetensors' save_file."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, 16)
+        self.head = torch.nn.Linear(16, 64)
+
+    def forward(self, input_ids=None, labels=None, **kw):
+        logits = self.head(self.emb(input_ids))
+        return {"loss": torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten()), "logits": logits}
+
+
+def test_weights_of_a_model_that_is_not_a_pretrained_model_go_through_fastckpt(tmp_path, monkeypatch):
+    import safetensors.torch as stock
+    import fastckpt.safetensors as fst
+    calls = []
+    real = fst.save_file
+    monkeypatch.setattr(fst, "save_file", lambda *a, **k: calls.append(a[1]) or real(*a, **k))
+    args = TrainingArguments(output_dir=str(tmp_path / "p"), max_steps=2, save_steps=2, save_strategy="steps",
+                             per_device_train_batch_size=4, report_to=[], use_cpu=True, logging_strategy="no",
+                             disable_tqdm=True, dataloader_num_workers=0)
+    t = FastTrainer(model=_PlainModel(), args=args, train_dataset=Tokens(n=8))
+    t.train()
+    path = tmp_path / "p" / "checkpoint-2" / "model.safetensors"
+    assert [os.fspath(p) for p in calls] and all(str(p).endswith("model.safetensors") for p in calls), calls
+    assert st_data_offset(path) % 4096 == 0  # fastckpt.safetensors' layout
+    got = stock.load_file(str(path))
+    for k, v in t.model.state_dict().items():
+        assert torch.equal(got[k], v), k
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    # outside a FastTrainer save, safetensors' own save_file is safetensors' own
+    stock.save_file({"x": torch.ones(2)}, str(tmp_path / "own.safetensors"))
+    assert st_data_offset(tmp_path / "own.safetensors") % 4096 != 0
