@@ -521,9 +521,8 @@ class Archive:
                     e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
             del bufs, batch
         del windows
-        records = entries
         # Now with each record's real data offset: in order, disjoint, before the directory.
-        data_bytes = check_layout(records.values(), cd_off, bad)
-        archive = cls(path, prefix, records, size, data_bytes)
+        data_bytes = check_layout(entries.values(), cd_off, bad)
+        archive = cls(path, prefix, entries, size, data_bytes)
         archive.stat = st
         return archive
