@@ -270,7 +270,19 @@ class HostPool:
                 self._cv.wait()
             self._lent += 1
             self.peak_lent = max(self.peak_lent, self._lent)
-        return hb if hb is not None else self.copier.alloc_host(self.chunk)
+        if hb is not None:
+            return hb
+        try:
+            return self.copier.alloc_host(self.chunk)
+        except BaseException:
+            # the slot taken for this buffer is given back: a failed allocation (out of memory,
+            # pinning refused) must not shrink the pool and leave a later acquire waiting forever
+            with self._cv:
+                self._made -= 1
+                self.held_bytes -= self.chunk
+                self._lent -= 1
+                self._cv.notify()
+            raise
 
     def release(self, hb: HostBuffer) -> None:
         try:

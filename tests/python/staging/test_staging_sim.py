@@ -21,6 +21,7 @@ reused or freed before its copy's event fired. Checked here:
 
 import gc
 import os
+import threading
 import uuid
 
 import pytest
@@ -115,6 +116,39 @@ def test_save_host_memory_is_the_pool_and_is_reused(tmp_path):
         _staging.clear_pools()
         assert sim.locked_bytes == 0 and pool.held_bytes == 0
     assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "b.pt").read_bytes()
+
+
+def test_a_failed_pin_gives_its_pool_slot_back(tmp_path, monkeypatch):
+    """Pinning refused (out of locked memory) fails the save that asked, with its error; the pool keeps
+    its capacity, so the next save gets every buffer again instead of waiting forever for one."""
+    sd = make_state(5, big=1 << 20)
+    with SimDevice(seed=5) as sim:
+        dev = on_sim(sim, sd)
+        real = sim._lock_pages
+        fails = {"n": _staging.POOL_BUFFERS + 1}
+
+        def refuse(t):
+            if fails["n"]:
+                fails["n"] -= 1
+                raise RuntimeError("cannot lock pages: out of locked memory")
+            return real(t)
+
+        monkeypatch.setattr(sim, "_lock_pages", refuse)
+        for _ in range(_staging.POOL_BUFFERS + 1):  # more failures than the pool has buffers
+            with pytest.raises(RuntimeError, match="out of locked memory"):
+                fastckpt.save(dev, tmp_path / "a.pt")
+            assert not (tmp_path / "a.pt").exists()
+        pool = _staging.pool_for(sim, CHUNK)
+        assert pool._made == 0 and pool.held_bytes == 0 and pool._lent == 0
+        # this save waited forever before: every slot had been lost to a failed pin
+        t = threading.Thread(target=fastckpt.save, args=(dev, tmp_path / "a.pt"), daemon=True)
+        t.start()
+        t.join(60)
+        assert not t.is_alive(), "the save after failed pins waits for a pool buffer that never comes"
+        assert pool.peak_lent <= pool.count
+        _staging.clear_pools()
+    fastckpt.save(sd, tmp_path / "cpu.pt")
+    assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "cpu.pt").read_bytes()
 
 
 def test_small_tensors_share_one_buffer(tmp_path):
