@@ -51,9 +51,7 @@ stay on disk until the job ends (the manager's retention leaves a step
 queued or being uploaded alone).
 """
 
-import datetime
 import errno
-import json
 import logging
 import os
 import re
@@ -64,6 +62,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from ..errors import RanksFailed
 from . import manifest as mf
 from ._policy import TransferOptions, retry
+from .board import Board, Liveness, Ticker, heartbeat_interval
 from .replicator import LocalCheckpoint, commit_step, upload_step_files
 from .store import Store, Upload
 from .transfer import (TransferStats, abort_upload, complete_upload, plan_parts, send_parts, split_parts,
@@ -84,11 +83,6 @@ def owner_of(rel: str, world: int) -> int:
     return r if r < world else 0
 
 
-def _interval(timeout: float) -> float:
-    """How often a working rank shows it lives, and how long one wait on the store lasts."""
-    return max(0.1, min(5.0, timeout / 6.0))
-
-
 def _first_line(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     return f"{type(e).__name__}: {lines[0] if lines else ''}"
@@ -102,137 +96,6 @@ def _text(e: BaseException) -> str:
             return f"{e.strerror} ({e.filename})"
         return e.strerror
     return _first_line(e)
-
-
-class Board:
-    """JSON values under a key prefix of a c10d Store; one per thread (:meth:`clone`)."""
-
-    def __init__(self, store: Any, prefix: str):
-        self._store, self.prefix = store, prefix.rstrip("/")
-
-    def clone(self) -> "Board":
-        return Board(self._store.clone(), self.prefix)
-
-    def _k(self, key: str) -> str:
-        return f"{self.prefix}/{key}"
-
-    def set(self, key: str, value: Any) -> None:
-        self._store.set(self._k(key), json.dumps(value))
-
-    def get(self, key: str) -> Any:
-        return json.loads(self._store.get(self._k(key)))
-
-    def get_many(self, keys: List[str], default: Any = None) -> List[Any]:
-        """The keys' values (``default`` for a key not there: never blocks)."""
-        full = [self._k(k) for k in keys]
-        if self._store.check(full):
-            return [json.loads(v) for v in self._store.multi_get(full)]
-        return [json.loads(self._store.get(k)) if self._store.check([k]) else default for k in full]
-
-    def has(self, key: str) -> bool:
-        return bool(self._store.check([self._k(key)]))
-
-    def set_many(self, items: Dict[str, Any]) -> None:
-        keys = list(items)
-        self._store.multi_set([self._k(k) for k in keys], [json.dumps(items[k]) for k in keys])
-
-    def add(self, key: str, n: int) -> int:
-        return int(self._store.add(self._k(key), n))
-
-    def wait_for(self, key: str) -> Any:
-        """The value of ``key`` once it is set: one long wait (a day at a time),
-        never a poll: a c10d store logs every timed-out wait."""
-        while True:
-            try:
-                self._store.wait([self._k(key)], datetime.timedelta(days=1))
-                return self.get(key)
-            except Exception as e:  # noqa: BLE001 - the stores' timeouts are RuntimeErrors of several kinds
-                if type(e).__name__ == "DistNetworkError" or "timeout" not in str(e).split("\n", 1)[0].lower():
-                    raise
-
-    def delete(self, keys: List[str]) -> None:
-        for k in keys:
-            try:
-                self._store.delete_key(self._k(k))
-            except Exception:  # noqa: BLE001 - a store without deletion keeps them
-                return
-
-
-class _Ticker:
-    """Sets ``hb/<rank>`` every ``interval`` seconds while a job is in hand."""
-
-    def __init__(self, board: Board, rank: int, interval: float):
-        self._board, self._key, self._interval = board, f"hb/{rank}", interval
-        self._cv = threading.Condition()
-        self._job: Optional[int] = None
-        self._count = 0
-        self._closed = False
-        self._board.set(self._key, "0")  # exists from the start: others read it without waiting
-        self._thread = threading.Thread(target=self._run, name=f"fastckpt-remote-hb{rank}", daemon=True)
-        self._thread.start()
-
-    def _beat(self) -> None:
-        self._count += 1
-        try:
-            self._board.set(self._key, f"{self._job}:{self._count}")
-        except Exception as e:  # noqa: BLE001 - the job's own store calls will report it
-            log.debug("fastckpt.remote: sign of life not sent: %s", e)
-
-    def _run(self) -> None:
-        with self._cv:
-            while not self._closed:
-                if self._job is not None:
-                    self._beat()
-                self._cv.wait(self._interval if self._job is not None else None)
-
-    def start(self, job: int) -> None:
-        with self._cv:
-            self._job = job
-            self._beat()
-            self._cv.notify_all()
-
-    def stop(self) -> None:
-        with self._cv:
-            self._job = None
-
-    def close(self, bye: bool = False) -> None:
-        with self._cv:
-            self._closed = True
-            self._job = None
-            self._cv.notify_all()
-        self._thread.join()
-        if bye:
-            try:
-                self._board.set(self._key, "bye")
-            except Exception:  # noqa: BLE001 - rank 0's store may be gone already
-                pass
-
-
-class _Liveness:
-    """Which of some ranks stopped showing signs of life (``hb/<r>``
-    unchanged for ``timeout`` seconds, or "bye")."""
-
-    def __init__(self, board: Board, ranks, timeout: float):
-        self._board, self._timeout = board, timeout
-        now = time.monotonic()
-        self._seen = {r: (None, now) for r in ranks}
-
-    def gone(self, ranks) -> Dict[int, str]:
-        ranks = sorted(ranks)
-        if not ranks:
-            return {}
-        now = time.monotonic()
-        out = {}
-        for r, v in zip(ranks, self._board.get_many([f"hb/{r}" for r in ranks])):
-            last, since = self._seen.get(r, (None, now))
-            if v == "bye":
-                out[r] = f"rank {r} stopped (its manager was closed or its process is exiting)"
-            elif v != last:
-                self._seen[r] = (v, now)
-            elif now - since > self._timeout:
-                out[r] = (f"rank {r} gave no sign of life for {now - since:.0f} s (peer_timeout "
-                          f"{self._timeout:g} s): it died or hangs")
-        return out
 
 
 def _share(store: Store, job: Dict[str, Any], rank: int, path: str, opts: TransferOptions,
@@ -274,12 +137,12 @@ class Coordinator:
         self.world = world
         self.opts = (opts or TransferOptions()).resolved()
         self.timeout = float(self.opts.peer_timeout)
-        self.interval = _interval(self.timeout)
+        self.interval = heartbeat_interval(self.timeout)
         self.poll = min(1.0, self.interval)
         self._submit = Board(store, prefix)       # submitted(): the threads that commit steps (under a lock)
         self._submit_lock = threading.Lock()
         self._board = self._submit.clone()        # the replicator's thread
-        self._ticker = _Ticker(self._submit.clone(), 0, self.interval)
+        self._ticker = Ticker(self._submit.clone(), 0, self.interval)
         self._n = 0                               # jobs so far
         self._k = 0                               # messages sent to every rank so far
         self._read = {r: 0 for r in range(1, world)}  # the messages each rank surely read (deleted)
@@ -415,7 +278,7 @@ class Coordinator:
         reports: Dict[int, Dict[str, Any]] = {}
         silent = set()
         pending = set(range(1, self.world))
-        live = _Liveness(self._board, pending, self.timeout)
+        live = Liveness(self._board, pending, self.timeout)
         seen = 0
         while pending:
             count = self._board.add(f"nrep/{n}", 0)
@@ -491,12 +354,12 @@ class Worker:
         self.url = remote.url
         self.opts = (opts or TransferOptions()).resolved()
         self.timeout = float(self.opts.peer_timeout)
-        self.interval = _interval(self.timeout)
+        self.interval = heartbeat_interval(self.timeout)
         self.stats = TransferStats()
         self._caller = Board(store, prefix)      # wait() and close(): the caller's threads (under the lock)
         self._caller_lock = threading.Lock()
         self._board = self._caller.clone()       # the worker's thread
-        self._ticker = _Ticker(self._caller.clone(), rank, self.interval)
+        self._ticker = Ticker(self._caller.clone(), rank, self.interval)
         self._cv = threading.Condition()
         self._k = 0                              # messages read
         self._index = 0                          # the last step (by its queue index) whose verdict is known here
@@ -604,7 +467,7 @@ class Worker:
                     "last_complete": self._last_done, "last_error": self._error,
                     "last_error_step": self._error_step, "bytes_uploaded": self.stats.bytes}
 
-    def _rank0_gone(self, live: "_Liveness") -> Optional[str]:
+    def _rank0_gone(self, live: Liveness) -> Optional[str]:
         with self._caller_lock:
             return live.gone([0]).get(0)
 
@@ -618,7 +481,7 @@ class Worker:
         with self._caller_lock:
             q = self._caller.get("submitted") if self._caller.has("submitted") else 0
         deadline = None if timeout is None else time.monotonic() + timeout
-        live = _Liveness(self._caller, [0], self.timeout)
+        live = Liveness(self._caller, [0], self.timeout)
         with self._cv:
             while self._index < q and not self._stopped:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -627,7 +490,7 @@ class Worker:
                 if self._cv.wait(self.interval if left is None else min(left, self.interval)):
                     continue
                 if self._phase == "uploading":  # rank 0 waits for this rank: its own upload is bounded
-                    live = _Liveness(self._caller, [0], self.timeout)
+                    live = Liveness(self._caller, [0], self.timeout)
                     continue
                 gone = self._rank0_gone(live)
                 if gone:
@@ -649,7 +512,7 @@ class Worker:
             self._closing = True
             self._serve_to_stop = self._serve_to_stop and wait
             self._cv.notify_all()
-        live = _Liveness(self._caller, [0], self.timeout)
+        live = Liveness(self._caller, [0], self.timeout)
         while True:
             self._thread.join(self.interval if wait else 0)
             if not self._thread.is_alive():
@@ -657,7 +520,7 @@ class Worker:
             with self._cv:
                 phase = self._phase
             if wait and phase == "uploading":
-                live = _Liveness(self._caller, [0], self.timeout)
+                live = Liveness(self._caller, [0], self.timeout)
                 continue
             gone = self._rank0_gone(live) if wait else "not waiting for rank 0"
             if gone:
