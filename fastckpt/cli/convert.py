@@ -34,7 +34,7 @@ from .._core.atomic import AtomicFile
 from .. import knobs
 from ..formats import zip as _zip
 from ..formats import safetensors as _st
-from ..formats.safetensors import LAYOUT_KEY, SEPARATOR, ST_NAMES, dtype_name
+from ..formats.safetensors import LAYOUT_KEY, SEPARATOR, dtype_name
 from .source import LazyValue, Source, Storage, byte_span, encode_layout, is_dense, storage_of, walk
 from ..formats.pickler import DEFAULT_PROTOCOL, pickle_with_storages, tensor_reduce
 from ..formats.torch_rules import StorageRef, itemsize, v3_dtypes
@@ -221,8 +221,10 @@ def write_safetensors(source: Source, dst: str, drop_non_tensors: bool = False,
     for name, t in tensors:
         if t.layout != torch.strided:
             raise ConvertError(f"{name}: a {t.layout} tensor; safetensors holds dense tensors only")
-        if t.dtype not in ST_NAMES:
-            raise ConvertError(f"{name}: dtype {dtype_name(t.dtype)} has no safetensors equivalent")
+        try:
+            _st.file_shape(name, t.dtype, tuple(t.shape))  # a dtype or a shape the format cannot record
+        except ValueError as e:
+            raise ConvertError(str(e)) from None
         s = storage_of(t)
         alias = (id(s), t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.is_conj(), t.is_neg())
         if name == "__metadata__":

@@ -21,8 +21,8 @@ import torch
 from ..errors import FormatError
 from .torch_rules import itemsize
 
-__all__ = ["MAX_HEADER", "ALIGN", "LAYOUT_KEY", "SEPARATOR", "ST_DTYPES", "ST_NAMES", "dtype_name", "Entry", "plan",
-           "read_header", "parse_header"]
+__all__ = ["MAX_HEADER", "ALIGN", "LAYOUT_KEY", "SEPARATOR", "ST_DTYPES", "ST_NAMES", "VALUES_PER_ELEMENT",
+           "dtype_name", "file_shape", "Entry", "plan", "read_header", "parse_header"]
 
 MAX_HEADER = 100 << 20          # the largest header readers accept (the reference implementation's limit)
 ALIGN = 4096                    # the data starts on, and page-sized tensors keep, this alignment
@@ -34,9 +34,15 @@ _ST_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bflo
              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "U64": "uint64",
              "U32": "uint32", "U16": "uint16", "C64": "complex64", "F8_E4M3": "float8_e4m3fn",
              "F8_E5M2": "float8_e5m2", "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
-             "F8_E8M0": "float8_e8m0fnu"}
+             "F8_E8M0": "float8_e8m0fnu", "F4": "float4_e2m1fn_x2"}
 ST_DTYPES: Dict[str, torch.dtype] = {k: getattr(torch, v) for k, v in _ST_NAMES.items() if hasattr(torch, v)}
 ST_NAMES: Dict[torch.dtype, str] = {v: k for k, v in ST_DTYPES.items()}
+# The format counts values, and a torch element of these dtypes packs several of them (float4_e2m1fn_x2:
+# two 4-bit values in its one byte): a file shape's last dimension is the torch shape's times this.
+# Every other dtype holds one value per element. F6_E2M3 / F6_E3M2 stay unknown until torch has them.
+_VALUES_PER_ELEMENT = {"float4_e2m1fn_x2": 2}
+VALUES_PER_ELEMENT: Dict[torch.dtype, int] = {getattr(torch, v): k for v, k in _VALUES_PER_ELEMENT.items()
+                                              if hasattr(torch, v)}
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -45,12 +51,40 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass
 class Entry:
-    """One tensor of a file: its bytes are data[begin:end]."""
+    """One tensor of a file: its bytes are data[begin:end]; ``shape`` is the torch shape (the
+    header's for every dtype but a packed one, see :data:`VALUES_PER_ELEMENT`)."""
     name: str
     dtype: torch.dtype
     shape: Tuple[int, ...]
     begin: int
     end: int
+
+
+def file_shape(name: str, dtype: torch.dtype, shape: Sequence[int]) -> List[int]:
+    """The shape the header records for tensor `name` of torch `dtype` and `shape`: the torch shape,
+    its last dimension times :data:`VALUES_PER_ELEMENT` for a packed dtype. ValueError, naming the
+    tensor, for a dtype without a safetensors name or a 0-d tensor of a packed dtype (no last
+    dimension to count its values in; safetensors refuses it too)."""
+    if dtype not in ST_NAMES:
+        raise ValueError(f"tensor `{name}`: dtype {dtype_name(dtype)} has no safetensors name")
+    k = VALUES_PER_ELEMENT.get(dtype, 1)
+    if k == 1:
+        return list(shape)
+    if not shape:
+        raise ValueError(f"tensor `{name}`: a 0-d {dtype_name(dtype)} tensor cannot be saved in safetensors, which "
+                         f"counts its {k} packed values in the last dimension; reshape it to (1,) first")
+    return list(shape[:-1]) + [shape[-1] * k]
+
+
+def _torch_shape(dtype: torch.dtype, shape: List[int], where: str) -> Tuple[int, ...]:
+    """The torch shape of a header entry of `dtype` and file `shape` (:func:`file_shape` undone)."""
+    k = VALUES_PER_ELEMENT.get(dtype, 1)
+    if k == 1:
+        return tuple(shape)
+    if not shape or shape[-1] % k:
+        raise FormatError(f"{where}: shape {shape} counts {dtype_name(dtype)} values, {k} to an element: its last "
+                          f"dimension must be a multiple of {k}")
+    return tuple(shape[:-1]) + (shape[-1] // k,)
 
 
 def _nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
@@ -65,10 +99,9 @@ def plan(tensors: Mapping[str, Tuple[torch.dtype, Sequence[int]]],
     """The layout of a file of ``tensors`` (name -> (dtype, shape)): (the header
     with its 8-byte length, padded so that the data starts on :data:`ALIGN`;
     the names in data order; the file's size). ValueError: a dtype without a
-    safetensors name, or a header larger than readers accept."""
-    for n, (dt, _) in tensors.items():
-        if dt not in ST_NAMES:
-            raise ValueError(f"tensor `{n}`: dtype {dtype_name(dt)} has no safetensors name")
+    safetensors name or a shape the format cannot record (:func:`file_shape`), or a header larger
+    than readers accept."""
+    shapes = {n: file_shape(n, dt, shape) for n, (dt, shape) in tensors.items()}
     size = {n: _nbytes(dt, shape) for n, (dt, shape) in tensors.items()}
 
     def part(n: str) -> int:
@@ -80,8 +113,7 @@ def plan(tensors: Mapping[str, Tuple[torch.dtype, Sequence[int]]],
         header["__metadata__"] = metadata
     pos = 0
     for n in order:
-        dt, shape = tensors[n]
-        header[n] = {"dtype": ST_NAMES[dt], "shape": list(shape), "data_offsets": [pos, pos + size[n]]}
+        header[n] = {"dtype": ST_NAMES[tensors[n][0]], "shape": shapes[n], "data_offsets": [pos, pos + size[n]]}
         pos += size[n]
     h = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     h += b" " * ((-(8 + len(h))) % ALIGN)
@@ -152,14 +184,16 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Tuple[Dict[str, str],
         if (not isinstance(offs, list) or len(offs) != 2 or not all(type(o) is int for o in offs)
                 or not 0 <= offs[0] <= offs[1]):
             raise FormatError(f"{where}: invalid data_offsets {offs!r}")
-        want = _nbytes(ST_DTYPES[dt], shape)
+        dtype = ST_DTYPES[dt]
+        torch_shape = _torch_shape(dtype, shape, where)
+        want = _nbytes(dtype, torch_shape)
         if offs[1] - offs[0] != want:
             raise FormatError(f"{where}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, "
                               f"a {dt} tensor of shape {shape} needs {want}")
         if offs[1] > buf_len:
             raise FormatError(f"{where}: bytes {offs[0]}..{offs[1]} of the data lie past the end of the file "
                               f"(the data has {buf_len} bytes: truncated?)")
-        entries.append(Entry(name, ST_DTYPES[dt], tuple(shape), offs[0], offs[1]))
+        entries.append(Entry(name, dtype, torch_shape, offs[0], offs[1]))
     # What the reference implementation also insists on: the tensors tile the data exactly.
     problems: List[str] = []
     pos = 0

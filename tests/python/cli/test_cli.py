@@ -746,7 +746,7 @@ def test_convert_refusals_and_usage_errors(tmp_path, capsys):
     assert rc == 1 and "holds a dict at the top" in err
     fastckpt.save({"c": torch.ones(2, dtype=torch.complex128)}, tmp_path / "c.pt")
     rc, out, err = run(capsys, "convert", tmp_path / "c.pt", tmp_path / "c.safetensors")
-    assert rc == 1 and "complex128 has no safetensors equivalent" in err
+    assert rc == 1 and "dtype complex128 has no safetensors name" in err
     assert temp_files(tmp_path) == []
 
 

@@ -28,6 +28,7 @@ from safetensors import safe_open  # noqa: E402
 import fastspawn  # noqa: E402
 from sim_device import SimDevice  # noqa: E402
 from states import assert_same  # noqa: E402
+from st_files import crafted, header_of  # noqa: E402
 
 
 def make_state(seed=0):
@@ -69,10 +70,8 @@ def test_layout_is_aligned_for_direct_io(tmp_path):
     sd = make_state()
     p = str(tmp_path / "a.safetensors")
     fst.save_file(sd, p)
-    with open(p, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    assert (8 + n) % 4096 == 0  # the data starts on a 4 KiB boundary
+    start, header = header_of(p)
+    assert start % 4096 == 0  # the data starts on a 4 KiB boundary
     for name, info in header.items():
         if name == "__metadata__":
             continue
@@ -186,11 +185,6 @@ def _valid_file(tmp_path):
     return p, open(p, "rb").read()
 
 
-def _crafted(data: bytes, header) -> bytes:
-    h = json.dumps(header).encode()
-    return struct.pack("<Q", len(h)) + h + data
-
-
 @pytest.mark.parametrize("case", ["truncated-data", "truncated-header", "huge-header-length", "offsets-past-end",
                                   "overlap", "gap", "trailing", "bad-dtype", "shape-mismatch", "not-json",
                                   "negative-shape", "empty"])
@@ -204,14 +198,14 @@ def test_damaged_and_crafted_files_are_format_errors(tmp_path, case):
         "truncated-data": good[:-7],
         "truncated-header": good[:8 + n // 2],
         "huge-header-length": struct.pack("<Q", 1 << 60) + good[8:],
-        "offsets-past-end": _crafted(data, {"a": a, "b": dict(b, data_offsets=[256, 1 << 40])}),
-        "overlap": _crafted(data, {"a": a, "b": dict(b, data_offsets=[250, 280])}),
-        "gap": _crafted(data + b"\0" * 6, {"a": a, "b": dict(b, data_offsets=[262, 292])}),
-        "trailing": data and _crafted(data + b"junk", {"a": a, "b": b}),
-        "bad-dtype": _crafted(data, {"a": dict(a, dtype="F99"), "b": b}),
-        "shape-mismatch": _crafted(data, {"a": dict(a, shape=[1 << 40]), "b": b}),
+        "offsets-past-end": crafted({"a": a, "b": dict(b, data_offsets=[256, 1 << 40])}, data),
+        "overlap": crafted({"a": a, "b": dict(b, data_offsets=[250, 280])}, data),
+        "gap": crafted({"a": a, "b": dict(b, data_offsets=[262, 292])}, data + b"\0" * 6),
+        "trailing": data and crafted({"a": a, "b": b}, data + b"junk"),
+        "bad-dtype": crafted({"a": dict(a, dtype="F99"), "b": b}, data),
+        "shape-mismatch": crafted({"a": dict(a, shape=[1 << 40]), "b": b}, data),
         "not-json": struct.pack("<Q", 5) + b"{nope" + data,
-        "negative-shape": _crafted(data, {"a": dict(a, shape=[-64]), "b": b}),
+        "negative-shape": crafted({"a": dict(a, shape=[-64]), "b": b}, data),
         "empty": b"",
     }[case]
     q = tmp_path / f"{case}.safetensors"
