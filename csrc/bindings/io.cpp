@@ -307,7 +307,13 @@ void init_io(py::module_& m) {
         py::arg("path"),
         "Remove the temporary files that crashed saves of `path` left next to it (only this host's, only of dead "
         "processes, only unlocked ones; see docs/ENGINE.md); returns their names. Every Writer does this first.");
-  m.def("temp_host", &temp_host_token, "This host's name as it appears in temporary file names.");
+  m.def("remove_leftovers_in", [](const std::string& dir) {
+          py::gil_scoped_release nogil;
+          return remove_leftovers_in(dir);
+        },
+        py::arg("dir"),
+        "remove_leftovers for the temporary files of every target in directory `dir` (the same rules); returns "
+        "their names.");
   m.def("parse_temp_name", [](const std::string& entry, const std::string& target_name) -> py::object {
           TempNameInfo i;
           if (!parse_temp_name(entry, target_name, &i)) return py::none();
@@ -319,6 +325,25 @@ void init_io(py::module_& m) {
         },
         py::arg("entry"), py::arg("target_name"),
         "The fields of a temporary file name of `target_name` ({pid, host, start}), or None.");
+  m.def("temp_host", &temp_host_token, "This host's name as it appears in temporary file names.");
+  m.def("temp_key", &temp_key, py::arg("name"),
+        "The part of a temporary name that stands for the target name `name` (its bytes in hex, or a hash).");
+  m.def("temp_name", [](const std::string& name) { return temp_path_for(name); }, py::arg("name"),
+        "A new temporary name (a base name) for the target name `name`, in the engine's format.");
+  m.def("parse_temp", [](const std::string& entry) -> py::object {
+          TempNameInfo i;
+          if (!parse_temp_entry(entry, &i)) return py::none();
+          py::dict d;
+          d["pid"] = i.pid;
+          d["host"] = i.host;
+          d["start"] = i.start;
+          d["key"] = i.key;
+          d["target"] = i.target.empty() ? py::object(py::none()) : py::object(py::str(i.target));
+          return d;
+        },
+        py::arg("entry"),
+        "The fields of a temporary name ({pid, host, start, key, target}; target None where the name holds "
+        "only a hash of it), or None when `entry` is not one.");
 }
 
 }  // namespace bindings

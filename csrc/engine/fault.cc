@@ -2,10 +2,13 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <mutex>
 #include <thread>
 
 #include "error.h"
+#include "sys.h"
+#include "temp_file.h"
 
 namespace fastckpt {
 namespace fault {
@@ -54,14 +57,57 @@ void clear() {
 
 uint64_t fired() { return g_fired.load(); }
 
+namespace {
+
+// A temporary stands for its target: every component of `path` that is a
+// temporary name (a file's, or a directory's with its ".dcp"/".del"/".old"
+// suffix) is matched as the target's name too ("/d/.fastckpt-tmp.<key>..." as
+// "/d/<target>"): the names no longer spell their targets out. Empty when no
+// component is one.
+std::string as_target(const std::string& path) {
+  if (path.find(".fastckpt-tmp.") == std::string::npos) return std::string();
+  std::string out;
+  bool mapped = false;
+  size_t i = 0;
+  for (;;) {
+    const size_t j = path.find('/', i);
+    std::string part = path.substr(i, j == std::string::npos ? std::string::npos : j - i);
+    if (part.find(".fastckpt-tmp.") != std::string::npos) {
+      TempNameInfo info;
+      std::string base = part;
+      for (const char* kind : {".dcp", ".del", ".old"}) {
+        const size_t k = std::strlen(kind);
+        if (base.size() > k && base.compare(base.size() - k, k, kind) == 0) base.resize(base.size() - k);
+      }
+      if ((parse_temp_entry(part, &info) || parse_temp_entry(base, &info)) && !info.target.empty()) {
+        part = info.target;
+        mapped = true;
+      }
+    }
+    out += part;
+    if (j == std::string::npos) break;
+    out.push_back('/');
+    i = j + 1;
+  }
+  return mapped ? out : std::string();
+}
+
+bool matches(const std::string& want, const std::string& path, const std::string& target) {
+  return want.empty() || path.find(want) != std::string::npos ||
+         (!target.empty() && target.find(want) != std::string::npos);
+}
+
+}  // namespace
+
 Action on(Op op, const std::string& path) {
   if (!g_any.load(std::memory_order_acquire)) return Action{};
+  const std::string target = as_target(path);
   Action act;
   {
     std::lock_guard<std::mutex> lk(g_mu);
     for (Armed& a : rules()) {
       if (a.rule.op != op) continue;
-      if (!a.rule.path_contains.empty() && path.find(a.rule.path_contains) == std::string::npos) continue;
+      if (!matches(a.rule.path_contains, path, target)) continue;
       uint64_t n = ++a.seen;
       bool hit = n >= a.rule.nth && (a.rule.times == 0 || n < a.rule.nth + a.rule.times);
       if (!hit) continue;

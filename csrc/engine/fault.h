@@ -45,7 +45,7 @@ struct Rule {
   int err = 0;             // errno to fail with (0 = do not fail)
   int64_t short_len = -1;  // >= 0: transfer only this many bytes (reads/writes)
   int delay_ms = 0;        // sleep before the operation
-  std::string path_contains;  // only count operations on paths containing this
+  std::string path_contains;  // only count operations on paths containing this (a temporary file: or its target's)
 };
 
 struct Action {

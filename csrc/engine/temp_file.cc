@@ -115,6 +115,21 @@ uint64_t process_start_time(int pid) {
   return all_digits(f) ? std::stoull(f) : 0;
 }
 
+std::string temp_key(const std::string& name) {
+  static const char* digits = "0123456789abcdef";
+  if (name.size() > kMaxHexName) {
+    char h[24];
+    std::snprintf(h, sizeof h, "h%016llx", static_cast<unsigned long long>(fnv1a(name)));
+    return h;
+  }
+  std::string out = "x";
+  for (unsigned char c : name) {
+    out.push_back(digits[c >> 4]);
+    out.push_back(digits[c & 15]);
+  }
+  return out;
+}
+
 std::string temp_path_for(const std::string& path) {
   static std::atomic<uint64_t> counter{0};
   // Read each time (one small file per save): correct in a forked child too.
@@ -128,22 +143,75 @@ std::string temp_path_for(const std::string& path) {
   std::snprintf(suffix, sizeof suffix, "%d.%s.%llu.%llu.%llx", pid, temp_host_token().c_str(),
                 static_cast<unsigned long long>(start), static_cast<unsigned long long>(n),
                 static_cast<unsigned long long>(t & 0xffffff));
-  return (dir == "." && path.find('/') == std::string::npos ? std::string() : dir + "/") + "." + name + kMark +
-         suffix;
+  return (dir == "." && path.find('/') == std::string::npos ? std::string() : dir + "/") + kMark +
+         temp_key(name) + "." + suffix;
+}
+
+namespace {
+
+// The five fields after the key (or after the mark, in the earlier format).
+bool parse_fields(const std::vector<std::string>& f, size_t at, TempNameInfo* out) {
+  if (f.size() != at + 5 || !all_digits(f[at]) || !host_token_ok(f[at + 1]) || !all_digits(f[at + 2]) ||
+      !all_digits(f[at + 3]) || !all_hex(f[at + 4]))
+    return false;
+  unsigned long long pid = std::stoull(f[at]);
+  if (pid == 0 || pid > INT_MAX) return false;
+  out->pid = static_cast<int>(pid);
+  out->host = f[at + 1];
+  out->start = std::stoull(f[at + 2]);
+  return true;
+}
+
+// The target's name from a key ("x" + hex; "h" + hash: empty), or false for no key.
+bool decode_key(const std::string& key, std::string* name) {
+  if (key.size() == 17 && key[0] == 'h') {
+    name->clear();
+    return all_hex(key.substr(1));
+  }
+  if (key.size() < 3 || key[0] != 'x' || key.size() % 2 != 1 || key.size() > 1 + 2 * kMaxHexName) return false;
+  std::string out;
+  for (size_t i = 1; i < key.size(); i += 2) {
+    int v = 0;
+    for (size_t j = i; j < i + 2; ++j) {
+      const char c = key[j];
+      if (c >= '0' && c <= '9') v = v * 16 + (c - '0');
+      else if (c >= 'a' && c <= 'f') v = v * 16 + (c - 'a' + 10);
+      else return false;
+    }
+    if (v == 0 || v == '/') return false;
+    out.push_back(static_cast<char>(v));
+  }
+  if (out == "." || out == "..") return false;
+  *name = out;
+  return true;
+}
+
+}  // namespace
+
+bool parse_temp_entry(const std::string& entry, TempNameInfo* out) {
+  const std::string mark = kMark;
+  TempNameInfo info;
+  if (entry.compare(0, mark.size(), mark) == 0) {
+    std::vector<std::string> f = split_dots(entry.substr(mark.size()));
+    if (f.size() != 6 || !decode_key(f[0], &info.target) || !parse_fields(f, 1, &info)) return false;
+    info.key = f[0];
+  } else {
+    // The earlier format: ".NAME" + mark + the five fields (NAME may itself hold dots).
+    const size_t at = entry.rfind(mark);
+    if (at == std::string::npos || at < 2 || entry[0] != '.') return false;
+    if (!parse_fields(split_dots(entry.substr(at + mark.size())), 0, &info)) return false;
+    info.target = entry.substr(1, at - 1);
+    info.key = temp_key(info.target);
+  }
+  *out = info;
+  return true;
 }
 
 bool parse_temp_name(const std::string& entry, const std::string& target_name, TempNameInfo* out) {
-  const std::string prefix = "." + target_name + kMark;
-  if (entry.size() <= prefix.size() || entry.compare(0, prefix.size(), prefix) != 0) return false;
-  std::vector<std::string> f = split_dots(entry.substr(prefix.size()));
-  if (f.size() != 5 || !all_digits(f[0]) || !host_token_ok(f[1]) || !all_digits(f[2]) || !all_digits(f[3]) ||
-      !all_hex(f[4]))
-    return false;
-  unsigned long long pid = std::stoull(f[0]);
-  if (pid == 0 || pid > INT_MAX) return false;
-  out->pid = static_cast<int>(pid);
-  out->host = f[1];
-  out->start = std::stoull(f[2]);
+  TempNameInfo info;
+  if (target_name.empty() || !parse_temp_entry(entry, &info) || info.key != temp_key(target_name)) return false;
+  if (!info.target.empty() && info.target != target_name) return false;
+  *out = info;
   return true;
 }
 
@@ -156,7 +224,8 @@ bool temp_writer_gone(const TempNameInfo& info) {
   return now != 0 && now != info.start;
 }
 
-static void remove_leftovers_into(const std::string& path, std::vector<std::string>& removed);
+// `name` empty: every temporary file in `dir`, whatever its target.
+static void remove_leftovers_into(const std::string& dir, const std::string& name, std::vector<std::string>& removed);
 
 int create_temp_file(const std::string& target, std::string* name, bool* direct, std::string* fallback) {
   const int flags = O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW;
@@ -192,19 +261,27 @@ int create_temp_file(const std::string& target, std::string* name, bool* direct,
 
 std::vector<std::string> remove_leftovers(const std::string& path) {
   std::vector<std::string> removed;
+  const std::string name = sys::basename(path);
+  if (name.empty()) return removed;
   try {
-    remove_leftovers_into(path, removed);
+    remove_leftovers_into(sys::dirname(path), name, removed);
   } catch (...) {
     // Best effort (e.g. out of memory while listing): the save itself goes on.
   }
   return removed;
 }
 
-static void remove_leftovers_into(const std::string& path, std::vector<std::string>& removed) {
-  const std::string dir = sys::dirname(path);
-  const std::string name = sys::basename(path);
-  if (name.empty()) return;
-  const std::string prefix = "." + name + kMark;
+std::vector<std::string> remove_leftovers_in(const std::string& dir) {
+  std::vector<std::string> removed;
+  try {
+    remove_leftovers_into(dir, std::string(), removed);
+  } catch (...) {
+  }
+  return removed;
+}
+
+static void remove_leftovers_into(const std::string& dir, const std::string& name, std::vector<std::string>& removed) {
+  const std::string key = name.empty() ? std::string() : temp_key(name);
   DIR* d = ::opendir(dir.c_str());
   if (!d) return;
   const int dfd = ::dirfd(d);
@@ -212,9 +289,10 @@ static void remove_leftovers_into(const std::string& path, std::vector<std::stri
   std::vector<std::string> candidates;
   while (dirent* e = ::readdir(d)) {
     const char* n = e->d_name;
-    if (std::strncmp(n, prefix.c_str(), prefix.size()) != 0) continue;
+    if (!std::strstr(n, kMark)) continue;
     TempNameInfo info;
-    if (!parse_temp_name(n, name, &info)) continue;
+    if (!parse_temp_entry(n, &info)) continue;  // a directory's name (".dcp", ...) does not parse: never touched
+    if (!name.empty() && (info.key != key || (!info.target.empty() && info.target != name))) continue;
     if (info.host != temp_host_token()) continue;  // another machine's: never ours to judge
     if (!temp_writer_gone(info)) continue;
     candidates.push_back(n);

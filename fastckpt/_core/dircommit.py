@@ -4,7 +4,7 @@ set, ``fastckpt convert --to dcp``, the framework integrations' checkpoint
 directories, a restored remote step) is put in place through it.
 
 The new checkpoint is written complete into a temporary sibling directory
-(:func:`new_directory`, a ``.<name>.fastckpt-tmp.<pid>.<host>....dcp`` name of
+(:func:`new_directory`, a ``.fastckpt-tmp.<key>.<pid>.<host>....dcp`` name of
 this process); :func:`commit_directory` then makes every file and directory in
 it durable and puts it at the final name:
 
@@ -17,7 +17,7 @@ it durable and puts it at the final name:
   temporary name, removed.
 * fallback, where the filesystem refuses the exchange (EINVAL/ENOSYS/EOPNOTSUPP:
   some FUSE and NFS mounts): the old directory is renamed aside to
-  ``.<name>.fastckpt-tmp.<pid>.<host>....old``, the new one renamed to
+  ``.fastckpt-tmp.<key>.<pid>.<host>....old``, the new one renamed to
   ``final``, the parent fsynced, the old copy removed. Between the two renames
   (two metadata operations, microseconds apart, with nothing written between
   them) ``final`` is missing, and a crash there leaves it missing with the old
@@ -46,7 +46,7 @@ from typing import Callable, List, Optional, Union
 
 from .. import _C
 from .engine import fsync_dir
-from .tempnames import TMP_MARK, parse_temp, temp_name, writer_gone
+from .tempnames import is_temp, parse_temp, temp_key, temp_name, writer_gone
 
 __all__ = ["new_directory", "commit_directory", "fsync_tree", "resolve", "restore_aside", "recover",
            "carry_entries"]
@@ -99,7 +99,7 @@ def carry_entries(old: PathLike, new: PathLike, keep: Callable[[str], bool]) -> 
     links, or copies where the filesystem refuses links. Returns their names."""
     carried = []
     for entry in sorted(os.listdir(old)):
-        if TMP_MARK in entry or not keep(entry) or os.path.lexists(os.path.join(new, entry)):
+        if is_temp(entry) or not keep(entry) or os.path.lexists(os.path.join(new, entry)):
             continue
         src, dst = os.path.join(old, entry), os.path.join(new, entry)
         st = os.lstat(src)
@@ -180,17 +180,16 @@ def commit_directory(tmp: PathLike, final: PathLike, keep: Optional[Callable[[st
 
 def _asides(parent: str, name: str) -> List[str]:
     """The ``.old`` copies of ``name`` in ``parent``, newest first."""
-    prefix = f".{name}{TMP_MARK}"
     try:
         entries = os.listdir(parent)
     except OSError:
         return []
     found = []
     for e in entries:
-        if not (e.startswith(prefix) and e.endswith(".old")):
+        if not e.endswith(".old"):
             continue
         parsed = parse_temp(e)
-        if parsed is None or parsed[0] != name or parsed[2] != "old":
+        if parsed is None or parsed.kind != "old" or not parsed.is_for(name):
             continue
         p = os.path.join(parent, e)
         try:
@@ -199,6 +198,22 @@ def _asides(parent: str, name: str) -> List[str]:
         except OSError:
             continue
     return [p for _, p in sorted(found, reverse=True)]
+
+
+def _final_name(parent: str, parsed) -> Optional[str]:
+    """The final name an ``.old`` copy stands for: spelled out in its name,
+    or, where the name holds only a hash, the entry of ``parent`` with that
+    hash (None when there is none: its final name is missing and unknown)."""
+    if parsed.target is not None:
+        return parsed.target
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return None
+    for e in entries:
+        if not is_temp(e) and temp_key(e) == parsed.key:
+            return e
+    return None
 
 
 def resolve(final: PathLike) -> str:
@@ -223,14 +238,27 @@ def restore_aside(parent: PathLike, entry: str) -> Optional[str]:
     ``entry`` of ``parent``: if ``entry`` is an ``.old`` copy whose final name
     is missing (the only complete copy: a fallback commit was interrupted
     between its renames), rename it back, fsync ``parent`` and return the final
-    path; otherwise None (``entry`` may then be removed)."""
+    path. None: ``entry`` may be removed. A path that is not renamed back is
+    also returned (``entry``'s own) where the final name is missing and the
+    name of ``entry`` holds only its hash: it must stay, for :func:`recover`
+    of that final name to put it back."""
     parsed = parse_temp(entry)
-    if parsed is None or parsed[2] != "old":
+    if parsed is None or parsed.kind != "old":
         return None
     parent = os.fspath(parent)
-    final = os.path.join(parent, parsed[0])
+    name = _final_name(parent, parsed)
+    if name is None:
+        log.warning("fastckpt: keeping %s: the complete copy of a checkpoint whose name is missing after an "
+                    "interrupted commit (the next save or load of that name puts it back)",
+                    os.path.join(parent, entry))
+        return os.path.join(parent, entry)
+    final = os.path.join(parent, name)
     if os.path.lexists(final):
         return None
+    return _put_back(parent, entry, final)
+
+
+def _put_back(parent: str, entry: str, final: str) -> str:
     _C.rename(os.path.join(parent, entry), final)
     fsync_dir(parent)
     log.warning("fastckpt: %s was missing after an interrupted commit; renamed its complete copy %s back",
@@ -247,6 +275,6 @@ def recover(final: PathLike) -> Optional[str]:
         return None
     for p in _asides(parent, name):
         parsed = parse_temp(os.path.basename(p))
-        if parsed is not None and writer_gone(parsed[1]):
-            return restore_aside(parent, os.path.basename(p))
+        if parsed is not None and writer_gone(parsed.info):
+            return _put_back(parent, os.path.basename(p), path)
     return None

@@ -28,6 +28,7 @@ from .source import LazyValue, Source, holds_structure, storage_of, walk
 from .sources import DcpSource, SafetensorsSource, ZipSource, is_dcp_dir, open_source, sniff
 from ..formats.torch_rules import itemsize
 from .._core.steps import split_step_name
+from .._core.tempnames import is_temp
 from .._core.units import human
 from ..errors import FormatError
 
@@ -484,7 +485,7 @@ def _verify_manager(path: str, progress_factory) -> Report:
                 steps.append(n)
             else:
                 rep.notes.append(f"{n}: no .metadata (an unfinished sharded save); not a checkpoint")
-    temps = [n for n in names if ".fastckpt-tmp." in n]
+    temps = [n for n in names if is_temp(n)]
     if temps:
         rep.notes.append(f"{len(temps)} leftover temporary file(s) of interrupted saves: {', '.join(temps[:3])}")
     latest_path = os.path.join(path, "latest")

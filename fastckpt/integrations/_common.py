@@ -120,7 +120,7 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
     checkpoint filesystem): a process that does not see rank 0's temporary
     directory fails the save, saying so.
 
-    The temporary name is the checkpoint manager's (``.<name>.fastckpt-tmp.<pid>.<host>....dcp``).
+    The temporary name is the checkpoint manager's (``.fastckpt-tmp.<key>.<pid>.<host>....dcp``).
     The commit is the package's one directory commit
     (:func:`fastckpt._core.dircommit.commit_directory`): a new ``final`` is one rename; an existing
     one is swapped atomically with ``renameat2(RENAME_EXCHANGE)``, so that ``final`` names a

@@ -5,8 +5,8 @@ Layout of ``directory``::
     step_00000100.pt     complete checkpoints (replicated mode: one fastckpt.save file each)
     step_00000200/       ... or, in sharded mode, one DCP directory each
     latest               "step_00000200.pt\\n": the last checkpoint saved, replaced atomically
-    .step_00000300.pt.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>   a save in progress (or left by a crash)
-    .step_00000400.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>.dcp  ... of a sharded checkpoint (a directory)
+    .fastckpt-tmp.<key>.<pid>.<host>.<start>.<n>.<r>       a save in progress (or left by a crash)
+    .fastckpt-tmp.<key>.<pid>.<host>.<start>.<n>.<r>.dcp   ... of a sharded checkpoint (a directory)
     abandoned/step_00000300.pt   newer checkpoints set aside by a rollback (see below)
 
 A checkpoint appears under its final name only when it is complete: single
@@ -14,7 +14,9 @@ files are committed by the engine (temporary file, fdatasync, rename,
 directory fsync); sharded directories are written under a temporary name and
 renamed by rank 0 once every rank's data and DCP's ``.metadata`` are durable.
 ``latest`` is then replaced the same way, and retention deletes older
-checkpoints. Anything named ``.*.fastckpt-tmp.*`` is never a checkpoint;
+checkpoints. Anything named ``*.fastckpt-tmp.*`` is never a checkpoint (``<key>``
+stands for the target's name without spelling it, so that no tool scanning for
+checkpoint names takes a temporary for one);
 leftovers of crashed saves are removed only by the host that wrote them
 (:meth:`CheckpointManager.clean_temporaries`).
 
@@ -74,7 +76,8 @@ from typing import Any, List, NamedTuple, Optional, Set, Union
 
 from .asyncsave import async_save as _collective_async_save
 from .ranks import Ranks, failure_types, register_manager
-from .policy import TMP_MARK, StepDirectory, failure_kind, unwrap
+from .policy import StepDirectory, judge_load, load_report
+from .._core.tempnames import TMP_MARK
 from . import remote as _remote_tier
 from .remote import candidates as _remote_candidates
 from ..saver import AsyncSaver, SaveFuture, fail_inherited, default_saver
@@ -436,7 +439,7 @@ class CheckpointManager:
 
     def clean_temporaries(self) -> List[str]:
         """Delete what crashed saves *of this host* left in the directory:
-        temporary names (``.<name>.fastckpt-tmp.<pid>.<host>.<start>.<n>.<r>``,
+        temporary names (``.fastckpt-tmp.<key>.<pid>.<host>.<start>.<n>.<r>``,
         files, and the manager's directories with a ``.dcp``, ``.del`` or ``.old``
         suffix; docs/FORMAT.md 1.6) whose process is gone; an ``.old`` one whose name is missing is put back.
 
@@ -622,33 +625,10 @@ class CheckpointManager:
                                    group=group)
             except failure_types() as e:  # noqa: BLE001 - classified below
                 err = e
-            kind = None if err is None else failure_kind(err)
-            got = self._ranks.gather(None if err is None else (type(unwrap(err)).__name__, str(unwrap(err)), kind))
-            bad = [(r, g) for r, g in enumerate(got) if g is not None]
-            if not bad:
+            got = self._ranks.gather(load_report(err))
+            why = judge_load(path, err, got)
+            if why is None:
                 return Restored(step, result, str(path))
-            for what in ("error", "refused"):
-                ranks = [r for r, g in bad if g[2] == what]
-                if not ranks:
-                    continue
-                if kind == what:
-                    e = unwrap(err)
-                    note = (f"fastckpt.CheckpointManager: raised while loading {path}; " +
-                            ("not a damaged checkpoint, so older checkpoints were not tried"
-                             if what == "error" else "the weights-only unpickler refused it (not corruption)"))
-                    if hasattr(e, "add_note"):
-                        e.add_note(note)
-                    if e is err:
-                        raise err
-                    raise e from err
-                first = dict(bad)[ranks[0]]
-                if what == "refused":
-                    raise RuntimeError(f"fastckpt.CheckpointManager: {path}: the weights-only unpickler refused it "
-                                       f"on rank(s) {ranks}: {first[1]}")
-                raise RuntimeError(f"fastckpt.CheckpointManager: loading {path} failed on rank(s) {ranks} "
-                                   f"({first[0]}: {first[1]}); not a damaged checkpoint, so older checkpoints "
-                                   "were not tried")
-            why = "; ".join(f"rank {r}: {g[0]}: {g[1]}" for r, g in bad)
             failures.append(f"{name} ({why})")
             warnings.warn(f"fastckpt.CheckpointManager: skipping checkpoint {path}, which is damaged: {why}; "
                           "falling back to the previous one", RuntimeWarning, stacklevel=2)

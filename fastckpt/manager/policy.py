@@ -19,10 +19,10 @@ import shutil
 import stat
 import warnings
 from pathlib import Path
-from typing import AbstractSet, List, Optional, Set, Tuple, Union
+from typing import AbstractSet, Any, List, Optional, Tuple, Union
 
 from .._core.atomic import write_file
-from .._core.tempnames import (TMP_MARK, parse_temp, remove_leftovers, temp_host, temp_name,
+from .._core.tempnames import (is_temp, parse_temp, remove_leftovers_in, temp_host, temp_name,
                                writer_gone)
 from .._core.owner import check_directory_owner
 from .._core.steps import FILE_SUFFIX, parse_step_name, step_name
@@ -73,6 +73,49 @@ def unwrap(e: BaseException) -> BaseException:
         if isinstance(inner, BaseException):
             e = inner
     return e
+
+def load_report(err: Optional[BaseException]) -> Optional[Tuple[str, str, str]]:
+    """What a rank tells the others of its try to load one checkpoint: None
+    (loaded), else (error type, message, :func:`failure_kind`)."""
+    if err is None:
+        return None
+    e = unwrap(err)
+    return type(e).__name__, str(e), failure_kind(err)
+
+
+def judge_load(path: Any, err: Optional[BaseException], reports: List[Any]) -> Optional[str]:
+    """The verdict on one checkpoint from every rank's :func:`load_report`
+    (``err``: this rank's own failure, or None): None when every rank loaded
+    it; the reasons, rank by rank, when it is damaged (try the previous one).
+    Anything else raises, on every rank alike: this rank's own error (with a
+    note naming the checkpoint) where it failed so, a RuntimeError naming the
+    ranks that failed elsewhere."""
+    bad = [(r, g) for r, g in enumerate(reports) if g is not None]
+    if not bad:
+        return None
+    kind = None if err is None else failure_kind(err)
+    for what in ("error", "refused"):
+        ranks = [r for r, g in bad if g[2] == what]
+        if not ranks:
+            continue
+        if kind == what:
+            e = unwrap(err)
+            note = (f"fastckpt.CheckpointManager: raised while loading {path}; " +
+                    ("not a damaged checkpoint, so older checkpoints were not tried"
+                     if what == "error" else "the weights-only unpickler refused it (not corruption)"))
+            if hasattr(e, "add_note"):
+                e.add_note(note)
+            if e is err:
+                raise err
+            raise e from err
+        first = dict(bad)[ranks[0]]
+        if what == "refused":
+            raise RuntimeError(f"fastckpt.CheckpointManager: {path}: the weights-only unpickler refused it "
+                               f"on rank(s) {ranks}: {first[1]}")
+        raise RuntimeError(f"fastckpt.CheckpointManager: loading {path} failed on rank(s) {ranks} "
+                           f"({first[0]}: {first[1]}); not a damaged checkpoint, so older checkpoints "
+                           "were not tried")
+    return "; ".join(f"rank {r}: {g[0]}: {g[1]}" for r, g in bad)
 
 
 # ------------------------------------------------------------------ the directory
@@ -229,16 +272,16 @@ class StepDirectory:
         restored: List[str] = []
         foreign: List[str] = []
         unknown: List[str] = []
-        engine_targets: Set[str] = set()
+        engine_files = False
         me, uid = temp_host(), os.geteuid()
         for name in sorted(os.listdir(self.path)):
-            if TMP_MARK not in name:
+            if not is_temp(name):
                 continue
             parsed = parse_temp(name)
             if parsed is None:
                 unknown.append(name)
                 continue
-            target, info, kind = parsed
+            info, kind = parsed.info, parsed.kind
             if info["host"] != me:
                 foreign.append(name)
                 continue
@@ -248,7 +291,7 @@ class StepDirectory:
             except FileNotFoundError:
                 continue
             if stat.S_ISREG(st.st_mode) and kind is None:
-                engine_targets.add(target)  # the engine's own files: its checks (lock included) decide
+                engine_files = True  # the engine's own files: its checks (lock included) decide
                 continue
             if not (stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode)) or st.st_uid != uid:
                 continue
@@ -256,8 +299,9 @@ class StepDirectory:
                 log.debug("fastckpt.CheckpointManager: keeping %s (process %d is alive)", name, info["pid"])
                 continue
             try:
-                if stat.S_ISDIR(st.st_mode) and restore_aside(self.path, name) is not None:
-                    restored.append(target)  # the only complete copy of a re-saved step: renamed back
+                kept = restore_aside(self.path, name) if stat.S_ISDIR(st.st_mode) else None
+                if kept is not None:  # the only complete copy of a re-saved step: renamed back (or kept)
+                    restored.append(os.path.basename(kept))
                     continue
                 if stat.S_ISDIR(st.st_mode):
                     shutil.rmtree(p)
@@ -266,8 +310,8 @@ class StepDirectory:
                 removed.append(name)
             except FileNotFoundError:
                 pass
-        for target in sorted(engine_targets):
-            removed.extend(remove_leftovers(str(self.path / target)))
+        if engine_files:
+            removed.extend(remove_leftovers_in(str(self.path)))
         removed.sort()
         if restored:
             log.warning("fastckpt.CheckpointManager: renamed back %s in %s: a re-save was interrupted after "

@@ -42,14 +42,12 @@ from ..errors import FormatError
 from . import manifest as mf
 from ._policy import TransferOptions
 from .store import Store, open_store
+from .._core.tempnames import is_temp
 from .transfer import TransferStats, download, upload
 
 __all__ = ["Replicator", "LocalCheckpoint", "upload_step_files", "commit_step", "restore_step", "clean_stale"]
 
 log = logging.getLogger("fastckpt.remote")
-
-_SKIP = (".fastckpt-tmp.",)  # the engine's temporary files are never part of a checkpoint
-
 
 def _local_files(path: str) -> Tuple[str, str, List[str]]:
     """(kind, name, relative paths) of a committed checkpoint: a file or a directory."""
@@ -60,7 +58,7 @@ def _local_files(path: str) -> Tuple[str, str, List[str]]:
         for d, dirs, files in os.walk(path):
             dirs.sort()
             for f in sorted(files):
-                if not any(t in f for t in _SKIP):
+                if not is_temp(f):  # the engine's temporary files are never part of a checkpoint
                     rels.append(os.path.relpath(os.path.join(d, f), path).replace(os.sep, "/"))
         if not rels:
             raise FileNotFoundError(2, f"checkpoint directory {path!r} holds no files", path)

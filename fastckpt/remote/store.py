@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .._core import engine as _engine
 from .._core.atomic import write_file
-from .._core.tempnames import remove_leftovers
+from .._core.tempnames import is_temp, remove_leftovers_in
 from .._core.paths import _URL, is_url  # noqa: F401 (re-exported)
 from .._core.engine import fsync_dir
 from ..errors import MissingDependencyError
@@ -405,7 +405,7 @@ class LocalStore(Store):
         out = {}
         for d, _, files in os.walk(base):
             for f in files:
-                if ".fastckpt-tmp." in f:
+                if is_temp(f):
                     continue  # an upload in progress or left by a killed process
                 p = os.path.join(d, f)
                 try:
@@ -441,9 +441,8 @@ class LocalStore(Store):
     def abort_stale_uploads(self, prefix=""):
         n = 0
         for d, _, files in os.walk(self._path(prefix)):
-            for f in files:
-                if ".fastckpt-tmp." in f:
-                    n += len(remove_leftovers(os.path.join(d, f.split(".fastckpt-tmp.")[0])))
+            if any(is_temp(f) for f in files):
+                n += len(remove_leftovers_in(d))
         return n
 
 

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "temp_file.h"
 #include "util.h"
 
 using namespace fct;
@@ -214,7 +215,8 @@ TEST(bad_paths, ONCE) {
   IoError e = CHECK_THROWS(IoError, Writer(eng, dir.file("no/such/dir/x.bin"), -1));
   CHECK_EQ(e.err(), ENOENT);
   CHECK_EQ(e.op(), std::string("open"));
-  CHECK_CONTAINS(e.path(), dir.path() + "/no/such/dir/.x.bin.fastckpt-tmp.");
+  CHECK_CONTAINS(e.path(), dir.path() + "/no/such/dir/.fastckpt-tmp." + fastckpt::temp_key("x.bin") + ".");
+  CHECK_CONTAINS(e.what(), dir.file("no/such/dir/x.bin"));  // and the error names the user's file
   CHECK_THROWS(UsageError, Writer(eng, dir.file("n.bin"), -1).append(nullptr, 1));
   char b[4];
   write_file_plain(dir.file("r.bin"), "abcd");

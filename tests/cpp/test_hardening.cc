@@ -73,21 +73,65 @@ TEST(temp_names_carry_pid_host_and_start_time, ONCE) {
   CHECK(fastckpt::escape_host(longhost).size() <= 41);
   CHECK(fastckpt::escape_host(longhost) != fastckpt::escape_host(longhost + "y"));
   const std::string t = fastckpt::temp_path_for("/d/step.pt");
-  CHECK_CONTAINS(t, "/d/.step.pt.fastckpt-tmp." + std::to_string(::getpid()) + "." + fastckpt::temp_host_token() + ".");
+  CHECK_CONTAINS(t, "/d/.fastckpt-tmp." + fastckpt::temp_key("step.pt") + "." + std::to_string(::getpid()) + "." +
+                        fastckpt::temp_host_token() + ".");
+  CHECK(t.find("step") == std::string::npos);  // the target's name is not spelled out
   fastckpt::TempNameInfo info;
   CHECK(fastckpt::parse_temp_name(base(t), "step.pt", &info));
   CHECK_EQ(info.pid, static_cast<int>(::getpid()));
   CHECK_EQ(info.host, fastckpt::temp_host_token());
+  CHECK_EQ(info.target, std::string("step.pt"));
   CHECK(info.start != 0);
   CHECK_EQ(info.start, fastckpt::process_start_time(::getpid()));
   CHECK(!fastckpt::temp_writer_gone(info));  // this process
   CHECK(!fastckpt::parse_temp_name(base(t), "step", &info));
-  CHECK(!fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.12.3.4", "step.pt", &info));  // old format: no host
+  CHECK(!fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.12.3.4", "step.pt", &info));  // oldest format: no host
   CHECK(!fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.12.h.3.4.zz", "step.pt", &info));
   // Numbers too large for 64 bits are not names of ours (and never throw).
   CHECK(!fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.99999999999999999999.h.3.4.a", "step.pt", &info));
   CHECK(!fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.12.h.99999999999999999999.4.a", "step.pt", &info));
   CHECK(!fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.12.h.3.99999999999999999999.a", "step.pt", &info));
+  // The earlier format, with the name spelled out, is still recognised (its leftovers are cleaned).
+  CHECK(fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.12.h.3.4.a", "step.pt", &info));
+  CHECK_EQ(info.target, std::string("step.pt"));
+  CHECK_EQ(info.key, fastckpt::temp_key("step.pt"));
+  CHECK(!fastckpt::parse_temp_name(".step.pt.fastckpt-tmp.12.h.3.4.a", "step", &info));
+}
+
+TEST(temp_name_keys_spell_no_checkpoint_name, ONCE) {
+  // Names that frameworks find checkpoints by: none survives into a temporary's name.
+  for (const char* n : {"hpc_ckpt_2.ckpt", "last.ckpt", "epoch=3-step=40.ckpt", "checkpoint-500", "step-10",
+                        "global_step7", "model.safetensors"}) {
+    const std::string t = base(fastckpt::temp_path_for(std::string("/d/") + n));
+    const std::string key = fastckpt::temp_key(n);
+    CHECK_EQ(key[0], 'x');
+    for (char c : key.substr(1)) CHECK((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'));
+    CHECK(t.compare(0, 14, ".fastckpt-tmp.") == 0);
+    fastckpt::TempNameInfo info;
+    CHECK(fastckpt::parse_temp_entry(t, &info));
+    CHECK_EQ(info.target, std::string(n));
+  }
+  // Longer than kMaxHexName bytes: a hash; parsed, its target unknown, matched by its key.
+  const std::string longname(fastckpt::kMaxHexName + 1, 'n');
+  const std::string t = base(fastckpt::temp_path_for("/d/" + longname));
+  CHECK(t.size() < 200);
+  fastckpt::TempNameInfo info;
+  CHECK(fastckpt::parse_temp_entry(t, &info));
+  CHECK(info.target.empty());
+  CHECK_EQ(info.key.size(), 17u);
+  CHECK(fastckpt::parse_temp_name(t, longname, &info));
+  CHECK(!fastckpt::parse_temp_name(t, longname + "x", &info));
+  const std::string edge(fastckpt::kMaxHexName, 'e');  // the longest spelled out
+  CHECK(fastckpt::parse_temp_entry(base(fastckpt::temp_path_for("/d/" + edge)), &info));
+  CHECK_EQ(info.target, edge);
+  // Keys that decode to no base name are not names of ours.
+  const std::string tail = ".12." + fastckpt::temp_host_token() + ".3.4.a";
+  for (const std::string& bad : {std::string("x2f"), std::string("x00"), std::string("x2e"), std::string("x2e2e"),
+                                 std::string("x6"), std::string("xAB"), std::string("x"), std::string("h12"),
+                                 std::string("y61")})
+    CHECK(!fastckpt::parse_temp_entry(".fastckpt-tmp." + bad + tail, &info));
+  CHECK(fastckpt::parse_temp_entry(".fastckpt-tmp.x61" + tail, &info));
+  CHECK(!fastckpt::parse_temp_entry(".fastckpt-tmp.x61" + tail + ".dcp", &info));  // a directory's: not the engine's
 }
 
 TEST(next_save_removes_leftovers_of_dead_processes_of_this_host_only, ONCE) {
@@ -145,6 +189,32 @@ TEST(next_save_removes_leftovers_of_dead_processes_of_this_host_only, ONCE) {
   CHECK(!exists(locked));
   CHECK(fastckpt::remove_leftovers(dir.file("other.pt")).size() == 1);
   CHECK(!exists(other_target));
+}
+
+TEST(leftovers_of_both_name_formats_are_removed_by_target_and_by_directory, ONCE) {
+  TempDir dir;
+  const std::string host = fastckpt::temp_host_token();
+  const std::string key = fastckpt::temp_key("ckpt.pt");
+  const std::string longname(fastckpt::kMaxHexName + 10, 'l');
+  const std::string fresh = dir.file(".fastckpt-tmp." + key + ".999999." + host + ".5.0.1");
+  const std::string earlier = dir.file(".ckpt.pt.fastckpt-tmp.999999." + host + ".5.1.1");
+  const std::string hashed = dir.file(".fastckpt-tmp." + fastckpt::temp_key(longname) + ".999999." + host + ".5.0.2");
+  const std::string other = dir.file(".fastckpt-tmp." + fastckpt::temp_key("other.pt") + ".999999." + host + ".5.0.3");
+  const std::string foreign = dir.file(".fastckpt-tmp." + key + ".999999.other-host.5.0.4");
+  const std::string dcp_dir = dir.file(".fastckpt-tmp." + key + ".999999." + host + ".5.0.5.dcp");
+  for (const std::string& f : {fresh, earlier, hashed, other, foreign}) write_file_plain(f, "x");
+  CHECK(::mkdir(dcp_dir.c_str(), 0700) == 0);
+  std::vector<std::string> r = fastckpt::remove_leftovers(dir.file("ckpt.pt"));
+  CHECK_EQ(r.size(), 2u);
+  CHECK(contains(r, base(fresh)) && contains(r, base(earlier)));
+  CHECK(exists(hashed) && exists(other) && exists(foreign) && exists(dcp_dir));
+  CHECK_EQ(fastckpt::remove_leftovers(dir.file(longname)).size(), 1u);
+  CHECK(!exists(hashed));
+  write_file_plain(hashed, "x");
+  r = fastckpt::remove_leftovers_in(dir.path());
+  CHECK_EQ(r.size(), 2u);
+  CHECK(contains(r, base(hashed)) && contains(r, base(other)));
+  CHECK(exists(foreign) && exists(dcp_dir));  // another host's file, a directory: never the engine's to remove
 }
 
 TEST(a_concurrent_save_never_removes_a_live_writers_file, ONCE) {

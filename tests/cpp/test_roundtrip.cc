@@ -7,6 +7,7 @@
 #include <mutex>
 #include <thread>
 
+#include "temp_file.h"
 #include "util.h"
 
 using namespace fct;
@@ -422,7 +423,7 @@ TEST(overwrite_replaces_the_file_atomically, ALL) {
     CHECK_EQ(temp_files(dir.path()).size(), 1u);
     CHECK_EQ(fastckpt::sys::dirname(w.tmp_path()), dir.path());
     CHECK_CONTAINS(w.tmp_path(), ".fastckpt-tmp.");
-    CHECK_CONTAINS(w.tmp_path(), "/.ckpt.pt");
+    CHECK_CONTAINS(w.tmp_path(), "/.fastckpt-tmp." + fastckpt::temp_key("ckpt.pt") + ".");
     w.commit();
   }
   CHECK_BYTES(read_file(path), v2);

@@ -209,7 +209,7 @@ def arm_faults(plan: str) -> None:
 
 def _slow_retention(delay_ms: int) -> None:
     """Test-only, in a child process: sharded CheckpointManager retention renames an
-    old step directory to `.<name>.fastckpt-tmp.<pid>.<x>.del`, then removes it with
+    old step directory to `.fastckpt-tmp.<key>.<pid>.<x>.del`, then removes it with
     shutil.rmtree (Python, out of the engine's fault hook's reach): sleep before that
     removal, so that kills land between the two."""
     import shutil

@@ -149,14 +149,16 @@ def _describe(op: tuple) -> str:
 
 def _aside_of(path: str, rel: str) -> bool:
     """Whether ``path`` lies in a copy of directory ``rel`` that an interrupted fallback directory
-    commit left aside (``.<name>.fastckpt-tmp.....old`` beside it): fastckpt's readers read it
+    commit left aside (``.fastckpt-tmp.<key>.....old`` beside it): fastckpt's readers read it
     while ``rel`` is missing, and the cleanup renames it back, so the probes see it too."""
     parent, name = os.path.split(rel)
     first = path[len(parent) + 1:] if parent else path
     if parent and not path.startswith(parent + "/"):
         return False
     top = first.split("/", 1)[0]
-    return top.startswith(f".{name}.fastckpt-tmp.") and top.endswith(".old")
+    from fastckpt._core.tempnames import parse_temp
+    t = parse_temp(top)
+    return t is not None and t.kind == "old" and t.is_for(name)
 
 
 def check(name: str, params: dict, log: List[tuple], workdir: str, max_violations: int = 20,

@@ -29,3 +29,28 @@ def fd_count():
 
 def temp_files(directory):
     return sorted(n for n in os.listdir(directory) if ".fastckpt-tmp." in n)
+
+
+def temps_of(directory, target, kind="any"):
+    """The temporaries in ``directory`` of saves of ``target`` (a base name),
+    either name format; ``kind``: "any", None (the engine's files) or one of
+    the directories' suffixes."""
+    from fastckpt._core.tempnames import parse_temp
+    out = []
+    for n in os.listdir(directory):
+        t = parse_temp(n)
+        if t is not None and t.is_for(target) and (kind == "any" or t.kind == kind):
+            out.append(n)
+    return sorted(out)
+
+
+def temp_name_of(target, pid, host, start, n=0, r="1a2b", kind=None, fmt="current"):
+    """A temporary name as a save of ``target`` (a base name) by process
+    ``pid`` of ``host`` would make it: ``fmt`` "current"
+    (``.fastckpt-tmp.<key>...``) or "earlier" (``.<target>.fastckpt-tmp...``,
+    still recognised for cleanup); ``kind``: the directories' suffix."""
+    from fastckpt import _C
+    fields = f"{pid}.{host}.{start}.{n}.{r}"
+    name = (f".fastckpt-tmp.{_C.temp_key(target)}.{fields}" if fmt == "current"
+            else f".{target}.fastckpt-tmp.{fields}")
+    return name if kind is None else f"{name}.{kind}"

@@ -468,12 +468,11 @@ def test_temporary_name_format(tmp_path):
     w = _C.Writer(_C.Engine(make_config(buffer_size=64 << 10, buffer_count=2)), str(tmp_path / "step.pt"))
     name = os.path.basename(w.tmp_path)
     w.abort()
-    assert name.startswith(".step.pt.fastckpt-tmp.")
+    assert name.startswith(f".fastckpt-tmp.{_C.temp_key('step.pt')}.{os.getpid()}.")
+    assert "step" not in name  # the target's name is not spelled out: no scan for checkpoint names matches
     info = _C.parse_temp_name(name, "step.pt")
     assert info["pid"] == os.getpid() and info["host"] == _C.temp_host() and info["start"] > 0
-    # CheckpointManager's pattern still finds the pid right after the mark.
-    from fastckpt._core.tempnames import TMP_RE as _TMP_RE
-    assert int(_TMP_RE.match(name).group(1)) == os.getpid()
+    assert _C.parse_temp(name) == dict(info, key=_C.temp_key("step.pt"), target="step.pt")
 
 
 def test_leftovers_of_sigkilled_saves_are_removed_by_the_next_save(tmp_path):
@@ -574,8 +573,8 @@ def test_writer_errors_name_the_users_file(small_engine, tmp_path):
         save(small_engine, target, random_bytes(1 << 20))
     e = ei.value
     assert e.errno == errno.ENOSPC and e.filename == str(target)
-    assert f"(saving {target}) off=" in str(e) and ".step.pt.fastckpt-tmp." in str(e)
-    assert str(e).startswith(f"[Errno {errno.ENOSPC}] pwrite {tmp_path}/.step.pt.fastckpt-tmp.")
+    assert f"(saving {target}) off=" in str(e)
+    assert str(e).startswith(f"[Errno {errno.ENOSPC}] pwrite {tmp_path}/.fastckpt-tmp.{_C.temp_key('step.pt')}.")
     _C.fault_inject("open", nth=1, errno=errno.EACCES)
     with pytest.raises(PermissionError) as ei:
         _C.Writer(small_engine, str(target))

@@ -34,7 +34,7 @@ from fastckpt.dcp import FastReader, FastWriter  # noqa: E402
 from fastckpt.formats import dcp as _blob  # noqa: E402
 
 from dcp_calls import dcp_unwrapped  # noqa: E402
-from leaks import fd_count, temp_files  # noqa: E402
+from leaks import fd_count, temp_files, temps_of  # noqa: E402
 from dist_launch import wait_for_ranks  # noqa: E402
 
 HELPER = str(WORKERS / "dcp_dist_worker.py")
@@ -155,8 +155,8 @@ def test_killed_rank_leaves_the_old_checkpoint(tmp_path):
     procs = _launch("kill", 2, tmp_path)
 
     def rank1_writing():
-        for d in [ck] + [tmp_path / n for n in os.listdir(tmp_path) if n.startswith(".ck.fastckpt-tmp.")]:
-            if [n for n in os.listdir(d) if n.startswith(".__1_0.distcp.fastckpt-tmp.")]:
+        for d in [ck] + [tmp_path / n for n in temps_of(tmp_path, "ck")]:
+            if temps_of(d, "__1_0.distcp"):
                 return d
         return None
     try:
@@ -185,7 +185,7 @@ def test_killed_rank_leaves_the_old_checkpoint(tmp_path):
         dcp.load(got, storage_reader=reader)
         assert torch.equal(got["w"], old["w"])
     # what the killed save leaves is the temporary sibling, which a cleanup removes
-    assert [n for n in os.listdir(tmp_path) if n.startswith(".ck.fastckpt-tmp.")]
+    assert temps_of(tmp_path, "ck", kind="dcp")
 
 
 # ---------------------------------------------------------------- single process

@@ -29,7 +29,7 @@ from fastckpt.formats import zip as _zip
 from fastckpt.saver import AsyncSaver, SaveResult, default_saver
 from fastckpt.manager.manager import CheckpointManager
 import fastspawn  # noqa: E402
-from leaks import temp_files
+from leaks import temp_files, temps_of
 import states
 
 pytestmark = pytest.mark.filterwarnings("ignore:TypedStorage is deprecated")
@@ -391,7 +391,7 @@ def test_latest_moves_only_after_the_checkpoint_is_complete(tmp_path):
     assert not fut.done()
     assert (tmp_path / "latest").read_text() == "step_00000010.pt\n"
     assert mgr.steps() == [10]
-    wait_until(lambda: any(n.startswith(".step_00000020.pt.fastckpt-tmp.") for n in temp_files(tmp_path)))
+    wait_until(lambda: temps_of(tmp_path, "step_00000020.pt"))
     with pytest.raises(RuntimeError, match="in flight"):
         mgr.clean_temporaries()
     assert isinstance(fut.result(timeout=60), SaveResult)

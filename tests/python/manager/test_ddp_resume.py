@@ -24,7 +24,7 @@ import torch
 
 import fastckpt
 import fastspawn  # noqa: E402
-from leaks import temp_files
+from leaks import temp_files, temps_of
 from dist_launch import free_port
 from paths import ROOT, WORKERS
 from states import assert_same
@@ -158,10 +158,10 @@ def reference(tmp_path_factory):
     return load_dump(dump)
 
 
-def wait_for_temp(ckpt: Path, prefix: str, job: Job, timeout=10.0) -> None:
-    """The save is under way: its temporary file exists (its writes stall)."""
+def wait_for_temp(ckpt: Path, target: str, job: Job, timeout=10.0) -> None:
+    """The save of ``target`` is under way: its temporary file exists (its writes stall)."""
     deadline = time.monotonic() + timeout
-    while not any(n.startswith(prefix) for n in temp_files(ckpt)):
+    while not temps_of(ckpt, target):
         assert time.monotonic() < deadline, job.report()
         time.sleep(0.01)
 
@@ -194,7 +194,7 @@ def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tmp_path, re
     # Every write of a checkpoint file stalls 300 ms: the save of step 15 is surely in progress below.
     job = run_example(tmp_path / "logs", ckpt, env={"FASTCKPT_TEST_FAULT": "write:1:300:0:step_"})
     job.wait_line(lambda s: s == "ckpt-begin 15")
-    wait_for_temp(ckpt, ".step_00000015.pt.fastckpt-tmp.", job)
+    wait_for_temp(ckpt, "step_00000015.pt", job)
     assert (ckpt / "latest").read_text() == "step_00000010.pt\n"
     job.kill()
     assert not (ckpt / "step_00000015.pt").exists()
@@ -209,7 +209,7 @@ def test_sigkill_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_p
     job = run_example(tmp_path / "logs", ckpt, ["--async"], env={"FASTCKPT_TEST_FAULT": "write:1:300:0:step_"})
     job.wait_line(lambda s: s == "ckpt-snapshotted 15")
     job.wait_line(lambda s: s.startswith("step 17 "))  # training went on while step 15 is being written
-    wait_for_temp(ckpt, ".step_00000015.pt.fastckpt-tmp.", job)
+    wait_for_temp(ckpt, "step_00000015.pt", job)
     assert (ckpt / "latest").read_text() == "step_00000010.pt\n"
     job.kill()
     assert not (ckpt / "step_00000015.pt").exists()
@@ -251,7 +251,7 @@ def test_sigkill_during_a_rank0_save_resumes_from_the_previous_checkpoint(tmp_pa
     ckpt = tmp_path / "ckpt"
     job = run_example(tmp_path / "logs", ckpt, ["--rank0-writes"], env={"FASTCKPT_TEST_FAULT": "write:1:300:0:step_"})
     job.wait_line(lambda s: s == "ckpt-begin 15")
-    wait_for_temp(ckpt, ".step_00000015.pt.fastckpt-tmp.", job)
+    wait_for_temp(ckpt, "step_00000015.pt", job)
     assert (ckpt / "latest").read_text() == "step_00000010.pt\n"
     job.kill()
     assert not (ckpt / "step_00000015.pt").exists()

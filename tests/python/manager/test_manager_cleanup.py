@@ -16,7 +16,7 @@ import torch
 import fastckpt
 from fastckpt import CheckpointManager, _C
 
-from leaks import temp_files
+from leaks import temp_files, temp_name_of
 
 
 def dead_pid():
@@ -31,7 +31,8 @@ def _start_of(pid):
     return int(stat[stat.rindex(b")") + 2:].split()[19])
 
 
-def test_other_hosts_temporaries_survive_this_hosts_dead_ones_go(tmp_path, caplog):
+@pytest.mark.parametrize("fmt", ["current", "earlier"])
+def test_other_hosts_temporaries_survive_this_hosts_dead_ones_go(tmp_path, caplog, fmt):
     host = _C.temp_host()
     other = "some-other-node" if host != "some-other-node" else "yet-another-node"
     mgr = CheckpointManager(tmp_path)
@@ -39,52 +40,61 @@ def test_other_hosts_temporaries_survive_this_hosts_dead_ones_go(tmp_path, caplo
     dead = dead_pid()
     live, live_start = os.getppid(), _start_of(os.getppid())
 
-    def plant_file(name):
+    def plant_file(target, *fields, **kw):
+        name = temp_name_of(target, *fields, fmt=fmt, **kw)
         (tmp_path / name).write_bytes(b"partial")
         return name
 
-    def plant_dir(name):
+    def plant_dir(target, *fields, **kw):
+        name = temp_name_of(target, *fields, fmt=fmt, **kw)
         (tmp_path / name).mkdir()
         (tmp_path / name / "__0_0.distcp").write_bytes(b"partial")
         return name
 
     keep = [
         # another host's, with a pid that is dead here: that node may be writing them now
-        plant_file(f".step_00000020.pt.fastckpt-tmp.{dead}.{other}.12345.0.1a2b"),
-        plant_file(f".latest.fastckpt-tmp.{dead}.{other}.12345.3.ff00"),
-        plant_dir(f".step_00000030.fastckpt-tmp.{dead}.{other}.12345.0.abcd1234.dcp"),
-        plant_dir(f".step_00000008.fastckpt-tmp.{dead}.{other}.12345.1.abcd1234.del"),
+        plant_file("step_00000020.pt", dead, other, 12345),
+        plant_file("latest", dead, other, 12345, 3, "ff00"),
+        plant_dir("step_00000030", dead, other, 12345, 0, "abcd1234", kind="dcp"),
+        plant_dir("step_00000008", dead, other, 12345, 1, "abcd1234", kind="del"),
         # this host's, of a live process
-        plant_file(f".step_00000040.pt.fastckpt-tmp.{live}.{host}.{live_start}.0.beef"),
-        plant_dir(f".step_00000050.fastckpt-tmp.{live}.{host}.{live_start}.0.beef.dcp"),
+        plant_file("step_00000040.pt", live, host, live_start, 0, "beef"),
+        plant_dir("step_00000050", live, host, live_start, 0, "beef", kind="dcp"),
         # an older fastckpt's name (no host): which host wrote it cannot be told
-        plant_file(f".step_00000060.pt.fastckpt-tmp.{dead}.0.1a2b"),
+        plant_file_raw(tmp_path, f".step_00000060.pt.fastckpt-tmp.{dead}.0.1a2b"),
     ]
     gone = [
         # this host's, of dead processes
-        plant_file(f".step_00000020.pt.fastckpt-tmp.{dead}.{host}.12345.0.1a2b"),
-        plant_file(f".latest.fastckpt-tmp.{dead}.{host}.12345.3.ff00"),
-        plant_dir(f".step_00000030.fastckpt-tmp.{dead}.{host}.12345.0.abcd1234.dcp"),
-        plant_dir(f".step_00000009.fastckpt-tmp.{dead}.{host}.12345.1.abcd1234.del"),
-        plant_dir(f".step_00000007.fastckpt-tmp.{dead}.{host}.12345.2.abcd1234.old"),
+        plant_file("step_00000020.pt", dead, host, 12345),
+        plant_file("latest", dead, host, 12345, 3, "ff00"),
+        plant_dir("step_00000030", dead, host, 12345, 0, "abcd1234", kind="dcp"),
+        plant_dir("step_00000009", dead, host, 12345, 1, "abcd1234", kind="del"),
+        plant_dir("step_00000007", dead, host, 12345, 2, "abcd1234", kind="old"),
         # this host's, of a pid now used by another process (its start time differs)
-        plant_dir(f".step_00000070.fastckpt-tmp.{live}.{host}.{live_start + 1}.0.beef.dcp"),
+        plant_dir("step_00000070", live, host, live_start + 1, 0, "beef", kind="dcp"),
     ]
     with caplog.at_level(logging.WARNING, logger="fastckpt"):
         mgr2 = CheckpointManager(tmp_path)  # its start cleans
     assert sorted(temp_files(tmp_path)) == sorted(keep)
-    assert f".step_00000020.pt.fastckpt-tmp.{dead}.{other}.12345.0.1a2b" in caplog.text  # named for the user
+    assert keep[0] in caplog.text  # named for the user
     assert mgr2.clean_temporaries() == [] and sorted(temp_files(tmp_path)) == sorted(keep)
     assert mgr2.load_latest().step == 10
     assert not any((tmp_path / n).exists() for n in gone)
+    # the step 7 copy left aside was the only one: renamed back, not removed
+    assert (tmp_path / "step_00000007" / "__0_0.distcp").read_bytes() == b"partial"
+
+
+def plant_file_raw(directory, name):
+    (directory / name).write_bytes(b"partial")
+    return name
 
 
 def test_clean_temporaries_returns_what_it_removed(tmp_path):
     host = _C.temp_host()
     mgr = CheckpointManager(tmp_path)
     dead = dead_pid()
-    names = [f".step_00000020.pt.fastckpt-tmp.{dead}.{host}.12345.0.1a2b",
-             f".step_00000030.fastckpt-tmp.{dead}.{host}.12345.0.abcd1234.dcp"]
+    names = [temp_name_of("step_00000020.pt", dead, host, 12345),
+             temp_name_of("step_00000030", dead, host, 12345, 0, "abcd1234", kind="dcp")]
     (tmp_path / names[0]).write_bytes(b"partial")
     (tmp_path / names[1]).mkdir()
     assert mgr.clean_temporaries() == sorted(names)
@@ -117,7 +127,7 @@ def test_manager_and_convert_temporary_names_carry_this_host(tmp_path, monkeypat
     w.abort()
     assert len(seen) == 2
     for name in seen:
-        target, info, kind = _parse_temp(name)
+        target, info, kind, _key = _parse_temp(name)
         assert (target, kind) == ("step_00000001", "dcp") and info == engine_info
 
     from fastckpt.cli import convert as _convert
@@ -138,6 +148,6 @@ def test_manager_and_convert_temporary_names_carry_this_host(tmp_path, monkeypat
     with pytest.raises(Boom):
         _convert.write_dcp(src, str(tmp_path / "out.dcp"))
     assert len(made) == 1
-    target, info, kind = _parse_temp(made[0])
+    target, info, kind, _key = _parse_temp(made[0])
     assert (target, kind) == ("out.dcp", "dcp") and info == engine_info
     assert temp_files(tmp_path) == []

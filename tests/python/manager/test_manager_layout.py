@@ -107,7 +107,7 @@ def test_policy_commit_rollback_and_retention_without_a_manager(tmp_path):
 
 def test_policy_temporary_names_are_this_hosts(tmp_path):
     name = fastckpt._core.tempnames.temp_name("step_00000001", "dcp")
-    target, info, kind = fastckpt._core.tempnames.parse_temp(name)
+    target, info, kind, _key = fastckpt._core.tempnames.parse_temp(name)
     assert (target, kind, info["pid"]) == ("step_00000001", "dcp", os.getpid())
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()

@@ -162,7 +162,8 @@ def kill():
     except RuntimeError as e:
         assert dist.get_rank() == 1 and os.path.join(f, "checkpoint-4") in str(e), repr(e)
         left = sorted(os.listdir(f))
-        assert left[-1] == "checkpoint-2" and all(".checkpoint-4.fastckpt-tmp." in n for n in left[:-1]), left
+        from fastckpt._core.tempnames import parse_temp
+        assert left[-1] == "checkpoint-2" and all(parse_temp(n).is_for("checkpoint-4") for n in left[:-1]), left
         print("ok rank1-failed:", str(e).splitlines()[0], flush=True)
         os._exit(0)  # the process group is broken: no orderly teardown
     raise AssertionError(f"rank {dist.get_rank()}: train() did not fail")
