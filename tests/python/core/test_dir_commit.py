@@ -359,6 +359,28 @@ def test_cleanup_renames_an_only_copy_back_and_readers_find_it(tmp_path):
     assert os.listdir(tmp_path) == ["ck"] and os.listdir(tmp_path / "ck") == []
 
 
+def test_an_only_copy_whose_name_holds_only_a_hash_is_kept_until_its_name_is_known(tmp_path):
+    """A target name longer than a temporary name can spell out (64 bytes) is named by its hash: a
+    cleanup cannot tell which final name a missing checkpoint had, so it keeps the only copy; a
+    reader of that name finds it, and the name's next recovery or commit puts it back."""
+    from fastckpt._core import dircommit
+    from fastckpt._core.tempnames import parse_temp
+    name = "a-checkpoint-directory-of-a-framework-with-a-long-descriptive-name-epoch=3"
+    assert len(name) > 64
+    aside = _aside_of_a_dead_process(tmp_path, name, {"a": b"1"})
+    assert parse_temp(aside).target is None and parse_temp(aside).is_for(name)
+    StepDirectory(tmp_path, None, sharded=True).clean_temporaries()
+    assert os.listdir(tmp_path) == [aside]  # kept: the only copy of a name the cleanup cannot know
+    assert dircommit.resolve(tmp_path / name) == str(tmp_path / aside)
+    assert dircommit.resolve(tmp_path / (name + "x")) == str(tmp_path / (name + "x"))  # another name's: not it
+    assert dircommit.recover(tmp_path / name) == str(tmp_path / name)
+    assert os.listdir(tmp_path) == [name] and os.listdir(tmp_path / name) == ["a"]
+    # beside its final name, the hashed copy is the replaced one: removed
+    _aside_of_a_dead_process(tmp_path, name, {"b": b"2"})
+    StepDirectory(tmp_path, None, sharded=True).clean_temporaries()
+    assert os.listdir(tmp_path) == [name] and os.listdir(tmp_path / name) == ["a"]
+
+
 def test_save_sharded_keeps_other_files_and_drops_stale_shards(tmp_path):
     import fastckpt.safetensors as fst
     d = tmp_path / "m"
