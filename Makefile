@@ -47,13 +47,13 @@ test-cpp: $(SYS_STAMP)
 # The layers and the extension rule (pyproject.toml's import-linter contracts), then every Python test.
 test-python: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q --durations=25 $(PYTEST_XDIST) tests/python tests/powerloss $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_XDIST) tests/python tests/powerloss tests/third_party $(PYTEST_ARGS)
 
 # Refresh tests/durations.json (the expected time of each test that takes a second or more, which
 # tests/conftest.py uses to start the longest tests first): the whole suite, as make test runs it.
 .PHONY: test-durations
 test-durations: build
-	FASTCKPT_TEST_DURATIONS_OUT=tests/durations.json $(PY) -m pytest -q $(PYTEST_XDIST) tests/python tests/powerloss $(PYTEST_ARGS)
+	FASTCKPT_TEST_DURATIONS_OUT=tests/durations.json $(PY) -m pytest -q $(PYTEST_XDIST) tests/python tests/powerloss tests/third_party $(PYTEST_ARGS)
 
 # The C++ tests build and run while .ci/setup.sh installs the Python side (pip keeps one CPU busy, the other
 # would idle); --output-sync prints each one's output whole when it ends. Then every Python test.
