@@ -103,9 +103,6 @@ XFAIL: Dict[str, str] = {
     "test_pt_comparison.py::TorchTestCase::test_meta_tensor":
         "message: fastckpt refuses a meta tensor up front (NotImplementedError, a RuntimeError) with its own "
         "text; the test wants torch's 'Cannot copy out of meta tensor' from deep inside the copy",
-    # dtype: float4 (F4) is not in fastckpt.safetensors yet (being added in fastckpt/formats/safetensors.py)
-    "test_pt_comparison.py::TorchTestCase::test_odd_dtype_fp4":
-        "dtype: float4_e2m1fn_x2 (F4) not supported yet: ValueError 'has no safetensors name'",
 }
 
 
