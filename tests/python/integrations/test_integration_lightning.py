@@ -292,3 +292,22 @@ def test_fabric_save_and_load_go_through_the_plugin(tmp_path):
         assert torch.equal(model2.weight, model.weight)
         assert torch.equal(opt2.state_dict()["state"][0]["momentum_buffer"],
                            opt.state_dict()["state"][0]["momentum_buffer"])
+
+
+# ---------------------------------------------------------------- several processes (DDP on the CPU, gloo)
+@pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+                    reason="torch.distributed with gloo is not available")
+@pytest.mark.parametrize("strategy,plugin", [("ddp", "sync"), ("ddp_spawn", "async")])
+def test_ddp_checkpoints_resume_bitwise_and_match_the_stock_plugin(tmp_path, strategy, plugin):
+    """Lightning's own 2-process DDP on the CPU (its script launcher, or spawn) with fastckpt's
+    plugin (tests/support/workers/lightning_ddp.py): ModelCheckpoint's files are fastckpt files,
+    a fit resumed from the first epoch's checkpoint ends bitwise where the uninterrupted one did,
+    which ends where the stock plugin's run ends; no temporary is left."""
+    from paths import WORKERS
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(
+        WORKERS.parent)) if p))
+    r = subprocess.run([sys.executable, str(WORKERS / "lightning_ddp.py"), str(tmp_path), strategy, plugin],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+    oks = [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")]
+    assert r.returncode == 0 and oks == ["ok fastckpt-files", "ok resume-bitwise", "ok same-as-stock",
+                                         "ok no-temporaries"], (r.stdout[-3000:], r.stderr[-3000:])
