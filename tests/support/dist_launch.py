@@ -36,6 +36,16 @@ def torchrun(script, *args, nproc: int = 2, timeout: float = 300) -> subprocess.
     return subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 
+def accelerate_launch(script, *args, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``accelerate launch --multi_gpu --num_processes nproc script args`` with no GPU visible:
+    Accelerate's own launcher starts the processes, which train on the CPU over gloo."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+           str(free_port()), str(script), *map(str, args)]
+    return subprocess.run(cmd, env=env(CUDA_VISIBLE_DEVICES=""), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def kill_all(procs) -> None:
     """Kill and reap every process of ``procs`` still running (none is left behind a test)."""
     for p in procs:

@@ -186,14 +186,16 @@ needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.
 
 
 @needs_gloo
-def test_two_processes_save_load_resume_bitwise_failures_and_rotation(tmp_path):
-    """One torchrun job of 2 processes, several checks (tests/support/workers/accelerate_dist.py):
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate_launch"])
+def test_two_processes_save_load_resume_bitwise_failures_and_rotation(tmp_path, launcher):
+    """One job of 2 processes started by torchrun or by `accelerate launch`, several checks
+    (tests/support/workers/accelerate_dist.py):
     the files are stock Accelerate's (one random_states_<i>.pkl per process); bitwise resume, every
     process's RNG included, for ours read by ours, ours read by stock, stock read by ours; a failure
     on rank 1 and one on rank 0 fail the save on both ranks, the previous checkpoint unchanged and no
     temporary left; a load failure on one rank fails both; rotation after the commit and load_state()
     of the newest on both ranks."""
-    r = dist_launch.torchrun(DIST_WORKER, "checks", tmp_path, timeout=400)
+    r = getattr(dist_launch, launcher)(DIST_WORKER, "checks", tmp_path, timeout=400)
     assert r.returncode == 0, dist_launch.report(r)
     assert [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")] == [
         "ok same-files-as-stock", "ok ours-read-by-ours", "ok ours-read-by-stock", "ok stock-read-by-ours",
