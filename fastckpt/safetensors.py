@@ -1,5 +1,6 @@
 """safetensors files through the engine: ``save_file`` / ``load_file`` / ``save_model`` /
-``load_model`` with the signatures and the semantics of ``safetensors.torch``, and sharded
+``load_model`` (and ``save`` / ``load`` of bytes in memory) with the signatures and the
+semantics of ``safetensors.torch``, and sharded
 Hugging Face checkpoints (``save_sharded`` / ``load_sharded``: ``model-00001-of-0000N.safetensors``
 plus ``model.safetensors.index.json``).
 
@@ -46,7 +47,7 @@ from .formats import safetensors as _st
 from .errors import FormatError
 from .torchsave.reader import host_storage
 
-__all__ = ["save_file", "load_file", "save_model", "load_model", "save_sharded", "load_sharded"]
+__all__ = ["save", "load", "save_file", "load_file", "save_model", "load_model", "save_sharded", "load_sharded"]
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD = 5 * 10 ** 9       # transformers' save_pretrained default, "5GB"
@@ -169,6 +170,52 @@ def save_file(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Op
     _check_tensors(tensors)
     metadata = _check_metadata(metadata) if metadata is not None else None
     _write_file(tensors, filename, metadata)
+
+
+def save(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> bytes:
+    """``safetensors.torch.save``: the safetensors file of `tensors` as bytes, checked as
+    :func:`save_file` checks them, in fastckpt's layout (the data starts at 4 KiB), which every
+    safetensors reader reads."""
+    _check_tensors(tensors)
+    metadata = _check_metadata(metadata) if metadata is not None else None
+    if sys.byteorder != "little":
+        raise NotImplementedError("fastckpt.safetensors writes little-endian files on little-endian machines only")
+    head, order, size = _plan(tensors, metadata)
+    out = bytearray(size)
+    out[:len(head)] = head
+    view, pos = torch.frombuffer(out, dtype=torch.uint8), len(head)
+    for n in order:
+        t = tensors[n]
+        k = t.numel() * t.element_size()
+        if k:
+            view[pos:pos + k].copy_(_bytes_of(t if t.device.type == "cpu" else t.cpu()))
+            pos += k
+    if pos != size:
+        raise RuntimeError(f"fastckpt.safetensors.save: wrote {pos} bytes, planned {size}")
+    return bytes(out)
+
+
+def load(data: bytes) -> Dict[str, torch.Tensor]:
+    """``safetensors.torch.load``: the tensors of the safetensors file held in `data` (bytes or any
+    bytes-like object), each in memory of its own, on the CPU. The header is checked as a file's is
+    (:class:`fastckpt.FormatError` for anything invalid): nothing is allocated that `data` does not
+    hold."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"fastckpt.safetensors.load: expected bytes, got {type(data).__name__}")
+    mv = memoryview(data).cast("B")
+    where = "<bytes>"
+    n, _meta, entries, problems = _st.read_header(lambda k, o: bytes(mv[o:o + k]), len(mv), where)
+    if problems:
+        raise FormatError(f"{problems[0]} (the tensors must tile the data exactly: not valid safetensors data)")
+    start = 8 + n
+    out: Dict[str, torch.Tensor] = {}
+    for e in entries:
+        k = e.end - e.begin
+        buf = host_storage(k)
+        if k:
+            buf.copy_(torch.frombuffer(bytearray(mv[start + e.begin:start + e.end]), dtype=torch.uint8))
+        out[e.name] = torch.empty(0, dtype=e.dtype).set_(buf.untyped_storage()).view(e.shape)
+    return out
 
 
 # ---------------------------------------------------------------- reading

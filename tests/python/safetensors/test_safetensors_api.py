@@ -7,12 +7,13 @@ import inspect
 import pytest
 import torch
 
+import fastckpt
 import fastckpt.safetensors as fst
 
 st = pytest.importorskip("safetensors.torch")
 from safetensors import SafetensorError  # noqa: E402
 
-MIRRORED = ("save_file", "load_file", "save_model", "load_model")
+MIRRORED = ("save", "load", "save_file", "load_file", "save_model", "load_model")
 
 
 @pytest.mark.parametrize("name", MIRRORED)
@@ -43,3 +44,31 @@ def test_backend_is_accepted_and_checked_as_safetensors_checks_it(tmp_path):
             fst.load_file(path, backend=bad)
         with pytest.raises(exc):
             fst.load_model(torch.nn.Linear(4, 3), path, backend=bad)
+
+
+def test_save_and_load_of_bytes_interchange_with_safetensors():
+    """``save`` / ``load`` (bytes in memory), as safetensors.torch has them: each reads what the
+    other writes; bad bytes are a FormatError (safetensors: its SafetensorError), never a crash or
+    an allocation the bytes cannot account for."""
+    import fastckpt.safetensors as fst
+    stock = pytest.importorskip("safetensors.torch")
+    g = torch.Generator().manual_seed(0)
+    t = {"w": torch.randn(3, 4, generator=g), "i": torch.arange(5), "empty": torch.empty(0, 3),
+         "scalar": torch.tensor(1.5, dtype=torch.bfloat16)}
+    ours = fst.save(t, {"format": "pt"})
+    assert isinstance(ours, bytes) and 8 + int.from_bytes(ours[:8], "little") == 4096  # fastckpt's layout
+    for got in (stock.load(ours), fst.load(ours), fst.load(stock.save(t)), fst.load(bytearray(stock.save(t)))):
+        assert set(got) == set(t)
+        for k in t:
+            assert got[k].dtype == t[k].dtype and got[k].shape == t[k].shape and torch.equal(got[k], t[k]), k
+    f4 = {"f4": torch.arange(6, dtype=torch.uint8).reshape(2, 3).view(torch.float4_e2m1fn_x2)}
+    assert torch.equal(fst.load(fst.save(f4))["f4"].view(torch.uint8), f4["f4"].view(torch.uint8))
+    for bad in (ours[:100], ours[:8], b"", b"\xff" * 16, ours[:-1]):
+        with pytest.raises(fastckpt.FormatError, match="<bytes>"):
+            fst.load(bad)
+    with pytest.raises(TypeError):
+        fst.load("not bytes")
+    shared = torch.ones(4)
+    for call in (stock.save, fst.save):  # what safetensors.torch.save refuses, refused the same way
+        with pytest.raises(RuntimeError):
+            call({"a": shared, "b": shared[:2]})
