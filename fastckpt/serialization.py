@@ -15,6 +15,7 @@ archive's writer and reader are :mod:`fastckpt.torchsave`, collective saves and
 loads :mod:`fastckpt.collective`, URLs :mod:`fastckpt.remote`.
 """
 
+import io
 import os
 import pickle
 import warnings
@@ -137,6 +138,14 @@ def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: in
     write_archive(f, data_pkl, storages, byteorder=not _disable_byteorder_record, skip_data=skip_data)
 
 
+def _check_unpickler_args(weights_only: bool, pickle_module: Any, pickle_load_args: Dict[str, Any]) -> None:
+    """The caller's extra arguments go to the unpickler, as torch.load's do: one it does not take is
+    torch.load's TypeError, raised here before anything is read (later it would look like a damaged
+    file)."""
+    unpickler = ts._weights_only_unpickler.Unpickler if weights_only else pickle_module.Unpickler
+    unpickler(io.BytesIO(b""), **pickle_load_args)
+
+
 def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = None, *,
          weights_only: Optional[bool] = None, mmap: Optional[bool] = None, verify: Optional[bool] = None,
          group: Any = None, storage_options: Optional[Dict[str, Any]] = None, **pickle_load_args) -> Any:
@@ -225,6 +234,8 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     if mmap is None:  # torch.load's default
         from torch.utils.serialization import config as _torch_config
         mmap = bool(_torch_config.load.mmap)
+    if pickle_load_args:
+        _check_unpickler_args(weights_only, pickle_module, pickle_load_args)
     if group is not None:
         if not _paths.is_path(f) or mmap:
             raise ValueError("fastckpt.load(..., group=...) needs a path (the same on every rank) and mmap=False")

@@ -59,6 +59,7 @@ original); :func:`restore` takes them away.
 
 Requires ``accelerate`` (``pip install "fastckpt-io[accelerate]"``).
 """
+from collections.abc import Mapping
 import functools
 import logging
 import os
@@ -224,6 +225,8 @@ def _load_state(acc: Accelerator, original, input_dir: Optional[str] = None, loa
         log.warning("fastckpt: accelerator.load_state is Accelerate's own here: %s", why)
         return original(input_dir, load_kwargs, **load_model_func_kwargs)
     _check_map_location(load_model_func_kwargs.get("map_location"))  # on every rank, before any collective
+    if load_kwargs is not None and not isinstance(load_kwargs, Mapping):  # Accelerate passes it as **load_kwargs
+        raise TypeError(f"load_state: load_kwargs must be a mapping, not {type(load_kwargs).__name__}")
     ranks = process_ranks(acc.num_processes)
     if ranks is None:
         return _load_here(acc, _find_input_dir(acc, input_dir), load_kwargs, load_model_func_kwargs)

@@ -179,6 +179,18 @@ def test_load_state_refuses_an_unknown_map_location_as_accelerate_does(tmp_path,
         acc.load_state(str(tmp_path / "ckpt"), map_location=ok)
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["stock", "fastckpt"])
+def test_load_state_refuses_bad_load_kwargs_as_accelerate_does(tmp_path, fast):
+    """load_kwargs that Accelerate refuses (not a mapping; an argument the unpickler does not take)
+    are the caller's TypeError with both, never a FormatError calling the checkpoint damaged."""
+    acc, model, *_ = setup(fast=fast)
+    acc.save_state(str(tmp_path / "ckpt"))
+    for bad, match in (([], "mapping"), ("x", "mapping"), ({"bogus": 1}, "bogus")):
+        with pytest.raises(TypeError, match=match):
+            acc.load_state(str(tmp_path / "ckpt"), load_kwargs=bad)
+    acc.load_state(str(tmp_path / "ckpt"), load_kwargs={"weights_only": False})
+
+
 # ---------------------------------------------------------------- several processes (gloo)
 DIST_WORKER = WORKERS / "accelerate_dist.py"
 needs_gloo = pytest.mark.skipif(not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),

@@ -1421,3 +1421,21 @@ def test_map_location_errors_pass_through_like_torch(tmp_path):
             torch.load(path, map_location="cuda:0")
         assert not isinstance(ours.value, fastckpt.FormatError)
         assert str(ours.value) == str(theirs.value)
+
+
+@pytest.mark.parametrize("weights_only", [True, False])
+def test_an_argument_the_unpickler_does_not_take_is_torch_loads_typeerror(tmp_path, weights_only):
+    """Extra keyword arguments go to the unpickler, as torch.load's: one it does not take is the
+    caller's TypeError (as torch.load raises), before anything is read; not a FormatError calling
+    the file damaged. The ones it takes load."""
+    p = tmp_path / "x.pt"
+    fastckpt.save({"w": torch.ones(3)}, p)
+    for kw in ({"bogus": 1}, {"errors": "strict"} if weights_only else {"bogus": 2}):
+        with pytest.raises(TypeError) as stock:
+            torch.load(p, weights_only=weights_only, **kw)
+        with pytest.raises(TypeError) as ours:
+            fastckpt.load(p, weights_only=weights_only, **kw)
+        assert type(ours.value) is type(stock.value) and list(kw)[0] in str(ours.value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch: "pickle_load_args only works if weights_only=False"
+        assert torch.equal(fastckpt.load(p, weights_only=weights_only, encoding="latin1")["w"], torch.ones(3))
