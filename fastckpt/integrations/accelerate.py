@@ -255,7 +255,10 @@ def _load_here(acc: Accelerator, input_dir: str, load_kwargs: Optional[dict], lo
     models: List[torch.nn.Module] = list(acc._models)
     for hook in acc._load_model_state_pre_hook.values():
         hook(models, input_dir)
-    map_location = load_model_func_kwargs.pop("map_location", None) or "cpu"
+    map_location = load_model_func_kwargs.pop("map_location", None)
+    if map_location is None:  # Accelerate's default: the device with several processes on devices, else the CPU
+        multi = acc.num_processes > 1 and getattr(acc, "multi_device", False)
+        map_location = "on_device" if multi and acc.distributed_type != DistributedType.MULTI_XPU else "cpu"
     if map_location == "on_device":
         map_location = acc.device
     for i, model in enumerate(models):
