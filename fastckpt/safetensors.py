@@ -145,23 +145,47 @@ def _bytes_of(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
+def _check_byteorder() -> None:
+    if sys.byteorder != "little":
+        raise NotImplementedError("fastckpt.safetensors writes little-endian files on little-endian machines only")
+
+
+def _fill(w: Any, head: bytes, order: List[str], size: int, tensors: Dict[str, torch.Tensor], where: str) -> None:
+    """Write the planned file (:func:`_plan`'s `head`, `order`, `size`) into `w` (anything with
+    AtomicFile's ``write`` and ``position``): the header, then every tensor's bytes in data order."""
+    w.write(head)
+    for n in order:
+        t = tensors[n]
+        if t.numel() == 0:
+            continue
+        # a device tensor: one host copy at a time (the largest tensor bounds the memory)
+        w.write(_bytes_of(t if t.device.type == "cpu" else t.cpu()))
+    if w.position != size:
+        raise RuntimeError(f"{where}: wrote {w.position} bytes, planned {size}")
+
+
+class _InMemory:
+    """AtomicFile's ``write`` / ``position`` into a bytearray of the planned size."""
+
+    def __init__(self, size: int):
+        self.data = bytearray(size)
+        self._view = torch.frombuffer(self.data, dtype=torch.uint8)
+        self.position = 0
+
+    def write(self, chunk: Union[bytes, torch.Tensor]) -> None:
+        src = chunk if isinstance(chunk, torch.Tensor) else torch.frombuffer(bytearray(chunk), dtype=torch.uint8)
+        self._view[self.position:self.position + src.numel()].copy_(src)
+        self.position += src.numel()
+
+
 def _write_file(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Optional[Dict[str, str]]) -> None:
     """Plan, write and commit one safetensors file (AtomicFile: the previous file or the complete
     new one at `filename`; its errors name `filename`)."""
-    if sys.byteorder != "little":
-        raise NotImplementedError("fastckpt.safetensors writes little-endian files on little-endian machines only")
+    _check_byteorder()
     path = check_save_target(os.fsdecode(os.fspath(filename)))
     head, order, size = _plan(tensors, metadata)
     with AtomicFile(path, size) as w:
-        w.write(head)
-        for n in order:
-            t = tensors[n]
-            if t.numel() == 0:
-                continue
-            # a device tensor: one host copy at a time (the largest tensor bounds the memory)
-            w.write(_bytes_of(t if t.device.type == "cpu" else t.cpu()))
-        if w.position != size:
-            raise RuntimeError(f"{path}: wrote {w.position} bytes, planned {size}")
+        _fill(w, head, order, size, tensors, path)
 
 
 def save_file(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Optional[Dict[str, str]] = None) -> None:
@@ -178,21 +202,11 @@ def save(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = 
     safetensors reader reads."""
     _check_tensors(tensors)
     metadata = _check_metadata(metadata) if metadata is not None else None
-    if sys.byteorder != "little":
-        raise NotImplementedError("fastckpt.safetensors writes little-endian files on little-endian machines only")
+    _check_byteorder()
     head, order, size = _plan(tensors, metadata)
-    out = bytearray(size)
-    out[:len(head)] = head
-    view, pos = torch.frombuffer(out, dtype=torch.uint8), len(head)
-    for n in order:
-        t = tensors[n]
-        k = t.numel() * t.element_size()
-        if k:
-            view[pos:pos + k].copy_(_bytes_of(t if t.device.type == "cpu" else t.cpu()))
-            pos += k
-    if pos != size:
-        raise RuntimeError(f"fastckpt.safetensors.save: wrote {pos} bytes, planned {size}")
-    return bytes(out)
+    w = _InMemory(size)
+    _fill(w, head, order, size, tensors, "fastckpt.safetensors.save")
+    return bytes(w.data)
 
 
 def load(data: bytes) -> Dict[str, torch.Tensor]:
@@ -207,13 +221,14 @@ def load(data: bytes) -> Dict[str, torch.Tensor]:
     n, _meta, entries, problems = _st.read_header(lambda k, o: bytes(mv[o:o + k]), len(mv), where)
     if problems:
         raise FormatError(f"{problems[0]} (the tensors must tile the data exactly: not valid safetensors data)")
+    import numpy as np  # a dependency of fastckpt's; imported here, off `import fastckpt`'s path
     start = 8 + n
     out: Dict[str, torch.Tensor] = {}
     for e in entries:
         k = e.end - e.begin
         buf = host_storage(k)
-        if k:
-            buf.copy_(torch.frombuffer(bytearray(mv[start + e.begin:start + e.end]), dtype=torch.uint8))
+        if k:  # one copy, from the caller's bytes (read-only) straight into the tensor's own memory
+            buf.numpy()[:] = np.frombuffer(mv, dtype=np.uint8, count=k, offset=start + e.begin)
         out[e.name] = torch.empty(0, dtype=e.dtype).set_(buf.untyped_storage()).view(e.shape)
     return out
 

@@ -77,6 +77,19 @@ struct PyRegionWriter {
 
 }  // namespace
 
+namespace {
+
+// {pid, host, start}: the fields of a temporary name that say which process wrote it.
+py::dict temp_fields(const TempNameInfo& i) {
+  py::dict d;
+  d["pid"] = i.pid;
+  d["host"] = i.host;
+  d["start"] = i.start;
+  return d;
+}
+
+}  // namespace
+
 void init_io(py::module_& m) {
   py::class_<PyWriter>(m, "Writer")
       .def(py::init([](std::shared_ptr<Engine> eng, const std::string& path, int64_t expected_size) {
@@ -317,11 +330,7 @@ void init_io(py::module_& m) {
   m.def("parse_temp_name", [](const std::string& entry, const std::string& target_name) -> py::object {
           TempNameInfo i;
           if (!parse_temp_name(entry, target_name, &i)) return py::none();
-          py::dict d;
-          d["pid"] = i.pid;
-          d["host"] = i.host;
-          d["start"] = i.start;
-          return d;
+          return temp_fields(i);
         },
         py::arg("entry"), py::arg("target_name"),
         "The fields of a temporary file name of `target_name` ({pid, host, start}), or None.");
@@ -333,10 +342,7 @@ void init_io(py::module_& m) {
   m.def("parse_temp", [](const std::string& entry) -> py::object {
           TempNameInfo i;
           if (!parse_temp_entry(entry, &i)) return py::none();
-          py::dict d;
-          d["pid"] = i.pid;
-          d["host"] = i.host;
-          d["start"] = i.start;
+          py::dict d = temp_fields(i);
           d["key"] = i.key;
           d["target"] = i.target.empty() ? py::object(py::none()) : py::object(py::str(i.target));
           return d;
