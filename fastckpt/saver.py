@@ -30,9 +30,14 @@ Errors are never lost, and a failed save never stops the next one:
   naming the save; at interpreter exit (which waits for pending saves) it is
   logged again at ERROR level.
 
-A saver of one's own (:class:`AsyncSaver`) is stopped with
-:meth:`AsyncSaver.close`: it finishes the pending saves, joins its writer
-thread and raises a failure nobody looked at; nothing of it is left running.
+A saver's writer thread runs only while it has saves to write: it starts
+with the first pending save and ends once none is left (a later save starts
+a new one), so an idle saver holds no thread. It is a daemon thread (the
+exit handler below waits for its saves, so none is cut short) with a
+``stop()`` that waits for the pending saves and joins it. A saver of one's
+own (:class:`AsyncSaver`) is stopped with :meth:`AsyncSaver.close`: it
+finishes the pending saves, joins its writer thread and raises a failure
+nobody looked at; nothing of it is left running.
 
 A training loop that must stop at the first failed checkpoint checks the
 previous save's future (``fut.exception(timeout=0)`` once ``fut.done()``) or
@@ -50,6 +55,7 @@ process that uses torch, keep torch single-threaded in the child
 """
 
 import atexit
+import collections
 import concurrent.futures
 import io
 import logging
@@ -219,8 +225,9 @@ class AsyncSaver:
     def __init__(self, max_in_flight: Optional[int] = None):
         self._max_in_flight = max_in_flight
         self.stager = Snapshotter()
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-save")
         self._cv = threading.Condition()
+        self._jobs: "collections.deque[tuple]" = collections.deque()  # submitted, in call order
+        self._thread: Optional[_WriterThread] = None  # alive while _jobs has work (see _work)
         self._in_flight: List[SaveFuture] = []
         self._failed: List[SaveFuture] = []
         self._worker_ident: Optional[int] = None
@@ -341,12 +348,46 @@ class AsyncSaver:
         returns False: a collective write cannot be called off on one rank)."""
         if not cancellable:
             staged.fut.set_running_or_notify_cancel()
+        job = (staged.fut, staged.snap, staged.snap_s, after, write)
         try:
-            self._executor.submit(self._run, staged.fut, staged.snap, staged.snap_s, after, write)
-        except BaseException:  # e.g. interpreter shutdown: staged but not submitted
+            with self._cv:
+                self._jobs.append(job)
+                if self._thread is None:
+                    thread = _WriterThread(self)
+                    try:
+                        thread.start()
+                    except BaseException:
+                        self._jobs.remove(job)
+                        raise
+                    self._thread = thread
+        except BaseException:  # e.g. no thread can start (interpreter shutdown): staged but not submitted
             self.drop(staged)
             raise
         return staged.fut
+
+    def _work(self) -> None:
+        """The writer thread's body: write the submitted snapshots in call
+        order; end (and forget this thread, under the lock that submit takes
+        to start one) as soon as none is left."""
+        self._worker_ident = threading.get_ident()
+        me = threading.current_thread()
+        try:
+            while True:
+                with self._cv:
+                    if not self._jobs:
+                        if self._thread is me:
+                            self._thread = None
+                        return
+                    job = self._jobs.popleft()
+                self._run(*job)
+        except BaseException:  # pragma: no cover - _run delivers every failure through its future
+            with self._cv:
+                if self._thread is me:
+                    self._thread = None
+                if self._jobs:  # never leave submitted saves without a thread
+                    self._thread = _WriterThread(self)
+                    self._thread.start()
+            raise
 
     def drop(self, staged: "_Staged") -> None:
         """A snapshot of :meth:`stage` that will not be written: its staging
@@ -361,7 +402,6 @@ class AsyncSaver:
         self._done(staged.fut)
 
     def _run(self, fut: SaveFuture, snap: SaveSnapshot, snap_s: float, after, write=None) -> None:
-        self._worker_ident = threading.get_ident()
         try:
             if not fut.running() and not fut.set_running_or_notify_cancel():
                 return  # cancelled before it started: nothing written
@@ -436,11 +476,24 @@ class AsyncSaver:
         try:
             self.wait(raise_errors=False)
         finally:
-            self._executor.shutdown(wait=True)
+            self._join_writer()
             self.stager.clear()
             _savers.discard(self)
         if raise_errors:
             self.raise_unobserved()
+
+    def _join_writer(self) -> None:
+        """Join the writer thread once it has nothing left to write (a save
+        submitted meanwhile is written first: the thread takes it)."""
+        while True:
+            with self._cv:
+                thread = self._thread
+            if thread is None or thread is threading.current_thread():
+                return
+            thread.join()
+            with self._cv:
+                if self._thread is thread:  # it died without clearing itself (cannot happen; never spin)
+                    self._thread = None
 
     def __enter__(self) -> "AsyncSaver":
         return self
@@ -449,8 +502,8 @@ class AsyncSaver:
         self.close(raise_errors=exc[0] is None)
 
     def _after_fork_in_child(self) -> None:
-        """In a child made by ``fork()``: a new writer thread pool (the
-        parent's thread does not exist here), new locks, empty staging and no
+        """In a child made by ``fork()``: no writer thread (the parent's
+        does not exist here; the first save starts one), new locks, empty staging and no
         record of the parent's failures. The saves the parent had in flight
         are the parent's to write and report: in the child their futures fail
         at once with a RuntimeError (nothing waits for them, at exit either),
@@ -461,7 +514,8 @@ class AsyncSaver:
         self._failed = []
         self._worker_ident = None
         self.stager = Snapshotter()
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="fastckpt-save")
+        self._jobs = collections.deque()  # the parent's, written by the parent
+        self._thread = None
         for fut in inherited:
             fail_inherited(fut)
 
@@ -475,6 +529,26 @@ class AsyncSaver:
             log.error("fastckpt: the asynchronous save of %r FAILED and nobody checked its future; "
                       "that checkpoint does not exist: %s: %s", f.path, type(exc).__name__, exc,
                       exc_info=(type(exc), exc, exc.__traceback__))
+
+
+class _WriterThread(threading.Thread):
+    """A saver's writer thread (see the module docstring): named
+    ``fastckpt-save``, a daemon, gone once its saver has nothing to write."""
+
+    def __init__(self, saver: AsyncSaver):
+        super().__init__(name="fastckpt-save", daemon=True)
+        self._saver = saver
+
+    def run(self) -> None:
+        self._saver._work()
+
+    def stop(self) -> None:
+        """Wait for the saver's pending saves, then for this thread to end
+        (failures stay the saver's to raise)."""
+        if threading.current_thread() is self:
+            raise RuntimeError("fastckpt: the save thread cannot stop itself")
+        self._saver.wait(raise_errors=False)
+        self.join()
 
 
 _default: Optional[AsyncSaver] = None

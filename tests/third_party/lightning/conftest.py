@@ -19,9 +19,12 @@ FASTCKPT_THIRD_PARTY selects the CheckpointIO a strategy gets when none is given
 ``AsyncCheckpointIO``):
 
 - ``fastckpt`` (the default): ``fastckpt.integrations.lightning.FastCheckpointIO``;
-- ``async``: ``AsyncFastCheckpointIO`` (its ``teardown()``, which Lightning's strategy teardown calls,
-  stops its writer thread; upstream's thread check catches one left behind);
-- ``stock``: nothing swapped (the reference counts).
+- ``async``: ``AsyncFastCheckpointIO`` (its writer thread runs only while a save is pending, a daemon
+  with ``stop()``, which upstream's thread check calls on a daemon thread a test leaves running);
+- ``stock``: nothing swapped (the reference counts for ``fastckpt``);
+- ``stock-async``: Lightning's own ``AsyncCheckpointIO`` around a ``TorchCheckpointIO`` (the reference
+  counts for ``async``: what fails there fails because the save is in the background, not because of
+  fastckpt).
 
 The swap is confined to this folder's tests: an autouse fixture, for each of them only, rebinds the
 name ``TorchCheckpointIO`` in ``lightning.pytorch.strategies.strategy`` (the one place that builds the
@@ -32,10 +35,8 @@ its calls into the plugin's save/load/remove, and the terminal summary of a run 
 says how many tests called fastckpt.
 
 XFAIL lists the upstream tests that fail with the swap for a documented reason, per mode (strict in
-fastckpt mode; the async entries depend on when the background writer runs, so they are not). The async
-mode is not green: test_async_checkpoint_plugin errors at teardown (upstream's thread check) because
-Lightning's AsyncCheckpointIO.teardown() does not call its inner plugin's teardown(), so the
-AsyncFastCheckpointIO swapped in there keeps its writer thread "fastckpt-save_0".
+fastckpt mode; the async entries depend on when the background writer runs, so they are not; the
+stock-async entries are the same tests failing with Lightning's own asynchronous plugin).
 
 Run directly (``pytest tests/third_party/lightning``) without lightning installed, pytest still loads
 tests_pytorch/conftest.py (its initial-conftest rule loads ``<arg>/test*/conftest.py``) and fails to
@@ -49,7 +50,7 @@ from typing import Dict
 import pytest
 
 HERE = Path(__file__).resolve().parent
-MODES = ("fastckpt", "async", "stock")
+MODES = ("fastckpt", "async", "stock", "stock-async")
 MODE = os.environ.get("FASTCKPT_THIRD_PARTY", "fastckpt")
 RELEASE = "2.6."  # the Lightning release the copied tests are for
 
@@ -78,7 +79,19 @@ if UNSUPPORTED is None:
     else:
         os.environ["PYTHONPATH"] = _saved
 
+    from lightning.pytorch.plugins.io.async_plugin import AsyncCheckpointIO
+
     from fastckpt.integrations.lightning import AsyncFastCheckpointIO, FastCheckpointIO
+
+    _STRATEGY_CHECKPOINT_IO = _strategy_mod.Strategy.checkpoint_io
+
+    def _stock_async_default(strategy):
+        """Strategy.checkpoint_io in stock-async mode: none given means AsyncCheckpointIO(TorchCheckpointIO())
+        (the default is not a wrapper class: the property hands every wrapper a new TorchCheckpointIO,
+        and a wrapper refuses another wrapper)."""
+        if strategy._checkpoint_io is None:
+            strategy._checkpoint_io = AsyncCheckpointIO(_strategy_mod.TorchCheckpointIO())
+        return _STRATEGY_CHECKPOINT_IO.fget(strategy)
 
 
 def pytest_ignore_collect(collection_path, config):
@@ -96,7 +109,7 @@ def pytest_configure(config):
 
 
 # xfails: test id (relative to this folder; without [params]: every parametrization) -> (modes, strict: a bool
-# or the modes where it is strict, why). The async entries are not strict: their outcome depends on when the
+# or the modes where it is strict, why), or a list of those (the first naming the mode applies). The async entries are not strict: their outcome depends on when the
 # background writer runs.
 BOTH = ("fastckpt", "async")
 FREQ = "tests_pytorch/checkpointing/test_checkpoint_callback_frequency.py::"
@@ -105,25 +118,30 @@ MOCKS_TORCH_SAVE = ("test assumes internals: counts calls of a mocked torch.save
                     "through fastckpt.save, never torch.save (so 0 calls)")
 URL = ("by design: fastckpt's plugin saves to local paths only; memory:// (fsspec) raises UnsupportedURLError "
        "where TorchCheckpointIO writes through fsspec")
-ASYNC_PENDING = ("fastckpt async: trainer.save_checkpoint() after fit() returns with the save still pending on a "
-                 "new writer thread nobody closes; the test then reads or lists the file (racy: not strict)")
+ASYNC_PENDING = ("async by design: trainer.save_checkpoint() returns with the save still pending and the test "
+                 "then reads or lists the file; fails the same with Lightning's own AsyncCheckpointIO "
+                 "(stock-async mode; racy: not strict)")
+ASYNC = ("async", "stock-async")
 XFAIL: Dict[str, tuple] = {
     # async: some of these pass, depending on when the background writer ran (strict in fastckpt mode only)
     FREQ + "test_default_checkpoint_freq": (BOTH, ("fastckpt",), MOCKS_TORCH_SAVE),
     FREQ + "test_top_k": (BOTH, ("fastckpt",), MOCKS_TORCH_SAVE),
-    "tests_pytorch/checkpointing/test_trainer_checkpoint.py::test_trainer_save_checkpoint_storage_options":
+    "tests_pytorch/checkpointing/test_trainer_checkpoint.py::test_trainer_save_checkpoint_storage_options": [
+        (("stock-async",), False, "async by design: the test asserts a mocked TorchCheckpointIO.save_checkpoint "
+                                  "was called as soon as trainer.save_checkpoint() returns; the call runs on "
+                                  "the writer thread (racy: not strict)"),
         (BOTH, True, "test assumes internals: mock.patch of TorchCheckpointIO.save_checkpoint, the default "
                      "class's method, so the storage_options call reaches fastckpt's plugin, which refuses it "
-                     "(TypeError, as TorchCheckpointIO would)"),
+                     "(TypeError, as TorchCheckpointIO would)")],
     "tests_pytorch/plugins/test_checkpoint_io_plugin.py::test_multi_wrapped_checkpoint_io_initialization":
         (BOTH, True, "by design: asserts the inner default of AsyncCheckpointIO isinstance TorchCheckpointIO; "
                      "it is fastckpt's plugin (a CheckpointIO, not a TorchCheckpointIO subclass)"),
-    CONN + "test_ckpt_for_fsspec": (BOTH, True, URL),
+    CONN + "test_ckpt_for_fsspec": [(BOTH, True, URL), (("stock-async",), False, ASYNC_PENDING)],
     CONN + "test_local_cross_device_checkpoint": (BOTH, True, URL),
-    CONN + "test_hpc_restore_attempt": (("async",), False, ASYNC_PENDING),
-    CONN + "test_hpc_max_ckpt_version": (("async",), False, ASYNC_PENDING),
-    CONN + "test_strict_loading": (("async",), False, ASYNC_PENDING),
-    CONN + "test_restore_callbacks_in_non_fit_phases": (("async",), False, ASYNC_PENDING),
+    CONN + "test_hpc_restore_attempt": (ASYNC, False, ASYNC_PENDING),
+    CONN + "test_hpc_max_ckpt_version": (ASYNC, False, ASYNC_PENDING),
+    CONN + "test_strict_loading": (ASYNC, False, ASYNC_PENDING),
+    CONN + "test_restore_callbacks_in_non_fit_phases": (ASYNC, False, ASYNC_PENDING),
 }
 
 
@@ -140,8 +158,11 @@ def pytest_collection_modifyitems(session, config, items):
     for it in mine:
         ids[Path(it.path).resolve().relative_to(HERE).as_posix() + "::" + it.nodeid.split("::", 1)[1]] = it
     for tid, item in ids.items():
-        entry = XFAIL.get(tid) or XFAIL.get(tid.split("[", 1)[0])
-        if entry is not None and MODE in entry[0]:
+        entries = XFAIL.get(tid) or XFAIL.get(tid.split("[", 1)[0]) or []
+        if isinstance(entries, tuple):
+            entries = [entries]
+        entry = next((e for e in entries if MODE in e[0]), None)
+        if entry is not None:
             strict = entry[1] if isinstance(entry[1], bool) else MODE in entry[1]
             item.add_marker(pytest.mark.xfail(strict=strict, reason=entry[2]))
 
@@ -152,7 +173,7 @@ def _fastckpt_checkpoint_io(request, monkeypatch):
     if MODE == "stock" or not _mine(request.node):
         yield
         return
-    cls = FastCheckpointIO if MODE == "fastckpt" else AsyncFastCheckpointIO
+    cls = {"fastckpt": FastCheckpointIO, "async": AsyncFastCheckpointIO, "stock-async": AsyncCheckpointIO}[MODE]
     calls: Dict[str, int] = {}
 
     def counted(name):
@@ -166,7 +187,11 @@ def _fastckpt_checkpoint_io(request, monkeypatch):
 
     for name in ("save_checkpoint", "load_checkpoint", "remove_checkpoint"):
         monkeypatch.setattr(cls, name, counted(name))
-    monkeypatch.setattr(_strategy_mod, "TorchCheckpointIO", cls)
+    if MODE == "stock-async":
+        monkeypatch.setattr(_strategy_mod.Strategy, "checkpoint_io",
+                            property(_stock_async_default, _STRATEGY_CHECKPOINT_IO.fset))
+    else:
+        monkeypatch.setattr(_strategy_mod, "TorchCheckpointIO", cls)
     yield
     request.node.user_properties.append(("fastckpt_calls", sum(calls.values())))
 
@@ -184,5 +209,5 @@ def pytest_runtest_logreport(report):
 def pytest_terminal_summary(terminalreporter):
     if MODE != "stock" and _called:
         n = sum(1 for v in _called.values() if v)
-        terminalreporter.write_line(f"third_party/lightning ({MODE}): {n} of {len(_called)} upstream tests called "
-                                    f"fastckpt's CheckpointIO ({sum(_called.values())} calls)")
+        terminalreporter.write_line(f"third_party/lightning ({MODE}): {n} of {len(_called)} upstream tests called the "
+                                    f"swapped-in CheckpointIO ({sum(_called.values())} calls)")
