@@ -60,9 +60,11 @@ original); :func:`restore` takes them away.
 Requires ``accelerate`` (``pip install "fastckpt-io[accelerate]"``).
 """
 from collections.abc import Mapping
+import errno
 import functools
 import logging
 import os
+import pathlib
 import re
 import shutil
 from typing import Any, List, Optional
@@ -118,7 +120,7 @@ def _checkpoint_number(folder: str) -> int:
 
 
 def _save_state(acc: Accelerator, original, output_dir: Optional[str] = None, safe_serialization: bool = True,
-                **save_model_func_kwargs) -> str:
+                **save_model_func_kwargs) -> Any:
     why = _unsupported(acc)
     if why is not None:
         log.warning("fastckpt: accelerator.save_state is Accelerate's own here: %s", why)
@@ -143,9 +145,14 @@ def _save_state(acc: Accelerator, original, output_dir: Optional[str] = None, sa
             err = e
         if ranks is not None:
             agree(ranks, err, output_dir, "checking its name")
-    elif output_dir is None:
-        raise ValueError("accelerator.save_state: no output_dir given and automatic checkpoint naming is disabled")
+    elif output_dir is None:  # Accelerate's own type (its os.makedirs(None) raises TypeError)
+        raise TypeError("accelerator.save_state: output_dir is None and automatic checkpoint naming is disabled "
+                        "(give a directory, or ProjectConfiguration(automatic_checkpoint_naming=True))")
+    given = pathlib.Path(output_dir)  # what Accelerate returns (a Path, unexpanded)
     output_dir = os.path.expanduser(os.fspath(output_dir))
+    if os.path.lexists(output_dir) and not os.path.isdir(output_dir):  # Accelerate's os.makedirs error
+        raise FileExistsError(errno.EEXIST, "accelerator.save_state: output_dir exists and is not a directory "
+                              "(nothing was changed)", output_dir)
 
     def write(tmp: str) -> None:
         weights = [acc.get_state_dict(m, unwrap=False) for m in acc._models]
@@ -185,7 +192,7 @@ def _save_state(acc: Accelerator, original, output_dir: Optional[str] = None, sa
                      after_commit=rotate)
     log.info("fastckpt: accelerator state saved to %s", output_dir)
     cfg.iteration += 1
-    return output_dir
+    return given
 
 
 def _load(path: str, map_location: Any = None, **load_kwargs) -> Any:

@@ -160,9 +160,24 @@ def test_restore_and_errors(tmp_path):
     use_fastckpt(acc)
     with pytest.raises(ValueError, match="does not exist"):
         acc.load_state(str(tmp_path / "missing"))
+
+
+@pytest.mark.parametrize("fast", [False, True], ids=["stock", "fastckpt"])
+def test_save_state_arguments_as_accelerate_takes_them(tmp_path, fast):
+    """Accelerate's exception types for a bad output_dir (None without automatic naming: TypeError; an
+    existing file: FileExistsError naming it, the file untouched), and its return value (the directory as
+    a pathlib.Path, given a str or a Path)."""
+    acc, *_ = setup(fast=fast)
+    with pytest.raises(TypeError):
+        acc.save_state(None)
     (tmp_path / "file").write_bytes(b"x")
-    with pytest.raises(NotADirectoryError, match="file"):
+    with pytest.raises(FileExistsError) as err:
         acc.save_state(str(tmp_path / "file"))
+    assert err.value.filename == str(tmp_path / "file") and (tmp_path / "file").read_bytes() == b"x"
+    out = acc.save_state(tmp_path / "as_path")
+    assert isinstance(out, type(tmp_path)) and out == tmp_path / "as_path"
+    out = acc.save_state(str(tmp_path / "as_str"))
+    assert isinstance(out, type(tmp_path)) and out == tmp_path / "as_str"
 
 
 
