@@ -28,6 +28,7 @@ from ._common import require
 
 require("lightning", "lightning", "lightning")
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO  # noqa: E402
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # noqa: E402
 
 from .. import serialization as _ser  # noqa: E402
 from ..saver import AsyncSaver, SaveFuture  # noqa: E402
@@ -39,12 +40,16 @@ __all__ = ["FastCheckpointIO", "AsyncFastCheckpointIO"]
 log = logging.getLogger("fastckpt")
 
 
-def _local_path(path: Any, what: str) -> str:
+URL_MODES = ("torch", "error")
+
+
+def _is_url(path: Any) -> bool:
     p = os.fsdecode(os.fspath(path))
-    if "://" in p and not p.startswith("file://"):
-        from ..errors import UnsupportedURLError
-        raise UnsupportedURLError(f"fastckpt's Lightning plugin cannot {what} {p!r}: only local (or mounted) "
-                                  "paths are supported; use Lightning's default TorchCheckpointIO for URLs")
+    return "://" in p and not p.startswith("file://")
+
+
+def _local_path(path: Any) -> str:
+    p = os.fsdecode(os.fspath(path))
     return p[len("file://"):] if p.startswith("file://") else p
 
 
@@ -54,28 +59,62 @@ def _no_storage_options(plugin: CheckpointIO, storage_options: Any) -> None:
                         f"{type(plugin).__name__} (fastckpt has no storage options)")
 
 
-class FastCheckpointIO(CheckpointIO):
+class FastCheckpointIO(TorchCheckpointIO):
     """A Lightning ``CheckpointIO`` that writes and reads through fastckpt.
+
+    A subclass of Lightning's default ``TorchCheckpointIO`` (code that checks
+    ``isinstance(..., TorchCheckpointIO)`` takes it as the default): local
+    paths (and ``file://``) go through fastckpt; a URL (``s3://``,
+    ``memory://``, any other fsspec protocol) is Lightning's own
+    ``TorchCheckpointIO`` path, as without this plugin (written through
+    fsspec, without fastckpt's durable atomic commit; logged once at WARNING
+    level), unless ``urls="error"``.
 
     Args:
         verify: passed to :func:`fastckpt.load` (``None``: check every storage
             against its CRC-32 when the file has them).
+        urls: ``"torch"`` (the default): URLs are saved, loaded and removed by
+            ``TorchCheckpointIO``; ``"error"``: a URL raises
+            :class:`fastckpt.UnsupportedURLError` (a job that must not write
+            a checkpoint without fastckpt's guarantees).
 
     Example:
         >>> trainer = lightning.pytorch.Trainer(plugins=[FastCheckpointIO()],
         ...                                     callbacks=[ModelCheckpoint(save_top_k=2, monitor="val_loss")])
     """
 
-    def __init__(self, verify: Optional[bool] = None):
+    def __init__(self, verify: Optional[bool] = None, urls: str = "torch"):
         super().__init__()
+        if urls not in URL_MODES:
+            raise ValueError(f"urls={urls!r}: expected one of {', '.join(map(repr, URL_MODES))}")
         self.verify = verify
+        self.urls = urls
+        self._warned_url = False
+
+    def _url(self, path: Any, what: str) -> bool:
+        """Whether ``path`` is a URL for TorchCheckpointIO (refused with ``urls="error"``)."""
+        if not _is_url(path):
+            return False
+        p = os.fsdecode(os.fspath(path))
+        if self.urls == "error":
+            from ..errors import UnsupportedURLError
+            raise UnsupportedURLError(f"fastckpt's Lightning plugin cannot {what} {p!r}: only local (or mounted) "
+                                      "paths are written by fastckpt, and urls='error' refuses the rest "
+                                      "(urls='torch' hands them to Lightning's TorchCheckpointIO)")
+        if not self._warned_url:
+            self._warned_url = True
+            log.warning("fastckpt Lightning plugin: %r is a URL: Lightning's TorchCheckpointIO handles it "
+                        "(through fsspec, without fastckpt's durable atomic commit); later URLs are not logged", p)
+        return True
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         """:func:`fastckpt.save` the checkpoint to ``path`` (its parent
         directory is created, as Lightning's default plugin does): durable and
         atomic when this returns."""
         _no_storage_options(self, storage_options)
-        p = _local_path(path, "save to")
+        if self._url(path, "save to"):
+            return TorchCheckpointIO.save_checkpoint(self, checkpoint, path, storage_options)
+        p = _local_path(path)
         parent = os.path.dirname(p)
         if parent:
             os.makedirs(parent, exist_ok=True)
@@ -88,7 +127,9 @@ class FastCheckpointIO(CheckpointIO):
         otherwise, means what it means to ``torch.load``: weights-only, which
         reads Lightning's own checkpoints; give ``weights_only=False`` to
         ``fit``/``load`` for checkpoints holding arbitrary objects you trust)."""
-        p = _local_path(path, "load")
+        if self._url(path, "load"):
+            return TorchCheckpointIO.load_checkpoint(self, path, map_location, weights_only)
+        p = _local_path(path)
         if not os.path.exists(p):  # the default plugin's error, naming the path
             raise FileNotFoundError(errno.ENOENT, f"Checkpoint file not found: {p}", p)
         return _ser.load(p, map_location=map_location, weights_only=weights_only, verify=self.verify)
@@ -96,7 +137,9 @@ class FastCheckpointIO(CheckpointIO):
     def remove_checkpoint(self, path: Any) -> None:
         """Remove ``path`` (a file, or a directory as the default plugin
         allows) and fsync its parent so that the removal is durable too."""
-        p = _local_path(path, "remove")
+        if self._url(path, "remove"):
+            return TorchCheckpointIO.remove_checkpoint(self, path)
+        p = _local_path(path)
         if os.path.isdir(p) and not os.path.islink(p):
             shutil.rmtree(p)
         elif os.path.lexists(p):
@@ -134,8 +177,8 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
     a writer when it first saves.
     """
 
-    def __init__(self, verify: Optional[bool] = None, max_in_flight: Optional[int] = None):
-        super().__init__(verify)
+    def __init__(self, verify: Optional[bool] = None, max_in_flight: Optional[int] = None, urls: str = "torch"):
+        super().__init__(verify, urls)
         self.max_in_flight = max_in_flight
         self._saver: Optional[AsyncSaver] = None  # made by the first save, closed by teardown()
         self.last_future: Optional[SaveFuture] = None
@@ -153,7 +196,10 @@ class AsyncFastCheckpointIO(FastCheckpointIO):
 
     def save_checkpoint(self, checkpoint: Dict[str, Any], path: Any, storage_options: Optional[Any] = None) -> None:
         _no_storage_options(self, storage_options)
-        p = _local_path(path, "save to")
+        if self._url(path, "save to"):  # TorchCheckpointIO's synchronous save (after this plugin's pending ones)
+            self.wait()
+            return TorchCheckpointIO.save_checkpoint(self, checkpoint, path, storage_options)
+        p = _local_path(path)
         parent = os.path.dirname(p)
         if parent:
             os.makedirs(parent, exist_ok=True)

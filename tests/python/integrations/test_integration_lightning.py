@@ -1,6 +1,7 @@
 """fastckpt.integrations.lightning with a real Lightning Trainer and Fabric (CPU)."""
 import copy
 import errno
+import logging
 import os
 import pickle
 import subprocess
@@ -17,6 +18,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 
 import fastckpt  # noqa: E402
 from fastckpt import _C  # noqa: E402
+import fastckpt.integrations.lightning as lightning_mod  # noqa: E402
 from fastckpt.integrations.lightning import AsyncFastCheckpointIO, FastCheckpointIO  # noqa: E402
 
 import fastspawn  # noqa: E402
@@ -156,8 +158,37 @@ def test_errors_name_the_users_path(tmp_path):
     with pytest.raises(IsADirectoryError) as ei:
         io.save_checkpoint({"a": torch.ones(1)}, tmp_path / "dir.ckpt")
     assert str(tmp_path / "dir.ckpt") in str(ei.value)
-    with pytest.raises(fastckpt.UnsupportedURLError, match="s3://b/x.ckpt"):
-        io.save_checkpoint({}, "s3://b/x.ckpt")
+    strict = FastCheckpointIO(urls="error")
+    for call in (lambda: strict.save_checkpoint({}, "s3://b/x.ckpt"), lambda: strict.load_checkpoint("s3://b/x.ckpt"),
+                 lambda: strict.remove_checkpoint("s3://b/x.ckpt")):
+        with pytest.raises(fastckpt.UnsupportedURLError, match="s3://b/x.ckpt"):
+            call()
+    with pytest.raises(ValueError, match="urls"):
+        FastCheckpointIO(urls="s3")
+
+
+@pytest.mark.parametrize("cls", ["FastCheckpointIO", "AsyncFastCheckpointIO"])
+def test_a_drop_in_for_torch_checkpoint_io_urls_included(tmp_path, cls, caplog):
+    """The plugins are TorchCheckpointIO subclasses (Lightning's own tests and users' code check
+    isinstance); a URL is TorchCheckpointIO's (fsspec, as without the plugin; logged once), a local path
+    fastckpt's. Before: not a TorchCheckpointIO, and every URL raised UnsupportedURLError."""
+    from lightning.pytorch.plugins import TorchCheckpointIO
+    io = getattr(lightning_mod, cls)()
+    assert isinstance(io, TorchCheckpointIO)
+    url = f"memory://fastckpt-test-{cls}/{tmp_path.name}/x.ckpt"
+    with caplog.at_level(logging.WARNING, logger="fastckpt"):
+        io.save_checkpoint({"w": torch.arange(4.0)}, url)
+        io.save_checkpoint({"w": torch.arange(5.0)}, url)
+    assert sum("is a URL" in r.getMessage() for r in caplog.records) == 1
+    assert torch.equal(io.load_checkpoint(url)["w"], torch.arange(5.0))
+    io.remove_checkpoint(url)
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(url)
+    io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "local.ckpt")
+    if hasattr(io, "wait"):
+        io.wait()
+    assert fastckpt.load(tmp_path / "local.ckpt")["w"].equal(torch.ones(3))
+    io.teardown()
 
 
 def test_a_failed_write_in_the_trainer_raises_and_leaves_no_temporary(tmp_path):

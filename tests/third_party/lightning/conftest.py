@@ -116,8 +116,6 @@ FREQ = "tests_pytorch/checkpointing/test_checkpoint_callback_frequency.py::"
 CONN = "tests_pytorch/trainer/connectors/test_checkpoint_connector.py::"
 MOCKS_TORCH_SAVE = ("test assumes internals: counts calls of a mocked torch.save; fastckpt's plugin writes "
                     "through fastckpt.save, never torch.save (so 0 calls)")
-URL = ("by design: fastckpt's plugin saves to local paths only; memory:// (fsspec) raises UnsupportedURLError "
-       "where TorchCheckpointIO writes through fsspec")
 ASYNC_PENDING = ("async by design: trainer.save_checkpoint() returns with the save still pending and the test "
                  "then reads or lists the file; fails the same with Lightning's own AsyncCheckpointIO "
                  "(stock-async mode; racy: not strict)")
@@ -133,11 +131,7 @@ XFAIL: Dict[str, tuple] = {
         (BOTH, True, "test assumes internals: mock.patch of TorchCheckpointIO.save_checkpoint, the default "
                      "class's method, so the storage_options call reaches fastckpt's plugin, which refuses it "
                      "(TypeError, as TorchCheckpointIO would)")],
-    "tests_pytorch/plugins/test_checkpoint_io_plugin.py::test_multi_wrapped_checkpoint_io_initialization":
-        (BOTH, True, "by design: asserts the inner default of AsyncCheckpointIO isinstance TorchCheckpointIO; "
-                     "it is fastckpt's plugin (a CheckpointIO, not a TorchCheckpointIO subclass)"),
-    CONN + "test_ckpt_for_fsspec": [(BOTH, True, URL), (("stock-async",), False, ASYNC_PENDING)],
-    CONN + "test_local_cross_device_checkpoint": (BOTH, True, URL),
+    CONN + "test_ckpt_for_fsspec": (("stock-async",), False, ASYNC_PENDING),
     CONN + "test_hpc_restore_attempt": (ASYNC, False, ASYNC_PENDING),
     CONN + "test_hpc_max_ckpt_version": (ASYNC, False, ASYNC_PENDING),
     CONN + "test_strict_loading": (ASYNC, False, ASYNC_PENDING),
