@@ -25,6 +25,10 @@ that is not a tensor, a sparse or non-contiguous tensor, tensors that share memo
 a tensor named ``__metadata__`` (the format's reserved key), dtypes the format has no name for, and
 a 0-d ``float4_e2m1fn_x2`` tensor (safetensors refuses it too: the format counts its 4-bit values
 in the last dimension).
+
+``safe_open`` (lazy access to single tensors and slices of a file) is safetensors' own, re-exported
+so that ``from fastckpt.safetensors import safe_open`` works where ``safetensors.torch``'s does;
+fastckpt does not accelerate it (it needs the safetensors package; ImportError otherwise).
 """
 import errno
 import json
@@ -47,7 +51,19 @@ from .formats import safetensors as _st
 from .errors import FormatError
 from .torchsave.reader import host_storage
 
-__all__ = ["save", "load", "save_file", "load_file", "save_model", "load_model", "save_sharded", "load_sharded"]
+__all__ = ["save", "load", "save_file", "load_file", "save_model", "load_model", "save_sharded", "load_sharded",
+           "safe_open"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "safe_open":  # safetensors' own lazy reader (see the module docstring)
+        try:
+            from safetensors import safe_open
+        except ImportError as e:
+            raise ImportError("fastckpt.safetensors.safe_open is safetensors' own: pip install safetensors "
+                              f"({e})") from e
+        return safe_open
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 INDEX_NAME = "model.safetensors.index.json"
 DEFAULT_SHARD = 5 * 10 ** 9       # transformers' save_pretrained default, "5GB"

@@ -72,3 +72,18 @@ def test_save_and_load_of_bytes_interchange_with_safetensors():
     for call in (stock.save, fst.save):  # what safetensors.torch.save refuses, refused the same way
         with pytest.raises(RuntimeError):
             call({"a": shared, "b": shared[:2]})
+
+
+def test_every_reader_and_writer_safetensors_torch_offers_is_here(tmp_path):
+    """`from fastckpt.safetensors import X` works for every function safetensors.torch users import for
+    files (safe_open was missing: safetensors' own, re-exported, reading fastckpt's files lazily)."""
+    for name in ("save", "load", "save_file", "load_file", "save_model", "load_model", "safe_open"):
+        assert callable(getattr(fst, name)), name
+    from fastckpt.safetensors import safe_open
+    fst.save_file({"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(2, dtype=torch.int8)}, tmp_path / "x.st")
+    with safe_open(str(tmp_path / "x.st"), framework="pt") as f:
+        assert sorted(f.keys()) == ["a", "b"]
+        assert torch.equal(f.get_slice("a")[1:], torch.arange(3.0, 6.0).reshape(1, 3))
+        assert torch.equal(f.get_tensor("b"), torch.ones(2, dtype=torch.int8))
+    with pytest.raises(AttributeError):
+        fst.no_such_function
