@@ -8,7 +8,7 @@ from ._core.engine import get_engine, reset_engine
 from .serialization import load, save
 from .saver import async_save, wait_for_saves
 
-__all__ = ["save", "load", "async_save", "wait_for_saves", "CheckpointManager", "FormatError", "UnsupportedURLError", "knobs",
+__all__ = ["save", "load", "async_save", "wait_for_saves", "CheckpointManager", "MemoryTier", "FormatError", "UnsupportedURLError", "knobs",
            "get_engine", "reset_engine"]
 __version__ = "0.1.0"
 
@@ -16,8 +16,8 @@ __version__ = "0.1.0"
 # saves and loads) does not pay for them: the manager, and FastWriter /
 # FastReader (torch.distributed); name -> the submodule that defines it. The
 # submodules themselves (fastckpt.manager, fastckpt.dcp) load on first access too.
-_LAZY = {"CheckpointManager": ".manager", "FastWriter": ".dcp", "FastReader": ".dcp"}
-_LAZY_MODULES = ("manager", "dcp")
+_LAZY = {"CheckpointManager": ".manager", "MemoryTier": ".memory", "FastWriter": ".dcp", "FastReader": ".dcp"}
+_LAZY_MODULES = ("manager", "memory", "dcp")
 
 
 def __getattr__(name):

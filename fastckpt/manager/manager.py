@@ -83,6 +83,8 @@ from .remote import candidates as _remote_candidates
 from ..saver import AsyncSaver, SaveFuture, fail_inherited, default_saver
 from ..serialization import load as _load
 from ..serialization import save as _save
+from ..memory import MemoryTier
+from . import memory as _memory_tier
 
 __all__ = ["CheckpointManager", "Restored", "TMP_MARK"]
 
@@ -131,6 +133,10 @@ class CheckpointManager:
             (fastckpt/_manager_remote.py). The store is checked now.
         storage_options: passed to fsspec for ``replicate_to``.
         keep_last_remote: complete remote steps to keep (None: all).
+        memory: a :class:`fastckpt.MemoryTier`: :meth:`snapshot` keeps
+            snapshots in host memory (replicated to peer nodes), and
+            :meth:`load_latest` restores from there when memory holds a step
+            at least as new as the disk's (fastckpt/manager/memory.py).
 
     Example:
         >>> mgr = fastckpt.CheckpointManager("ckpt", keep_last=3)
@@ -146,7 +152,8 @@ class CheckpointManager:
     def __init__(self, directory: Union[str, os.PathLike], keep_last: Optional[int] = 3, *, sharded: bool = False,
                  process_group: Any = None, verify: bool = True, clean: bool = True,
                  saver: Optional[AsyncSaver] = None, collective: bool = True, replicate_to: Optional[str] = None,
-                 storage_options: Optional[dict] = None, keep_last_remote: Optional[int] = None):
+                 storage_options: Optional[dict] = None, keep_last_remote: Optional[int] = None,
+                 memory: Optional[MemoryTier] = None):
         self._dir = StepDirectory(directory, keep_last, sharded)  # the policy (raises on a bad keep_last)
         self.directory = self._dir.path
         self.keep_last = keep_last
@@ -173,6 +180,8 @@ class CheckpointManager:
         _remote_tier.open_others(self, replicate_to, storage_options, keep_last_remote, prefix)  # collective
         if sharded:
             self._ranks.open_async_group()
+        self.memory = memory
+        self._memory = _memory_tier.open_tier(self, memory) if memory is not None else None  # collective
         register_manager(self)
 
     def _after_fork(self) -> None:
@@ -276,7 +285,7 @@ class CheckpointManager:
             with self._lock:
                 self._writing.add(name)
             try:
-                _save(state, path, group=self._ranks.own_group() if self.collective else None)
+                _memory_tier.write_step(self, step, state, path, _save)  # from the snapshot of `step` if any
                 if self.rank == 0:
                     self._commit(name)  # `latest` moves once the file is committed
             except failure_types() as e:  # noqa: BLE001
@@ -286,6 +295,26 @@ class CheckpointManager:
                     self._writing.discard(name)
         self._ranks.agree(err, f"saving the checkpoint of step {step}")
         return path if writes else None
+
+    def snapshot(self, step: int, state: Any) -> None:
+        """Copy ``state`` into host memory as the memory tier's snapshot of ``step``;
+        returns once the copy is complete (``state`` may change from then on). Its
+        CRC-32, its commit and its replicas to peer nodes follow in the background.
+        A :meth:`save` of the same step next writes the file from this snapshot.
+        Not collective, but every rank must snapshot the same steps in the same order
+        (their replicas are exchanged in that order).
+
+        Raises:
+            ValueError: the manager has no ``memory=`` tier, or a bad step.
+            OSError: (ENOMEM) at the first snapshot, too little host memory for
+                the tier's snapshots and replicas (the message gives the figures);
+                a write error of the memory directory (ENOSPC).
+        """
+        self._check_step(step)
+        if self._memory is None:
+            raise ValueError("fastckpt.CheckpointManager.snapshot needs a memory tier: "
+                             "CheckpointManager(dir, memory=fastckpt.MemoryTier())")
+        self._memory.snapshot(step, state)
 
     def async_save(self, step: int, state: Any) -> concurrent.futures.Future:
         """Like :meth:`save`, but returns once ``state`` is snapshotted into
@@ -386,6 +415,8 @@ class CheckpointManager:
         try:
             self.wait()
             _remote_tier.close_all(self)  # collective where every rank uploads its part
+            if self._memory is not None:
+                self._memory.clear()  # the job is done: its snapshots and replicas are freed
         finally:
             self._release(wait=False)
 
@@ -396,6 +427,8 @@ class CheckpointManager:
         whose worker threads are joined now: :meth:`Ranks.release`)."""
         if wait:
             self.wait_local()
+        if getattr(self, "_memory", None) is not None:
+            self._memory.wait()  # its background thread uses the group released below
         if self._remote is not None:
             self._remote.close(wait=True)
         self._ranks.release()
@@ -611,6 +644,11 @@ class CheckpointManager:
             except failure_types() as e:  # noqa: BLE001
                 err = e
         listing = self._ranks.agree(err, "listing checkpoints", listing)
+        if self._memory is not None:  # collective: memory first where it holds a step at least as new
+            disk = [s for s, _ in listing]
+            got = _memory_tier.restore(self, max(disk) if disk else None, map_location, weights_only)
+            if got is not None:
+                return got
         failures = []
         for step, name in _remote_candidates(self, listing):  # local first, then the remote tier
             path = self.directory / name

@@ -115,6 +115,7 @@ class Ranks:
         self.own_pg = None         # collective saves and loads in the caller's thread: a gloo group of the manager's
         self.async_pg = None       # background saves: a gloo group of their own (DCP's, or the writer thread's)
         self.async_writer = None   # sharded async saves: one FastWriter, its staging reused
+        self.memory_pg = None      # the memory tier's replication (its background thread): a gloo group of its own
 
     # ------------------------------------------------------------ collectives
     def gather(self, obj: Any, background: bool = False) -> List[Any]:
@@ -180,6 +181,12 @@ class Ranks:
             self.own_pg = self._new_group()
         return self.own_pg
 
+    def memory_group(self) -> Any:
+        """Collective: the gloo group reserved for the memory tier's replicas (made now if needed)."""
+        if self.dist and self.memory_pg is None:
+            self.memory_pg = self._new_group()
+        return self.memory_pg
+
     # ------------------------------------------------------------ sharded mode (DCP)
 
     def dcp_save(self, state: Any, path: str) -> None:
@@ -213,8 +220,8 @@ class Ranks:
         writer, self.async_writer = self.async_writer, None
         if writer is not None:
             writer.close()
-        groups = [g for g in (self.async_pg, self.own_pg) if g is not None]
-        self.async_pg = self.own_pg = None
+        groups = [g for g in (self.async_pg, self.own_pg, self.memory_pg) if g is not None]
+        self.async_pg = self.own_pg = self.memory_pg = None
         if not groups:
             return
         import torch.distributed as dist

@@ -86,7 +86,7 @@ _PARTS_BYTES = 4 << 20
 
 def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: Optional[int] = None,
                    byteorder: bool = True, skip_data: bool = False, compute_crc32: Optional[bool] = None,
-                   direct_min: Optional[int] = _zip.DIRECT_MIN) -> None:
+                   direct_min: Optional[int] = _zip.DIRECT_MIN) -> List[_zip.Entry]:
     """Write the archive of a pickle made by :func:`pickle_with_storages` whose storage i is
     ``storages[i]`` (the storages may be copies of the pickled object's, as
     async_save's snapshots are). A storage may also be any object with
@@ -102,7 +102,8 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
     ``byteorder=False`` leaves out the byteorder record; ``skip_data`` writes no
     storage bytes (zero-filled records, CRC 0); ``compute_crc32`` defaults to
     torch's setting (False: every CRC is 0).
-    Engine errors name ``f`` (see :func:`fastckpt._core.paths.raise_named_after_target`)."""
+    Engine errors name ``f`` (see :func:`fastckpt._core.paths.raise_named_after_target`).
+    Returns the archive's entries (name, size, CRC-32, offsets), in file order."""
     if alignment is None:
         alignment = _torch_rules.storage_alignment()
     crc_on = _torch_rules.compute_crc32() if compute_crc32 is None else compute_crc32
@@ -149,6 +150,7 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
         parts.append(_zip.central_directory(entries, pos))
         sink.write_parts(parts)
         sink.commit()
+        return entries
     except BaseException as e:
         if sink is not None:
             sink.abort()

@@ -1,0 +1,225 @@
+"""CheckpointManager's memory tier: snapshots, saves from a snapshot, restores from memory or a peer, persist on a signal.
+
+* :func:`open_tier` (collective, at the manager's construction): every rank's
+  node key gathered, the peers planned (:func:`fastckpt.memory.replicas.plan_peers`),
+  the gloo group reserved for replication made where there are peers.
+* :func:`write_step`: ``save(step)`` right after ``snapshot(step)`` writes the
+  file from the snapshot's bytes (its pickle and storages as they are in host
+  memory: no second device copy, no second pickling) where one rank writes the
+  whole file; a collective save takes the state again.
+* :func:`restore` (collective, first thing in ``load_latest``): every rank's
+  holdings gathered; the newest step, not older than the newest checkpoint on
+  disk, that *every* rank can restore from its own memory or a peer's replica
+  is chosen; a rank lacking it receives it from the peer that holds it (CRC
+  checked by both); every rank checks and maps its snapshot; if any rank
+  fails, the next step is tried on every rank alike, then the disk. Snapshots
+  of newer steps are dropped afterwards (an abandoned branch), so ranks never
+  mix steps later.
+* :func:`persist_handler`: on ``persist_on``, rank 0 (the state is replicated)
+  writes its newest snapshot not yet on disk durably and moves ``latest``,
+  within ``persist_deadline``, then the previous handler runs.
+"""
+
+import logging
+import os
+import signal
+import threading
+import warnings
+from typing import Any, List, Optional
+
+import torch
+
+from ..errors import FormatError
+from ..memory import MemoryTier
+from ..memory.replicas import Peers, node_key, plan_peers, recv_slot, send_slot
+from ..memory.slots import Record
+from ..serialization import load as _load
+from ..torchsave.writer import write_archive
+from .ranks import failure_types
+
+log = logging.getLogger("fastckpt")
+
+__all__ = ["open_tier", "write_step", "restore", "install_persist"]
+
+
+def open_tier(mgr: Any, cfg: MemoryTier) -> Any:
+    """Collective: bind `cfg` to `mgr` (see the module's docstring)."""
+    if not isinstance(cfg, MemoryTier):
+        raise TypeError(f"memory must be a fastckpt.MemoryTier (got {type(cfg).__name__})")
+    if mgr.sharded:
+        raise ValueError("fastckpt.CheckpointManager: the memory tier does not take sharded=True yet "
+                         "(snapshot each rank's state in replicated mode, or save sharded checkpoints to disk)")
+    keys = mgr._ranks.gather(node_key())
+    group, peers = None, Peers()
+    if cfg.replicas and len(set(keys)) > 1:
+        peers = plan_peers(keys, mgr.rank, cfg.replicas)
+        group = mgr._ranks.memory_group()
+    elif cfg.replicas and mgr.world_size > 1:
+        log.info("fastckpt.MemoryTier: every rank is on one node: no replicas")
+    bound = cfg.bind(str(mgr.directory), mgr.rank, peers, group)
+    if cfg.persist_on is not None:
+        install_persist(mgr, bound)
+    return bound
+
+
+def _slot_view(tier: Any, rec: Record):
+    """data.pkl's bytes and the storages (views of the slot's mapping) of snapshot `rec`."""
+    whole = tier.own.map(rec["slot"], rec["nbytes"])
+    off, n = rec["pkl"]
+    data_pkl = whole[off:off + n].numpy().tobytes()
+    st = whole.untyped_storage()
+    storages = [st[o:o + n] for o, n in rec["storages"]]
+    return data_pkl, storages
+
+
+def write_from_snapshot(tier: Any, rec: Record, path: str) -> None:
+    """The checkpoint file of snapshot `rec`, written durably at `path` (the commit helper's
+    temporary file, fdatasync, rename, directory fsync), with every CRC-32."""
+    data_pkl, storages = _slot_view(tier, rec)
+    write_archive(path, data_pkl, storages, compute_crc32=True, **rec["opts"])
+
+
+def write_step(mgr: Any, step: int, state: Any, path: Any, save: Any) -> None:
+    """``save(step)``'s write (see the module's docstring); `save` is fastckpt.save."""
+    tier = mgr._memory
+    rec = tier.last if tier is not None else None
+    if rec is not None and rec.step == step and not mgr.collective:
+        write_from_snapshot(tier, rec, os.fspath(path))
+        return
+    save(state, path, group=mgr._ranks.own_group() if mgr.collective else None)
+
+
+# ------------------------------------------------------------------ restore
+
+def _plan(holdings: List[dict], step: int) -> Optional[List[int]]:
+    """For each rank, the rank that gives it `step` (itself, or a peer holding its replica); None if one has none."""
+    plan = []
+    for r, h in enumerate(holdings):
+        if step in h["own"]:
+            plan.append(r)
+            continue
+        src = next((g for g, hg in enumerate(holdings) if step in hg["replicas"].get(r, ())), None)
+        if src is None:
+            return None
+        plan.append(src)
+    return plan
+
+
+def restore(mgr: Any, newest_disk: Optional[int], map_location: Any, weights_only: bool) -> Optional[Any]:
+    """Collective: the Restored of the newest step every rank can restore from memory (not older
+    than `newest_disk`), or None (the disk's turn)."""
+    tier = mgr._memory
+    tier.wait()
+    mine = tier.holdings()
+    holdings = mgr._ranks.gather(mine)
+    steps = sorted({s for h in holdings for s in h["own"]} | {s for h in holdings for v in h["replicas"].values()
+                                                                 for s in v}, reverse=True)
+    group = mgr._ranks.own_group() if mgr.world_size > 1 else None
+    for step in steps:
+        if newest_disk is not None and step < newest_disk:
+            break
+        plan = _plan(holdings, step)
+        if plan is None:
+            continue
+        err, state, path = None, None, None
+        try:
+            for r, src in enumerate(plan):  # fetches, in one order on every rank
+                if src == r:
+                    continue
+                if mgr.rank == src:
+                    d = tier.replica_dirs[r]
+                    rec = tier.slot_of(d, step)
+                    why = d.verify(rec) if rec is not None and tier.cfg.verify else None
+                    if why is not None:
+                        log.warning("fastckpt.MemoryTier: the replica of rank %d at step %d in %s is damaged (%s): "
+                                    "not sent", r, step, d.archive(rec["slot"]), why)
+                        rec = None
+                    send_slot(group, r, d, rec)
+                elif mgr.rank == r:
+                    if recv_slot(group, src, tier.own, r) is None:
+                        raise FormatError(f"the replica of rank {r}'s snapshot of step {step} held by rank {src} "
+                                          "is damaged or missing")
+            rec = tier.slot_of(tier.own, step)
+            if rec is None:
+                raise FormatError(f"{tier.own.path}: no complete snapshot of step {step}")
+            path = tier.own.archive(rec["slot"])
+            why = tier.own.verify(rec) if tier.cfg.verify else None
+            if why is not None:
+                raise FormatError(f"{path}: snapshot of step {step} is damaged: {why}")
+            tier.own.mark_mapped(rec["slot"])  # the next snapshot into this slot takes new pages
+            state = _load(path, map_location=map_location, weights_only=weights_only, mmap=True, verify=False)
+        except failure_types() as e:  # noqa: BLE001 - every rank learns of it
+            err = e
+        got = mgr._ranks.gather(None if err is None else f"rank {mgr.rank}: {type(err).__name__}: {err}")
+        bad = [g for g in got if g is not None]
+        if not bad:
+            tier.drop_newer(step)
+            log.info("fastckpt.MemoryTier: restored step %d from host memory (%s)", step, path)
+            from .manager import Restored
+            return Restored(step, state, path)
+        if err is not None and not isinstance(err, (FormatError, FileNotFoundError)):
+            raise err
+        warnings.warn(f"fastckpt.CheckpointManager: the memory tier's step {step} could not be restored "
+                      f"({'; '.join(bad)}); trying the next one", RuntimeWarning, stacklevel=3)
+    if steps:
+        tier.drop_newer(-1 if newest_disk is None else newest_disk)  # none restorable: a branch the disk replaces
+    return None
+
+
+# ------------------------------------------------------------------ persist on a signal
+
+def persist_newest(mgr: Any, tier: Any) -> Optional[str]:
+    """Rank 0 (or the only rank): the newest snapshot not yet on disk, saved durably and
+    ``latest`` moved. Returns the checkpoint's name, or None if there was none to save."""
+    if mgr.rank != 0:
+        return None
+    rec = tier.last
+    if rec is None:
+        recs = tier.own.records()
+        rec = recs[0] if recs else None
+    if rec is None:
+        return None
+    done = mgr.steps()
+    if done and max(done) >= rec.step:
+        return None
+    name = mgr.name_for(rec.step)
+    write_from_snapshot(tier, rec, os.fspath(mgr.directory / name))
+    mgr._commit(name)
+    return name
+
+
+def install_persist(mgr: Any, tier: Any) -> None:
+    """The handler of ``persist_on`` (main thread only; elsewhere a warning)."""
+    sig = tier.cfg.persist_on
+    if threading.current_thread() is not threading.main_thread():
+        warnings.warn("fastckpt.MemoryTier: persist_on needs the manager made in the main thread; not installed",
+                      RuntimeWarning, stacklevel=4)
+        return
+    previous = signal.getsignal(sig)
+
+    def handler(signum, frame):
+        out: List[Any] = []
+
+        def run():
+            try:
+                out.append(persist_newest(mgr, tier))
+            except BaseException as e:  # noqa: BLE001 - logged; the previous handler still runs
+                out.append(e)
+        t = threading.Thread(target=run, name="fastckpt-persist", daemon=True)
+        t.start()
+        t.join(tier.cfg.persist_deadline)
+        if t.is_alive():
+            log.error("fastckpt.MemoryTier: persisting the newest snapshot on signal %d took longer than %.1f s; "
+                      "giving up (the previous checkpoint stays)", signum, tier.cfg.persist_deadline)
+        elif out and isinstance(out[0], BaseException):
+            log.error("fastckpt.MemoryTier: persisting the newest snapshot on signal %d failed: %s", signum, out[0])
+        elif out and out[0]:
+            log.warning("fastckpt.MemoryTier: signal %d: saved %s from host memory", signum, out[0])
+        if callable(previous):
+            previous(signum, frame)
+        elif previous == signal.SIG_DFL:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    signal.signal(sig, handler)
+    tier.persist_previous = (sig, previous)
