@@ -38,7 +38,7 @@ from .._core.atomic import write_file
 from .._core.units import human
 from ..formats import torch_rules as _torch_rules
 from ..formats.pickler import pickle_with_storages
-from ..torchsave.writer import FileSink, write_archive
+from ..torchsave.writer import write_archive
 from .replicas import Peers, exchange
 from .slots import RECORD_VERSION, Record, SlotDir
 
@@ -178,7 +178,7 @@ class BoundTier:
             opts = dict(alignment=_torch_rules.storage_alignment(), byteorder=True)
             f = self.own.open_for_write(k, 0)
             try:
-                entries = write_archive(FileSink(f, crc=False), data_pkl, storages, compute_crc32=False, **opts)
+                entries = write_archive(f, data_pkl, storages, compute_crc32=False, **opts)
                 nbytes = f.tell()
                 f.truncate(nbytes)
             finally:
@@ -202,7 +202,11 @@ class BoundTier:
         the newest complete one; snapshots of steps >= `step` are dropped (a new branch)."""
         while True:
             with self._cv:
-                busy = tuple(j.record["slot"] for j in self._jobs if j.slots is self.own and j.record is not None)
+                jobs = [j.record for j in self._jobs if j.slots is self.own and j.record is not None]
+            if any(r.step >= step for r in jobs):  # a new branch: the newer snapshot in flight is dropped once done
+                self._wait_one()
+                continue
+            busy = tuple(r["slot"] for r in jobs)
             recs = self.own.records()
             for r in recs:
                 if r.step >= step and r["slot"] not in busy:

@@ -92,6 +92,28 @@ def ranks(script, *args, world: int = 2, timeout: float = 300) -> List[subproces
     return out
 
 
+def torchrun_nodes(script, *args, node_env, nproc: int = 1, timeout: float = 300) -> List[subprocess.CompletedProcess]:
+    """One torchrun agent per emulated node (``--nnodes len(node_env) --node-rank i``, a static
+    rendezvous on 127.0.0.1: node i's ranks are i*nproc ...), agent i with the extra environment
+    ``node_env[i]`` (e.g. its own FASTCKPT_MEMORY_DIR); one CompletedProcess per agent."""
+    port = str(free_port())
+    files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in node_env]
+    procs = [fastspawn.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(node_env)),
+                              "--nproc_per_node", str(nproc), "--node_rank", str(i), "--master_addr", "127.0.0.1",
+                              "--master_port", port, str(script), *map(str, args)], cwd=ROOT, text=True,
+                             stdout=files[i][0], stderr=files[i][1], env=env(**extra))
+             for i, extra in enumerate(node_env)]
+    reap(procs, timeout)
+    out = []
+    for p, (o, e) in zip(procs, files):
+        o.seek(0)
+        e.seek(0)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o.read(), e.read()))
+        o.close()
+        e.close()
+    return out
+
+
 def report(results) -> str:
     if isinstance(results, subprocess.CompletedProcess):
         results = [results]

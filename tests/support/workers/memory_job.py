@@ -1,4 +1,6 @@
-"""A deterministic DDP training job (gloo, CPU) with the memory tier: a snapshot every step, a
+"""A deterministic data-parallel training job (gloo, CPU; each gradient all-reduced on its own, in
+parameter order: DDP's buckets are rebuilt after a job's first step, which changes the summation
+order of more than two ranks, so that a resumed DDP job is not bitwise an uninterrupted one) with the memory tier: a snapshot every step, a
 checkpoint on disk every --save-every steps. Run under torchrun (one agent per emulated node,
 each with its own FASTCKPT_MEMORY_DIR).
 
@@ -30,8 +32,18 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(
-    torch.nn.Linear(a.width, a.width), torch.nn.ReLU(), torch.nn.Linear(a.width, 4)))
+
+class Replicated(torch.nn.Module):  # model.module, as with DDP
+    def __init__(self):
+        super().__init__()
+        self.module = torch.nn.Sequential(torch.nn.Linear(a.width, a.width), torch.nn.ReLU(),
+                                          torch.nn.Linear(a.width, 4))
+
+    def forward(self, x):
+        return self.module(x)
+
+
+model = Replicated()
 opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 
 mgr = fastckpt.CheckpointManager(a.dir, keep_last=2, memory=fastckpt.MemoryTier(keep=2, replicas=a.replicas))
@@ -54,6 +66,9 @@ for step in range(start, a.steps):
     y = torch.randn(8, 4, generator=g)
     opt.zero_grad()
     torch.nn.functional.mse_loss(model(x), y).backward()
+    for prm in model.parameters():
+        dist.all_reduce(prm.grad)
+        prm.grad /= dist.get_world_size()
     opt.step()
     state = {"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step}
     mgr.snapshot(step, state)

@@ -1,0 +1,115 @@
+"""The memory tier across emulated nodes: one torchrun agent per node on this machine (a static
+rendezvous on 127.0.0.1), each node with its own FASTCKPT_MEMORY_DIR on /dev/shm, training a DDP
+model over gloo with a snapshot every step and a disk checkpoint every 4 (tests/support/workers/
+memory_job.py). Every rank is SIGKILLed after a snapshot; the restarted job must end bitwise equal
+to an uninterrupted run, restoring from its own memory, from a peer's replica when a node lost its
+memory, and from the disk when the replica it needs is damaged."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_launch import report, torchrun_nodes
+from paths import WORKERS
+from states import assert_same
+
+JOB = WORKERS / "memory_job.py"
+STEPS, KILL = 11, 6
+
+
+@pytest.fixture
+def nodes(tmp_path):
+    """Two (or more) nodes' memory directories, removed after the test."""
+    made = []
+
+    def make(n):
+        dirs = [Path("/dev/shm") / f"fastckpt-test-{tmp_path.name}-node{i}" for i in range(n)]
+        made.extend(dirs)
+        return dirs
+    yield make
+    for d in made:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def run(mem, ckpt, *extra, nproc=1):
+    return torchrun_nodes(JOB, "--dir", ckpt, "--steps", STEPS, *extra, nproc=nproc,
+                          node_env=[{"FASTCKPT_MEMORY_DIR": str(d)} for d in mem], timeout=240)
+
+
+def restored(results):
+    lines = [ln for r in results for ln in r.stdout.splitlines() if ln.startswith(("RESTORED", "FRESH"))]
+    return lines
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The final state of an uninterrupted run (2 nodes x 1 rank; 2 x 2 for nproc=2)."""
+    out = {}
+
+    def get(nproc):
+        if nproc not in out:
+            t = tmp_path_factory.mktemp(f"ref{nproc}")
+            mem = [t / f"mem{i}" for i in range(2)]
+            res = run(mem, t / "ckpt", "--out", t / "final.pt", nproc=nproc)
+            assert all(r.returncode == 0 for r in res), report(res)
+            out[nproc] = torch.load(t / "final.pt")
+        return out[nproc]
+    return get
+
+
+def killed_run(mem, ckpt, nproc=1):
+    res = run(mem, ckpt, "--kill-after", KILL, nproc=nproc)
+    assert all(r.returncode != 0 for r in res), report(res)  # every rank died by SIGKILL
+    assert all("OK" not in r.stdout for r in res)
+
+
+def finish(mem, ckpt, tmp_path, nproc=1):
+    res = run(mem, ckpt, "--out", tmp_path / "final.pt", nproc=nproc)
+    assert all(r.returncode == 0 for r in res), report(res)
+    return res, torch.load(tmp_path / "final.pt")
+
+
+def test_a_job_killed_on_every_rank_resumes_from_its_own_memory(tmp_path, nodes, reference):
+    mem = nodes(2)
+    killed_run(mem, tmp_path / "ckpt")
+    res, final = finish(mem, tmp_path / "ckpt", tmp_path)
+    lines = restored(res)
+    assert len(lines) == 2 and all(ln.startswith(f"RESTORED {KILL} ") for ln in lines), lines
+    for i, ln in enumerate(sorted(lines, key=lambda s: "node1" in s)):
+        assert ln.split()[2].startswith(str(mem[i])) and f"/rank{i}/" in ln  # each rank from its node's memory
+    assert_same(final, reference(1), bitwise=True)
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_lost_node_restores_from_its_peers_replicas(tmp_path, nodes, reference, nproc):
+    mem = nodes(2)
+    killed_run(mem, tmp_path / "ckpt", nproc=nproc)
+    shutil.rmtree(mem[1])  # node 1 replaced: its memory is empty
+    res, final = finish(mem, tmp_path / "ckpt", tmp_path, nproc=nproc)
+    lines = restored(res)
+    assert len(lines) == 2 * nproc and all(ln.startswith(f"RESTORED {KILL} ") for ln in lines), lines
+    assert_same(final, reference(nproc), bitwise=True)
+    assert not any("WARNING" in r.stdout for r in res)
+
+
+def test_a_damaged_replica_is_not_used(tmp_path, nodes, reference):
+    mem = nodes(2)
+    killed_run(mem, tmp_path / "ckpt")
+    shutil.rmtree(mem[1])
+    flipped = 0
+    for commit in mem[0].glob("*/replica1/slot*.commit"):  # every replica of rank 1: one flipped byte each
+        rec = json.loads(commit.read_text())
+        p = commit.with_suffix(".pt")
+        b = bytearray(p.read_bytes())
+        b[rec["storages"][0][0] + 1] ^= 0x01
+        p.write_bytes(b)
+        flipped += 1
+    assert flipped == 2
+    res, final = finish(mem, tmp_path / "ckpt", tmp_path)
+    lines = restored(res)
+    assert len(lines) == 2 and all(ln.startswith("RESTORED 4 ") and str(tmp_path / "ckpt") in ln for ln in lines), lines
+    out = "".join(r.stdout + r.stderr for r in res)
+    assert "damaged" in out and "WARNING" in out  # said, on the ranks and in the log
+    assert_same(final, reference(1), bitwise=True)
