@@ -16,7 +16,12 @@ one temporary file, rank 0 the rest and the commit), ``manager_async3``
 (CheckpointManager.async_save in replicated collective mode at world size 3:
 every rank snapshots the state of collective3, its writer thread writes its
 share on the manager's group for background saves, rank 0 commits and moves
-`latest`, every rank's future resolves after that), and the re-saves of a
+`latest`, every rank's future resolves after that), ``memory`` (CheckpointManager with a MemoryTier: a snapshot
+into host memory, its background CRC and commit, then by turns a save of the
+same step written from the snapshot, nothing more, or the persist that
+``persist_on`` runs on a signal; a restarted manager must restore the
+previous step or the new one, exactly, from memory or disk, never older than
+the disk's `latest`), and the re-saves of a
 directory over itself (one process; plans add ``fallback``: RENAME_EXCHANGE
 refused, and ``old_copy``: slowed before the replaced copy is removed):
 ``resave_manager`` (a sharded CheckpointManager re-saving step 1),
@@ -112,10 +117,11 @@ import traceback
 
 TMP_MARK = ".fastckpt-tmp."
 RESAVE = ("resave_manager", "resave_convert", "resave_st", "resave_dcp")  # re-saves of directories
-KINDS = ("save", "async_save", "dcp2", "manager", "sharded2", "dcp_async2", "collective3", "manager_async3") + RESAVE
+KINDS = ("save", "async_save", "dcp2", "manager", "sharded2", "dcp_async2", "collective3", "manager_async3",
+         "memory") + RESAVE
 TWO_RANK = ("dcp2", "sharded2", "dcp_async2")
 WORLD = {"dcp2": 2, "sharded2": 2, "dcp_async2": 2, "collective3": 3, "manager_async3": 3}  # several ranks
-MANAGED = ("manager", "sharded2", "manager_async3")  # kinds whose saves end with the `latest` update
+MANAGED = ("manager", "sharded2", "manager_async3", "memory")  # kinds whose saves end with the `latest` update
 CHECKS = {"save": "file", "async_save": "file", "dcp_async2": "dcp2",  # kind -> its check_ method
           **{k: "resave" for k in RESAVE}}
 PG_TIMEOUT = 10.0     # s: the children's process group timeout (the manager's own group takes it too)
@@ -352,6 +358,18 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
             conn.send("saved")
             return
         state = make_state(gen, rank)
+        if kind == "memory":
+            from fastckpt.manager.memory import persist_newest
+            mgr = fastckpt.CheckpointManager(directory, keep_last=2, memory=fastckpt.MemoryTier(keep=2))
+            conn.send("started")
+            mgr.snapshot(gen, state)
+            if gen % 3 == 0:
+                mgr.save(gen, state)  # written from the snapshot
+            elif gen % 3 == 1:
+                persist_newest(mgr, mgr._memory)  # what persist_on's handler runs
+            mgr._memory.wait()  # no close(): it would free the snapshots
+            conn.send("saved")
+            return
         if kind == "manager":
             mgr = fastckpt.CheckpointManager(directory, keep_last=2)
             conn.send("started")
@@ -496,6 +514,9 @@ class Driver:
         self.seconds = collections.Counter()  # kind -> wall time of its rounds (children and checks)
         self.gen = {}
         self.prev = {}   # kind -> what must still be there
+        # the memory kind's snapshots: real shared memory, this run's own (the forkserver inherits it)
+        self.memory_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else root, f"fastckpt-crash-{os.getpid()}")
+        os.environ["FASTCKPT_MEMORY_DIR"] = self.memory_dir
         for k in KINDS:
             os.makedirs(os.path.join(root, k), exist_ok=True)
 
@@ -520,6 +541,12 @@ class Driver:
         elif kind == "manager":
             fastckpt.CheckpointManager(d, keep_last=2).save(g, make_state(g))
             self.prev[kind] = (g, _sha(os.path.join(d, f"step_{g:08d}.pt")))
+        elif kind == "memory":
+            mgr = fastckpt.CheckpointManager(d, keep_last=2, memory=fastckpt.MemoryTier(keep=2))
+            mgr.snapshot(g, make_state(g))
+            mgr.save(g, make_state(g))
+            mgr._memory.wait()
+            self.prev[kind] = (g, None)
         elif kind == "collective3":  # written here by a (non-killed) 3-rank run
             _, self.base[kind] = self._run_children(kind, g, "", kill_at=None)
             self.prev[kind] = (g, _sha(os.path.join(d, "ckpt.pt")))
@@ -852,6 +879,42 @@ class Driver:
             # complete but `latest` not moved yet: drop it, so the next round starts from a known state
             os.unlink(os.path.join(d, new_name))
         return "old_intact"
+
+    def check_memory(self, kind, old_gen, new_gen, killed):
+        """The memory tier: every step file on disk is complete and exact, `latest` names one;
+        a restarted manager (after its cleanup) restores the previous or the new step exactly,
+        the new one if the round finished, never one older than the disk's `latest`."""
+        import fastckpt
+        import warnings
+        d = os.path.join(self.root, kind)
+        names = os.listdir(d)
+        latest = open(os.path.join(d, "latest")).read().strip()
+        if not latest.startswith("step_") or latest not in names:
+            raise AssertionError(f"latest names {latest!r}, which is not a checkpoint there")
+        disk = int(latest[5:13])
+        for n in names:
+            if TMP_MARK not in n and n.startswith("step_"):
+                if not same(fastckpt.load(os.path.join(d, n), verify=True), make_state(int(n[5:13]))):
+                    raise AssertionError(f"{n} is not what was saved")
+        if any(TMP_MARK in n for n in names):
+            self.counts[(kind, "leftover_tmp")] += 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            mgr = fastckpt.CheckpointManager(d, keep_last=2, memory=fastckpt.MemoryTier(keep=2))
+            r = mgr.load_latest()
+        if any(TMP_MARK in n for n in os.listdir(d)):
+            raise AssertionError("manager start left temporaries")
+        if r is None or r.step not in (old_gen, new_gen) or r.step < disk:
+            raise AssertionError(f"load_latest gave step {r and r.step} (previous {old_gen}, new {new_gen}, "
+                                 f"disk {disk})")
+        if not same(r.state, make_state(r.step)):
+            raise AssertionError(f"step {r.step} restored from {r.path} is not what was saved")
+        if not killed and r.step != new_gen:
+            raise AssertionError(f"a finished round restored step {r.step}, not {new_gen}")
+        self.counts[(kind, "from_memory" if r.path.startswith(self.memory_dir) else "from_disk")] += 1
+        self.prev[kind] = (r.step, None)
+        self.gen[kind] = r.step
+        return "new_complete" if r.step == new_gen else "old_intact"
 
     def check_manager_async3(self, kind, old_gen, new_gen, killed):
         """The manager's collective async save: the previous step intact, `latest` names a
@@ -1268,6 +1331,7 @@ def main(argv=None) -> int:
             drv.seconds[kind] += time.monotonic() - t
     drv.final_saves(kinds)
     drv.report(kinds, time.monotonic() - t0)
+    shutil.rmtree(drv.memory_dir, ignore_errors=True)
     if drv.violations:
         print("VIOLATIONS:\n" + "\n".join(drv.violations))
         return 1

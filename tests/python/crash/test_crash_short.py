@@ -1,6 +1,6 @@
 """A short run of the crash-consistency driver (tests/crash/crash_driver.py):
-about 20 SIGKILLs, in one driver run, of fastckpt.save, async_save and
-CheckpointManager.save (4 each), and at world size 2 (gloo) of dcp.save with
+about 25 SIGKILLs, in one driver run, of fastckpt.save, async_save and
+CheckpointManager.save and the manager with a memory tier (4 each), and at world size 2 (gloo) of dcp.save with
 FastWriter, CheckpointManager.save in sharded mode and dcp.async_save with
 FastWriter (3 each; both ranks or only one killed). Each kill is followed by
 the driver's checks (previous checkpoint bitwise intact or the new one
@@ -25,9 +25,9 @@ import fastspawn  # noqa: E402
 from paths import TESTS  # noqa: E402
 
 DRIVER = str(TESTS / "crash" / "crash_driver.py")
-SINGLE = ("save", "async_save", "manager")
+SINGLE = ("save", "async_save", "manager", "memory")
 WORLD_2 = ("dcp2", "sharded2", "dcp_async2")
-KILLS = {"save": 4, "async_save": 4, "manager": 4, "dcp2": 3, "sharded2": 3, "dcp_async2": 3}
+KILLS = {"save": 4, "async_save": 4, "manager": 4, "memory": 4, "dcp2": 3, "sharded2": 3, "dcp_async2": 3}
 COLLECTIVE_KILLS = 5
 
 
@@ -35,7 +35,7 @@ COLLECTIVE_KILLS = 5
 def short_run(tmp_path_factory):
     """One driver run over every kind this torch supports (one forkserver start for all)."""
     kinds = SINGLE + (WORLD_2 if dist.is_available() and dist.is_gloo_available() else ())
-    kills = sum(KILLS[k] for k in kinds)  # the driver gives the first kinds the remainder: 4,4,4,3,3,3
+    kills = sum(KILLS[k] for k in kinds)  # the driver gives the first kinds the remainder: 4,4,4,4,3,3,3
     d = tmp_path_factory.mktemp("crash")
     r = fastspawn.run([sys.executable, DRIVER, "--kills", str(kills), "--kinds", ",".join(kinds), "--seed", "11",
                         "--dir", str(d)], capture_output=True, text=True, timeout=300)
