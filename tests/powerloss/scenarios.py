@@ -180,6 +180,10 @@ CHECKS = {
                ("cv", "cv", "cv", probe_dcp1)],
     "collective": [("col.pt", "col.pt", "col.pt", probe_file)],
     "manager_collective": [("latest", "latest", "mc", probe_latest), ("load_latest", "latest", "mc", probe_load_latest)],
+    # the manager with a memory tier: checkpoints written from snapshots (a save of the snapshot's
+    # step, and the persist that persist_on runs); a power cut empties the memory, so what counts
+    # is the disk
+    "manager_memory": [("latest", "latest", "mm", probe_latest), ("load_latest", "latest", "mm", probe_load_latest)],
 }
 # Scenarios whose processes write one file together: checked under crashfs's per-client model
 # (a process's writes are durable only once it fsyncs the file itself, as on a shared filesystem).
@@ -221,6 +225,28 @@ def run_manager(mnt, p):
             mark(mnt, "begin", "latest", step)
             mgr.async_save(step, make_state(step, p["numel"])).result()  # durable, `latest` names it
             mark(mnt, "end", "latest", step)
+
+
+def run_manager_memory(mnt, p):
+    import shutil
+    import tempfile
+    from fastckpt.manager.memory import persist_newest
+    mem = tempfile.mkdtemp(prefix="fastckpt-powerloss-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    try:
+        mgr = fastckpt.CheckpointManager(os.path.join(mnt, "mm"), keep_last=2,
+                                         memory=fastckpt.MemoryTier(directory=mem))
+        for step in range(1, 2 * p["saves"] + 1):
+            state = make_state(step, p["numel"])
+            mgr.snapshot(step, state)
+            mark(mnt, "begin", "latest", step)
+            if step % 2:
+                mgr.save(step, state)  # written from the snapshot
+            else:
+                persist_newest(mgr, mgr._memory)  # what persist_on's handler runs
+            mark(mnt, "end", "latest", step)
+        mgr.close()
+    finally:
+        shutil.rmtree(mem, ignore_errors=True)
 
 
 def _spawn_ranks(mnt, p, role, world=2):
@@ -392,7 +418,7 @@ RUN = {"save": run_save, "resave": run_resave, "async_save": run_async_save, "ma
        "dcp_rank": run_dcp_rank, "manager_sharded": run_manager_sharded,
        "manager_sharded_rank": run_manager_sharded_rank, "collective": run_collective,
        "collective_rank": run_collective_rank, "manager_collective": run_manager_collective,
-       "manager_collective_rank": run_manager_collective_rank}
+       "manager_collective_rank": run_manager_collective_rank, "manager_memory": run_manager_memory}
 
 if __name__ == "__main__":
     import ctypes

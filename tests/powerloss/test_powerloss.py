@@ -55,7 +55,8 @@ if LONG:
         "threads": {"FASTCKPT_BACKEND": "threads"},
         "flushes": {"FASTCKPT_FLUSH_INTERVAL": "1M", "FASTCKPT_BUFFER_SIZE": "256K"},
     })
-SCENARIOS = ["save", "async_save", "manager", "dcp", "manager_sharded", "collective", "manager_collective", "resave"]
+SCENARIOS = ["save", "async_save", "manager", "manager_memory", "dcp", "manager_sharded", "collective",
+             "manager_collective", "resave"]
 
 REPORTS = []
 
@@ -96,7 +97,7 @@ def test_directory_resaves_without_the_exchange(scenario, tmp_path):
     assert rep.violation_count == 0, "\n".join(rep.violations)
 
 
-@pytest.mark.parametrize("scenario", ["save", "manager"] + (["dcp", "manager_sharded", "collective", "manager_collective"] if LONG else []))
+@pytest.mark.parametrize("scenario", ["save", "manager", "manager_memory"] + (["dcp", "manager_sharded", "collective", "manager_collective"] if LONG else []))
 @pytest.mark.parametrize("skip", ["data", "dir"])
 def test_simulator_finds_a_missing_sync(skip, scenario, tmp_path):
     rep = harness.run(scenario, SHORT_PARAMS, str(tmp_path), env={"FASTCKPT_TEST_SKIP_SYNC": skip})
