@@ -48,25 +48,25 @@ def reference(tmp_path_factory):
     """The final state of an uninterrupted run (2 nodes x 1 rank; 2 x 2 for nproc=2)."""
     out = {}
 
-    def get(nproc):
-        if nproc not in out:
+    def get(nproc, width=64):
+        if (nproc, width) not in out:
             t = tmp_path_factory.mktemp(f"ref{nproc}")
             mem = [t / f"mem{i}" for i in range(2)]
-            res = run(mem, t / "ckpt", "--out", t / "final.pt", nproc=nproc)
+            res = run(mem, t / "ckpt", "--out", t / "final.pt", "--width", width, nproc=nproc)
             assert all(r.returncode == 0 for r in res), report(res)
-            out[nproc] = torch.load(t / "final.pt")
-        return out[nproc]
+            out[(nproc, width)] = torch.load(t / "final.pt")
+        return out[(nproc, width)]
     return get
 
 
-def killed_run(mem, ckpt, nproc=1):
-    res = run(mem, ckpt, "--kill-after", KILL, nproc=nproc)
+def killed_run(mem, ckpt, nproc=1, *extra):
+    res = run(mem, ckpt, "--kill-after", KILL, *extra, nproc=nproc)
     assert all(r.returncode != 0 for r in res), report(res)  # every rank died by SIGKILL
     assert all("OK" not in r.stdout for r in res)
 
 
-def finish(mem, ckpt, tmp_path, nproc=1):
-    res = run(mem, ckpt, "--out", tmp_path / "final.pt", nproc=nproc)
+def finish(mem, ckpt, tmp_path, nproc=1, *extra):
+    res = run(mem, ckpt, "--out", tmp_path / "final.pt", *extra, nproc=nproc)
     assert all(r.returncode == 0 for r in res), report(res)
     return res, torch.load(tmp_path / "final.pt")
 
@@ -113,3 +113,18 @@ def test_a_damaged_replica_is_not_used(tmp_path, nodes, reference):
     out = "".join(r.stdout + r.stderr for r in res)
     assert "damaged" in out and "WARNING" in out  # said, on the ranks and in the log
     assert_same(final, reference(1), bitwise=True)
+
+
+@pytest.mark.parametrize("lose_node", [False, True])
+def test_a_kill_during_the_background_commit_and_replication(tmp_path, nodes, reference, lose_node):
+    """Every rank killed as soon as its snapshot returns (CRC-32, commit record and replication
+    still running): the restart takes the newest step every rank can restore (this one or the
+    previous), from memory or the peers' replicas, and ends bitwise equal."""
+    mem = nodes(2)
+    killed_run(mem, tmp_path / "ckpt", 1, "--kill-now", "--width", 512)
+    if lose_node:
+        shutil.rmtree(mem[1])
+    res, final = finish(mem, tmp_path / "ckpt", tmp_path, 1, "--width", 512)
+    steps = {int(ln.split()[1]) for ln in restored(res)}
+    assert len(steps) == 1 and steps <= {KILL, KILL - 1}, restored(res)  # one step for every rank
+    assert_same(final, reference(1, 512), bitwise=True)

@@ -5,6 +5,7 @@ checkpoint on disk every --save-every steps. Run under torchrun (one agent per e
 each with its own FASTCKPT_MEMORY_DIR).
 
     --kill-after K   SIGKILL this rank once the snapshot of step K is committed and replicated
+                     (--kill-now: as soon as snapshot() returns, its background work in flight)
     --out FILE       rank 0 writes the final model and optimizer states there
 Prints "RESTORED <step> <path>" (or "FRESH") after load_latest, and "OK" at the end.
 """
@@ -23,6 +24,8 @@ p.add_argument("--dir", required=True)
 p.add_argument("--steps", type=int, default=12)
 p.add_argument("--save-every", type=int, default=4)
 p.add_argument("--kill-after", type=int, default=-1)
+p.add_argument("--kill-now", action="store_true", help="with --kill-after: at once after snapshot() returns "
+               "(its CRC, commit and replication still in flight)")
 p.add_argument("--replicas", type=int, default=1)
 p.add_argument("--width", type=int, default=64)
 p.add_argument("--out")
@@ -75,8 +78,9 @@ for step in range(start, a.steps):
     if step % a.save_every == 0:
         mgr.save(step, state)
     if step == a.kill_after:
-        mgr._memory.wait()
-        dist.barrier()
+        if not a.kill_now:
+            mgr._memory.wait()
+            dist.barrier()
         os.kill(os.getpid(), signal.SIGKILL)
 if rank == 0 and a.out:
     torch.save({"model": model.module.state_dict(), "optim": opt.state_dict()}, a.out)
