@@ -1,4 +1,4 @@
-"""The ``fastckpt`` command (inspect, verify, convert, doctor, bench). The
+"""The ``fastckpt`` command (inspect, verify, convert, doctor, clean-memory, bench). The
 library never imports it."""
 
 from .command import main

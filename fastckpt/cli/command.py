@@ -1,4 +1,4 @@
-"""The ``fastckpt`` command (also ``python -m fastckpt``): inspect, verify, convert, doctor, bench.
+"""The ``fastckpt`` command (also ``python -m fastckpt``): inspect, verify, convert, doctor, clean-memory, bench.
 
 Results go to stdout; logging, progress bars and errors to stderr. Exit status:
 0 success, 1 the operation failed (a damaged checkpoint, a refused
@@ -283,6 +283,21 @@ def cmd_doctor(args) -> int:
     return EXIT_OK
 
 
+def cmd_clean_memory(args) -> int:
+    from ..memory.tier import memory_root
+    from .memory import clean_memory, clean_memory_text
+    root = memory_root(args.dir)
+    if args.older_than is not None and args.older_than < 0:
+        raise UsageError(f"--older-than must be >= 0 seconds (got {args.older_than:g})")
+    if os.path.lexists(root) or args.dir is not None:  # a default that was never made: nothing to clean
+        _existing(root, "directory")
+        if not os.path.isdir(root):
+            raise UsageError(f"{root}: not a directory")
+    rep = clean_memory(root, older_than=args.older_than, dry_run=args.dry_run, force=args.force)
+    print(json.dumps(rep, indent=1) if args.json else clean_memory_text(rep))
+    return EXIT_OK
+
+
 def _source_root() -> str:
     """The directory above the fastckpt package: a source checkout's root when fastckpt runs from one."""
     return os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -406,6 +421,24 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     p.add_argument("dir", nargs="?", default=".", help="directory checkpoints will go to (default: .)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("clean-memory", parents=[common],
+                       help="remove the memory tier's snapshots of jobs that are gone",
+                       description="Remove the namespaces of the memory tier's directory (MemoryTier snapshots "
+                                   "in host memory) that no running process holds: owners of this host whose "
+                                   "process is gone, and no owner at all. Only snapshot files, owner.json and "
+                                   "their temporary files are removed; anything else is left and listed, and no "
+                                   "symbolic link is followed.")
+    p.add_argument("dir", nargs="?", default=None,
+                   help="the memory directory (default: FASTCKPT_MEMORY_DIR, else /dev/shm/fastckpt)")
+    p.add_argument("--older-than", type=float, metavar="SECONDS",
+                   help="only namespaces not written to for at least SECONDS")
+    p.add_argument("--dry-run", action="store_true", help="say what would be removed; remove nothing")
+    p.add_argument("--force", action="store_true",
+                   help="also remove namespaces whose owner is a process of another host (which cannot be asked "
+                        "whether it runs)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_clean_memory)
 
     p = sub.add_parser("bench", parents=[common], help="measure save/load throughput in a directory",
                        description="Benchmark fastckpt in a directory (benchmarks/bench_quick.py of a source "

@@ -4,7 +4,9 @@ Every fact comes from a probe, not from a guess: a small engine is made with the
 current knobs (io_uring or the thread backend, and the kernel's refusal if any),
 a temporary file is opened in the directory through the engine's Writer
 (O_DIRECT or buffered; removed again), ``statfs`` gives the filesystem's magic
-number and ``/proc/self/mounts`` its mount entry. Nothing is left behind.
+number and ``/proc/self/mounts`` its mount entry. The memory tier's directory is
+looked at the same way and scanned (:func:`fastckpt.memory.stale.scan`) for
+namespaces whose processes are gone. Nothing is left behind.
 """
 
 import ctypes
@@ -189,15 +191,61 @@ def _limit(n: int) -> Optional[int]:
     return None if n == resource.RLIM_INFINITY else n
 
 
+def _filesystem(path: str) -> Dict[str, Any]:
+    """The filesystem `path` is on: its type (the mount entry's, else the statfs magic's name),
+    the statfs magic and its name, the mount entry."""
+    magic = _statfs_magic(path)
+    mount = _mount_of(path)
+    fs_name = FS_MAGIC.get(magic) if magic is not None else None
+    return {"type": (mount or {}).get("type") or fs_name, "statfs_magic": f"0x{magic:x}" if magic is not None else None,
+            "statfs_name": fs_name, "mount": mount}
+
+
+def _nearest_existing(path: str) -> str:
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def memory_tier(root: Optional[str] = None) -> Dict[str, Any]:
+    """The memory tier's directory (``FASTCKPT_MEMORY_DIR`` or /dev/shm/fastckpt): its
+    filesystem (that of the nearest existing parent when it is not made yet), free
+    space, and what it holds (:func:`fastckpt.memory.stale.scan`)."""
+    from ..memory import stale
+    from ..memory.tier import memory_root
+    root = memory_root(root)
+    where = _nearest_existing(root)
+    fs = _filesystem(where)
+    fs_type, fs_name = fs["type"], fs["statfs_name"]
+    out: Dict[str, Any] = {"directory": root, "exists": os.path.isdir(root), "filesystem": fs_type,
+                           "statfs_name": fs_name,
+                           "memory_fs": None if fs_type is None and fs_name is None
+                           else (fs_type in MEMORY_FS or fs_name in MEMORY_FS),
+                           "free": None, "total": None, "namespaces": [], "foreign": []}
+    try:
+        st = os.statvfs(where)
+        out.update(free=st.f_bavail * st.f_frsize, total=st.f_blocks * st.f_frsize)
+    except OSError as e:
+        out["error"] = str(e)
+    if out["exists"]:
+        try:
+            for e in stale.scan(root):
+                if e["kind"] == "foreign":
+                    out["foreign"].append({"path": e["path"], "why": e["why"]})
+                else:
+                    out["namespaces"].append({k: e[k] for k in ("path", "live", "bytes", "newest_step", "directories",
+                                                                "ranks", "replicas", "age", "owners",
+                                                                "other_files")})
+        except OSError as e:
+            out["error"] = str(e)
+    return out
+
+
 def diagnose(directory: str) -> Dict[str, Any]:
     """Everything doctor reports, as a dict (``doctor --json``)."""
     from .. import __version__
     d = os.path.abspath(directory)
-    magic = _statfs_magic(d)
-    mount = _mount_of(d)
-    fs_name = FS_MAGIC.get(magic) if magic is not None else None
-    fs = {"type": (mount or {}).get("type") or fs_name, "statfs_magic": f"0x{magic:x}" if magic is not None else None,
-          "statfs_name": fs_name, "mount": mount}
+    fs = _filesystem(d)
     st = os.statvfs(d)
     space = {"free": st.f_bavail * st.f_frsize, "total": st.f_blocks * st.f_frsize}
     cfg = knobs.config()
@@ -227,6 +275,7 @@ def diagnose(directory: str) -> Dict[str, Any]:
                    "memlock_limit": _limit(memlock[0])},
         "knobs": knob_values,
         "environment": env,
+        "memory_tier": memory_tier(),
     }
     rep["recommendations"] = _recommend(rep)
     return rep
@@ -279,6 +328,17 @@ def _recommend(r: Dict[str, Any]) -> List[str]:
                    "libisal-dev and rebuild (make build) for the hardware-accelerated one")
     if not r["knobs"].get("direct", True):
         out.append("FASTCKPT_DIRECT=0: O_DIRECT is disabled by the knob")
+    mt = r["memory_tier"]
+    if mt["memory_fs"] is False:
+        out.append(f"the memory tier's directory {mt['directory']} is on {mt['filesystem'] or mt['statfs_name']}, "
+                   "not a tmpfs/ramfs: MemoryTier snapshots there go to that filesystem, not to host memory; set "
+                   "FASTCKPT_MEMORY_DIR (or MemoryTier(directory=)) to a directory on a tmpfs such as /dev/shm")
+    stale = [n for n in mt["namespaces"] if not n["live"]]
+    if stale:
+        held = sum(n["bytes"] for n in stale)
+        arg = "" if "FASTCKPT_MEMORY_DIR" not in os.environ else f" {mt['directory']}"
+        out.append(f"the memory tier's directory holds {len(stale)} stale namespace(s) ({human(held)}) whose "
+                   f"processes are gone: `fastckpt clean-memory{arg}` frees them (--dry-run shows what first)")
     if not out:
         out.append(f"no problems found: fastckpt will use {eng['backend']} with "
                    f"{'O_DIRECT' if od.get('usable') else 'buffered I/O'} in {r['directory']}")
@@ -318,6 +378,7 @@ def doctor_text(r: Dict[str, Any]) -> str:
     L.append(f"memory           {human(m['available'])} available of {human(m['total'])}; staging buffers "
              f"{human(m['staging_buffers'])}; RLIMIT_MEMLOCK "
              + ("unlimited" if m["memlock_limit"] is None else human(m["memlock_limit"])))
+    L.extend(memory_tier_lines(r["memory_tier"]))
     L.append("knobs            " + ", ".join(f"{k}={v}" for k, v in r["knobs"].items()))
     if r["environment"]:
         L.append("environment      " + ", ".join(f"{k}={v}" for k, v in sorted(r["environment"].items())))
@@ -328,3 +389,41 @@ def doctor_text(r: Dict[str, Any]) -> str:
     for rec in r["recommendations"]:
         L.append(f"recommendation: {rec}")
     return "\n".join(L)
+
+
+def age_text(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} d"
+
+
+def namespace_line(n: Dict[str, Any]) -> str:
+    """One namespace of the memory tier: state, size, newest step, checkpoint directory, owners, age."""
+    pids = ", ".join(f"{o['pid']}" + ("" if o["alive"] else " gone" if o["alive"] is False else f" on {o['host']}")
+                     for o in n["owners"]) or "none"
+    step = "no complete snapshot" if n["newest_step"] is None else f"newest step {n['newest_step']}"
+    return (f"{'live ' if n['live'] else 'stale'}  {n['path']}  {human(n['bytes'])}, {step}, checkpoint directory "
+            f"{', '.join(n['directories']) or '?'}; owner pid {pids}; {age_text(n['age'])} old"
+            + (f"; {len(n['other_files'])} other file(s), never removed" if n["other_files"] else ""))
+
+
+def memory_tier_lines(mt: Dict[str, Any]) -> List[str]:
+    kind = mt["filesystem"] or mt["statfs_name"] or "?"
+    fs = kind + ("" if mt["memory_fs"] else ", not a tmpfs/ramfs" if mt["memory_fs"] is False else "")
+    space = f", {human(mt['free'])} free of {human(mt['total'])}" if mt["free"] is not None else ""
+    ns = mt["namespaces"]
+    if not mt["exists"]:
+        held = "not made yet"
+    else:
+        live = sum(1 for n in ns if n["live"])
+        held = f"{len(ns)} namespace(s): {live} live, {len(ns) - live} stale"
+        if mt["foreign"]:
+            held += f"; {len(mt['foreign'])} other entr{'y' if len(mt['foreign']) == 1 else 'ies'} (not touched)"
+    L = [f"memory tier      {mt['directory']} ({fs}{space}); {held}"
+         + (f" (error: {mt['error']})" if mt.get("error") else "")]
+    L.extend(f"  {namespace_line(n)}" for n in ns)
+    return L

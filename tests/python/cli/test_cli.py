@@ -1,4 +1,4 @@
-"""The fastckpt command: inspect, verify, convert, doctor (docs/CLI.md).
+"""The fastckpt command: inspect, verify, convert, doctor, clean-memory (docs/CLI.md).
 
 Most tests call ``fastckpt.cli.main(argv)`` in this process; a few run the
 command as a subprocess (``python -m fastckpt`` and the console script) to check
@@ -29,6 +29,7 @@ from fastckpt.cli import main
 import fastspawn  # noqa: E402
 from leaks import temp_files
 from engines import uring_refusal
+from memory_layout import age, dead_pid, make_namespace, tree
 import hostile_pickles as H
 from paths import ROOT
 import states
@@ -910,6 +911,126 @@ def test_doctor_knob_effects(tmp_path, capsys, monkeypatch):
 def test_doctor_missing_directory(tmp_path, capsys):
     rc, out, err = run(capsys, "doctor", tmp_path / "nope")
     assert rc == 2 and err.startswith("fastckpt: error:") and "no such directory" in err
+
+
+def test_doctor_memory_tier(tmp_path, capsys, monkeypatch):
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    monkeypatch.setenv("FASTCKPT_MEMORY_DIR", str(mem))
+    live = make_namespace(mem, tmp_path / "ck-live", os.getpid(), replicas=(1,), steps=(3, 4))
+    dead = make_namespace(mem, tmp_path / "ck-dead", dead_pid(), steps=(8,))
+    (mem / "other").mkdir()
+    rc, out, err = run(capsys, "doctor", "--json", tmp_path)
+    assert rc == 0, err
+    mt = json.loads(out)["memory_tier"]
+    assert mt["directory"] == str(mem) and mt["exists"] is True
+    fs = _stat_fs_type(mem)
+    assert mt["memory_fs"] is (fs in ("tmpfs", "ramfs"))
+    st = os.statvfs(mem)
+    assert abs(mt["free"] - st.f_bavail * st.f_frsize) < 1 << 30 and mt["total"] == st.f_blocks * st.f_frsize
+    ns = {n["path"]: n for n in mt["namespaces"]}
+    assert set(ns) == {live, dead}
+    assert ns[live]["live"] is True and ns[dead]["live"] is False
+    assert ns[live]["newest_step"] == 4 and ns[dead]["newest_step"] == 8
+    assert ns[dead]["directories"] == [os.path.realpath(tmp_path / "ck-dead")] and ns[dead]["bytes"] > 0
+    assert mt["foreign"] == [{"path": str(mem / "other"), "why": "no rank*/replica* directories"}]
+    recs = json.loads(out)["recommendations"]
+    assert any("1 stale namespace(s)" in r and f"fastckpt clean-memory {mem}" in r for r in recs)
+    assert any("not a tmpfs/ramfs" in r for r in recs) is (fs not in ("tmpfs", "ramfs"))
+    rc, out, err = run(capsys, "doctor", tmp_path)
+    assert rc == 0, err
+    assert f"memory tier      {mem} (" in out and "2 namespace(s): 1 live, 1 stale" in out
+    assert f"  stale  {dead}  " in out and "newest step 8" in out and f"live   {live}  " in out
+    assert "fastckpt clean-memory" in out
+    assert sorted(os.listdir(mem)) == sorted([os.path.basename(live), os.path.basename(dead), "other"])
+
+    monkeypatch.setenv("FASTCKPT_MEMORY_DIR", str(tmp_path / "not-yet"))
+    rc, out, err = run(capsys, "doctor", "--json", tmp_path)
+    mt = json.loads(out)["memory_tier"]
+    assert rc == 0 and mt["exists"] is False and mt["namespaces"] == [] and mt["free"] is not None
+    assert not any("clean-memory" in r for r in json.loads(out)["recommendations"])
+    assert not (tmp_path / "not-yet").exists()
+
+
+# ---------------------------------------------------------------- clean-memory
+
+def test_clean_memory(tmp_path, capsys):
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    live = make_namespace(mem, tmp_path / "ck-live", os.getpid())
+    dead = make_namespace(mem, tmp_path / "ck-dead", dead_pid(), replicas=(1,), steps=(6,))
+    (mem / "not-ours.txt").write_text("x")
+    with open(os.path.join(dead, "rank0", "user.txt"), "w") as f:
+        f.write("x")
+    before = tree(mem)
+    rc, out, err = run(capsys, "clean-memory", mem, "--dry-run")
+    assert rc == 0, err
+    assert tree(mem) == before
+    assert f"would remove the snapshots of {dead} (" in out and "newest step 6" in out
+    assert f"  left {os.path.join(dead, 'rank0', 'user.txt')}: not a memory tier file" in out
+    assert f"kept {live} (live: pid {os.getpid()} runs)" in out
+    assert f"not ours, left alone: {mem / 'not-ours.txt'} (not a directory)" in out
+    assert "1 namespace(s)" in out and "would be freed" in out
+    rc, out, err = run(capsys, "clean-memory", mem, "--dry-run", "--json")
+    rep = json.loads(out)
+    assert rc == 0 and rep["dry_run"] is True and tree(mem) == before
+    assert [r["path"] for r in rep["removed"]] == [dead]
+    assert os.path.join(dead, "replica1", "slot0.pt") in rep["removed"][0]["removed"]
+    assert [k["path"] for k in rep["kept"]] == [live] and rep["foreign"][0]["path"] == str(mem / "not-ours.txt")
+
+    rc, out, err = run(capsys, "clean-memory", mem)
+    assert rc == 0, err
+    assert f"removed the snapshots of {dead} (" in out and "freed in" in out
+    assert tree(dead) == ["rank0", "rank0/user.txt"]
+    assert os.path.isdir(live) and (mem / "not-ours.txt").read_text() == "x"
+    os.unlink(os.path.join(dead, "rank0", "user.txt"))
+    rc, out, err = run(capsys, "clean-memory", mem)
+    assert rc == 0 and f"removed {dead} (" in out and not os.path.exists(dead)
+    rc, out, err = run(capsys, "clean-memory", mem)
+    assert rc == 0 and f"nothing to clean in {mem}" in out
+
+
+def test_clean_memory_older_than_force_and_default_dir(tmp_path, capsys, monkeypatch):
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    monkeypatch.setenv("FASTCKPT_MEMORY_DIR", str(mem))
+    old = make_namespace(mem, tmp_path / "ck-old", dead_pid())
+    new = make_namespace(mem, tmp_path / "ck-new", dead_pid())
+    far = make_namespace(mem, tmp_path / "ck-far", 1, host="some-other-host.invalid")
+    age(old, 7200)
+    age(far, 7200)
+    rc, out, err = run(capsys, "clean-memory", "--older-than", "3600", "--json")
+    rep = json.loads(out)
+    assert rc == 0, err
+    assert rep["directory"] == str(mem) and [r["path"] for r in rep["removed"]] == [old]
+    kept = {k["path"]: k["why"] for k in rep["kept"]}
+    assert "newer than --older-than 3600 s" in kept[new]
+    assert "on some-other-host.invalid, which cannot be asked (--force removes it)" in kept[far]
+    assert not os.path.exists(old) and os.path.isdir(new) and os.path.isdir(far)
+    rc, out, err = run(capsys, "clean-memory", "--force")
+    assert rc == 0 and not os.path.exists(new) and not os.path.exists(far)
+    assert os.listdir(mem) == []
+
+    rc, out, err = run(capsys, "clean-memory", "--older-than", "-5")
+    assert rc == 2 and "--older-than must be >= 0" in err
+    rc, out, err = run(capsys, "clean-memory", tmp_path / "nope")
+    assert rc == 2 and "no such directory" in err
+    monkeypatch.setenv("FASTCKPT_MEMORY_DIR", str(tmp_path / "never-made"))
+    rc, out, err = run(capsys, "clean-memory")
+    assert rc == 0 and "nothing to clean" in out and not (tmp_path / "never-made").exists()
+
+
+def test_clean_memory_subprocess(tmp_path):
+    mem = tmp_path / "mem"
+    mem.mkdir()
+    dead = make_namespace(mem, tmp_path / "ck", dead_pid())
+    live = make_namespace(mem, tmp_path / "ck-live", os.getpid())
+    r = subprocess.run([sys.executable, "-m", "fastckpt", "clean-memory", "--json"], capture_output=True, text=True,
+                       env=cli_env(FASTCKPT_MEMORY_DIR=str(mem)), timeout=120)
+    assert r.returncode == 0, r.stderr
+    rep = json.loads(r.stdout)
+    assert [x["path"] for x in rep["removed"]] == [dead] and rep["removed"][0]["removed"][-1] == dead
+    assert not os.path.exists(dead) and os.path.isdir(live)
 
 
 # ---------------------------------------------------------------- the command itself
