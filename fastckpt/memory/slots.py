@@ -22,6 +22,7 @@ is unlinked and made anew before it is rewritten: the restored tensors keep
 their pages and never see the next snapshot's bytes.
 """
 
+import ctypes
 import errno
 import json
 import logging
@@ -37,10 +38,11 @@ from ..errors import FormatError
 
 log = logging.getLogger("fastckpt")
 
-__all__ = ["Record", "SlotDir", "RECORD_VERSION"]
+__all__ = ["Record", "SlotDir", "MappedFile", "RECORD_VERSION"]
 
 RECORD_VERSION = 1
 _SLOT = re.compile(r"^slot(\d+)\.(pt|commit)$")
+_TORCH_COPY = 1 << 20   # writes of at least this many bytes are copied by torch (in parallel)
 _MAX_RECORD = 1 << 24   # a commit record is small; anything larger is not one (never read whole)
 
 
@@ -73,6 +75,33 @@ def _check_record(raw: Any, where: str) -> Record:
     return Record(raw)
 
 
+class MappedFile:
+    """A write-only file object over a mapped slot: each write is one memcpy into the mapping
+    (no system call; the pages are the slot's, already there when the slot is reused)."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf, self.base, self.pos = buf, buf.data_ptr(), 0
+
+    def write(self, b) -> int:
+        mv = memoryview(b).cast("B")
+        n = mv.nbytes
+        if self.pos + n > self.buf.numel():
+            raise OSError(errno.EFBIG, f"snapshot larger than its planned {self.buf.numel()} bytes")
+        if n >= _TORCH_COPY and not mv.readonly:  # torch's copy: on every intra-op thread
+            self.buf[self.pos:self.pos + n].copy_(torch.frombuffer(mv, dtype=torch.uint8))
+        elif n:
+            src = b if isinstance(b, bytes) else bytes(mv) if mv.readonly else (ctypes.c_char * n).from_buffer(mv)
+            ctypes.memmove(self.base + self.pos, src, n)
+        self.pos += n
+        return n
+
+    def seekable(self) -> bool:
+        return False
+
+    def flush(self) -> None:
+        pass
+
+
 class SlotDir:
     """One directory of snapshot slots (see the module's docstring)."""
 
@@ -80,6 +109,7 @@ class SlotDir:
         self.path = path
         self.keep = keep
         self._mapped: set = set()   # slot numbers whose archive this process mapped for a restore
+        self._maps: Dict[int, Tuple[int, int, torch.Tensor]] = {}  # slot -> (inode, size, its writable mapping)
 
     # ------------------------------------------------------------ names
     def archive(self, k: int) -> str:
@@ -168,6 +198,35 @@ class SlotDir:
                           path) from None
         return os.fdopen(fd, "r+b")  # buffered: its write() loops over short writes
 
+    def mapping(self, k: int, nbytes: int) -> torch.Tensor:
+        """Slot k's archive resized to exactly `nbytes` (space reserved: ENOSPC now, never a
+        SIGBUS) and mapped writable; the mapping is kept for the next snapshot into this slot."""
+        path = self.archive(k)
+        if k in self._mapped:  # a restore maps the old pages: new ones for this snapshot
+            self._mapped.discard(k)
+            self._maps.pop(k, None)
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+        got = self._maps.get(k)
+        try:
+            ino = os.stat(path).st_ino
+        except FileNotFoundError:
+            ino = None
+        if got is not None and got[0] == ino and got[1] == nbytes:
+            return got[2]
+        self._maps.pop(k, None)
+        f = self.open_for_write(k, nbytes)
+        try:
+            f.truncate(nbytes)
+            ino = os.fstat(f.fileno()).st_ino
+        finally:
+            f.close()
+        buf = self.map(k, nbytes)
+        self._maps[k] = (ino, nbytes, buf)
+        return buf
+
     def mark_mapped(self, k: int) -> None:
         """Slot k's archive is mapped by a restore: it is made anew before it is rewritten."""
         self._mapped.add(k)
@@ -194,6 +253,7 @@ class SlotDir:
     def remove(self, k: int) -> None:
         """Slot k gone: its commit record first, then its archive."""
         self._mapped.discard(k)
+        self._maps.pop(k, None)
         for p in (self.record_path(k), self.archive(k)):
             try:
                 os.unlink(p)

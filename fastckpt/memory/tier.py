@@ -38,9 +38,10 @@ from .._core.atomic import write_file
 from .._core.units import human
 from ..formats import torch_rules as _torch_rules
 from ..formats.pickler import pickle_with_storages
+from ..formats.archive import plan_archive
 from ..torchsave.writer import write_archive
 from .replicas import Peers, exchange
-from .slots import RECORD_VERSION, Record, SlotDir
+from .slots import RECORD_VERSION, MappedFile, Record, SlotDir
 
 log = logging.getLogger("fastckpt")
 
@@ -176,13 +177,11 @@ class BoundTier:
         try:
             k = self._take_slot(step)
             opts = dict(alignment=_torch_rules.storage_alignment(), byteorder=True)
-            f = self.own.open_for_write(k, 0)
-            try:
-                entries = write_archive(f, data_pkl, storages, compute_crc32=False, **opts)
-                nbytes = f.tell()
-                f.truncate(nbytes)
-            finally:
-                f.close()
+            nbytes = plan_archive(data_pkl, storages, opts["alignment"], True)[3]
+            f = MappedFile(self.own.mapping(k, nbytes))  # each record one memcpy into the slot's pages
+            entries = write_archive(f, data_pkl, storages, compute_crc32=False, **opts)
+            if f.pos != nbytes:
+                raise RuntimeError(f"fastckpt.MemoryTier: wrote {f.pos} bytes of a {nbytes}-byte snapshot")
         except BaseException:
             if self.group is not None:
                 self._queue(_Job(self.own, None))  # the peers still get this round (nothing to keep)
