@@ -115,6 +115,13 @@ distclean: clean
 test-exit-long: build
 	FASTCKPT_EXIT_RUNS=50 $(PY) -m pytest -q tests/python/manager/test_manager_exit.py $(PYTEST_ARGS)
 
+# The memory tier alone (benchmarks/bench_memory.py; also a table of `make bench`): MEMORY_SIZE per rank,
+# one process, then two torchrun agents as emulated nodes on this machine.
+MEMORY_SIZE ?= 1G
+.PHONY: bench-memory
+bench-memory: build
+	$(PY) benchmarks/bench_memory.py --dir "$(BENCH_DIR)" --size $(MEMORY_SIZE) --json build/bench-memory.json
+
 # CRC-32 (zip polynomial) of zlib and of whichever accelerated libraries are installed
 # (ISA-L: libisal-dev, libdeflate: libdeflate-dev, zlib-ng: libz-ng-dev), found with pkg-config;
 # parity with zlib first (non-zero exit on a mismatch), then GB/s per buffer size. CRC_ARGS: --reps,

@@ -91,6 +91,8 @@ STANDALONE = (
      "fastckpt.integrations (about 3 minutes)"),
     ("remote", "bench_remote.py", "upload, download and restore against a local S3 endpoint (moto): "
      "fastckpt against s3fs and boto3"),
+    ("memory", "bench_memory.py", "the memory tier: snapshot blocking against a plain copy, async_save and "
+     "dcp.async_save; restore from memory against disk; replication between two emulated nodes"),
     ("cluster", "cluster_emulate.py", "the cluster benchmark: N = 1, 2, 4 emulated nodes (root: loop "
      "filesystems, blkio cgroups), every save/load mode of replicated state"),
 )
