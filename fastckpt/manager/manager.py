@@ -416,7 +416,7 @@ class CheckpointManager:
             self.wait()
             _remote_tier.close_all(self)  # collective where every rank uploads its part
             if self._memory is not None:
-                self._memory.clear()  # the job is done: its snapshots and replicas are freed
+                _memory_tier.close_tier(self._memory)  # the job is done: its snapshots and replicas are freed
         finally:
             self._release(wait=False)
 

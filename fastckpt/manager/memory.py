@@ -39,7 +39,7 @@ from .ranks import failure_types
 
 log = logging.getLogger("fastckpt")
 
-__all__ = ["open_tier", "write_step", "restore", "install_persist"]
+__all__ = ["open_tier", "write_step", "restore", "install_persist", "close_tier", "persist_newest"]
 
 
 def open_tier(mgr: Any, cfg: MemoryTier) -> Any:
@@ -64,7 +64,7 @@ def open_tier(mgr: Any, cfg: MemoryTier) -> Any:
 
 def _slot_view(tier: Any, rec: Record):
     """data.pkl's bytes and the storages (views of the slot's mapping) of snapshot `rec`."""
-    whole = tier.own.map(rec["slot"], rec["nbytes"])
+    whole = tier.own.view(rec["slot"], rec["nbytes"])
     off, n = rec["pkl"]
     data_pkl = whole[off:off + n].numpy().tobytes()
     st = whole.untyped_storage()
@@ -222,4 +222,15 @@ def install_persist(mgr: Any, tier: Any) -> None:
             os.kill(os.getpid(), signum)
 
     signal.signal(sig, handler)
-    tier.persist_previous = (sig, previous)
+    tier.persist_previous = (sig, previous, handler)
+
+
+def close_tier(tier: Any) -> None:
+    """The job is done: the persist handler uninstalled (the previous one back, if ours is still
+    the signal's), the snapshots and replicas freed."""
+    sig, previous, handler = getattr(tier, "persist_previous", (None, None, None))
+    if sig is not None and threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(sig) is handler:
+        signal.signal(sig, previous)
+    tier.persist_previous = (None, None, None)
+    tier.clear()

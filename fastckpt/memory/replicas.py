@@ -125,7 +125,7 @@ def exchange(tier: Any, rec: Optional[Record]) -> None:
     _wait(works)
     works, incoming = [], []
     if rec is not None:
-        data = tier.own.map(rec["slot"], rec["nbytes"])
+        data = tier.own.view(rec["slot"], rec["nbytes"])
         for p in tier.peers.sends:
             works.append(torch.distributed.isend(_u8(mine), group=g, group_dst=p, tag=_RECORD))
             if rec["nbytes"]:

@@ -227,6 +227,18 @@ class SlotDir:
         self._maps[k] = (ino, nbytes, buf)
         return buf
 
+    def view(self, k: int, nbytes: int) -> torch.Tensor:
+        """Slot k's first `nbytes` for reading: the kept mapping of this process's snapshot
+        (its pages already mapped) where there is one, else a new mapping."""
+        got = self._maps.get(k)
+        if got is not None and got[1] == nbytes:
+            try:
+                if os.stat(self.archive(k)).st_ino == got[0]:
+                    return got[2]
+            except FileNotFoundError:
+                pass
+        return self.map(k, nbytes)
+
     def mark_mapped(self, k: int) -> None:
         """Slot k's archive is mapped by a restore: it is made anew before it is rewritten."""
         self._mapped.add(k)
@@ -243,7 +255,7 @@ class SlotDir:
         try:
             if os.stat(self.archive(rec["slot"])).st_size != rec["nbytes"]:
                 return "its length does not match its commit record"
-            crc = _engine.crc32(self.map(rec["slot"], rec["nbytes"])) if rec["nbytes"] else 0
+            crc = _engine.crc32(self.view(rec["slot"], rec["nbytes"])) if rec["nbytes"] else 0
         except OSError as e:
             return f"{type(e).__name__}: {e}"
         if crc != rec["crc"]:

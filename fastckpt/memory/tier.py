@@ -252,7 +252,7 @@ class BoundTier:
         try:
             if rec is None:
                 return
-            rec["crc"] = _engine.crc32(job.slots.map(rec["slot"], rec["nbytes"])) if rec["nbytes"] else 0
+            rec["crc"] = _engine.crc32(job.slots.view(rec["slot"], rec["nbytes"])) if rec["nbytes"] else 0
             job.slots.write_record(rec)  # complete from now on
             committed = rec
             self.stats["commit_s"] = time.perf_counter() - t0

@@ -245,3 +245,16 @@ def test_arguments(tmp_path, memdir):
     with pytest.raises(ValueError, match="already serves"):
         fastckpt.CheckpointManager(tmp_path / "d", memory=tier)
     tier.clear()
+
+
+def test_close_puts_the_previous_signal_handler_back(tmp_path, memdir):
+    def mine(signum, frame):
+        pass
+    old = signal.signal(signal.SIGUSR2, mine)
+    try:
+        mgr = fastckpt.CheckpointManager(tmp_path / "c", memory=fastckpt.MemoryTier(persist_on=signal.SIGUSR2))
+        assert signal.getsignal(signal.SIGUSR2) is not mine
+        mgr.close()
+        assert signal.getsignal(signal.SIGUSR2) is mine
+    finally:
+        signal.signal(signal.SIGUSR2, old)
