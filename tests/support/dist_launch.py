@@ -69,6 +69,19 @@ def reap(procs, timeout: float, wait_for=None) -> None:
         kill_all(procs)
 
 
+def _collect(procs, files, timeout: float) -> List[subprocess.CompletedProcess]:
+    """Wait for `procs` (see :func:`reap`), then one CompletedProcess each from their output files."""
+    reap(procs, timeout)
+    out = []
+    for p, (o, e) in zip(procs, files):
+        o.seek(0)
+        e.seek(0)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, o.read(), e.read()))
+        o.close()
+        e.close()
+    return out
+
+
 def ranks(script, *args, world: int = 2, timeout: float = 300) -> List[subprocess.CompletedProcess]:
     """Every rank of ``script args`` started directly, with RANK, WORLD_SIZE,
     LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them; waits for all
@@ -81,15 +94,7 @@ def ranks(script, *args, world: int = 2, timeout: float = 300) -> List[subproces
                               env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for r in range(world)]
-    reap(procs, timeout)
-    out = []
-    for p, (o, e) in zip(procs, files):
-        o.seek(0)
-        e.seek(0)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, o.read(), e.read()))
-        o.close()
-        e.close()
-    return out
+    return _collect(procs, files, timeout)
 
 
 def torchrun_nodes(script, *args, node_env, nproc: int = 1, timeout: float = 300) -> List[subprocess.CompletedProcess]:
@@ -103,15 +108,7 @@ def torchrun_nodes(script, *args, node_env, nproc: int = 1, timeout: float = 300
                               "--master_port", port, str(script), *map(str, args)], cwd=ROOT, text=True,
                              stdout=files[i][0], stderr=files[i][1], env=env(**extra))
              for i, extra in enumerate(node_env)]
-    reap(procs, timeout)
-    out = []
-    for p, (o, e) in zip(procs, files):
-        o.seek(0)
-        e.seek(0)
-        out.append(subprocess.CompletedProcess(p.args, p.returncode, o.read(), e.read()))
-        o.close()
-        e.close()
-    return out
+    return _collect(procs, files, timeout)
 
 
 def report(results) -> str:
