@@ -314,7 +314,7 @@ class CheckpointManager:
         if self._memory is None:
             raise ValueError("fastckpt.CheckpointManager.snapshot needs a memory tier: "
                              "CheckpointManager(dir, memory=fastckpt.MemoryTier())")
-        self._memory.snapshot(step, state)
+        _memory_tier.snapshot(self, step, state)
 
     def async_save(self, step: int, state: Any) -> concurrent.futures.Future:
         """Like :meth:`save`, but returns once ``state`` is snapshotted into
@@ -646,7 +646,7 @@ class CheckpointManager:
         listing = self._ranks.agree(err, "listing checkpoints", listing)
         if self._memory is not None:  # collective: memory first where it holds a step at least as new
             disk = [s for s, _ in listing]
-            got = _memory_tier.restore(self, max(disk) if disk else None, map_location, weights_only)
+            got = _memory_tier.restore(self, max(disk) if disk else None, map_location, weights_only, state)
             if got is not None:
                 return got
         failures = []

@@ -46,9 +46,6 @@ def open_tier(mgr: Any, cfg: MemoryTier) -> Any:
     """Collective: bind `cfg` to `mgr` (see the module's docstring)."""
     if not isinstance(cfg, MemoryTier):
         raise TypeError(f"memory must be a fastckpt.MemoryTier (got {type(cfg).__name__})")
-    if mgr.sharded:
-        raise ValueError("fastckpt.CheckpointManager: the memory tier does not take sharded=True yet "
-                         "(snapshot each rank's state in replicated mode, or save sharded checkpoints to disk)")
     keys = mgr._ranks.gather(node_key())
     group, peers = None, Peers()
     if cfg.replicas and len(set(keys)) > 1:
@@ -60,6 +57,55 @@ def open_tier(mgr: Any, cfg: MemoryTier) -> Any:
     if cfg.persist_on is not None:
         install_persist(mgr, bound)
     return bound
+
+
+def local_state(obj: Any) -> Any:
+    """Sharded mode: `obj` with every DTensor replaced by this rank's shard (its local tensor):
+    what a rank's snapshot holds."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return type(obj)((k, local_state(v)) for k, v in obj.items()) if type(obj) is not dict else \
+            {k: local_state(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(local_state(v) for v in obj)
+    return obj
+
+
+def fill_into(target: Any, snap: Any, where: str = "state") -> Any:
+    """Sharded mode's restore in place: `target`'s tensors (a DTensor's local shard) filled from
+    the snapshot's, other values replaced; FormatError where the two do not match (another world
+    size or placement: the disk's checkpoint is the one to load then)."""
+    from torch.distributed.tensor import DTensor
+    if isinstance(target, DTensor):
+        target = target.to_local()
+    if isinstance(target, torch.Tensor):
+        if not isinstance(snap, torch.Tensor) or snap.shape != target.shape or snap.dtype != target.dtype:
+            got = f"{tuple(snap.shape)} {snap.dtype}" if isinstance(snap, torch.Tensor) else type(snap).__name__
+            raise FormatError(f"the snapshot's {where} is {got}, the state's {tuple(target.shape)} {target.dtype}")
+        target.copy_(snap)
+        return target
+    if isinstance(target, dict):
+        if not isinstance(snap, dict) or set(snap) != set(target):
+            raise FormatError(f"the snapshot's {where} does not have the state's keys")
+        for k in target:
+            got = fill_into(target[k], snap[k], f"{where}.{k}")
+            if not isinstance(target[k], torch.Tensor):
+                target[k] = got
+        return target
+    if isinstance(target, list) and isinstance(snap, list) and len(snap) == len(target):
+        for i, v in enumerate(target):
+            got = fill_into(v, snap[i], f"{where}[{i}]")
+            if not isinstance(v, torch.Tensor):
+                target[i] = got
+        return target
+    return snap
+
+
+def snapshot(mgr: Any, step: int, state: Any) -> None:
+    """``mgr.snapshot``: the state (sharded mode: each rank's shards) into the tier."""
+    mgr._memory.snapshot(step, local_state(state) if mgr.sharded else state)
 
 
 def _slot_view(tier: Any, rec: Record):
@@ -105,9 +151,10 @@ def _plan(holdings: List[dict], step: int) -> Optional[List[int]]:
     return plan
 
 
-def restore(mgr: Any, newest_disk: Optional[int], map_location: Any, weights_only: bool) -> Optional[Any]:
+def restore(mgr: Any, newest_disk: Optional[int], map_location: Any, weights_only: bool,
+            target: Any = None) -> Optional[Any]:
     """Collective: the Restored of the newest step every rank can restore from memory (not older
-    than `newest_disk`), or None (the disk's turn)."""
+    than `newest_disk`), or None (the disk's turn). Sharded mode: filled into `target` in place."""
     tier = mgr._memory
     tier.wait()
     mine = tier.holdings()
@@ -148,6 +195,11 @@ def restore(mgr: Any, newest_disk: Optional[int], map_location: Any, weights_onl
                 raise FormatError(f"{path}: snapshot of step {step} is damaged: {why}")
             tier.own.mark_mapped(rec["slot"])  # the next snapshot into this slot takes new pages
             state = _load(path, map_location=map_location, weights_only=weights_only, mmap=True, verify=False)
+            if mgr.sharded:
+                try:
+                    state = fill_into(target, state)
+                except FormatError as e:
+                    raise FormatError(f"{path}: {e}") from None
         except failure_types() as e:  # noqa: BLE001 - every rank learns of it
             err = e
         got = mgr._ranks.gather(None if err is None else f"rank {mgr.rank}: {type(err).__name__}: {err}")
@@ -191,6 +243,10 @@ def persist_newest(mgr: Any, tier: Any) -> Optional[str]:
 def install_persist(mgr: Any, tier: Any) -> None:
     """The handler of ``persist_on`` (main thread only; elsewhere a warning)."""
     sig = tier.cfg.persist_on
+    if mgr.sharded:
+        warnings.warn("fastckpt.MemoryTier: persist_on is not supported with sharded=True (a sharded checkpoint "
+                      "is written by every rank together); not installed", RuntimeWarning, stacklevel=4)
+        return
     if threading.current_thread() is not threading.main_thread():
         warnings.warn("fastckpt.MemoryTier: persist_on needs the manager made in the main thread; not installed",
                       RuntimeWarning, stacklevel=4)

@@ -82,16 +82,16 @@ def _collect(procs, files, timeout: float) -> List[subprocess.CompletedProcess]:
     return out
 
 
-def ranks(script, *args, world: int = 2, timeout: float = 300) -> List[subprocess.CompletedProcess]:
+def ranks(script, *args, world: int = 2, timeout: float = 300, extra_env=None) -> List[subprocess.CompletedProcess]:
     """Every rank of ``script args`` started directly, with RANK, WORLD_SIZE,
-    LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them; waits for all
+    LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them (and ``extra_env``); waits for all
     (killing any still running past ``timeout``: its return code is then
     -SIGKILL) and returns one CompletedProcess each."""
     port = str(free_port())
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in range(world)]  # no pipe to fill
     procs = [fastspawn.Popen([sys.executable, str(script), *map(str, args)], cwd=ROOT, text=True,
                               stdout=files[r][0], stderr=files[r][1],
-                              env=env(RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
+                              env=env(**(extra_env or {}), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world),
                                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=port))
              for r in range(world)]
     return _collect(procs, files, timeout)
