@@ -55,12 +55,11 @@ call every method, in the same order):
 The directory must be visible to every rank that reads it (one node, or a
 shared filesystem).
 
-Where the code is: this module is the manager's public face and decides which rank
-does what, in which order; fastckpt/_manager_policy.py holds the policy (names,
-``latest``, rollback, retention, temporary names, which failures are damage),
-fastckpt/_manager_dist.py the distributed coordination (process groups, barriers and
-failure agreement, DCP collectives, the manager's own gloo groups, released at close
-and at exit), fastckpt/_manager_async.py the collective asynchronous save.
+Where the code is: this module is the public face and decides which rank does what, in
+which order; ``policy.py`` holds the policy (names, ``latest``, rollback, retention, which
+failures are damage), ``ranks.py`` the coordination (process groups, failure agreement, DCP
+collectives, the manager's own gloo groups), ``asyncsave.py`` the collective asynchronous
+save, ``remote.py`` and ``memory.py`` the wiring of the remote and memory tiers.
 """
 
 import concurrent.futures
@@ -133,10 +132,8 @@ class CheckpointManager:
             (fastckpt/_manager_remote.py). The store is checked now.
         storage_options: passed to fsspec for ``replicate_to``.
         keep_last_remote: complete remote steps to keep (None: all).
-        memory: a :class:`fastckpt.MemoryTier`: :meth:`snapshot` keeps
-            snapshots in host memory (replicated to peer nodes), and
-            :meth:`load_latest` restores from there when memory holds a step
-            at least as new as the disk's (fastckpt/manager/memory.py).
+        memory: a :class:`fastckpt.MemoryTier`: :meth:`snapshot` into host memory (replicated
+            to peer nodes); :meth:`load_latest` restores from there first (docs/guide/memory.md).
 
     Example:
         >>> mgr = fastckpt.CheckpointManager("ckpt", keep_last=3)
@@ -180,7 +177,6 @@ class CheckpointManager:
         _remote_tier.open_others(self, replicate_to, storage_options, keep_last_remote, prefix)  # collective
         if sharded:
             self._ranks.open_async_group()
-        self.memory = memory
         self._memory = _memory_tier.open_tier(self, memory) if memory is not None else None  # collective
         register_manager(self)
 
@@ -297,23 +293,13 @@ class CheckpointManager:
         return path if writes else None
 
     def snapshot(self, step: int, state: Any) -> None:
-        """Copy ``state`` into host memory as the memory tier's snapshot of ``step``;
-        returns once the copy is complete (``state`` may change from then on). Its
-        CRC-32, its commit and its replicas to peer nodes follow in the background.
-        A :meth:`save` of the same step next writes the file from this snapshot.
-        Not collective, but every rank must snapshot the same steps in the same order
-        (their replicas are exchanged in that order).
-
-        Raises:
-            ValueError: the manager has no ``memory=`` tier, or a bad step.
-            OSError: (ENOMEM) at the first snapshot, too little host memory for
-                the tier's snapshots and replicas (the message gives the figures);
-                a write error of the memory directory (ENOSPC).
-        """
+        """Copy ``state`` into host memory as the memory tier's snapshot of ``step`` and
+        return (``state`` may change then); its CRC-32, commit and replicas follow in the
+        background (fastckpt/manager/memory.py). Not collective, but every rank snapshots
+        the same steps in the same order. Raises ValueError without a ``memory=`` tier;
+        OSError: ENOMEM at the first snapshot (too little memory: the message gives the
+        figures), or the memory directory's write error."""
         self._check_step(step)
-        if self._memory is None:
-            raise ValueError("fastckpt.CheckpointManager.snapshot needs a memory tier: "
-                             "CheckpointManager(dir, memory=fastckpt.MemoryTier())")
         _memory_tier.snapshot(self, step, state)
 
     def async_save(self, step: int, state: Any) -> concurrent.futures.Future:
@@ -415,8 +401,7 @@ class CheckpointManager:
         try:
             self.wait()
             _remote_tier.close_all(self)  # collective where every rank uploads its part
-            if self._memory is not None:
-                _memory_tier.close_tier(self._memory)  # the job is done: its snapshots and replicas are freed
+            _memory_tier.close_tier(self._memory)  # the job is done: its snapshots and replicas are freed
         finally:
             self._release(wait=False)
 
@@ -427,8 +412,7 @@ class CheckpointManager:
         whose worker threads are joined now: :meth:`Ranks.release`)."""
         if wait:
             self.wait_local()
-        if getattr(self, "_memory", None) is not None:
-            self._memory.wait()  # its background thread uses the group released below
+        _memory_tier.quiesce(getattr(self, "_memory", None))  # its thread uses the groups released below
         if self._remote is not None:
             self._remote.close(wait=True)
         self._ranks.release()
@@ -644,11 +628,9 @@ class CheckpointManager:
             except failure_types() as e:  # noqa: BLE001
                 err = e
         listing = self._ranks.agree(err, "listing checkpoints", listing)
-        if self._memory is not None:  # collective: memory first where it holds a step at least as new
-            disk = [s for s, _ in listing]
-            got = _memory_tier.restore(self, max(disk) if disk else None, map_location, weights_only, state)
-            if got is not None:
-                return got
+        got = _memory_tier.restore(self, listing, map_location, weights_only, state) if self._memory else None
+        if got is not None:  # (collective) from memory: a step at least as new as the disk's
+            return got
         failures = []
         for step, name in _remote_candidates(self, listing):  # local first, then the remote tier
             path = self.directory / name

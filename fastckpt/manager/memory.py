@@ -39,7 +39,8 @@ from .ranks import failure_types
 
 log = logging.getLogger("fastckpt")
 
-__all__ = ["open_tier", "write_step", "restore", "install_persist", "close_tier", "persist_newest"]
+__all__ = ["open_tier", "snapshot", "write_step", "restore", "install_persist", "quiesce", "close_tier",
+           "persist_newest"]
 
 
 def open_tier(mgr: Any, cfg: MemoryTier) -> Any:
@@ -105,6 +106,9 @@ def fill_into(target: Any, snap: Any, where: str = "state") -> Any:
 
 def snapshot(mgr: Any, step: int, state: Any) -> None:
     """``mgr.snapshot``: the state (sharded mode: each rank's shards) into the tier."""
+    if mgr._memory is None:
+        raise ValueError("fastckpt.CheckpointManager.snapshot needs a memory tier: "
+                         "CheckpointManager(dir, memory=fastckpt.MemoryTier())")
     mgr._memory.snapshot(step, local_state(state) if mgr.sharded else state)
 
 
@@ -151,10 +155,12 @@ def _plan(holdings: List[dict], step: int) -> Optional[List[int]]:
     return plan
 
 
-def restore(mgr: Any, newest_disk: Optional[int], map_location: Any, weights_only: bool,
+def restore(mgr: Any, listing: List[Any], map_location: Any, weights_only: bool,
             target: Any = None) -> Optional[Any]:
     """Collective: the Restored of the newest step every rank can restore from memory (not older
-    than `newest_disk`), or None (the disk's turn). Sharded mode: filled into `target` in place."""
+    than the newest of the disk's `listing`, (step, name) pairs), or None (the disk's turn).
+    Sharded mode: filled into `target` in place."""
+    newest_disk = max((s for s, _ in listing), default=None)
     tier = mgr._memory
     tier.wait()
     mine = tier.holdings()
@@ -281,9 +287,17 @@ def install_persist(mgr: Any, tier: Any) -> None:
     tier.persist_previous = (sig, previous, handler)
 
 
+def quiesce(tier: Any) -> None:
+    """Wait for the tier's background work (none: nothing to wait for)."""
+    if tier is not None:
+        tier.wait()
+
+
 def close_tier(tier: Any) -> None:
     """The job is done: the persist handler uninstalled (the previous one back, if ours is still
-    the signal's), the snapshots and replicas freed."""
+    the signal's), the snapshots and replicas freed (none: nothing to do)."""
+    if tier is None:
+        return
     sig, previous, handler = getattr(tier, "persist_previous", (None, None, None))
     if sig is not None and threading.current_thread() is threading.main_thread() \
             and signal.getsignal(sig) is handler:
