@@ -5,6 +5,7 @@ memory_job.py). Every rank is SIGKILLed after a snapshot; the restarted job must
 to an uninterrupted run, restoring from its own memory, from a peer's replica when a node lost its
 memory, and from the disk when the replica it needs is damaged."""
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -25,7 +26,7 @@ def nodes(tmp_path):
     made = []
 
     def make(n):
-        dirs = [Path("/dev/shm") / f"fastckpt-test-{tmp_path.name}-node{i}" for i in range(n)]
+        dirs = [Path("/dev/shm") / f"fastckpt-test-{os.getpid()}-{tmp_path.name}-node{i}" for i in range(n)]  # unique per xdist worker
         made.extend(dirs)
         return dirs
     yield make
