@@ -76,24 +76,10 @@ def _u8(data: bytes) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
 
 
-def _take_replica(d: SlotDir, step: int) -> int:
-    """A replica slot for `step` (the newest complete one kept while keep > 1; steps >= it dropped)."""
-    recs = d.records()
-    for r in recs:
-        if r.step >= step:
-            d.remove(r["slot"])
-    recs = [r for r in recs if r.step < step]
-    return d.take((recs[0]["slot"],) if recs and d.keep > 1 else ())
-
-
 def _receive_into(d: SlotDir, step: int, nbytes: int) -> Tuple[int, torch.Tensor]:
-    k = _take_replica(d, step)
-    f = d.open_for_write(k, nbytes)
-    try:
-        f.truncate(nbytes)
-    finally:
-        f.close()
-    return k, d.map(k, nbytes)
+    """A replica slot of `d` for `step` (nothing of `d` is busy: one thread receives into it), mapped."""
+    k = d.take_for(step)
+    return k, d.mapping(k, nbytes)
 
 
 def _accept(d: SlotDir, k: int, buf: torch.Tensor, raw: bytes, crc: int, origin: int, what: str) -> Optional[Record]:

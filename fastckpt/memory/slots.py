@@ -157,19 +157,23 @@ class SlotDir:
         write_file(self.record_path(rec["slot"]), json.dumps(rec, sort_keys=True).encode())
 
     # ------------------------------------------------------------ slots
-    def take(self, avoid: Tuple[int, ...] = ()) -> int:
-        """A slot for a new snapshot: a free one, else the one holding the oldest
-        step (never one in `avoid`); its commit record is removed now."""
+    def take_for(self, step: int, busy: Tuple[int, ...] = ()) -> Optional[int]:
+        """A slot for the snapshot of `step`, or None while every slot it may take is `busy` (a
+        background job still works on it). Snapshots of steps >= `step` are dropped (a new
+        branch; busy ones stay); the newest older one is kept while keep > 1; a free slot is
+        taken first, else the one holding the oldest step; its commit record is removed now."""
         os.makedirs(self.path, exist_ok=True)
-        recs = {r["slot"]: r for r in self.records()}
-        free = [k for k in range(self.keep) if k not in recs and k not in avoid]
-        if free:
-            k = free[0]
-        else:
-            used = sorted((r.step, k) for k, r in recs.items() if k not in avoid)
-            if not used:
-                raise RuntimeError(f"fastckpt: no snapshot slot in {self.path} may be reused (keep={self.keep})")
-            k = used[0][1]
+        recs = self.records()
+        for r in recs:
+            if r.step >= step and r["slot"] not in busy:
+                self.remove(r["slot"])
+        older = [r for r in recs if r.step < step]
+        avoid = set(busy) | ({older[0]["slot"]} if older and self.keep > 1 else set())
+        if len(avoid) >= self.keep:
+            return None
+        held = {r["slot"]: r.step for r in older}
+        free = [k for k in range(self.keep) if k not in held and k not in avoid]
+        k = free[0] if free else min((st, k) for k, st in held.items() if k not in avoid)[1]
         try:
             os.unlink(self.record_path(k))
         except FileNotFoundError:
@@ -179,28 +183,19 @@ class SlotDir:
                 self.remove(extra)
         return k
 
-    def open_for_write(self, k: int, nbytes: int):
-        """Slot k's archive opened for rewriting, `nbytes` reserved (ENOSPC now, not a SIGBUS later)."""
-        path = self.archive(k)
-        if k in self._mapped:  # a restore maps the old pages: new ones for this snapshot
-            self._mapped.discard(k)
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    def _kept(self, k: int, nbytes: int) -> Optional[torch.Tensor]:
+        """This process's kept mapping of slot k, if it still maps the slot's file at `nbytes`."""
+        got = self._maps.get(k)
+        if got is None or got[1] != nbytes:
+            return None
         try:
-            if nbytes:
-                os.posix_fallocate(fd, 0, nbytes)
-        except OSError as e:
-            os.close(fd)
-            raise OSError(e.errno, f"reserving {nbytes} bytes of host memory for a snapshot: {os.strerror(e.errno)}",
-                          path) from None
-        return os.fdopen(fd, "r+b")  # buffered: its write() loops over short writes
+            return got[2] if os.stat(self.archive(k)).st_ino == got[0] else None
+        except FileNotFoundError:
+            return None
 
     def mapping(self, k: int, nbytes: int) -> torch.Tensor:
-        """Slot k's archive resized to exactly `nbytes` (space reserved: ENOSPC now, never a
-        SIGBUS) and mapped writable; the mapping is kept for the next snapshot into this slot."""
+        """Slot k's archive resized to exactly `nbytes` (space reserved first: ENOSPC now, never
+        a SIGBUS) and mapped writable; the mapping is kept for the next write into this slot."""
         path = self.archive(k)
         if k in self._mapped:  # a restore maps the old pages: new ones for this snapshot
             self._mapped.discard(k)
@@ -209,20 +204,21 @@ class SlotDir:
                 os.unlink(path)
             except FileNotFoundError:
                 pass
-        got = self._maps.get(k)
-        try:
-            ino = os.stat(path).st_ino
-        except FileNotFoundError:
-            ino = None
-        if got is not None and got[0] == ino and got[1] == nbytes:
-            return got[2]
+        kept = self._kept(k, nbytes)
+        if kept is not None:
+            return kept
         self._maps.pop(k, None)
-        f = self.open_for_write(k, nbytes)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
-            f.truncate(nbytes)
-            ino = os.fstat(f.fileno()).st_ino
+            if nbytes:
+                os.posix_fallocate(fd, 0, nbytes)
+            os.ftruncate(fd, nbytes)
+            ino = os.fstat(fd).st_ino
+        except OSError as e:
+            raise OSError(e.errno, f"reserving {nbytes} bytes of host memory for a snapshot: {os.strerror(e.errno)}",
+                          path) from None
         finally:
-            f.close()
+            os.close(fd)
         buf = self.map(k, nbytes)
         self._maps[k] = (ino, nbytes, buf)
         return buf
@@ -230,14 +226,8 @@ class SlotDir:
     def view(self, k: int, nbytes: int) -> torch.Tensor:
         """Slot k's first `nbytes` for reading: the kept mapping of this process's snapshot
         (its pages already mapped) where there is one, else a new mapping."""
-        got = self._maps.get(k)
-        if got is not None and got[1] == nbytes:
-            try:
-                if os.stat(self.archive(k)).st_ino == got[0]:
-                    return got[2]
-            except FileNotFoundError:
-                pass
-        return self.map(k, nbytes)
+        kept = self._kept(k, nbytes)
+        return kept if kept is not None else self.map(k, nbytes)
 
     def mark_mapped(self, k: int) -> None:
         """Slot k's archive is mapped by a restore: it is made anew before it is rewritten."""

@@ -170,14 +170,13 @@ class BoundTier:
         host memory (the CRC, the commit and the replication follow in the background)."""
         t0 = time.perf_counter()
         data_pkl, storages = pickle_with_storages(state, pickle, DEFAULT_PROTOCOL)
-        size = sum(s.nbytes() for s in storages) + len(data_pkl)
-        if not self._checked:
-            self.check_memory(size + 4096 * (len(storages) + 8))
-            self._checked = True
+        opts = dict(alignment=_torch_rules.storage_alignment(), byteorder=True)
         try:
-            k = self._take_slot(step)
-            opts = dict(alignment=_torch_rules.storage_alignment(), byteorder=True)
             nbytes = plan_archive(data_pkl, storages, opts["alignment"], True)[3]
+            if not self._checked:
+                self.check_memory(nbytes)
+                self._checked = True
+            k = self._take_slot(step)
             f = MappedFile(self.own.mapping(k, nbytes))  # each record one memcpy into the slot's pages
             entries = write_archive(f, data_pkl, storages, compute_crc32=False, **opts)
             if f.pos != nbytes:
@@ -205,15 +204,9 @@ class BoundTier:
             if any(r.step >= step for r in jobs):  # a new branch: the newer snapshot in flight is dropped once done
                 self._wait_one()
                 continue
-            busy = tuple(r["slot"] for r in jobs)
-            recs = self.own.records()
-            for r in recs:
-                if r.step >= step and r["slot"] not in busy:
-                    self.own.remove(r["slot"])
-            recs = [r for r in recs if r.step < step]
-            avoid = busy + ((recs[0]["slot"],) if recs and self.cfg.keep > 1 else ())
-            if len(set(avoid)) < self.cfg.keep:
-                return self.own.take(avoid)
+            k = self.own.take_for(step, tuple(r["slot"] for r in jobs))
+            if k is not None:
+                return k
             self._wait_one()
 
     # ------------------------------------------------------------ the background thread
