@@ -258,3 +258,23 @@ def test_close_puts_the_previous_signal_handler_back(tmp_path, memdir):
         assert signal.getsignal(signal.SIGUSR2) is mine
     finally:
         signal.signal(signal.SIGUSR2, old)
+
+
+@pytest.mark.parametrize("record", [b"", b"{]", b'{"version": 1}', b"[1, 2]", b'"x"' * 10,
+                                    b'{"version": 1, "step": 7, "rank": 0, "nbytes": 10, "crc": 0, "slot": 0, '
+                                    b'"pkl": [0, 99999], "storages": [], "opts": {}}',
+                                    b'{"version": 1, "step": -1, "rank": 0, "nbytes": 10, "crc": 0, "slot": 0, '
+                                    b'"pkl": [0, 1], "storages": [[5, 1]], "opts": {}}'])
+def test_a_hostile_commit_record_is_never_a_snapshot(tmp_path, memdir, record):
+    ckpt = tmp_path / "c"
+    mgr = fastckpt.CheckpointManager(ckpt, memory=fastckpt.MemoryTier(keep=2))
+    mgr.save(1, make_state(1))
+    mgr.snapshot(2, make_state(2))
+    mgr._memory.wait()
+    rec = mgr._memory.own.records()[0]
+    Path(mgr._memory.own.record_path(rec["slot"])).write_bytes(record)
+    again = fastckpt.CheckpointManager(ckpt, memory=fastckpt.MemoryTier(keep=2))
+    r = again.load_latest()
+    assert r.step == 1 and r.path == str(ckpt / again.name_for(1))  # the disk's: the record is ignored
+    assert_same(r.state, make_state(1), bitwise=True)
+    again.close()
