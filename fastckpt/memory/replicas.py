@@ -13,6 +13,9 @@ commit record and the archive, received straight into a slot of the
 receiver's ``replica<r>`` directory (space reserved first). The receiver
 checks the CRC-32 of what arrived before it writes the replica's commit
 record: a replica that fails it is dropped, with a warning, and never used.
+Last, each receiver tells each sender whether it committed the replica: a
+sender's round ends only once its replicas are committed on every peer (or
+known dropped), so a round that ended is a replica a lost node can restore.
 :func:`send_slot` / :func:`recv_slot` move one snapshot the same way for a
 restore (a replaced node's ranks fetching theirs from the peer that holds it).
 """
@@ -32,7 +35,7 @@ log = logging.getLogger("fastckpt")
 
 __all__ = ["Peers", "node_key", "plan_peers", "exchange", "send_slot", "recv_slot"]
 
-_HEADER, _RECORD, _DATA = 71, 72, 73   # message tags
+_HEADER, _RECORD, _DATA, _ACK = 71, 72, 73, 74   # message tags
 
 
 class Peers(NamedTuple):
@@ -128,8 +131,18 @@ def exchange(tier: Any, rec: Optional[Record]) -> None:
             works.append(torch.distributed.irecv(buf, group=g, group_src=s, tag=_DATA))
         incoming.append((s, d, k, buf, raw, crc))
     _wait(works)
+    works = []
     for s, d, k, buf, raw, crc in incoming:
-        _accept(d, k, buf, raw.numpy().tobytes(), crc, s, f"{d.archive(k)} (replica of rank {s})")
+        kept = _accept(d, k, buf, raw.numpy().tobytes(), crc, s, f"{d.archive(k)} (replica of rank {s})")
+        ack = torch.tensor([kept.step if kept is not None else -1, 1 if kept is not None else 0], dtype=torch.int64)
+        works.append(torch.distributed.isend(ack, group=g, group_dst=s, tag=_ACK))
+    acks = {p: torch.zeros(2, dtype=torch.int64) for p in (tier.peers.sends if rec is not None else ())}
+    works += [torch.distributed.irecv(a, group=g, group_src=p, tag=_ACK) for p, a in acks.items()]
+    _wait(works)
+    for p, a in acks.items():
+        if a[1].item() != 1:
+            log.warning("fastckpt.MemoryTier: rank %d dropped the replica of step %d of rank %d (see its log)",
+                        p, rec.step, tier.rank)
 
 
 def send_slot(group: Any, dst: int, slots: SlotDir, rec: Optional[Record]) -> None:

@@ -167,7 +167,8 @@ class BoundTier:
     # ------------------------------------------------------------ snapshots
     def snapshot(self, step: int, state: Any) -> Record:
         """Write `state` as the snapshot of `step` into a slot; returns once its bytes are in
-        host memory (the CRC, the commit and the replication follow in the background)."""
+        host memory and the previous snapshot is committed here and on the peers (this
+        one's CRC, commit and replication follow in the background: one round at most)."""
         t0 = time.perf_counter()
         data_pkl, storages = pickle_with_storages(state, pickle, DEFAULT_PROTOCOL)
         opts = dict(alignment=_torch_rules.storage_alignment(), byteorder=True)
@@ -191,6 +192,7 @@ class BoundTier:
         rec = Record(version=RECORD_VERSION, step=step, rank=self.rank, nbytes=nbytes, crc=0, slot=k, pkl=[pkl.data_offset, pkl.size],
                      storages=spans, opts=opts, time=time.time())
         self.last = rec
+        self.wait()  # the previous snapshot committed here and on the peers: one round in flight at most
         self.stats["snapshot_s"] = time.perf_counter() - t0
         self._queue(_Job(self.own, rec))
         return rec
