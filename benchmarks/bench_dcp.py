@@ -36,7 +36,6 @@ import gc
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -129,12 +128,6 @@ def warm_up(mesh=None) -> None:
             dist.barrier()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def worker(args) -> int:
     """A rank of the world-size-2 saves: holds its shards, saves on command (JSON lines on stdin)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -170,7 +163,7 @@ def worker(args) -> int:
 
 class Ranks:
     def __init__(self, size: int):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(be.free_port()), WORLD_SIZE="2",
                    OMP_NUM_THREADS="1")
         self.procs = []
         for r in range(2):

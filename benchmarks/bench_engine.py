@@ -75,7 +75,7 @@ TARGET_CPU = 0.2  # CPU-seconds (user+sys) per GB (1e9 bytes)
 # `fastckpt bench` (they are re-exported here: the other scripts use them as bench_engine.X).
 from benchmarks.harness import (  # noqa: E402,F401
     block_queue_info, cpu_children, cpu_machine, cpu_self, dev_delta, dev_stat, drop_caches, fmt_size,
-    machine_info, median, mount_of, parse_size, run_fio)
+    free_port, machine_info, median, mount_of, parse_size, run_fio)
 
 
 def log(msg: str) -> None:

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from benchmarks.harness import drop_caches, fmt_size, median, parse_size  # noqa: E402
+from benchmarks.harness import drop_caches, fmt_size, free_port, median, parse_size  # noqa: E402
 from benchmarks.workload import build_state_dict, iter_tensors, payload_bytes  # noqa: E402
 
 GB = 1e9
@@ -225,7 +225,7 @@ def nodes(args, size, work, rows, notes):
             if phase == "restore":
                 shutil.rmtree(mem[1])  # node 1 replaced: its memory is empty
                 os.makedirs(mem[1])
-            port = str(_free_port())
+            port = str(free_port())
             procs = [subprocess.Popen(
                 [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
                  "--node_rank", str(i), "--master_addr", "127.0.0.1", "--master_port", port, __file__, "--worker",
@@ -257,13 +257,6 @@ def nodes(args, size, work, rows, notes):
     finally:
         for d in mem + [outd]:
             shutil.rmtree(d, ignore_errors=True)
-
-
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv=None):

@@ -77,6 +77,15 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def free_port() -> int:
+    """A free TCP port for a benchmark's rendezvous (benchmarks run one at a time, so the
+    kernel's pick is enough; the tests, run in parallel, use tests/support/ports.py)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 # ----------------------------------------------------------------------------- counters
 
 def cpu_self() -> float:

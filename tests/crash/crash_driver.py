@@ -109,11 +109,13 @@ import os
 import random
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
 import traceback
+
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
+from ports import free_port  # noqa: E402
 
 TMP_MARK = ".fastckpt-tmp."
 RESAVE = ("resave_manager", "resave_convert", "resave_st", "resave_dcp")  # re-saves of directories
@@ -469,12 +471,6 @@ def _tree_hash(directory) -> dict:
     return {n: _sha(os.path.join(directory, n)) for n in sorted(os.listdir(directory))}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _load_dcp(directory):
     """Load a step directory of the world size 2 kinds with FastReader (CRCs checked) into
     a target whose every entry, non-tensors included, starts out different."""
@@ -578,7 +574,7 @@ class Driver:
         d = os.path.join(self.root, kind)
         ranks = tuple(range(WORLD.get(kind, 1)))
         victims = ranks if victims is None else victims
-        port = _free_port() if kind in WORLD else 0
+        port = free_port() if kind in WORLD else 0
         self.last_survivors = {}
         procs, conns = [], []
         t_start = time.monotonic()
@@ -1104,7 +1100,7 @@ class Driver:
             self.establish(kind)
         old_gen = self.prev[kind][0]
         d = os.path.join(self.root, kind)
-        port = _free_port()
+        port = free_port()
         procs, conns = [], []
         for r in (0, 1):
             a, b = self.ctx.Pipe(duplex=False)
@@ -1163,7 +1159,7 @@ class Driver:
         old_gen = self.prev[kind][0]
         d = os.path.join(self.root, kind)
         victim = self.rng.randrange(3)
-        port = _free_port()
+        port = free_port()
         procs, conns = [], []
         for r in range(3):
             a, b = self.ctx.Pipe(duplex=False)

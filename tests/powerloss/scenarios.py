@@ -21,6 +21,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the worktree's fastckpt
+sys.path.insert(1, os.path.join(os.path.dirname(HERE), "support"))  # ports
 import fastckpt  # noqa: E402
 
 MARK = ".crashfs-mark="
@@ -250,10 +251,8 @@ def run_manager_memory(mnt, p):
 
 
 def _spawn_ranks(mnt, p, role, world=2):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ports import free_port
+    port = free_port()
     procs = []
     for r in range(world):
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -3,7 +3,6 @@ under torchrun, or rank by rank with torchrun's environment (so that a rank
 that is killed is not followed by torchrun's agent stopping the others); free
 ports; killing and reaping the ranks and waiting for their "OK" lines."""
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -12,12 +11,7 @@ from typing import List
 
 import fastspawn
 from paths import ROOT
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port  # noqa: F401  (the tests take it from here too)
 
 
 def env(**extra) -> dict:
