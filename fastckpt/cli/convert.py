@@ -37,7 +37,7 @@ from ..formats import safetensors as _st
 from ..formats.safetensors import LAYOUT_KEY, SEPARATOR, dtype_name
 from .source import LazyValue, Source, Storage, byte_span, encode_layout, is_dense, storage_of, walk
 from ..formats.pickler import DEFAULT_PROTOCOL, pickle_with_storages, tensor_reduce
-from ..formats.torch_rules import StorageRef, itemsize, v3_dtypes
+from ..formats.torch_rules import StorageRef, storage_ref
 
 log = logging.getLogger("fastckpt")
 
@@ -103,19 +103,13 @@ def pickle_tree(tree: Any, source: Source, progress: Progress = None) -> Tuple[b
     and the storages to stream, in key order."""
     keys: Dict[int, StorageRef] = {}
     order: List[_Streamed] = []
-    v3 = v3_dtypes()
-    names = torch.storage._dtype_to_storage_type_map()
 
     def pstorage(t: torch.Tensor) -> Tuple[StorageRef, bool]:
         s = storage_of(t)
-        untyped = s.untyped or s.dtype in v3 or s.dtype not in names
         p = keys.get(id(s))
+        untyped = p.pid[1] is torch.UntypedStorage if p is not None else False
         if p is None:
-            if untyped:
-                p = StorageRef(torch.UntypedStorage, str(len(order)), s.location or "cpu", s.nbytes)
-            else:
-                p = StorageRef(getattr(torch, names[s.dtype]), str(len(order)), s.location or "cpu",
-                              s.nbytes // itemsize(s.dtype))
+            p, untyped = storage_ref(s.dtype, s.nbytes, s.location or "cpu", str(len(order)), untyped=s.untyped)
             keys[id(s)] = p
             order.append(_Streamed(source, s, progress))
         if not untyped and t.dtype != s.dtype:

@@ -257,6 +257,14 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
                          "not a file object")
     path = os.fsdecode(os.fspath(f))
     g = Group(group, path)
+    from . import full as _full  # (it imports this module's pieces)
+    names = _full.dtensor_names(obj)
+    if names:
+        if placement != "shared":
+            raise ValueError(f"cannot save to {path!r}: DTensors are saved as full-size tensors into one shared "
+                             "file; placement='node' is for replicated state")
+        _full.save(obj, path, g, names, pickle_module, pickle_protocol, byteorder)
+        return
     node = node_name() if placement == "node" else ""
     writer = None
     committed = False
@@ -534,6 +542,35 @@ def _write_rest(writer, plan, entries, cd_offset: int, src: "_collective_stage.S
 def _write_rest_from(writer, plan, entries, cd_offset: int, tails, bodies: Dict[int, int], body_crcs: Dict[int, int],
                      crc_on: bool) -> None:
     """_write_rest with the records' tails from `tails` ((range, host views) in plan order)."""
+    def pieces_of(i: int):
+        head, body = bodies.get(i, (0, 0))
+        size = plan[i][2].size
+
+        def piece(n: int) -> bytes:
+            if not n:
+                return b""
+            r, views = next(tails)
+            if r[3] != i:
+                raise RuntimeError("fastckpt: record heads and tails out of order")
+            return b"".join(v.numpy().tobytes() for v in views)
+        first = piece(head)
+        tail = piece(size - head - body)
+        crc = 0
+        if crc_on:
+            crc = _engine.crc32(first) if first else 0
+            if body:
+                crc = _engine.crc32_combine(crc, body_crcs.get(i, 0), body)
+            if tail:
+                crc = _engine.crc32_combine(crc, _engine.crc32(tail), len(tail))
+        return [p for p in ((0, first), (head + body, tail)) if p[1]], crc
+    _write_records(writer, plan, entries, cd_offset, pieces_of, crc_on)
+
+
+def _write_records(writer, plan, entries, cd_offset: int, pieces_of, crc_on: bool) -> None:
+    """Rank 0's bytes of an archive whose storage records the ranks write: every local header, the
+    small records that are bytes, of each storage record i the pieces ``pieces_of(i)`` returns
+    (([(offset in the record, bytes)], the record's CRC-32), called in plan order), the data
+    descriptors and the central directory; small writes coalesced into runs."""
     run: List[bytes] = []
     run_off = 0
     run_len = 0
@@ -555,30 +592,11 @@ def _write_rest_from(writer, plan, entries, cd_offset: int, tails, bodies: Dict[
             put(entry.data_offset, bytes(payload))
             crc = _engine.crc32(payload) if crc_on and size else 0
         else:
-            head, body = bodies.get(i, (0, 0))
-
-            def piece(n: int) -> bytes:
-                if not n:
-                    return b""
-                r, views = next(tails)
-                if r[3] != i:
-                    raise RuntimeError("fastckpt: record heads and tails out of order")
-                return b"".join(v.numpy().tobytes() for v in views)
-            first = piece(head)
-            tail = piece(size - head - body)
-            if first:
-                put(entry.data_offset, first)
-            if tail:
-                put(entry.data_offset + head + body, tail)
-            crc = 0
-            if crc_on:
-                crc = _engine.crc32(first) if first else 0
-                if body:
-                    crc = _engine.crc32_combine(crc, body_crcs.get(i, 0), body)
-                if tail:
-                    crc = _engine.crc32_combine(crc, _engine.crc32(tail), len(tail))
-        entry.crc = crc
-        d = _zip.descriptor(crc, size, entry.header_offset)
+            pieces, crc = pieces_of(i)
+            for off, b in pieces:
+                put(entry.data_offset + off, b)
+        entry.crc = crc if crc_on else 0
+        d = _zip.descriptor(entry.crc, size, entry.header_offset)
         if d:
             put(entry.data_offset + size, d)
     put(cd_offset, _zip.central_directory(entries, cd_offset))

@@ -34,7 +34,7 @@ import torch
 from .. import _C
 from . import unpickler as _unpickle
 from .pickler import DEFAULT_PROTOCOL, pickle_with_storages, tensor_reduce
-from .torch_rules import StorageRef, contiguous_stride, itemsize, v3_dtypes
+from .torch_rules import contiguous_stride, itemsize, storage_ref, v3_dtypes
 from ..errors import FormatError
 
 __all__ = ["ALIGN", "ALIGN_MIN", "RECORD_ALIGN", "TensorBlob", "plan_tensor_blob", "ZipIndex",
@@ -67,11 +67,7 @@ class _TensorStub:
         numel = 1
         for s in self.size:
             numel *= s
-        untyped = self.dtype in v3_dtypes()
-        if untyped:
-            storage = StorageRef(torch.storage.UntypedStorage, "0", "cpu", numel * itemsize(self.dtype))
-        else:
-            storage = StorageRef(getattr(torch, _storage_type_names()[self.dtype]), "0", "cpu", numel)
+        storage, untyped = storage_ref(self.dtype, numel * itemsize(self.dtype), key="0")
         return tensor_reduce(storage, untyped, self.dtype, 0, self.size, contiguous_stride(self.size))
 
 

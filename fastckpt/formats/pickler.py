@@ -53,7 +53,9 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
     With ``skip_data`` (torch.serialization.skip_data) storages without data
     (meta, fake tensors) are allowed: their bytes will not be written.
     A :class:`StorageRef` is pickled as its own persistent id (it is not
-    returned: its bytes are the caller's); `reducer_override`, if given, is
+    returned: its bytes are the caller's), one without a key but with a
+    payload as the next storage key, its payload returned in the storages'
+    place; `reducer_override`, if given, is
     the pickler's (``pickle.Pickler.reducer_override``: a reduce tuple, or
     NotImplemented for the usual pickling)."""
     storages: List[torch.UntypedStorage] = []
@@ -62,6 +64,9 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
 
     def persistent_id(o):
         if isinstance(o, StorageRef):
+            if o.pid[2] is None and o.payload is not None:  # numbered with the live storages
+                o.pid = o.pid[:2] + (str(len(storages)),) + o.pid[3:]
+                storages.append(o.payload)
             return o.pid
         if isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o):
             if isinstance(o, torch.storage.TypedStorage):
@@ -104,7 +109,7 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
     buf = io.BytesIO()
     cls(buf, protocol=pickle_protocol).dump(obj)
     for s in storages:
-        if s.device.type == "meta" and not skip_data:
+        if isinstance(s, torch.UntypedStorage) and s.device.type == "meta" and not skip_data:
             raise ValueError("fastckpt.save: cannot save meta tensors (they have no data)")
     return buf.getvalue(), storages
 

@@ -130,8 +130,24 @@ class StorageRef:
     torch.save's persistent id of a storage: ``("storage", storage type, key,
     location, numel)``."""
 
-    def __init__(self, storage_type, key: str, location: str, numel: int):
+    def __init__(self, storage_type, key: Optional[str], location: str, numel: int, payload: Any = None):
         self.pid = ("storage", storage_type, key, location, numel)
+        # With `payload` and no key, the pickler numbers it with the live storages (the next key
+        # in order of first use) and returns `payload` in their list (its bytes are the caller's).
+        self.payload = payload
+
+
+def storage_ref(dtype: torch.dtype, nbytes: int, location: str = "cpu", key: Optional[str] = None,
+                payload: Any = None, untyped: bool = False) -> Tuple[StorageRef, bool]:
+    """(the persistent id torch.save writes for a storage of `nbytes` bytes that tensors of `dtype`
+    view, whether it is untyped): an untyped storage for the dtypes torch.save pickles with
+    ``_rebuild_tensor_v3`` (and those without a typed storage class, or with `untyped`), else the
+    dtype's typed storage class with its element count."""
+    names = torch.storage._dtype_to_storage_type_map()
+    untyped = untyped or dtype in v3_dtypes() or dtype not in names
+    if untyped:
+        return StorageRef(torch.UntypedStorage, key, location, nbytes, payload), True
+    return StorageRef(getattr(torch, names[dtype]), key, location, nbytes // itemsize(dtype), payload), False
 
 
 def v3_dtypes():
