@@ -48,6 +48,7 @@ from .staging import device as _staging
 from .staging.todevice import LoadJob, load_into_device
 from ._core.paths import check_save_target, raise_named_after_target
 from .formats import safetensors as _st
+from .formats.torch_rules import is_dtensor
 from .errors import FormatError
 from .torchsave.reader import host_storage
 
@@ -123,7 +124,12 @@ def _check_tensors(tensors: Any) -> None:
     if sparse:
         raise ValueError(f"You are trying to save sparse tensors: {sparse}, which safetensors does not support; "
                          "make them dense with .to_dense() first")
-    shared = [g for g in _shared_groups(tensors) if len(g) > 1]
+    dts = {k: v for k, v in tensors.items() if is_dtensor(v)}
+    shared = [g for g in _shared_groups({k: v for k, v in tensors.items() if k not in dts}) if len(g) > 1]
+    by_id: Dict[int, Set[str]] = {}
+    for k, v in dts.items():
+        by_id.setdefault(id(v), set()).add(k)
+    shared += [g for g in by_id.values() if len(g) > 1]
     if shared:
         raise RuntimeError(f"Some tensors share memory, this would store them twice on disk and they would "
                            f"load as separate tensors: {shared}. Save with fastckpt.safetensors.save_model, "
@@ -204,12 +210,33 @@ def _write_file(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: 
         _fill(w, head, order, size, tensors, path)
 
 
-def save_file(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Optional[Dict[str, str]] = None) -> None:
+def save_file(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Optional[Dict[str, str]] = None, *,
+              group: Any = None) -> None:
     """``safetensors.torch.save_file``, durable and atomic: the file at `filename` is the previous
-    one or the complete new one, whatever happens during the call."""
+    one or the complete new one, whatever happens during the call.
+
+    ``group``: a ``torch.distributed`` process group whose every rank calls this with the same
+    names and a path on a filesystem they share: the values may be DTensors (FSDP2, tensor
+    parallelism), and the file holds their full tensors, each rank writing the bytes of its own
+    shards (plain tensors, which must agree across ranks, are written once); no rank gathers
+    anything (fastckpt/collective/full.py). Every rank returns after the commit or raises."""
     _check_tensors(tensors)
     metadata = _check_metadata(metadata) if metadata is not None else None
+    if group is not None:
+        _write_file_together(tensors, filename, metadata, group)
+        return
     _write_file(tensors, filename, metadata)
+
+
+def _write_file_together(tensors: Dict[str, torch.Tensor], filename: PathLike, metadata: Optional[Dict[str, str]],
+                         group: Any) -> None:
+    """save_file with ``group`` (also a shard of save_sharded's)."""
+    from .collective import full as _full
+    from .collective.group import Group
+    _check_byteorder()
+    path = os.path.abspath(os.fsdecode(os.fspath(filename)))
+    head, order, _size = _plan(tensors, metadata)
+    _full.save_safetensors(tensors, path, Group(group, path), head, order)
 
 
 def save(tensors: Dict[str, torch.Tensor], metadata: Optional[Dict[str, str]] = None) -> bytes:
@@ -476,7 +503,7 @@ def shard_names(state_dict: Dict[str, torch.Tensor], max_shard_size: Union[int, 
 
 def save_sharded(state_dict: Dict[str, torch.Tensor], save_directory: PathLike,
                  max_shard_size: Union[int, str] = DEFAULT_SHARD, metadata: Optional[Dict[str, str]] = None,
-                 weights_name: str = "model.safetensors") -> Dict[str, List[str]]:
+                 weights_name: str = "model.safetensors", *, group: Any = None) -> Dict[str, List[str]]:
     """A Hugging Face sharded checkpoint in `save_directory`, replaced atomically as a set: the
     shards (written in parallel, each durable) and the index (``model.safetensors.index.json``:
     ``{"metadata": {"total_size": ...}, "weight_map": {...}}``) are written into a temporary
@@ -486,7 +513,12 @@ def save_sharded(state_dict: Dict[str, torch.Tensor], save_directory: PathLike,
     one, under the names transformers writes. Other files of an existing `save_directory` (a
     model's ``config.json``, tokenizer files) are carried into the new one (hard links); its old
     shards and index are not. One shard: no index, the file is ``weights_name``. Returns file name
-    -> tensor names. `metadata` goes into every shard."""
+    -> tensor names. `metadata` goes into every shard.
+
+    ``group``: every rank of the process group calls this with the same names and a directory they
+    share; values may be DTensors, and each shard file is written as :func:`save_file` with
+    ``group`` writes one (every rank its own shards' bytes, full tensors in the files), rank 0
+    making the temporary directory, writing the index and committing the set."""
     _check_tensors(state_dict)
     metadata = _check_metadata(metadata if metadata is not None else {"format": "pt"})
     directory = os.path.abspath(os.fsdecode(os.fspath(save_directory))).rstrip(os.sep)
@@ -498,6 +530,9 @@ def save_sharded(state_dict: Dict[str, torch.Tensor], save_directory: PathLike,
     index_name = (os.path.splitext(weights_name)[0] + ".safetensors.index.json"
                   if weights_name.endswith(".safetensors") else weights_name + ".index.json")
     index_path = os.path.join(directory, index_name)
+    if group is not None:
+        _save_sharded_together(state_dict, directory, shards, index_name, metadata, weights_name, group)
+        return shards
     keep = _not_the_checkpoint(directory, weights_name, index_name)
     tmp = _dircommit.new_directory(directory)
     try:
@@ -516,10 +551,7 @@ def save_sharded(state_dict: Dict[str, torch.Tensor], save_directory: PathLike,
                     errors.append(e)
             if errors:
                 raise errors[0]
-        if len(shards) > 1:
-            index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state_dict.values())},
-                     "weight_map": {n: f for f, names in shards.items() for n in names}}
-            write_file(os.path.join(tmp, index_name), json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
+        _write_index(tmp, index_name, shards, state_dict)
         _dircommit.commit_directory(tmp, directory, keep=keep)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -531,6 +563,48 @@ def save_sharded(state_dict: Dict[str, torch.Tensor], save_directory: PathLike,
         raise
     return shards
 
+
+
+def _write_index(tmp: str, index_name: str, shards: Dict[str, List[str]], state_dict: Dict[str, torch.Tensor]) -> None:
+    """The index of a sharded checkpoint of more than one file (none for one)."""
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in state_dict.values())},
+                 "weight_map": {n: f for f, names in shards.items() for n in names}}
+        write_file(os.path.join(tmp, index_name), json.dumps(index, indent=2, sort_keys=True).encode() + b"\n")
+
+
+def _save_sharded_together(state_dict: Dict[str, torch.Tensor], directory: str, shards: Dict[str, List[str]],
+                           index_name: str, metadata: Dict[str, str], weights_name: str, group: Any) -> None:
+    """save_sharded with ``group``: rank 0 makes the temporary directory, every shard is written by
+    every rank (one after the other), rank 0 writes the index and commits the directory."""
+    from .collective.group import Group
+    g = Group(group, directory)
+    tmp, err = None, None
+    try:
+        if g.rank == 0:
+            try:
+                keep = _not_the_checkpoint(directory, weights_name, index_name)
+                tmp = _dircommit.new_directory(directory)
+            except Exception as e:
+                err = e
+        tmp = g.exchange(tmp, err, "to make the temporary directory")[0]
+        for f, names in shards.items():
+            _write_file_together({n: state_dict[n] for n in names}, os.path.join(tmp, f), metadata, group)
+        err = None
+        if g.rank == 0:
+            try:
+                _write_index(tmp, index_name, shards, state_dict)
+                _dircommit.commit_directory(tmp, directory, keep=keep)
+                tmp = None
+            except Exception as e:
+                err = e
+        g.exchange(None, err, "to commit")
+    except BaseException as e:
+        if g.rank == 0 and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError) and e.filename and tmp and tmp in os.fsdecode(e.filename):
+            raise_named_after_target(e, os.path.join(directory, index_name))
+        raise
 
 
 def _not_the_checkpoint(directory: str, weights_name: str, index_name: str):

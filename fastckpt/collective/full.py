@@ -43,7 +43,7 @@ anywhere raises on every rank, and nothing is committed):
 
 import os
 import sys
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.serialization as ts
@@ -52,7 +52,7 @@ from .._core import engine as _engine
 from .._core import paths as _paths
 from ..formats import archive, pickler
 from ..formats import torch_rules as _torch_rules
-from ..formats.torch_rules import contiguous_stride, itemsize, storage_ref
+from ..formats.torch_rules import contiguous_stride, is_dtensor, itemsize, storage_ref
 from . import stage as _collective_stage
 from .group import Group
 from .save import _digest, _write_records, _write_share
@@ -71,23 +71,13 @@ class _Full:
         return self.n
 
 
-def _is_dtensor(o: Any) -> bool:
-    DTensor = _dtensor_class()
-    return DTensor is not None and isinstance(o, DTensor)
-
-
-def _dtensor_class():
-    mod = sys.modules.get("torch.distributed.tensor")  # loaded by whoever made a DTensor
-    return getattr(mod, "DTensor", None) if mod is not None else None
-
-
 def dtensor_names(obj: Any, path: str = "", out: Optional[Dict[int, str]] = None, depth: int = 0) -> Dict[int, str]:
     """{id(DTensor): its key path ("model.layers.0.weight", "state.3.exp_avg")} for the DTensors in
     the dicts, lists and tuples of `obj`; empty when it holds none."""
     out = {} if out is None else out
     if depth > 64:
         return out
-    if _is_dtensor(obj):
+    if is_dtensor(obj):
         out.setdefault(id(obj), path or "<root>")
     elif isinstance(obj, dict):
         for k, v in obj.items():
@@ -116,7 +106,7 @@ def _pickle(obj: Any, names: Dict[int, str], pickle_module: Any, protocol: int, 
     """(data.pkl with each DTensor as its full tensor, the storages in key order: live
     UntypedStorages of the plain tensors and :class:`_Full` records)."""
     def reduce(o):
-        if not _is_dtensor(o):
+        if not is_dtensor(o):
             return NotImplemented
         name = names.get(id(o), "<a DTensor inside an object>")
         bad = _placement_error(name, o, path)
@@ -169,14 +159,14 @@ def _writes_replica(dt: Any, turn: int) -> bool:
     return j == turn % count
 
 
-def _check_meshes(fulls: List[_Full], g: Group, path: str) -> None:
+def check_meshes(dtensors: List[Tuple[str, Any]], g: Group, path: str) -> None:
+    """Every DTensor ([(name, DTensor)]) on a mesh over exactly the group's ranks (ValueError)."""
     import torch.distributed as dist
-    ranks = sorted(dist.get_process_group_ranks(g.group)) if g.group is not None and \
-        g.group is not dist.group.WORLD else list(range(dist.get_world_size()))
-    for f in fulls:
-        mesh_ranks = sorted(int(r) for r in f.dt.device_mesh.mesh.flatten().tolist())
+    ranks = sorted(dist.get_process_group_ranks(g.group))
+    for name, dt in dtensors:
+        mesh_ranks = sorted(int(r) for r in dt.device_mesh.mesh.flatten().tolist())
         if mesh_ranks != ranks:
-            raise ValueError(f"cannot save {f.name!r} to {path!r}: its device mesh spans ranks {mesh_ranks}, the "
+            raise ValueError(f"cannot save {name!r} to {path!r}: its device mesh spans ranks {mesh_ranks}, the "
                              f"group ranks {ranks}; a full-size save needs every DTensor on a mesh over exactly the "
                              "group's ranks (pass that group); nothing was written")
 
@@ -207,151 +197,210 @@ def _split(entry_offset: int, start: int, n: int) -> Tuple[Optional[Tuple[int, i
     return (a - lo, b - a), rest
 
 
+Piece = Tuple[Any, int, int, Any, int]  # (record key, start in the record, length, source storage, its first byte)
+
+
+def my_pieces(items: List[Tuple[Any, Any]], rank: int, world: int) -> List[Piece]:
+    """What this rank writes of the records `items` ([(record key, DTensor or plain tensor)] in the
+    same order on every rank): its DTensors' shards (redistributed where needed: collectives over
+    their meshes, in this order on every rank; a replica's range by one rank in turn), and the
+    plain tensors (whole, their bytes from their storage) assigned to it by :func:`_balance`."""
+    plain = [(key, t) for key, t in items if not is_dtensor(t)]
+    writers = _balance([_nbytes(t) for _k, t in plain], world)
+    out: List[Piece] = []
+    for (key, t), w in zip(plain, writers):
+        n = _nbytes(t)
+        if w == rank and n:
+            if isinstance(t, torch.Tensor):
+                out.append((key, 0, n, t.untyped_storage(), t.storage_offset() * t.element_size()))
+            else:
+                out.append((key, 0, n, t, 0))
+    turn = 0
+    for key, t in items:
+        if not is_dtensor(t):
+            continue
+        dt, local, start = _contiguous_local(t)
+        turn += 1
+        if local.numel() and _writes_replica(dt, turn):
+            out.append((key, start, local.numel() * local.element_size(), local.untyped_storage(),
+                        local.storage_offset() * local.element_size()))
+    return out
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else t.nbytes()
+
+
+class SharedFile:
+    """One file that every rank of a group writes its pieces of (records at offsets known to all),
+    rank 0 creating the temporary file, writing what lies outside the ranks' whole blocks and
+    committing: the steps 2-4 of the module's docstring. Each method is a collective."""
+
+    def __init__(self, g: Group, path: str, size: int):
+        self.g, self.path, self.size = g, path, size
+        self.writer: Any = None
+        self.committed = False
+
+    def open(self, err: Optional[BaseException]) -> None:
+        """Rank 0 creates the temporary file (unless `err`, this rank's error so far, which the
+        exchange raises on every rank); every rank opens it."""
+        tmp = None
+        if err is None and self.g.rank == 0:
+            try:
+                self.writer = _engine.region_file(self.path, create=True, size=self.size)
+                tmp = os.path.abspath(self.writer.tmp_path)
+            except Exception as e:
+                err = e
+        tmp = self.g.exchange(tmp, err, "to prepare its shards and the temporary file")[0]
+        try:
+            if self.writer is None:
+                self.writer = _engine.region_file(self.path, tmp)
+        except Exception as e:
+            err = e
+        self._tmp = tmp
+        self._open_error = err
+
+    def write(self, pieces: List[Piece], data_offset: Dict[Any, int], sizes: Dict[Any, int],
+              names: Callable[[Any], str]) -> Dict[Any, List[Tuple[int, int, Optional[int], Optional[bytes]]]]:
+        """Write this rank's whole blocks (fdatasync'd), hand the rest to rank 0; returns, on every
+        rank, {record key: [(start, length, CRC-32 of a written piece or None, bytes for rank 0 or
+        None)] in order}, checked to cover each record of `sizes` exactly once."""
+        err = self._open_error
+        report: Any = None
+        if err is None:
+            try:
+                src = _collective_stage.Storages([p[3] for p in pieces], self.path)
+                direct, shared = [], []  # ((source, start in it, length, file offset), piece, start in the piece)
+                for j, (key, start, n, _s, first) in enumerate(pieces):
+                    base = data_offset[key]
+                    whole, rest = _split(base, start, n)
+                    if whole is not None:
+                        direct.append(((j, first + whole[0], whole[1], base + start + whole[0]), j, whole[0]))
+                    shared += [((j, first + a, m, base + start + a), j, a) for a, m in rest]
+                crcs = _write_share(self.writer, src, [d[0] for d in direct])
+                if self.g.rank != 0:
+                    self.writer.finish()
+                out = []
+                it = src.ranges([x[0] for x in shared])
+                try:
+                    for _r, views in it:
+                        out.append(b"".join(v.numpy().tobytes() for v in views))
+                finally:
+                    it.close()
+                report = ([(pieces[j][0], pieces[j][1] + a, r[2], c) for (r, j, a), c in zip(direct, crcs)],
+                          [(pieces[j][0], pieces[j][1] + a, b) for (_r, j, a), b in zip(shared, out)])
+            except Exception as e:
+                err = e
+        if err is not None and self.writer is not None and self.g.rank != 0:
+            self.writer.abort()
+        written = self.g.exchange(report, err, "to write its shards")
+        return _pieces_by_record(written, sizes, names, self.path)
+
+    def commit(self, rest: Callable[[Any], None]) -> None:
+        """Rank 0 writes the rest (``rest(writer)``) and commits; every rank returns after it."""
+        err = None
+        if self.g.rank == 0:
+            try:
+                rest(self.writer)
+                self.writer.commit()
+                self.committed = True
+            except Exception as e:
+                err = e
+        self.g.exchange(None, err, "to commit")
+
+    def abort(self) -> None:
+        if self.writer is not None and not self.committed and self.g.rank == 0:
+            self.writer.abort()  # removes the temporary file
+
+
 def save(obj: Any, path: str, g: Group, names: Dict[int, str], pickle_module: Any, pickle_protocol: int,
          byteorder: bool) -> None:
     """The full-size save (see the module's docstring); `names` from :func:`dtensor_names`."""
-    writer = None
-    committed = False
+    out: Optional[SharedFile] = None
     try:
         # 1. pickle, plan, agree.
         err: Optional[BaseException] = None
         mine: Any = None
         storages: List[Any] = []
+        plain: List[int] = []
         try:
             path = _paths.check_save_target(path)
             if ts._serialization_tls.skip_data:
                 raise ValueError(f"cannot save to {path!r} with group=: torch.serialization.skip_data "
                                  "is not supported by collective saves")
             data_pkl, storages = _pickle(obj, names, pickle_module, pickle_protocol, path)
-            fulls = [s for s in storages if isinstance(s, _Full)]
-            _check_meshes(fulls, g, path)
+            check_meshes([(s.name, s.dt) for s in storages if isinstance(s, _Full)], g, path)
             plain = [k for k, s in enumerate(storages) if not isinstance(s, _Full)]
-            plain_src = _collective_stage.Storages([storages[k] for k in plain], path)
             alignment = _torch_rules.storage_alignment()
             crc_on = bool(_torch_rules.compute_crc32())
             settings = ("full", alignment, crc_on, byteorder, sys.byteorder)
             mine = (_digest(data_pkl, [s.nbytes() for s in storages], settings),
-                    _collective_stage.sample_crcs(plain_src),
+                    _collective_stage.sample_crcs(_collective_stage.Storages([storages[k] for k in plain], path)),
                     archive.new_serialization_id() if g.rank == 0 else None, data_pkl if g.rank == 0 else None)
         except Exception as e:
             err = e
         agreed = g.exchange(mine, err, "to prepare (check the path, pickle the object)")
-        for r in range(1, g.world):
-            if agreed[r][0] != agreed[0][0]:
-                raise ValueError(f"cannot save to {path!r}: ranks hold different objects: the pickle, the "
-                                 f"tensors' global shapes or the storage sizes of rank {r} differ from rank 0's; "
-                                 "nothing was written")
-            if agreed[r][1] != agreed[0][1]:
-                bad = next(i for i, (a, b) in enumerate(zip(agreed[r][1], agreed[0][1])) if a != b)
-                raise ValueError(f"cannot save to {path!r}: ranks hold different data: the plain (not DTensor) "
-                                 f"storage data/{plain[bad]} of rank {r} differs from rank 0's (sampled CRC-32); "
-                                 "nothing was written")
+        check_agreed(agreed, path, lambda bad: f"the plain (not DTensor) storage data/{plain[bad]}")
         plan, entries, cd_offset, size = archive.plan_archive(agreed[0][3], storages, alignment, byteorder,
                                                               serialization_id=agreed[0][2])
         record = {int(entry.name.rsplit("/", 1)[1]): i for i, (p, _h, entry) in enumerate(plan)
                   if not isinstance(p, (bytes, bytearray))}  # storage key -> plan index
 
-        # 2. this rank's pieces (redistributing where needed: collectives in the same order on
-        # every rank), and the temporary file.
-        err, tmp = None, None
-        sources: List[torch.UntypedStorage] = []
-        pieces: List[Tuple[int, int, int, int]] = []  # (plan index, start in the record, length, source index)
-        offsets: List[int] = []                       # each source's first byte in its storage
+        # 2. this rank's pieces (redistributing where needed), the temporary file.
+        out = SharedFile(g, path, size)
+        err, pieces = None, []
         try:
-            writers = _balance([storages[k].nbytes() for k in plain], g.world)
-            for j, k in enumerate(plain):
-                if writers[j] == g.rank and storages[k].nbytes():
-                    pieces.append((record[k], 0, storages[k].nbytes(), len(sources)))
-                    sources.append(storages[k])
-                    offsets.append(0)
-            turn = 0
-            for k, s in enumerate(storages):
-                if not isinstance(s, _Full):
-                    continue
-                dt, local, start = _contiguous_local(s.dt)
-                turn += 1
-                if local.numel() and _writes_replica(dt, turn):
-                    pieces.append((record[k], start, local.numel() * local.element_size(), len(sources)))
-                    sources.append(local.untyped_storage())
-                    offsets.append(local.storage_offset() * local.element_size())
-            if g.rank == 0:
-                writer = _engine.region_file(path, create=True, size=size)
-                tmp = os.path.abspath(writer.tmp_path)
+            pieces = my_pieces([(record[k], s.dt if isinstance(s, _Full) else s) for k, s in enumerate(storages)],
+                               g.rank, g.world)
         except Exception as e:
             err = e
-        tmp = g.exchange(tmp, err, "to prepare its shards and the temporary file")[0]
+        out.open(err)
 
-        # 3. every rank writes its whole blocks, reads the rest for rank 0.
-        err = None
-        report: Any = None
-        try:
-            src = _collective_stage.Storages(sources, path)
-            direct, shared = [], []  # (source, start in it, length, file offset), and which piece each is
-            for p, (i, start, n, j) in enumerate(pieces):
-                base = plan[i][2].data_offset
-                whole, rest = _split(base, start, n)
-                if whole is not None:
-                    direct.append(((j, offsets[j] + whole[0], whole[1], base + start + whole[0]), p, whole[0]))
-                shared += [((j, offsets[j] + a, m, base + start + a), p, a) for a, m in rest]
-            if writer is None:
-                writer = _engine.region_file(path, tmp)
-            crcs = _write_share(writer, src, [d[0] for d in direct])
-            if g.rank != 0:
-                writer.finish()
-            out = []
-            it = src.ranges([s[0] for s in shared])
-            try:
-                for (_r, views) in it:
-                    out.append(b"".join(v.numpy().tobytes() for v in views))
-            finally:
-                it.close()
-            report = ([(pieces[p][0], pieces[p][1] + a, r[2], c) for (r, p, a), c in zip(direct, crcs)],
-                      [(pieces[p][0], pieces[p][1] + a, b) for (_r, p, a), b in zip(shared, out)])
-        except Exception as e:
-            err = e
-            if writer is not None and g.rank != 0:
-                writer.abort()
-        written = g.exchange(report, err, "to write its shards")
-        layout = _pieces_by_record(plan, written, path)
+        # 3. every rank writes its whole blocks.
+        layout = out.write(pieces, {i: plan[i][2].data_offset for i in record.values()},
+                           {i: plan[i][2].size for i in record.values()},
+                           lambda i: repr(getattr(plan[i][0], "name", None) or plan[i][2].name))
 
         # 4. rank 0 writes the rest and commits.
-        err = None
-        if g.rank == 0:
-            try:
-                def pieces_of(i: int):
-                    ps = layout.get(i, [])
-                    crc = 0
-                    if crc_on:
-                        for start, n, c, _b in ps:
-                            c = _engine.crc32(_b) if c is None else c
-                            crc = _engine.crc32_combine(crc, c, n) if start else c
-                    return [(start, b) for start, n, c, b in ps if b is not None], crc
-                _write_records(writer, plan, entries, cd_offset, pieces_of, crc_on)
-                writer.commit()
-                committed = True
-            except Exception as e:
-                err = e
-        g.exchange(None, err, "to commit")
+        def pieces_of(i: int):
+            ps = layout.get(i, [])
+            crc = 0
+            if crc_on:
+                for start, n, c, b in ps:
+                    c = _engine.crc32(b) if c is None else c
+                    crc = _engine.crc32_combine(crc, c, n) if start else c
+            return [(start, b) for start, _n, _c, b in ps if b is not None], crc
+        out.commit(lambda w: _write_records(w, plan, entries, cd_offset, pieces_of, crc_on))
     except BaseException as e:
-        if writer is not None and not committed and g.rank == 0:
-            writer.abort()  # removes the temporary file
+        if out is not None:
+            out.abort()
         if isinstance(e, OSError):
             _paths.raise_named_after_target(e, path)
         raise
 
 
-def _pieces_by_record(plan, written, path: str) -> Dict[int, List[Tuple[int, int, Optional[int], Optional[bytes]]]]:
-    """{plan index: [(start, length, CRC-32 or None, bytes for rank 0 or None)] in order}, checked to
-    cover each storage record exactly once (ValueError naming the record otherwise)."""
-    out: Dict[int, List[Tuple[int, int, Optional[int], Optional[bytes]]]] = {}
+def check_agreed(agreed, path: str, plain_name: Callable[[int], str]) -> None:
+    """Step 1's checks: every rank's (digest, sampled CRC-32s of the plain tensors, ...) like rank 0's."""
+    for r in range(1, len(agreed)):
+        if agreed[r][0] != agreed[0][0]:
+            raise ValueError(f"cannot save to {path!r}: ranks hold different objects: the names, the tensors' "
+                             f"global shapes and dtypes or the other values of rank {r} differ from rank 0's; "
+                             "nothing was written")
+        if agreed[r][1] != agreed[0][1]:
+            bad = next(i for i, (a, b) in enumerate(zip(agreed[r][1], agreed[0][1])) if a != b)
+            raise ValueError(f"cannot save to {path!r}: ranks hold different data: {plain_name(bad)} of rank "
+                             f"{r} differs from rank 0's (sampled CRC-32); nothing was written")
+
+
+def _pieces_by_record(written, sizes: Dict[Any, int], names: Callable[[Any], str], path: str
+                      ) -> Dict[Any, List[Tuple[int, int, Optional[int], Optional[bytes]]]]:
+    out: Dict[Any, List[Tuple[int, int, Optional[int], Optional[bytes]]]] = {}
     for direct, shared in written:
         for i, start, n, c in direct:
             out.setdefault(i, []).append((start, n, c, None))
         for i, start, b in shared:
             out.setdefault(i, []).append((start, len(b), None, b))
-    for i, (payload, _h, entry) in enumerate(plan):
-        if isinstance(payload, (bytes, bytearray)):
-            continue
+    for i, size in sizes.items():
         ps = sorted(out.get(i, []), key=lambda p: p[0])
         out[i] = ps
         at = 0
@@ -359,10 +408,72 @@ def _pieces_by_record(plan, written, path: str) -> Dict[int, List[Tuple[int, int
             if start != at:
                 break
             at += n
-        if at != entry.size or sum(p[1] for p in ps) != entry.size:
-            what = getattr(payload, "name", None)
-            raise ValueError(f"cannot save to {path!r}: the ranks' shards of "
-                             f"{repr(what) if what else entry.name} do not cover it exactly once (its "
-                             f"{entry.size} bytes; the ranks hold {sum(p[1] for p in ps)}); do the DTensors' "
+        if at != size or sum(p[1] for p in ps) != size:
+            raise ValueError(f"cannot save to {path!r}: the ranks' shards of {names(i)} do not cover it exactly "
+                             f"once (its {size} bytes; the ranks hold {sum(p[1] for p in ps)}); do the DTensors' "
                              "meshes span the group? nothing was committed")
     return out
+
+
+def save_safetensors(tensors: Dict[str, Any], path: str, g: Group, head: bytes, order: List[str]) -> None:
+    """A safetensors file (the layout `head`, `order` of :func:`fastckpt.formats.safetensors.plan`, from
+    the tensors' global shapes) that every rank of `g` writes its shards of: each DTensor's full tensor,
+    each plain tensor once (they must agree across ranks); the steps of the module's docstring."""
+    import hashlib
+    out: Optional[SharedFile] = None
+    try:
+        err: Optional[BaseException] = None
+        mine: Any = None
+        plain = [n for n in order if not is_dtensor(tensors[n])]
+        try:
+            path = _paths.check_save_target(path)
+            check_meshes([(n, tensors[n]) for n in order if is_dtensor(tensors[n])], g, path)
+            for n in order:
+                if is_dtensor(tensors[n]):
+                    bad = _placement_error(n, tensors[n], path)
+                    if bad:
+                        raise ValueError(bad)
+            digest = hashlib.sha256(head + repr(("safetensors", sys.byteorder)).encode()).digest()
+            mine = (digest, _collective_stage.sample_crcs(_collective_stage.Storages(
+                [_bytes_storage(tensors[n]) for n in plain], path)))
+        except Exception as e:
+            err = e
+        agreed = g.exchange(mine, err, "to prepare (check the path and the tensors)")
+        check_agreed(agreed, path, lambda bad: f"the plain (not DTensor) tensor {plain[bad]!r}")
+        offsets: Dict[str, int] = {}
+        sizes: Dict[str, int] = {}
+        at = len(head)
+        for n in order:
+            offsets[n] = at
+            sizes[n] = tensors[n].numel() * tensors[n].element_size()
+            at += sizes[n]
+        out = SharedFile(g, path, at)
+        err, pieces = None, []
+        try:
+            pieces = my_pieces([(n, tensors[n]) for n in order], g.rank, g.world)
+        except Exception as e:
+            err = e
+        out.open(err)
+        layout = out.write(pieces, offsets, sizes, repr)
+
+        def rest(w) -> None:
+            w.write_at(head, 0)
+            for n in order:
+                for start, _n, _c, b in layout.get(n, []):
+                    if b is not None:
+                        w.write_at(b, offsets[n] + start)
+        out.commit(rest)
+    except BaseException as e:
+        if out is not None:
+            out.abort()
+        if isinstance(e, OSError):
+            _paths.raise_named_after_target(e, path)
+        raise
+
+
+def _bytes_storage(t: torch.Tensor) -> torch.UntypedStorage:
+    """The bytes of contiguous `t` alone, as a storage (a view's storage may be larger)."""
+    n = t.numel() * t.element_size()
+    s = t.untyped_storage()
+    first = t.storage_offset() * t.element_size()
+    return s if first == 0 and n == s.nbytes() else s[first:first + n]

@@ -13,6 +13,7 @@ torch's own functions.
 import os
 import pickle
 import re
+import sys
 import warnings
 from typing import IO, Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
@@ -148,6 +149,14 @@ def storage_ref(dtype: torch.dtype, nbytes: int, location: str = "cpu", key: Opt
     if untyped:
         return StorageRef(torch.UntypedStorage, key, location, nbytes, payload), True
     return StorageRef(getattr(torch, names[dtype]), key, location, nbytes // itemsize(dtype), payload), False
+
+
+def is_dtensor(obj: Any) -> bool:
+    """Whether `obj` is a ``torch.distributed.tensor.DTensor`` (without importing torch.distributed:
+    a DTensor exists only once its module is loaded)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(mod, "DTensor", None) if mod is not None else None
+    return cls is not None and isinstance(obj, cls)
 
 
 def v3_dtypes():

@@ -54,6 +54,16 @@ def test_every_rank_writes_the_gathered_states_file(tmp_path, case, world):
     if case != "fsdp":
         assert stock["tied"] is stock["tied_again"]  # one DTensor, one record
         assert torch.equal(stock["partial"], torch.full((4, 3), float(world)))  # Partial: the reduced sum
+    # The safetensors file and the sharded set: the single-process files, byte for byte.
+    assert (out / "full.safetensors").read_bytes() == (out / "ref.safetensors").read_bytes()
+    names = sorted(p.name for p in (out / "ref_hf").iterdir())
+    assert sorted(p.name for p in (out / "hf").iterdir()) == names and (len(names) > 2 or world == 1 or case != "tp")
+    for n in names:
+        assert (out / "hf" / n).read_bytes() == (out / "ref_hf" / n).read_bytes(), n
+    st = pytest.importorskip("safetensors.torch")
+    flat = expected["model"] if case == "fsdp" else {k: v for k, v in expected.items()
+                                                     if torch.is_tensor(v) and k != "tied_again"}
+    assert_same(flat, st.load_file(out / "full.safetensors"))
     # Each rank wrote about 1/W of the file, and all of them together the file once.
     reports = [json.loads(line.split(" ", 1)[1]) for line in lines]
     wrote = [rep["write_bytes"] for rep in reports]
@@ -61,6 +71,8 @@ def test_every_rank_writes_the_gathered_states_file(tmp_path, case, world):
         pytest.skip(f"/proc/self/io does not count this filesystem's writes (write_bytes {wrote})")
     if case in ("tp", "2d"):  # the 8 MiB tensor dominates: a per-rank bound is meaningful
         assert max(wrote) <= 1.2 * len(got) / world + (256 << 10), (wrote, len(got))
+        st_size = (out / "full.safetensors").stat().st_size
+        assert max(rep["st_write_bytes"] for rep in reports) <= 1.2 * st_size / world + (256 << 10), reports
     assert sum(wrote) <= 1.3 * len(got) + world * (64 << 10), (wrote, len(got))
 
 

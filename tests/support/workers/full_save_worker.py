@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import fastckpt
 import fastckpt.formats.archive
+import fastckpt.safetensors
 
 SID = b"0123456789012345678"
 
@@ -110,6 +111,14 @@ def gather(obj, memo=None):
     return obj
 
 
+def _flat(state):
+    """The tensors a safetensors file can hold: the model's for FSDP, else the top-level ones but the
+    second name of the tied tensor (safetensors refuses shared tensors)."""
+    if "model" in state:
+        return dict(state["model"])
+    return {k: v for k, v in state.items() if torch.is_tensor(v) and k != "tied_again"}
+
+
 def main(case: str, out: str, mode: str = "ok") -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -141,8 +150,20 @@ def main(case: str, out: str, mode: str = "ok") -> None:
         print(f"ERR {type(e).__name__}: {e}", flush=True)
         return
     after = (_io("wchar"), _io("write_bytes"))
-    print("REPORT " + json.dumps({"rank": rank, "wchar": after[0] - before[0], "write_bytes": after[1] - before[1]}),
-          flush=True)
+    report = {"rank": rank, "wchar": after[0] - before[0], "write_bytes": after[1] - before[1]}
+    # The same tensors as a safetensors file and as a sharded Hugging Face set, written by every rank.
+    flat = _flat(state)
+    full_flat = _flat(full)
+    if rank == 0:
+        fastckpt.safetensors.save_file(full_flat, os.path.join(out, "ref.safetensors"), {"format": "pt"})
+        fastckpt.safetensors.save_sharded(full_flat, os.path.join(out, "ref_hf"), max_shard_size="1MB")
+    dist.barrier()
+    before = _io("write_bytes")
+    fastckpt.safetensors.save_file(flat, os.path.join(out, "full.safetensors"), {"format": "pt"},
+                                   group=dist.group.WORLD)
+    report["st_write_bytes"] = _io("write_bytes") - before
+    fastckpt.safetensors.save_sharded(flat, os.path.join(out, "hf"), max_shard_size="1MB", group=dist.group.WORLD)
+    print("REPORT " + json.dumps(report), flush=True)
     dist.barrier()
     dist.destroy_process_group()
 
