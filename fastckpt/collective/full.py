@@ -11,12 +11,14 @@ writes the bytes of its own shards into one temporary file.
 Who writes what.
 * A DTensor becomes one storage record of its full size. A rank's local shard is
   one contiguous range of it when every placement is ``Shard(0)`` or
-  ``Replicate`` (``Shard(0)`` along several mesh dimensions included); other
-  placements (``Shard(d>0)``, ``Partial``) are first redistributed, one tensor
-  at a time, to ``Shard(0)`` on those mesh dimensions (an all-to-all or
-  reduce-scatter over the mesh: a TP shard of a weight is a run of short rows,
-  which would otherwise be as many small writes). ``_StridedShard`` (FSDP2 over
-  TP) is refused with the tensor's name. Of the ranks holding the same range
+  ``Replicate`` (``Shard(0)`` along several mesh dimensions included). Other
+  placements (``Shard(d>0)``: a TP shard of a weight is a run of short rows,
+  which would be as many small writes) are first moved to ``Shard(0)`` on those
+  mesh dimensions, one tensor at a time and point to point: only the ranks that
+  will write the new rows receive them, each block from one holder, so a rank
+  holds at most its shard, its new rows and the blocks in flight (``Partial``
+  goes through DTensor's reduce-scatter). ``_StridedShard`` (FSDP2 over TP) is
+  refused with the tensor's name. Of the ranks holding the same range
   (``Replicate`` mesh dimensions), one writes it, chosen in turn per tensor.
 * Plain tensors (replicated state: buffers, an optimizer's step) are written
   whole, each by one rank, chosen to balance the bytes; like every non-tensor
@@ -120,43 +122,116 @@ def _pickle(obj: Any, names: Dict[int, str], pickle_module: Any, protocol: int, 
     return pickler.pickle_with_storages(obj, pickle_module, protocol, reducer_override=reduce)
 
 
-def _contiguous_local(dt: Any) -> Tuple[Any, torch.Tensor, int]:
-    """(the DTensor whose local shard is one row range of the full tensor, that shard contiguous,
-    its first byte in the full tensor). Redistributes (a collective over the mesh) when needed."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    if any(not isinstance(p, Replicate) and not (isinstance(p, Shard) and p.dim == 0) for p in dt.placements):
-        if dt.dim() == 0:
-            dt = dt.redistribute(dt.device_mesh, [Replicate()] * len(dt.placements))
-        else:
-            dt = dt.redistribute(dt.device_mesh, [p if isinstance(p, Replicate) else Shard(0) for p in dt.placements])
-    local = dt._local_tensor
-    if not local.is_contiguous():
-        local = local.contiguous()
-    shape, offset = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
-    if tuple(shape) != tuple(local.shape):
-        raise RuntimeError(f"a local shard of shape {tuple(local.shape)} where the placements "
-                           f"{tuple(dt.placements)} give {tuple(shape)}")
-    row = itemsize(dt.dtype)
-    for s in dt.shape[1:]:
-        row *= s
-    return dt, local, (offset[0] * row if dt.dim() else 0)
+def box(shape, mesh_shape, coord, placements) -> Tuple[List[int], List[int]]:
+    """(global offset, size) per dimension of the local shard at mesh coordinate `coord` for
+    Shard / Replicate placements: each ``Shard(d)`` on mesh dimension i splits the extent along d
+    left so far into ``mesh_shape[i]`` chunks of ceil(extent / n) (torch.chunk's rule, as DTensor
+    shards: the last ones may be short or empty)."""
+    from torch.distributed.tensor import Shard
+    off, size = [0] * len(shape), [int(s) for s in shape]
+    for i, p in enumerate(placements):
+        if isinstance(p, Shard):
+            d, n, extent = p.dim, mesh_shape[i], size[p.dim]
+            chunk = -(-extent // n)
+            start = min(extent, coord[i] * chunk)
+            off[d] += start
+            size[d] = min(extent, start + chunk) - start
+    return off, size
 
 
-def _writes_replica(dt: Any, turn: int) -> bool:
-    """Whether this rank writes its range of `dt` among the ranks holding the same one (those that
-    differ only in their coordinates on Replicate mesh dimensions): the turn-th of them, in turn."""
+def _writer_coords(mesh_shape, placements, turn: int) -> List[Tuple[int, ...]]:
+    """The mesh coordinates of the ranks that write `placements`' ranges: of the ranks holding the
+    same one (differing only on Replicate mesh dimensions), the turn-th, in turn per tensor."""
+    import itertools
     from torch.distributed.tensor import Replicate
-    mesh = dt.device_mesh
-    coord = mesh.get_coordinate()
-    if coord is None:
-        return False
-    j, count = 0, 1
-    for d, p in enumerate(dt.placements):
-        if isinstance(p, Replicate):
-            j = j * mesh.size(d) + coord[d]
-            count *= mesh.size(d)
-    return j == turn % count
+    out = []
+    for coord in itertools.product(*(range(n) for n in mesh_shape)):
+        j, count = 0, 1
+        for d, p in enumerate(placements):
+            if isinstance(p, Replicate):
+                j = j * mesh_shape[d] + coord[d]
+                count *= mesh_shape[d]
+        if j == turn % count:
+            out.append(coord)
+    return out
+
+
+def _rows(dt: Any, turn: int) -> Optional[Tuple[torch.Tensor, int]]:
+    """What this rank writes of DTensor `dt`: (a contiguous row range of the full tensor, its first
+    byte in it), or None. Placements other than Shard(0) and Replicate are first moved to Shard(0)
+    on their mesh dimensions, point to point: every writer receives the blocks of its new rows
+    from the ranks holding them (one holder per block), so a rank holds at most its shard, its
+    new rows and its blocks in flight (Partial placements through DTensor's own redistribute, a
+    reduce-scatter)."""
+    import itertools
+    import torch.distributed as dist
+    from torch.distributed.tensor import Partial, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    if any(isinstance(p, Partial) for p in dt.placements):
+        dt = dt.redistribute(dt.device_mesh, [p if isinstance(p, Replicate) else Shard(0) for p in dt.placements])
+    mesh, shape, placements = dt.device_mesh, tuple(dt.shape), tuple(dt.placements)
+    mesh_shape = tuple(mesh.mesh.shape)
+    me = tuple(mesh.get_coordinate())
+    local = dt._local_tensor
+    off, size = box(shape, mesh_shape, me, placements)
+    if tuple(compute_local_shape_and_global_offset(dt.shape, mesh, placements)[1]) != tuple(off) or \
+            tuple(local.shape) != tuple(size):
+        raise RuntimeError(f"fastckpt: the shard at {me} of placements {placements} is not the box {off}+{size}")
+    row = itemsize(dt.dtype)
+    for n in shape[1:]:
+        row *= n
+    rows_only = all(isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0) for p in placements)
+    target = placements if rows_only or not shape else tuple(Replicate() if isinstance(p, Replicate) else Shard(0)
+                                                            for p in placements)
+    writers = _writer_coords(mesh_shape, target, turn)
+    if rows_only or not shape:
+        if me not in writers or not local.numel():
+            return None
+        return local.contiguous(), (off[0] * row if shape else 0)
+    # Point to point: the holders of each block (one per distinct box) to the writers of the new rows.
+    coords = list(itertools.product(*(range(n) for n in mesh_shape)))
+    rank_of = {c: int(mesh.mesh[c].item()) for c in coords}
+    holders: Dict[Tuple, Tuple[int, ...]] = {}  # distinct current box -> its first holder
+    for c in coords:
+        o, z = box(shape, mesh_shape, c, placements)
+        holders.setdefault((tuple(o), tuple(z)), c)
+
+    def meet(a, b):
+        lo = [max(x, y) for x, y in zip(a[0], b[0])]
+        hi = [min(x + m, y + n) for x, m, y, n in zip(a[0], a[1], b[0], b[1])]
+        return None if any(h <= l for l, h in zip(lo, hi)) else (lo, [h - l for l, h in zip(lo, hi)])
+
+    def part(t, origin, cut):
+        return t[tuple(slice(lo - o, lo - o + n) for lo, n, o in zip(cut[0], cut[1], origin))]
+
+    out = None
+    works, inbox, sent = [], [], []
+    for w in writers:
+        tb = box(shape, mesh_shape, w, target)
+        if w == me:
+            out = torch.empty(tb[1], dtype=local.dtype, device=local.device)
+        for held, c in holders.items():
+            cut = meet((list(held[0]), list(held[1])), tb)
+            if cut is None:
+                continue
+            if c == me and w == me:
+                part(out, tb[0], cut).copy_(part(local, off, cut))
+            elif c == me:
+                sent.append(part(local, off, cut).contiguous())  # alive until its send is done
+                works.append(dist.isend(sent[-1], dst=rank_of[w]))
+            elif w == me:
+                buf = torch.empty(cut[1], dtype=local.dtype, device=local.device)
+                works.append(dist.irecv(buf, src=rank_of[c]))
+                inbox.append((buf, cut))
+    for wk in works:
+        wk.wait()
+    del sent
+    if out is None:
+        return None
+    tb = box(shape, mesh_shape, me, target)
+    for buf, cut in inbox:
+        part(out, tb[0], cut).copy_(buf)
+    return (out, tb[0][0] * row) if out.numel() else None
 
 
 def check_meshes(dtensors: List[Tuple[str, Any]], g: Group, path: str) -> None:
@@ -219,9 +294,10 @@ def my_pieces(items: List[Tuple[Any, Any]], rank: int, world: int) -> List[Piece
     for key, t in items:
         if not is_dtensor(t):
             continue
-        dt, local, start = _contiguous_local(t)
         turn += 1
-        if local.numel() and _writes_replica(dt, turn):
+        got = _rows(t, turn)
+        if got is not None:
+            local, start = got
             out.append((key, start, local.numel() * local.element_size(), local.untyped_storage(),
                         local.storage_offset() * local.element_size()))
     return out
