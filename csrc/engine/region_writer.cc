@@ -90,6 +90,16 @@ void RegionWriter::submit(int buf, uint64_t len, uint64_t off) {
     }
   }
   const bool use_direct = s_.direct && off % s_.align == 0 && len % s_.align == 0;
+  // Never a buffered write and an O_DIRECT one in flight together: the page
+  // cache may hold the file in folios larger than a block, so a buffered write
+  // can dirty a folio that a concurrent direct write to a neighbouring block
+  // must invalidate; the kernel then fails the file's writeback with EIO
+  // ("Page cache invalidation failure on direct I/O"). One after the other is
+  // safe: a direct write first flushes the dirty pages of its range.
+  if (use_direct != inflight_direct_) {
+    s_.reap_all([this] { reap_one(); });
+    inflight_direct_ = use_direct;
+  }
   while (s_.q->full()) reap_one();
   IoRequest r;
   r.kind = IoRequest::Write;

@@ -47,7 +47,12 @@ class RegionWriter {
   RegionWriter& operator=(const RegionWriter&) = delete;
 
   // Writes n bytes at file offset `off` (copied before return; regions may
-  // come in any order but must not overlap another process's). With `crc`,
+  // come in any order but must not overlap another process's). Aligned
+  // writes go O_DIRECT, the others through the page cache, never both kinds
+  // in flight at once. Processes writing one file must not mix the kinds at
+  // the same time either: a buffered write near another process's direct one
+  // can fail the file's writeback (see submit); the collective saves let rank
+  // 0 write its unaligned pieces only after every other rank has finished. With `crc`,
   // the zip CRC-32 of the bytes is folded into *crc (zlib's convention).
   void write_at(const void* src, uint64_t n, uint64_t off, uint32_t* crc = nullptr);
   // Every write done and the file fdatasync'ed; the descriptors are closed,
@@ -73,6 +78,7 @@ class RegionWriter {
 
   WriteSession s_;  // lease, queue, buffers, descriptors, commit protocol
   bool probed_ = false;
+  bool inflight_direct_ = false;  // the mode of the writes in flight (see submit)
   RegionStats st_;  // bytes and requests so far
 };
 

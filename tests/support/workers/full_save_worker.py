@@ -78,6 +78,10 @@ def build(case: str, world: int):
         "plain": torch.arange(10.0), "plain_big": rnd(100_000), "meta": {"lr": 0.1, "names": ["a", "b"]},
         "partial": DTensor.from_local(torch.full((4, 3), 1.0), mesh, [Partial()]),
         "empty": distribute_tensor(torch.zeros(0, 4), mesh, [Shard(0)]),
+        # small shards next to blocks other ranks write O_DIRECT: rank 0's buffered writes of them
+        # once failed the file's writeback with EIO (a large folio over a neighbour's direct block)
+        "w64": distribute_tensor(rnd(256, 64), mesh, [Shard(0)]), "b256": distribute_tensor(rnd(256), mesh, [Shard(0)]),
+        "w10": distribute_tensor(rnd(10, 256), mesh, [Shard(0)]), "b10": distribute_tensor(rnd(10), mesh, [Shard(0)]),
     }
     if case == "2d" and world == 4:
         m2 = init_device_mesh("cpu", (2, 2))
