@@ -2,7 +2,7 @@
 :class:`Source` (a checkpoint's object tree with meta tensors as leaves, and
 the reading of any byte range of a storage on demand), :class:`Storage`, the
 nesting record that safetensors files carry, and the walk of an object tree.
-The kinds of sources are in :mod:`fastckpt.cli.sources`."""
+The kinds of sources are in :mod:`fastckpt.sources.kinds`."""
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -157,7 +157,7 @@ class Source:
             return
         if not self._bufs:
             self._bufs = [aligned_buffer(CHUNK), aligned_buffer(CHUNK)]
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-cli-read")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-source-read")
         bufs = self._bufs
 
         def rd(i: int, pos: int) -> int:

@@ -40,6 +40,7 @@ import torch.serialization as ts
 from .._core import engine as _engine
 from ..formats import unpickler as _unpickle, zip as _zip
 from ..formats.torch_rules import itemsize
+from ..torchsave.load import load_path
 from ..torchsave.reader import Reader, Records, parse_checkpoint
 from ..errors import FormatError
 from ..formats import safetensors as _st
@@ -518,17 +519,16 @@ class DcpSource(Source):
 # ---------------------------------------------------------------- anything else torch can load
 
 class LoadedSource(Source):
-    """A checkpoint loaded whole with ``fastckpt.load(weights_only=True)`` (not streamed)."""
+    """A checkpoint loaded whole as ``fastckpt.load(weights_only=True)`` loads it (not streamed)."""
 
     streamed = False
 
     def __init__(self, path: str, kind: str, why: str):
         super().__init__()
-        from ..serialization import load
         self.path = path
         self.kind = kind
         self.why = why
-        self.obj = load(path, map_location="cpu", weights_only=True)
+        self.obj = load_path(path, "cpu", True, pickle, None, {})
 
     def description(self) -> str:
         return {"torch-legacy": "torch checkpoint in the legacy (pre-1.6, non-zip) format"}.get(self.kind, self.kind)
