@@ -224,6 +224,9 @@ class ZipSource(_FileSource):
     def _read(self, storage: Storage, offset: int, out: torch.Tensor, crc: bool) -> Optional[int]:
         return self.records.read_into([(storage.key, offset, out, crc)])[0]
 
+    def read_many(self, items: List[Tuple[Storage, int, torch.Tensor, bool]]) -> List[Optional[int]]:
+        return self.records.read_into([(s.key, off, out, crc) for s, off, out, crc in items])
+
     def check_crcs(self, storages: List[Storage], progress: Optional[Callable[[int], None]] = None
                    ) -> Iterator[Tuple[Storage, Optional[BaseException]]]:
         """Check storages read whole against their CRC-32s, in order: yields
@@ -323,11 +326,105 @@ class SafetensorsSource(_FileSource):
         e = self._by_name()[storage.key]
         _engine.read_ranges(self.path, [(out, self.data_start + e.begin + offset)], self.f.fileno())
 
+    def read_many(self, items: List[Tuple[Storage, int, torch.Tensor, bool]]) -> List[Optional[int]]:
+        index = self._by_name()
+        ranges, at = [], []
+        for i, (storage, offset, out, crc) in enumerate(items):
+            n = out.numel()
+            if offset < 0 or offset + n > storage.nbytes:
+                raise ValueError(f"read of bytes {offset}..{offset + n} of {storage.key} ({storage.nbytes} bytes)")
+            if n:
+                ranges.append((out, self.data_start + index[storage.key].begin + offset, crc))
+                at.append(i)
+        got: List[Optional[int]] = [0 if crc else None for *_, crc in items]
+        if ranges:
+            crcs = _engine.read_ranges(self.path, ranges, self.f.fileno()).get("crcs") or []
+            for i, c in zip(at, crcs):
+                if items[i][3]:
+                    got[i] = c
+        return got
+
     def _by_name(self) -> Dict[str, StEntry]:
         m = getattr(self, "_index", None)
         if m is None:
             m = self._index = {e.name: e for e in self.entries}
         return m
+
+
+class ShardedSafetensorsSource(Source):
+    """A sharded safetensors set (Hugging Face's ``model-0000i-of-0000N.safetensors``
+    files and the index ``model.safetensors.index.json`` that maps each tensor
+    name to its shard): one flat tree of every shard's tensors in the index's
+    order, each read from its own shard. The index is checked as
+    ``fastckpt.safetensors.load_sharded`` checks it (a tensor held by a shard
+    the index does not map it to, or named by the index and held by none, is a
+    FormatError naming the file)."""
+
+    kind = "safetensors-sharded"
+
+    def __init__(self, index_path: str, path: Optional[str] = None):
+        super().__init__()
+        self.path = path or index_path
+        self.index_path = index_path
+        directory = os.path.dirname(index_path)
+        with open(index_path, "rb") as f:
+            raw = f.read(_st.MAX_HEADER + 1)
+        self.weight_map = _st.parse_index(raw, index_path)
+        self.shards: Dict[str, SafetensorsSource] = {}
+        try:
+            for name in sorted(set(self.weight_map.values())):
+                self.shards[name] = SafetensorsSource(os.path.join(directory, name))
+            self._check()
+        except BaseException:
+            self.close()
+            raise
+
+    def _check(self) -> None:
+        self._shard_of: Dict[str, SafetensorsSource] = {}
+        self.problems: List[str] = []
+        for name, shard in self.shards.items():
+            self.problems += shard.problems
+            for e in shard.entries:
+                if self.weight_map.get(e.name) != name:
+                    raise FormatError(f"{shard.path}: holds tensor {e.name!r}, which {self.index_path} maps to "
+                                      f"{self.weight_map.get(e.name)!r}")
+                self._shard_of[e.name] = shard
+        missing = [n for n in self.weight_map if n not in self._shard_of]
+        if missing:
+            raise FormatError(f"{self.index_path}: names {missing[:5]} (of {len(missing)}) are in no shard")
+        self.storages = {n: self._shard_of[n].storages[n] for n in self.weight_map}
+
+    def description(self) -> str:
+        return (f"sharded safetensors checkpoint ({len(self.weight_map)} tensors in {len(self.shards)} "
+                f"file{'s' if len(self.shards) != 1 else ''}, index {os.path.basename(self.index_path)})")
+
+    def tree(self, values: bool = True) -> Any:
+        out = {}
+        for n in self.weight_map:
+            e = self._shard_of[n]._by_name()[n]
+            out[n] = meta_tensor(self.storages[n], e.dtype, e.shape)
+        return out
+
+    def shard_of(self, storage: Storage) -> SafetensorsSource:
+        return self._shard_of[storage.key]
+
+    def read_many(self, items: List[Tuple[Storage, int, torch.Tensor, bool]]) -> List[Optional[int]]:
+        got: List[Optional[int]] = [None] * len(items)
+        by_shard: Dict[int, List[int]] = {}
+        for i, (storage, *_rest) in enumerate(items):
+            by_shard.setdefault(id(self.shard_of(storage)), []).append(i)
+        for idx in by_shard.values():  # one engine batch per shard file
+            for i, c in zip(idx, self.shard_of(items[idx[0]][0]).read_many([items[i] for i in idx])):
+                got[i] = c
+        return got
+
+    def read(self, storage: Storage, offset: int, out: torch.Tensor) -> None:
+        self.shard_of(storage).read(storage, offset, out)
+
+    def close(self) -> None:
+        super().close()
+        for shard in getattr(self, "shards", {}).values():
+            shard.close()
 
 
 # ---------------------------------------------------------------- DCP directories
@@ -561,11 +658,30 @@ def is_dcp_dir(path: str) -> bool:
                                     or any(n.endswith(".distcp") for n in os.listdir(path)))
 
 
-def open_source(path: str, verify: bool = True) -> Source:
-    """Open a checkpoint file or DCP directory. `verify`: check CRC-32s of what is
-    read whole (zip records, DCP records). Raises FileNotFoundError, FormatError
-    (damaged or not a checkpoint), OSError."""
+SHARDED_INDEX = _st.index_name("model.safetensors")  # the index a sharded set's directory holds
+
+
+def sharded_index(path: str) -> Optional[str]:
+    """The index file of the sharded safetensors set at `path` (its directory, holding
+    ``model.safetensors.index.json``, or an ``*.safetensors.index.json`` file itself), else None."""
     if os.path.isdir(path):
+        p = os.path.join(path, SHARDED_INDEX)
+        return p if os.path.isfile(p) else None
+    return path if path.endswith(".safetensors" + _st.INDEX_SUFFIX) and os.path.isfile(path) else None
+
+
+def open_source(path: str, verify: bool = True) -> Source:
+    """Open a checkpoint file, a sharded safetensors set (its directory or its
+    index file) or a DCP directory. `verify`: check CRC-32s of what is read
+    whole (zip records, DCP records). Raises FileNotFoundError, FormatError
+    (damaged or not a checkpoint), OSError."""
+    index = sharded_index(path)
+    if index is not None:
+        return ShardedSafetensorsSource(index, path)
+    if os.path.isdir(path):
+        single = os.path.join(path, "model.safetensors")  # a set of one shard has no index
+        if not is_dcp_dir(path) and os.path.isfile(single):
+            return SafetensorsSource(single)
         return DcpSource(path, verify=verify)
     kind = sniff(path)
     if kind == "zip":

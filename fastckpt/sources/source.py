@@ -117,6 +117,14 @@ class Source:
         self.read(storage, offset, out)
         return _engine.crc32(out)
 
+    def read_many(self, items: List[Tuple[Storage, int, torch.Tensor, bool]]) -> List[Optional[int]]:
+        """Fill each (storage, offset, uint8 out, crc) of `items` as :meth:`read`
+        does; returns per item the CRC-32 of the bytes read where `crc` is true,
+        else None. Sources that read through the engine do it in one parallel
+        batch of engine reads (straight into each destination, O_DIRECT where
+        destination, offset and length are aligned)."""
+        return [self.read_crc(s, off, out) if crc else self.read(s, off, out) for s, off, out, crc in items]
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
