@@ -1,4 +1,5 @@
-"""Checkpoints opened without loading them: what ``fastckpt inspect``, ``verify`` and ``convert`` read.
+"""Checkpoints opened without loading them: what ``fastckpt inspect``, ``verify`` and ``convert``
+read, and what :func:`fastckpt.load_into` reads into the state it fills.
 
 A :class:`Source` gives a checkpoint's object tree with *meta* tensors as
 leaves (dtype, shape, stride and storage offset, no data; each knows its
@@ -11,6 +12,9 @@ storage on demand, so that a caller holds at most the piece it is working on:
   the file runs and no storage is read); storages are read through the engine.
 - :class:`SafetensorsSource`: the JSON header is parsed and checked; tensor
   bytes are read through the engine.
+- :class:`ShardedSafetensorsSource`: a sharded safetensors set (its index
+  ``model.safetensors.index.json`` and the shards it names), one
+  :class:`SafetensorsSource` per shard.
 - :class:`DcpSource`: a ``torch.distributed.checkpoint`` directory. ``.metadata``
   is unpickled by fastckpt's one restricted, size-guarded unpickler
   (:mod:`fastckpt.formats.unpickler`, through ``fastckpt.dcp.reader.load_metadata``),

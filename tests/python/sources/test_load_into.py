@@ -75,7 +75,8 @@ def test_a_model_and_adam_resume_bitwise_into_their_own_memory(tmp_path, writer)
         assert _bitwise(a.detach(), b.detach())
 
 
-@pytest.mark.parametrize("fmt", ["fastckpt", "torch", "safetensors", "sharded-dir", "sharded-index", "dcp"])
+@pytest.mark.parametrize("fmt", ["fastckpt", "torch", "torch-legacy", "safetensors", "sharded-dir", "sharded-index",
+                                 "dcp"])
 def test_every_format_restores_bf16_fp32_int64_bitwise(tmp_path, fmt):
     full = _mixed()
     if fmt == "fastckpt":
@@ -84,6 +85,9 @@ def test_every_format_restores_bf16_fp32_int64_bitwise(tmp_path, fmt):
     elif fmt == "torch":
         p = tmp_path / "c.pt"
         torch.save(full, p)
+    elif fmt == "torch-legacy":  # read whole (weights-only), then copied in
+        p = tmp_path / "c.pt"
+        torch.save(full, p, _use_new_zipfile_serialization=False)
     elif fmt == "safetensors":
         p = tmp_path / "c.safetensors"
         st.save_file(full, p)
@@ -209,3 +213,20 @@ def test_a_flipped_byte_in_a_record_is_found_by_its_crc(tmp_path, writer, contig
     with pytest.raises(fastckpt.FormatError, match="checksum mismatch") as e:
         fastckpt.load_into(target, p)
     assert str(p) in str(e.value) and "data/0" in str(e.value) and "w" in str(e.value)
+
+
+def test_a_dcp_directory_is_checked_against_its_metadata_before_loading(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from fastckpt.dcp import FastWriter
+    full = {"a": torch.randn(8, 4), "b": torch.arange(5), "extra": torch.ones(2)}
+    dcp.save(full, storage_writer=FastWriter(tmp_path / "d"))
+    target = {"a": torch.zeros(8, 4), "b": torch.zeros(5, dtype=torch.int64), "gone": torch.zeros(1)}
+    with pytest.raises(StateMismatchError) as e:
+        fastckpt.load_into(target, tmp_path / "d")
+    assert e.value.missing_keys == ["gone"] and e.value.unexpected_keys == ["extra"]
+    assert torch.count_nonzero(target["a"]) == 0
+    with pytest.raises(StateMismatchError, match="size mismatch for a"):
+        fastckpt.load_into({"a": torch.zeros(4, 8)}, tmp_path / "d", strict=False)
+    res = fastckpt.load_into(target, tmp_path / "d", strict=False)
+    assert res.missing_keys == ["gone"] and res.unexpected_keys == ["extra"]
+    assert torch.equal(target["a"], full["a"]) and torch.equal(target["b"], full["b"])
