@@ -317,6 +317,8 @@ def load_into(state: Any, path: Union[str, os.PathLike], group: Any = None, stri
         fastckpt.FormatError: a truncated, damaged or foreign file, a checksum
             mismatch (naming the path and the record). Nothing from the file
             is run: its pickle is read by a restricted unpickler.
+        pickle.UnpicklingError: torch's weights-only unpickler refused
+            ``data.pkl`` (as :func:`load` raises it; the message names the path).
         OSError: the file cannot be read.
         TypeError: ``state`` is not a dict, ``path`` not a path.
 

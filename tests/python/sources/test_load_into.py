@@ -230,3 +230,17 @@ def test_a_dcp_directory_is_checked_against_its_metadata_before_loading(tmp_path
     res = fastckpt.load_into(target, tmp_path / "d", strict=False)
     assert res.missing_keys == ["gone"] and res.unexpected_keys == ["extra"]
     assert torch.equal(target["a"], full["a"]) and torch.equal(target["b"], full["b"])
+
+
+@pytest.mark.parametrize("attack", ["os.system", "builtins.exec"])
+def test_a_hostile_pickle_runs_nothing(tmp_path, attack):
+    import pickle
+    import hostile_pickles as H
+    marker = tmp_path / "pwned"
+    p = tmp_path / "evil.pt"
+    p.write_bytes(H.record(H.code_attacks(str(marker))[attack]))
+    target = {"w": torch.zeros(3)}
+    with pytest.raises((pickle.UnpicklingError, fastckpt.FormatError)) as e:
+        fastckpt.load_into(target, p)
+    assert str(p) in str(e.value)
+    assert not marker.exists() and torch.count_nonzero(target["w"]) == 0
