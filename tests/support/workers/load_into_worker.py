@@ -1,6 +1,7 @@
 """One rank of tests/python/sources/test_load_into_dtensor.py (gloo, CPU): fastckpt.load_into of
 full-size files (fastckpt.save, stock torch.save, safetensors; a DCP directory) into DTensor targets
-(Shard(0), Shard(1), uneven shards, bf16 and int64, Replicate, a 2-D mesh at 4 ranks); each rank's
+(Shard(0), Shard(1), uneven shards, bf16 and int64, Replicate, a 2-D mesh at 4 ranks; an FSDP2
+model and its Adam state); each rank's
 local shard must equal its slice of the full tensor, and the bytes this rank had the engine read
 must be about 1/W of the sharded tensors' bytes (counted at fastckpt._C.read_ranges; /proc/self/io
 printed beside it). A Partial target is refused, naming the key and the placement.
@@ -38,6 +39,18 @@ def full_state():
     }
 
 
+def fsdp_model(seed: int):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.ReLU(), torch.nn.Linear(33, 7))
+
+
+def fsdp_step(model, opt) -> None:
+    torch.manual_seed(42)
+    model(torch.randn(4, 16)).pow(2).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def write_files(d: str) -> None:
     """What the test writes before starting the ranks (single process)."""
     import torch.distributed.checkpoint as dcp
@@ -48,6 +61,10 @@ def write_files(d: str) -> None:
     torch.save(full, os.path.join(d, "stock.pt"))
     st.save_file(full, os.path.join(d, "full.safetensors"))
     dcp.save(full, storage_writer=FastWriter(os.path.join(d, "dcp")))
+    m = fsdp_model(0)  # a model and its Adam state, trained in one process
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    fsdp_step(m, opt)
+    fastckpt.save({"model": m.state_dict(), "optim": opt.state_dict()}, os.path.join(d, "fsdp.pt"))
 
 
 def placements(world: int):
@@ -128,6 +145,24 @@ def main(d: str) -> None:
     res = fastckpt.load_into(state, os.path.join(d, "dcp"), strict=False)
     assert res.unexpected_keys == (["two_d"] if world != 4 else []), res
     check_local(full, state)
+    # FSDP2 (fully_shard): a model and its Adam state (DTensors, uneven Shard(0)) from a full-size file
+    from torch.distributed.fsdp import fully_shard
+    ref = torch.load(os.path.join(d, "fsdp.pt"), weights_only=True)
+    m = fsdp_model(1)
+    fully_shard(m[0], mesh=mesh)
+    fully_shard(m[2], mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    opt = torch.optim.Adam(m.parameters(), lr=0.5)
+    fsdp_step(m, opt)  # its state exists (other values)
+    state = {"model": m.state_dict(), "optim": opt.state_dict()}
+    assert fastckpt.load_into(state, os.path.join(d, "fsdp.pt")) == ([], [])
+    opt.load_state_dict(state["optim"])
+    for k, v in ref["model"].items():
+        assert torch.equal(m.state_dict()[k].full_tensor(), v), k
+    for i, p in enumerate(m.parameters()):
+        for k in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][k].full_tensor(), ref["optim"]["state"][i][k]), (i, k)
+    assert opt.param_groups[0]["lr"] == 1e-2
     # Partial: refused before anything is read, naming the key and the placement
     bad = {"s0": DTensor.from_local(torch.zeros(256, 512), mesh, [Partial()], run_check=False)}
     try:
