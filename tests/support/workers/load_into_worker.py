@@ -4,7 +4,7 @@ full-size files (fastckpt.save, stock torch.save, safetensors; a DCP directory) 
 model and its Adam state); each rank's
 local shard must equal its slice of the full tensor, and the bytes this rank had the engine read
 must be about 1/W of the sharded tensors' bytes (counted at fastckpt._C.read_ranges; /proc/self/io
-printed beside it). A Partial target is refused, naming the key and the placement.
+printed beside it). Partial and _StridedShard targets are refused, naming the key and the placement.
 
 Usage (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment):
     python load_into_worker.py DIR      (DIR holds what full_state() wrote, see write_files)
@@ -172,6 +172,15 @@ def main(d: str) -> None:
     else:
         raise AssertionError("a Partial target was loaded")
     assert torch.count_nonzero(bad["s0"].to_local()) == 0
+    from torch.distributed.tensor.placement_types import _StridedShard
+    strided = {"s0": DTensor.from_local(torch.zeros(256 // world, 512), mesh, [_StridedShard(0, split_factor=2)],
+                                        run_check=False)}
+    try:
+        fastckpt.load_into(strided, os.path.join(d, "full.pt"), strict=False)
+    except fastckpt.StateMismatchError as e:
+        assert "s0" in str(e) and "_StridedShard" in str(e), e
+    else:
+        raise AssertionError("a _StridedShard target was loaded")
     dist.barrier()
     dist.destroy_process_group()
     print(f"OK load_into rank {rank}", flush=True)
