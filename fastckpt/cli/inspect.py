@@ -25,7 +25,7 @@ import torch
 from ..formats import zip as _zip
 from ..formats.safetensors import dtype_name
 from ..sources.source import LazyValue, Source, holds_structure, storage_of, walk
-from ..sources.kinds import DcpSource, SafetensorsSource, ZipSource, is_dcp_dir, open_source, sniff
+from ..sources import DcpSource, SafetensorsSource, ZipSource, is_dcp_dir, open_source, sniff
 from ..formats.torch_rules import itemsize
 from .._core.steps import split_step_name
 from .._core.tempnames import is_temp

@@ -30,8 +30,10 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from ..errors import FormatError, StateMismatchError
-from .kinds import SafetensorsSource, ShardedSafetensorsSource, ZipSource, is_dcp_dir, open_source, read_dcp_metadata, \
-    sharded_index
+from .dcp import read_dcp_metadata
+from .kinds import is_dcp_dir, open_source, sharded_index
+from .safetensors import SafetensorsSource, ShardedSafetensorsSource
+from .zip import ZipSource
 from .source import CHUNK, Source, Storage, aligned_buffer, byte_span, is_dense, storage_of, walk
 
 __all__ = ["LoadIntoResult", "load_into"]

@@ -215,6 +215,27 @@ class Source:
         return out if is_dense(t) else out.contiguous()
 
 
+class FileSource(Source):
+    """A Source over one file kept open: `_parse()` reads its directory, and
+    the file is closed again if that fails."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+        self.f = open(path, "rb")
+        try:
+            self._parse()
+        except BaseException:
+            self.f.close()
+            raise
+
+    def _parse(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        super().close()
+        self.f.close()
+
 
 def encode_layout(obj: Any, name_of: Callable[[torch.Tensor], str]) -> Any:
     """The nesting of `obj` as JSON: {"d": [[key, child], ...]} for dicts, {"l": [...]}
