@@ -289,11 +289,18 @@ def load_into(state: Any, path: Union[str, os.PathLike], group: Any = None, stri
             ``model.safetensors.index.json``, or that index file), or a DCP
             directory (loaded by ``torch.distributed.checkpoint.load`` with
             :class:`fastckpt.dcp.FastReader`, which reshards).
-        group: a ``torch.distributed`` process group. For a DCP directory it is
-            DCP's ``process_group`` (every rank of it calls load_into). For the
-            other formats it is accepted and not used yet: each rank reads its
-            own shards, and every rank whose target is replicated reads that
-            tensor itself (no reads are shared between ranks).
+        group: a ``torch.distributed`` process group whose every rank calls
+            load_into with the same path. For a DCP directory it is DCP's
+            ``process_group``. For the other formats, with a gloo group of more
+            than one rank: the replicated tensors (plain CPU tensors, and
+            DTensors replicated on every mesh dimension) are read once, each by
+            one rank (balanced by bytes), and broadcast over the group; every
+            rank must then hold the same replicated keys, shapes and dtypes
+            (else StateMismatchError on every rank), and a failure on any rank
+            raises on every rank (its own error there,
+            :class:`fastckpt.errors.RanksFailed` on the others). Sharded
+            DTensors are read by each rank for itself either way. ``None``, or
+            a group of another backend: every rank reads everything it holds.
         strict: keys of ``state`` missing from the file, or keys of the file
             that ``state`` lacks, raise :class:`fastckpt.errors.StateMismatchError`
             listing them; ``False``: they are returned, and the others loaded.
@@ -320,6 +327,7 @@ def load_into(state: Any, path: Union[str, os.PathLike], group: Any = None, stri
         pickle.UnpicklingError: torch's weights-only unpickler refused
             ``data.pkl`` (as :func:`load` raises it; the message names the path).
         OSError: the file cannot be read.
+        fastckpt.errors.RanksFailed: with ``group``, another rank failed.
         TypeError: ``state`` is not a dict, ``path`` not a path.
 
     Example:

@@ -17,6 +17,9 @@ read. Then every tensor is filled in place:
   tensor on another device): through a bounded host buffer, a slab of at most
   about :data:`~fastckpt.sources.source.CHUNK` bytes at a time, copied in.
 
+With a gloo group, the replicated tensors are read once in all and broadcast
+(:class:`_Sharing`, agreed through :class:`fastckpt.collective.group.Group`).
+
 Non-tensor leaves held by dicts and lists of the state are set from the file
 after the tensors were read. A DCP directory goes to
 ``torch.distributed.checkpoint.load`` with :class:`fastckpt.dcp.FastReader`
@@ -262,29 +265,123 @@ def _copy_staged(src: Source, key: str, target: torch.Tensor, meta: torch.Tensor
 
 # ---------------------------------------------------------------- load_into
 
-def _load_source(state: Any, path: str, strict: bool) -> LoadIntoResult:
-    with open_source(path, verify=True) as src:
-        problems = getattr(src, "problems", None) if isinstance(src, (SafetensorsSource, ShardedSafetensorsSource)) \
-            else None
-        if problems:
-            raise FormatError(f"{problems[0]} (not a valid safetensors file)")
-        if isinstance(src, ZipSource):
-            src.check_small()
-        found, _ = _leaves(src.tree(values=True))
-        target, containers = _leaves(state)
+def _prepare(src: Source, state: Any, path: str, strict: bool):
+    """Both trees' leaves, checked against each other (nothing read yet)."""
+    problems = getattr(src, "problems", None) if isinstance(src, (SafetensorsSource, ShardedSafetensorsSource)) \
+        else None
+    if problems:
+        raise FormatError(f"{problems[0]} (not a valid safetensors file)")
+    if isinstance(src, ZipSource):
+        src.check_small()
+    found, _ = _leaves(src.tree(values=True))
+    target, containers = _leaves(state)
 
-        def shape_of(v):
-            return tuple(v.shape) if isinstance(v, torch.Tensor) else None
+    def shape_of(v):
+        return tuple(v.shape) if isinstance(v, torch.Tensor) else None
 
-        missing, unexpected = _check(path, target, found, strict, shape_of, lambda v: v.dtype)
+    missing, unexpected = _check(path, target, found, strict, shape_of, lambda v: v.dtype)
+    return found, target, containers, missing, unexpected
+
+
+class _Sharing:
+    """The reads of replicated tensors shared over a group (gloo: host memory): each such
+    tensor (a plain tensor, or a DTensor replicated on every mesh dimension, on the CPU) is
+    read by one rank, the ranks balanced by bytes, and broadcast to the others. Every step
+    is agreed through fastckpt.collective's Group: a rank's failure raises on every rank."""
+
+    def __init__(self, group: Any, path: str):
+        from ..collective.group import Group
+        self.g = Group(group, path, action="load into", outcome="the state may hold some of the checkpoint's tensors")
+        self.group = group
+        self.owner: Dict[str, int] = {}
+        self.items: List[Tuple[str, torch.Tensor]] = []
+
+    @staticmethod
+    def wanted(group: Any) -> bool:
+        if group is None:
+            return False
+        import torch.distributed as dist
+        return dist.get_world_size(group) > 1 and "gloo" in str(dist.get_backend(group)).lower()
+
+    def agree(self, target: Dict[Path, Any], found: Dict[Path, Any], error: Optional[BaseException]) -> None:
+        items = []
+        if error is None:
+            for p, t in target.items():
+                if isinstance(t, torch.Tensor) and p in found and t.numel() and t.device.type == "cpu":
+                    if not _is_dtensor(t):
+                        items.append((key_name(p), t.detach()))
+                    elif all(pl.is_replicate() for pl in t.placements):
+                        items.append((key_name(p), t.detach().to_local()))
+        mine = [(k, tuple(t.shape), str(t.dtype)) for k, t in items]
+        every = self.g.exchange(mine, error, "to check the state")
+        if any(e != every[0] for e in every):
+            raise StateMismatchError(f"fastckpt.load_into({self.g.path!r}, group=...): the ranks of the group hold "
+                                     "different replicated tensors (keys, shapes or dtypes); every rank must hold "
+                                     "the same ones to share their reads", self.g.path)
+        load = [0] * self.g.world
+        for k, t in sorted(items, key=lambda kt: (-kt[1].numel() * kt[1].element_size(), kt[0])):
+            r = min(range(self.g.world), key=lambda i: (load[i], i))
+            load[r] += t.numel() * t.element_size()
+            self.owner[k] = r
+        self.items = items
+
+    def skip(self, key: str) -> bool:
+        """This rank does not read `key`: another rank reads it and broadcasts it."""
+        return key in self.owner and self.owner[key] != self.g.rank
+
+    def finish(self, error: Optional[BaseException]) -> None:
+        import torch.distributed as dist
+        self.g.exchange(None, error, "to read its share")
+        try:
+            for k, t in self.items:
+                src = dist.get_global_rank(self.group, self.owner[k])
+                buf = t if t.is_contiguous() else t.contiguous()
+                dist.broadcast(buf.reshape(-1).view(torch.uint8) if buf.dim() else buf.view(1).view(torch.uint8),
+                               src, group=self.group)
+                if buf is not t and self.owner[k] != self.g.rank:
+                    t.copy_(buf)
+        except Exception as e:
+            raise self.g.lost(e, "the broadcast of the replicated tensors") from e
+
+
+def _load_source(state: Any, path: str, strict: bool, group: Any) -> LoadIntoResult:
+    sharing = _Sharing(group, path) if _Sharing.wanted(group) else None
+    src: Optional[Source] = None
+    try:
+        error: Optional[BaseException] = None
+        found = target = containers = {}
+        missing: List[str] = []
+        unexpected: List[str] = []
+        try:
+            if not os.path.exists(path):
+                raise FileNotFoundError(errno.ENOENT, f"fastckpt.load_into: no checkpoint at {path}", path)
+            src = open_source(path, verify=True)
+            found, target, containers, missing, unexpected = _prepare(src, state, path, strict)
+        except Exception as e:  # with a group: raised on every rank by the agreement
+            if sharing is None:
+                raise
+            error = e
+        if sharing is not None:
+            sharing.agree(target, found, error)
         plan = _Plan(src)
         for p, t in target.items():
-            if isinstance(t, torch.Tensor) and p in found:
+            if isinstance(t, torch.Tensor) and p in found and not (sharing and sharing.skip(key_name(p))):
                 f = found[p]
                 plan.add(key_name(p), t.detach(), f if f.device.type == "meta" else f.detach())
-        with torch.no_grad():
-            plan.run()
+        try:
+            with torch.no_grad():
+                plan.run()
+        except Exception as e:
+            if sharing is None:
+                raise
+            error = e
+        if sharing is not None:
+            with torch.no_grad():
+                sharing.finish(error)
         _set_values(target, found, containers)
+    finally:
+        if src is not None:
+            src.close()
     return LoadIntoResult(missing, unexpected)
 
 
@@ -310,9 +407,7 @@ def _load_dcp(state: Any, path: str, group: Any, strict: bool) -> LoadIntoResult
 
 def load_into(state: Any, path: str, group: Any = None, strict: bool = True) -> LoadIntoResult:
     """The implementation of :func:`fastckpt.load_into` (its arguments checked there)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(errno.ENOENT, f"fastckpt.load_into: no checkpoint at {path}", path)
     if os.path.isdir(path) and sharded_index(path) is None and is_dcp_dir(path):
         return _load_dcp(state, path, group, strict)
-    return _load_source(state, path, strict)
+    return _load_source(state, path, strict, group)
 

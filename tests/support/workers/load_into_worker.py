@@ -35,7 +35,8 @@ def full_state():
         "bf": torch.randn(128, 1024, generator=g).to(torch.bfloat16),
         "i64": torch.randint(-2**62, 2**62, (64, 1024), generator=g, dtype=torch.int64),
         "two_d": torch.randn(256, 512, generator=g),
-        "rep": torch.randn(16, 64, generator=g),
+        "rep": torch.randn(256, 256, generator=g),
+        **{f"p{i}": torch.randn(64, 256, generator=g) for i in range(8)},  # plain tensors: replicated
     }
 
 
@@ -105,12 +106,16 @@ def targets(world: int):
     for k, p in placements(world).items():
         m = mesh2 if k == "two_d" else mesh
         out[k] = distribute_tensor(torch.zeros_like(full[k]), m, p)
-    rep = {"rep": distribute_tensor(torch.zeros_like(full["rep"]), mesh, [Replicate()])}
+    rep = {"rep": distribute_tensor(torch.zeros_like(full["rep"]), mesh, [Replicate()]),
+           **{k: torch.zeros_like(v) for k, v in full.items() if k.startswith("p")}}
     return full, out, rep, mesh
 
 
 def check_local(full, state) -> None:
     for k, dt in state.items():
+        if not isinstance(dt, DTensor):
+            assert torch.equal(dt, full[k]), (k, dist.get_rank())
+            continue
         shape, off = compute_local_shape_and_global_offset(dt.shape, dt.device_mesh, dt.placements)
         want = full[k]
         for d, (o, n) in enumerate(zip(off, shape)):
@@ -137,13 +142,25 @@ def main(d: str) -> None:
         print(f"rank {rank} {name}: engine read {got} bytes, rchar {io}, sharded tensors {sharded_bytes}", flush=True)
         assert got < 1.5 * sharded_bytes / world + SLACK, (name, got, sharded_bytes, world)
         assert got > 0.5 * sharded_bytes / world, (name, got)  # the counter sees the reads at all
-        fastckpt.load_into(rep, os.path.join(d, name), strict=False)
-        check_local(full, rep)
+        # replicated tensors: without a group every rank reads them all; with one, each reads its share
+        rep_bytes = sum(full[k].numel() * full[k].element_size() for k in rep)
+        for group in (None, dist.group.WORLD):
+            rep = targets(world)[2]
+            counter.n = 0
+            fastckpt.load_into(rep, os.path.join(d, name), group=group, strict=False)
+            got = counter.n
+            print(f"rank {rank} {name} group={group is not None}: engine read {got} of {rep_bytes} replicated bytes",
+                  flush=True)
+            if group is None:
+                assert got >= rep_bytes, (name, got, rep_bytes)
+            else:
+                assert got < 1.5 * rep_bytes / world + SLACK, (name, got, rep_bytes, world)
+            check_local(full, rep)
     # a DCP directory: torch.distributed.checkpoint reshards it
     full, state, rep, mesh = targets(world)
     state.update(rep)
     res = fastckpt.load_into(state, os.path.join(d, "dcp"), strict=False)
-    assert res.unexpected_keys == (["two_d"] if world != 4 else []), res
+    assert sorted(res.unexpected_keys) == sorted(set(full) - set(state)), res
     check_local(full, state)
     # FSDP2 (fully_shard): a model and its Adam state (DTensors, uneven Shard(0)) from a full-size file
     from torch.distributed.fsdp import fully_shard
@@ -181,6 +198,16 @@ def main(d: str) -> None:
         assert "s0" in str(e) and "_StridedShard" in str(e), e
     else:
         raise AssertionError("a _StridedShard target was loaded")
+    # with a group, one rank's failure raises on every rank (none is left waiting)
+    where = os.path.join(d, "full.pt" if rank != 1 else "missing.pt")
+    try:
+        fastckpt.load_into(targets(world)[2], where, group=dist.group.WORLD, strict=False)
+    except FileNotFoundError as e:
+        assert rank == 1 and e.filename == where, e
+    except fastckpt.errors.RanksFailed as e:
+        assert rank != 1 and "rank 1" in str(e) and "missing.pt" in str(e), e
+    else:
+        raise AssertionError("a missing file on rank 1 raised nothing")
     dist.barrier()
     dist.destroy_process_group()
     print(f"OK load_into rank {rank}", flush=True)
