@@ -244,3 +244,24 @@ def test_a_hostile_pickle_runs_nothing(tmp_path, attack):
         fastckpt.load_into(target, p)
     assert str(p) in str(e.value)
     assert not marker.exists() and torch.count_nonzero(target["w"]) == 0
+
+
+def test_no_fresh_memory_for_the_state(tmp_path):
+    """A warm load_into of a 64 MiB state grows the process's peak memory by far less than the
+    state (fastckpt.load, which returns a new copy, by all of it: the check can fail)."""
+    import hostile_pickles as H
+    if not H.rss_oracle_available():
+        pytest.skip("the RSS high-water mark cannot be reset here (/proc/self/clear_refs)")
+    state = {f"w{i}": torch.randn(1024, 1024) for i in range(16)}
+    p = tmp_path / "big.pt"
+    fastckpt.save(state, p)
+    target = _zeros_like(state)
+    fastckpt.load_into(target, p)  # the engine's staging buffers backed once, as in a trainer's later loads
+    res, grown = H.peak_growth(fastckpt.load_into, target, p, traced=False)
+    assert tuple(res) == ([], []), res
+    loaded, grown_load = H.peak_growth(fastckpt.load, p, traced=False)
+    assert not isinstance(loaded, Exception), loaded
+    del loaded
+    assert grown < 16 << 20, f"load_into grew the peak by {grown >> 20} MiB for a 64 MiB state"
+    assert grown_load > 48 << 20, f"fastckpt.load grew it by {grown_load >> 20} MiB only"
+    assert all(torch.equal(target[k], v) for k, v in state.items())
