@@ -1087,3 +1087,19 @@ def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
     assert rc == 0 and "verify" in err and "B/s" in err
     rc, out, err = run(capsys, "convert", "--progress", "always", p, tmp_path / "o.pt")
     assert rc == 0 and "fastckpt -> fastckpt" in err
+
+
+def test_inspect_and_verify_a_sharded_safetensors_set(tmp_path, capsys):
+    from fastckpt import safetensors as fst
+    state = {f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}
+    fst.save_sharded(state, tmp_path / "hf", max_shard_size=40 << 10)
+    rc, out, err = run(capsys, "inspect", tmp_path / "hf")
+    assert rc == 0, out + err
+    assert "sharded safetensors" in out and all(k in out for k in state), out
+    rc, out, err = run(capsys, "verify", tmp_path / "hf")
+    assert rc == 0, out + err
+    assert "index" in out and out.count("safetensors records no checksums") == 1, out
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[0]
+    os.truncate(shard, os.path.getsize(shard) - 100)
+    rc, out, err = run(capsys, "verify", tmp_path / "hf")
+    assert rc != 0 and str(shard) in out + err, out + err
