@@ -2,13 +2,13 @@
 
 import torch  # noqa: F401  (loads libtorch, which fastckpt._C links against)
 
-from .errors import FormatError, UnsupportedURLError
+from .errors import FormatError, StateMismatchError, UnsupportedURLError
 from . import knobs
 from ._core.engine import get_engine, reset_engine
-from .serialization import load, save
+from .serialization import load, load_into, save
 from .saver import async_save, wait_for_saves
 
-__all__ = ["save", "load", "async_save", "wait_for_saves", "CheckpointManager", "MemoryTier", "FormatError", "UnsupportedURLError", "knobs",
+__all__ = ["save", "load", "load_into", "async_save", "wait_for_saves", "CheckpointManager", "MemoryTier", "FormatError", "StateMismatchError", "UnsupportedURLError", "knobs",
            "get_engine", "reset_engine"]
 __version__ = "0.1.0"
 

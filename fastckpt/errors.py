@@ -54,3 +54,22 @@ class RanksFailed(OSError, RuntimeError):
 
 
 __all__ += ["RanksFailed"]
+
+
+class StateMismatchError(ValueError):
+    """``fastckpt.load_into``: the state to fill and the checkpoint do not match
+    (keys missing from the file or unexpected in it under ``strict=True``,
+    tensors of another shape or dtype, a tensor where the other side holds a
+    plain value, a placement that cannot be read). Raised before any byte of the
+    state was changed. ``path`` is the checkpoint; ``missing_keys``,
+    ``unexpected_keys`` and ``mismatched`` (one line per key) say what differs."""
+
+    def __init__(self, message: str, path=None, missing_keys=(), unexpected_keys=(), mismatched=()):
+        super().__init__(message)
+        self.path = path
+        self.missing_keys = list(missing_keys)
+        self.unexpected_keys = list(unexpected_keys)
+        self.mismatched = list(mismatched)
+
+
+__all__ += ["StateMismatchError"]

@@ -527,8 +527,7 @@ def save_sharded(state_dict: Dict[str, torch.Tensor], save_directory: PathLike,
                                  "is not a directory", directory)
     os.makedirs(os.path.dirname(directory), exist_ok=True)
     shards = shard_names(state_dict, max_shard_size, weights_name)
-    index_name = (os.path.splitext(weights_name)[0] + ".safetensors.index.json"
-                  if weights_name.endswith(".safetensors") else weights_name + ".index.json")
+    index_name = _st.index_name(weights_name)
     index_path = os.path.join(directory, index_name)
     if group is not None:
         _save_sharded_together(state_dict, directory, shards, index_name, metadata, weights_name, group)
@@ -628,26 +627,15 @@ def load_sharded(directory: PathLike, device: Union[str, int, torch.device] = "c
     parallel, each checked as :func:`load_file` checks one; a tensor the index maps to a shard that
     does not hold it, or a shard holding a tensor twice, is a FormatError), or the single file."""
     directory = _dircommit.resolve(os.fsdecode(os.fspath(directory)))  # a set left aside by an interrupted commit
-    index_path = os.path.join(directory, weights_name + ".index.json" if not weights_name.endswith(".safetensors")
-                              else os.path.splitext(weights_name)[0] + ".safetensors.index.json")
+    index_path = os.path.join(directory, _st.index_name(weights_name))
     if not os.path.exists(index_path):
         return load_file(os.path.join(directory, weights_name), device)
     size = os.path.getsize(index_path)
     if size > _st.MAX_HEADER:
         raise FormatError(f"{index_path}: {size} bytes is too large for an index")
-    try:
-        with open(index_path, "rb") as f:
-            index = json.loads(f.read().decode("utf-8"))
-        weight_map = index["weight_map"]
-        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                                       for k, v in weight_map.items()):
-            raise TypeError("weight_map must map names to file names")
-    except (ValueError, KeyError, TypeError) as e:
-        raise FormatError(f"{index_path}: not a safetensors index ({e})") from None
+    with open(index_path, "rb") as f:
+        weight_map = _st.parse_index(f.read(), index_path)
     files = sorted(set(weight_map.values()))
-    for f in files:
-        if os.path.basename(f) != f or f in ("", ".", ".."):
-            raise FormatError(f"{index_path}: shard {f!r} is not a file name in the directory")
     with ThreadPoolExecutor(min(_PARALLEL_FILES, max(1, len(files)))) as ex:
         parts = list(ex.map(lambda f: (f, load_file(os.path.join(directory, f), device)), files))
     out: Dict[str, torch.Tensor] = {}

@@ -1,4 +1,5 @@
-"""fastckpt.save / fastckpt.load: torch.save and torch.load at disk speed.
+"""fastckpt.save / fastckpt.load: torch.save and torch.load at disk speed;
+fastckpt.load_into: a checkpoint read into the tensors of a state that exists.
 
 The file is a standard torch.save zip archive (stock ``torch.load`` reads it,
 with ``mmap=True`` too) whose storage records of 64 KiB or more start on 4 KiB
@@ -12,14 +13,15 @@ own loader (and its ``weights_only`` unpickler).
 
 This module holds the public functions and torch's argument rules; the
 archive's writer and reader are :mod:`fastckpt.torchsave`, collective saves and
-loads :mod:`fastckpt.collective`, URLs :mod:`fastckpt.remote`.
+loads :mod:`fastckpt.collective`, URLs :mod:`fastckpt.remote`, the reads of
+:func:`load_into` :mod:`fastckpt.sources.into`.
 """
 
 import io
 import os
 import pickle
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import torch
 import torch.serialization as ts
@@ -32,7 +34,7 @@ from .torchsave import load as _load
 from .torchsave.reader import check_layout
 from .torchsave.writer import save_legacy, write_archive
 
-__all__ = ["save", "load"]
+__all__ = ["save", "load", "load_into"]
 
 
 def save(obj: Any, f: FileLike, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
@@ -255,3 +257,89 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
         return torch.load(f, map_location=map_location, weights_only=weights_only, mmap=mmap,
                           **({} if weights_only else {"pickle_module": pickle_module}), **pickle_load_args)
     return _load.load_path(os.fspath(f), map_location, weights_only, pickle_module, verify, pickle_load_args)
+
+
+def load_into(state: Any, path: Union[str, os.PathLike], group: Any = None, strict: bool = True):
+    """Fill the tensors of ``state`` in place from the checkpoint at ``path``.
+
+    The keys of ``state`` and of the checkpoint are matched by path: the flat
+    keys of ``model.state_dict()``, or the nested keys of an optimizer's state
+    dict (``state.0.exp_avg``, ``param_groups.0.lr``). Every key, shape and
+    dtype is checked before any byte is read. Then each tensor's bytes are
+    read straight into its memory where it can be (a contiguous CPU tensor
+    from a tensor stored contiguously: no second copy of the state and no new
+    memory for it; O_DIRECT where memory, offset and length are aligned), the
+    others through a bounded host buffer (a non-contiguous tensor, a strided
+    view in the file, a tensor on a device). Non-tensor leaves held by dicts
+    and lists of ``state`` (an optimizer's ``step`` values, its
+    ``param_groups``) are set from the file after the tensors were read, so
+    that ``optimizer.load_state_dict(state)`` then resumes it; leaves in
+    tuples are left as they are.
+
+    Args:
+        state: a dict (nested containers allowed) of tensors and plain values,
+            e.g. ``model.state_dict()`` or ``optimizer.state_dict()`` of an
+            optimizer that holds its state already (after a step). Tensors may
+            be ``torch.distributed.tensor.DTensor`` s: each rank then reads only
+            the byte ranges of its own local shard from the full-size tensor of
+            the file (``Shard`` and ``Replicate`` placements, any mesh, uneven
+            shards; ``_StridedShard`` and ``Partial`` are refused).
+        path: a torch.save or fastckpt file, a safetensors file, a sharded
+            safetensors set (its directory, holding
+            ``model.safetensors.index.json``, or that index file), or a DCP
+            directory (loaded by ``torch.distributed.checkpoint.load`` with
+            :class:`fastckpt.dcp.FastReader`, which reshards).
+        group: a ``torch.distributed`` process group whose every rank calls
+            load_into with the same path. For a DCP directory it is DCP's
+            ``process_group``. For the other formats, with a gloo group of more
+            than one rank: the replicated tensors (plain CPU tensors, and
+            DTensors replicated on every mesh dimension) are read once, each by
+            one rank (balanced by bytes), and broadcast over the group; every
+            rank must then hold the same replicated keys, shapes and dtypes
+            (else StateMismatchError on every rank), and a failure on any rank
+            raises on every rank (its own error there,
+            :class:`fastckpt.errors.RanksFailed` on the others). Sharded
+            DTensors are read by each rank for itself either way. ``None``, or
+            a group of another backend: every rank reads everything it holds.
+        strict: keys of ``state`` missing from the file, or keys of the file
+            that ``state`` lacks, raise :class:`fastckpt.errors.StateMismatchError`
+            listing them; ``False``: they are returned, and the others loaded.
+
+    Returns:
+        A ``LoadIntoResult(missing_keys, unexpected_keys)`` NamedTuple, as
+        ``nn.Module.load_state_dict`` returns.
+
+    Verification: a torch.save record read whole in one piece is checked
+    against its CRC-32 (a mismatch is raised after the bytes landed, so the
+    tensor then holds the damaged values). A record read in part (a shard of a
+    DTensor, a view of a larger storage) cannot be checked against the
+    record's CRC-32; safetensors files record no checksums; DCP records are
+    checked by FastReader.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (named in the message).
+        fastckpt.errors.StateMismatchError (a ValueError): missing or unexpected
+            keys (with ``strict``), a shape, dtype or kind mismatch, a refused
+            placement; raised before any byte of ``state`` changed.
+        fastckpt.FormatError: a truncated, damaged or foreign file, a checksum
+            mismatch (naming the path and the record). Nothing from the file
+            is run: its pickle is read by a restricted unpickler.
+        pickle.UnpicklingError: torch's weights-only unpickler refused
+            ``data.pkl`` (as :func:`load` raises it; the message names the path).
+        OSError: the file cannot be read.
+        fastckpt.errors.RanksFailed: with ``group``, another rank failed.
+        TypeError: ``state`` is not a dict, ``path`` not a path.
+
+    Example:
+        >>> fastckpt.save(model.state_dict(), "model.pt")
+        >>> fastckpt.load_into(model.state_dict(), "model.pt")
+        LoadIntoResult(missing_keys=[], unexpected_keys=[])
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"fastckpt.load_into: state must be a dict (a state dict), not {type(state).__name__}")
+    if not _paths.is_path(path) or _paths.is_url(path):
+        raise TypeError(f"fastckpt.load_into: path must be a local path (str or os.PathLike), not {path!r}")
+    if not isinstance(strict, bool):
+        raise TypeError(f"fastckpt.load_into: strict must be a bool, not {type(strict).__name__}")
+    from .sources import into as _into
+    return _into.load_into(state, os.fsdecode(os.fspath(path)), group, strict)

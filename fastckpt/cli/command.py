@@ -181,7 +181,7 @@ def _with_urls(func):
 
 def cmd_inspect(args) -> int:
     from .inspect import inspect_data, inspect_text
-    from .sources import open_source
+    from ..sources.kinds import open_source
     _existing(args.path)
     if os.path.isdir(args.path) and not os.path.exists(os.path.join(args.path, ".metadata")):
         from .inspect import is_manager_dir
@@ -234,7 +234,7 @@ def cmd_verify(args) -> int:
 def cmd_convert(args) -> int:
     from . import convert as _convert
     from .._core.units import human
-    from .sources import is_dcp_dir, open_source
+    from ..sources.kinds import is_dcp_dir, open_source
     src_path, dst = args.src, args.dst
     _existing(src_path)
     to = args.to or _convert.infer_target(dst)

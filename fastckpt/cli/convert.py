@@ -1,6 +1,6 @@
 """``fastckpt convert``: between fastckpt/torch.save files, safetensors files and DCP directories.
 
-Every conversion streams: the source is opened as a :class:`fastckpt.cli.sources.Source`
+Every conversion streams: the source is opened as a :class:`fastckpt.sources.Source`
 (an object tree of meta tensors plus reads of byte ranges), and the target is
 written piece by piece through the engine (temporary name, fdatasync, rename,
 directory fsync), so memory stays bounded whatever the checkpoint's size:
@@ -35,7 +35,7 @@ from .. import knobs
 from ..formats import zip as _zip
 from ..formats import safetensors as _st
 from ..formats.safetensors import LAYOUT_KEY, SEPARATOR, dtype_name
-from .source import LazyValue, Source, Storage, byte_span, encode_layout, is_dense, storage_of, walk
+from ..sources.source import LazyValue, Source, Storage, byte_span, encode_layout, is_dense, storage_of, walk
 from ..formats.pickler import DEFAULT_PROTOCOL, pickle_with_storages, tensor_reduce
 from ..formats.torch_rules import StorageRef, storage_ref
 

@@ -24,8 +24,9 @@ import torch
 
 from ..formats import zip as _zip
 from ..formats.safetensors import dtype_name
-from .source import LazyValue, Source, holds_structure, storage_of, walk
-from .sources import DcpSource, SafetensorsSource, ZipSource, is_dcp_dir, open_source, sniff
+from ..sources.source import LazyValue, Source, holds_structure, storage_of, walk
+from ..sources import DcpSource, SafetensorsSource, ShardedSafetensorsSource, ZipSource, is_dcp_dir, open_source, \
+    sniff
 from ..formats.torch_rules import itemsize
 from .._core.steps import split_step_name
 from .._core.tempnames import is_temp
@@ -289,6 +290,12 @@ def verify(path: str, progress_factory=None) -> Report:
                 _verify_zip(src, rep, progress_factory)
             elif isinstance(src, SafetensorsSource):
                 _verify_safetensors(src, rep, progress_factory)
+            elif isinstance(src, ShardedSafetensorsSource):
+                rep.checked.append(f"index {src.index_path}: {len(src.weight_map)} tensors in {len(src.shards)} "
+                                   "shards, each held by the shard it names")
+                for shard in src.shards.values():
+                    _verify_safetensors(shard, rep, progress_factory)
+                rep.unverified[:] = list(dict.fromkeys(rep.unverified))
             elif isinstance(src, DcpSource):
                 _verify_dcp(src, rep, progress_factory)
             else:

@@ -13,6 +13,7 @@ their memory.
 """
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -22,7 +23,8 @@ from ..errors import FormatError
 from .torch_rules import itemsize
 
 __all__ = ["MAX_HEADER", "ALIGN", "LAYOUT_KEY", "SEPARATOR", "ST_DTYPES", "ST_NAMES", "VALUES_PER_ELEMENT",
-           "dtype_name", "file_shape", "Entry", "plan", "read_header", "parse_header"]
+           "dtype_name", "file_shape", "Entry", "plan", "read_header", "parse_header", "INDEX_SUFFIX", "index_name",
+           "parse_index"]
 
 MAX_HEADER = 100 << 20          # the largest header readers accept (the reference implementation's limit)
 ALIGN = 4096                    # the data starts on, and page-sized tensors keep, this alignment
@@ -206,3 +208,34 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Tuple[Dict[str, str],
     if pos != buf_len:
         problems.append(f"{path}: the file has {buf_len - pos} bytes after the last tensor's data")
     return dict(meta or {}), entries, problems
+
+
+INDEX_SUFFIX = ".index.json"  # model.safetensors -> model.safetensors.index.json (a sharded set's index)
+
+
+def index_name(weights_name: str) -> str:
+    """The index file of the sharded set whose single-file name is `weights_name`
+    (Hugging Face's rule: ``model.safetensors`` -> ``model.safetensors.index.json``)."""
+    return (weights_name[:-len(".safetensors")] + ".safetensors" + INDEX_SUFFIX
+            if weights_name.endswith(".safetensors") else weights_name + INDEX_SUFFIX)
+
+
+def parse_index(raw: bytes, path: str) -> Dict[str, str]:
+    """The weight map (tensor name -> shard file name) of the sharded set's index
+    `raw` (read from `path`), checked: a JSON object whose ``weight_map`` maps
+    names to plain file names of the index's directory (no path separators, no
+    ``..``). FormatError naming `path` otherwise."""
+    if len(raw) > MAX_HEADER:
+        raise FormatError(f"{path}: {len(raw)} bytes is too large for an index")
+    try:
+        index = json.loads(raw.decode("utf-8"))
+        weight_map = index["weight_map"]
+        if not isinstance(weight_map, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in weight_map.items()):
+            raise TypeError("weight_map must map names to file names")
+    except (ValueError, KeyError, TypeError) as e:
+        raise FormatError(f"{path}: not a safetensors index ({e})") from None
+    for f in sorted(set(weight_map.values())):
+        if os.path.basename(f) != f or f in ("", ".", ".."):
+            raise FormatError(f"{path}: shard {f!r} is not a file name in the directory")
+    return weight_map

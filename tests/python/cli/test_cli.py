@@ -168,7 +168,7 @@ def test_inspect_fastckpt_text_and_json(tmp_path, capsys, monkeypatch):
     p = tmp_path / "ckpt.pt"
     state = {**full_state(), "big": torch.zeros(1 << 15)}  # a 128 KiB storage: fastckpt's 4 KiB layout
     fastckpt.save(state, p)
-    from fastckpt.cli.sources import ZipSource
+    from fastckpt.sources import ZipSource
 
     def no_data(self, *a):  # inspect must not read tensor data
         raise AssertionError("inspect read tensor data")
@@ -241,7 +241,7 @@ def test_inspect_stock_torch_save_and_cuda_location(tmp_path, capsys):
 def test_inspect_safetensors(tmp_path, capsys, monkeypatch):
     p = tmp_path / "m.safetensors"
     write_source("safetensors", p)
-    from fastckpt.cli.sources import SafetensorsSource
+    from fastckpt.sources import SafetensorsSource
     monkeypatch.setattr(SafetensorsSource, "read", lambda *a: (_ for _ in ()).throw(AssertionError("read")))
     rc, out, err = run(capsys, "inspect", "--json", p)
     assert rc == 0, err
@@ -360,8 +360,8 @@ def test_verify_flipped_bit_names_the_tensor(tmp_path, capsys):
     fastckpt.save(state, p)
     arch = _zip.Archive.open(str(p))
     # the record that holds model.bf16: find it through the pickle, then flip one bit of its data
-    from fastckpt.cli.source import storage_of
-    from fastckpt.cli.sources import ZipSource
+    from fastckpt.sources.source import storage_of
+    from fastckpt.sources import ZipSource
     with ZipSource(str(p)) as src:
         rec = storage_of(src.tree()["model"]["bf16"]).key
     data = bytearray(p.read_bytes())
@@ -386,7 +386,7 @@ def test_verify_many_small_records_in_few_reads(tmp_path, capsys, monkeypatch):
     """verify reads small records many per engine call (their CRC-32s computed
     during the reads), not one call per record, and still names each damaged
     record and tensor: small ones (batched) and a large one (streamed)."""
-    import fastckpt.cli.sources as sources
+    import fastckpt.sources.source as sources
     state = {f"s{i}": torch.full((3,), float(i)) for i in range(3000)}
     state["big"] = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: streamed in CHUNK pieces
     p = tmp_path / "many.pt"
@@ -397,8 +397,8 @@ def test_verify_many_small_records_in_few_reads(tmp_path, capsys, monkeypatch):
     rc, out, err = run(capsys, "verify", p)
     assert rc == 0, out + err
     assert len(calls) < 100, f"{len(calls)} engine reads to verify 3001 records"
-    from fastckpt.cli.source import storage_of
-    from fastckpt.cli.sources import ZipSource
+    from fastckpt.sources.source import storage_of
+    from fastckpt.sources import ZipSource
     with ZipSource(str(p)) as src:
         tree = src.tree()
         small, big = storage_of(tree["s1234"]).key, storage_of(tree["big"]).key
@@ -1087,3 +1087,19 @@ def test_progress_bar_only_when_asked_or_on_a_terminal(tmp_path, capsys):
     assert rc == 0 and "verify" in err and "B/s" in err
     rc, out, err = run(capsys, "convert", "--progress", "always", p, tmp_path / "o.pt")
     assert rc == 0 and "fastckpt -> fastckpt" in err
+
+
+def test_inspect_and_verify_a_sharded_safetensors_set(tmp_path, capsys):
+    from fastckpt import safetensors as fst
+    state = {f"w{i}": torch.full((64, 64), float(i)) for i in range(4)}
+    fst.save_sharded(state, tmp_path / "hf", max_shard_size=40 << 10)
+    rc, out, err = run(capsys, "inspect", tmp_path / "hf")
+    assert rc == 0, out + err
+    assert "sharded safetensors" in out and all(k in out for k in state), out
+    rc, out, err = run(capsys, "verify", tmp_path / "hf")
+    assert rc == 0, out + err
+    assert "index" in out and out.count("safetensors records no checksums") == 1, out
+    shard = sorted((tmp_path / "hf").glob("model-*.safetensors"))[0]
+    os.truncate(shard, os.path.getsize(shard) - 100)
+    rc, out, err = run(capsys, "verify", tmp_path / "hf")
+    assert rc != 0 and str(shard) in out + err, out + err

@@ -143,7 +143,7 @@ def test_manager_and_convert_temporary_names_carry_this_host(tmp_path, monkeypat
 
     fastckpt.save({"w": torch.ones(4)}, tmp_path / "src.pt")
     monkeypatch.setattr(fdcp, "FastWriter", writer)
-    from fastckpt.cli.sources import open_source
+    from fastckpt.sources.kinds import open_source
     src = open_source(str(tmp_path / "src.pt"))
     with pytest.raises(Boom):
         _convert.write_dcp(src, str(tmp_path / "out.dcp"))

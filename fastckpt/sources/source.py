@@ -2,7 +2,7 @@
 :class:`Source` (a checkpoint's object tree with meta tensors as leaves, and
 the reading of any byte range of a storage on demand), :class:`Storage`, the
 nesting record that safetensors files carry, and the walk of an object tree.
-The kinds of sources are in :mod:`fastckpt.cli.sources`."""
+The kinds of sources are in :mod:`fastckpt.sources.kinds`."""
 
 import logging
 from concurrent.futures import ThreadPoolExecutor
@@ -117,6 +117,14 @@ class Source:
         self.read(storage, offset, out)
         return _engine.crc32(out)
 
+    def read_many(self, items: List[Tuple[Storage, int, torch.Tensor, bool]]) -> List[Optional[int]]:
+        """Fill each (storage, offset, uint8 out, crc) of `items` as :meth:`read`
+        does; returns per item the CRC-32 of the bytes read where `crc` is true,
+        else None. Sources that read through the engine do it in one parallel
+        batch of engine reads (straight into each destination, O_DIRECT where
+        destination, offset and length are aligned)."""
+        return [self.read_crc(s, off, out) if crc else self.read(s, off, out) for s, off, out, crc in items]
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
@@ -157,7 +165,7 @@ class Source:
             return
         if not self._bufs:
             self._bufs = [aligned_buffer(CHUNK), aligned_buffer(CHUNK)]
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-cli-read")
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="fastckpt-source-read")
         bufs = self._bufs
 
         def rd(i: int, pos: int) -> int:
@@ -206,6 +214,27 @@ class Source:
             return out.resolve_conj().resolve_neg().contiguous()
         return out if is_dense(t) else out.contiguous()
 
+
+class FileSource(Source):
+    """A Source over one file kept open: `_parse()` reads its directory, and
+    the file is closed again if that fails."""
+
+    def __init__(self, path: str):
+        super().__init__()
+        self.path = path
+        self.f = open(path, "rb")
+        try:
+            self._parse()
+        except BaseException:
+            self.f.close()
+            raise
+
+    def _parse(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        super().close()
+        self.f.close()
 
 
 def encode_layout(obj: Any, name_of: Callable[[torch.Tensor], str]) -> Any:
