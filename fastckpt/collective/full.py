@@ -448,11 +448,17 @@ def save(obj: Any, path: str, g: Group, names: Dict[int, str], pickle_module: An
             return [(start, b) for start, _n, _c, b in ps if b is not None], crc
         out.commit(lambda w: _write_records(w, plan, entries, cd_offset, pieces_of, crc_on))
     except BaseException as e:
-        if out is not None:
-            out.abort()
-        if isinstance(e, OSError):
-            _paths.raise_named_after_target(e, path)
+        _failed(e, out, path)
         raise
+
+
+def _failed(e: BaseException, out: Optional["SharedFile"], path: str) -> None:
+    """What a failed full-size save does before raising `e`: rank 0 removes the temporary file; an
+    OSError is raised named after the user's path."""
+    if out is not None:
+        out.abort()
+    if isinstance(e, OSError):
+        _paths.raise_named_after_target(e, path)
 
 
 def check_agreed(agreed, path: str, plain_name: Callable[[int], str]) -> None:
@@ -540,10 +546,7 @@ def save_safetensors(tensors: Dict[str, Any], path: str, g: Group, head: bytes, 
                         w.write_at(b, offsets[n] + start)
         out.commit(rest)
     except BaseException as e:
-        if out is not None:
-            out.abort()
-        if isinstance(e, OSError):
-            _paths.raise_named_after_target(e, path)
+        _failed(e, out, path)
         raise
 
 

@@ -33,6 +33,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from ..errors import FormatError, StateMismatchError
+from ..formats.torch_rules import is_dtensor
 from .dcp import read_dcp_metadata
 from .kinds import is_dcp_dir, open_source, sharded_index
 from .safetensors import SafetensorsSource, ShardedSafetensorsSource
@@ -69,14 +70,6 @@ def _leaves(tree: Any) -> Tuple[Dict[Path, Any], Dict[Path, Any]]:
         else:
             containers[path] = v
     return leaves, containers
-
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a torch without torch.distributed
-        return False
-    return isinstance(t, DTensor)
 
 
 def _refused_placement(t: torch.Tensor) -> Optional[str]:
@@ -119,7 +112,7 @@ def _check(path: str, target: Dict[Path, Any], found: Dict[Path, Any], strict: b
                               f"the checkpoint, the shape in the state is {t.shape}.")
         elif t.dtype != dtype_of(f):
             mismatched.append(f"dtype mismatch for {k}: the checkpoint holds {dtype_of(f)}, the state {t.dtype}.")
-        elif _is_dtensor(t):
+        elif is_dtensor(t):
             refused = _refused_placement(t)
             if refused is not None:
                 mismatched.append(f"placement of {k}: {refused} cannot be read from a full-size tensor "
@@ -155,7 +148,7 @@ class _Plan:
     def add(self, key: str, target: torch.Tensor, meta: torch.Tensor) -> None:
         if target.numel() == 0:
             return
-        if _is_dtensor(target):
+        if is_dtensor(target):
             self._add_shard(key, target, meta)
             return
         mark = (target.untyped_storage().data_ptr(), target.storage_offset(), tuple(target.stride()),
@@ -308,7 +301,7 @@ class _Sharing:
         if error is None:
             for p, t in target.items():
                 if isinstance(t, torch.Tensor) and p in found and t.numel() and t.device.type == "cpu":
-                    if not _is_dtensor(t):
+                    if not is_dtensor(t):
                         items.append((key_name(p), t.detach()))
                     elif all(pl.is_replicate() for pl in t.placements):
                         items.append((key_name(p), t.detach().to_local()))

@@ -124,6 +124,16 @@ def check_local(full, state) -> None:
         assert local.dtype == want.dtype and torch.equal(local, want), (k, dist.get_rank())
 
 
+def _refused(target, path, placement: str) -> None:
+    """load_into refuses `target` (key s0) naming the key and the placement."""
+    try:
+        fastckpt.load_into(target, path, strict=False)
+    except fastckpt.StateMismatchError as e:
+        assert "s0" in str(e) and placement in str(e), e
+    else:
+        raise AssertionError(f"a {placement} target was loaded")
+
+
 def main(d: str) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -182,22 +192,12 @@ def main(d: str) -> None:
     assert opt.param_groups[0]["lr"] == 1e-2
     # Partial: refused before anything is read, naming the key and the placement
     bad = {"s0": DTensor.from_local(torch.zeros(256, 512), mesh, [Partial()], run_check=False)}
-    try:
-        fastckpt.load_into(bad, os.path.join(d, "full.pt"), strict=False)
-    except fastckpt.StateMismatchError as e:
-        assert "s0" in str(e) and "Partial" in str(e), e
-    else:
-        raise AssertionError("a Partial target was loaded")
+    _refused(bad, os.path.join(d, "full.pt"), "Partial")
     assert torch.count_nonzero(bad["s0"].to_local()) == 0
     from torch.distributed.tensor.placement_types import _StridedShard
     strided = {"s0": DTensor.from_local(torch.zeros(256 // world, 512), mesh, [_StridedShard(0, split_factor=2)],
                                         run_check=False)}
-    try:
-        fastckpt.load_into(strided, os.path.join(d, "full.pt"), strict=False)
-    except fastckpt.StateMismatchError as e:
-        assert "s0" in str(e) and "_StridedShard" in str(e), e
-    else:
-        raise AssertionError("a _StridedShard target was loaded")
+    _refused(strided, os.path.join(d, "full.pt"), "_StridedShard")
     # with a group, one rank's failure raises on every rank (none is left waiting)
     where = os.path.join(d, "full.pt" if rank != 1 else "missing.pt")
     try:
