@@ -122,6 +122,13 @@ MEMORY_SIZE ?= 1G
 bench-memory: build
 	$(PY) benchmarks/bench_memory.py --dir "$(BENCH_DIR)" --size $(MEMORY_SIZE) --json build/bench-memory.json
 
+# Full-size files from sharded jobs and load_into alone (benchmarks/bench_fullsize.py; also a table of
+# `make bench`): FULLSIZE_SIZE, one process, then W = 1, 2, 4 ranks on this machine.
+FULLSIZE_SIZE ?= 1G
+.PHONY: bench-fullsize
+bench-fullsize: build
+	$(PY) benchmarks/bench_fullsize.py --dir "$(BENCH_DIR)" --size $(FULLSIZE_SIZE) --json build/bench-fullsize.json
+
 # CRC-32 (zip polynomial) of zlib and of whichever accelerated libraries are installed
 # (ISA-L: libisal-dev, libdeflate: libdeflate-dev, zlib-ng: libz-ng-dev), found with pkg-config;
 # parity with zlib first (non-zero exit on a mismatch), then GB/s per buffer size. CRC_ARGS: --reps,

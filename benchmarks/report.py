@@ -93,6 +93,8 @@ STANDALONE = (
      "fastckpt against s3fs and boto3"),
     ("memory", "bench_memory.py", "the memory tier: snapshot blocking against a plain copy, async_save and "
      "dcp.async_save; restore from memory against disk; replication between two emulated nodes"),
+    ("fullsize", "bench_fullsize.py", "full-size files from sharded jobs (every rank writes its shards) against "
+     "gather + torch.save / safetensors and DCP + convert; load_into against torch.load + load_state_dict"),
     ("cluster", "cluster_emulate.py", "the cluster benchmark: N = 1, 2, 4 emulated nodes (root: loop "
      "filesystems, blkio cgroups), every save/load mode of replicated state"),
 )

@@ -80,7 +80,6 @@ from .._core.tempnames import TMP_MARK
 from . import remote as _remote_tier
 from .remote import candidates as _remote_candidates
 from ..saver import AsyncSaver, SaveFuture, fail_inherited, default_saver
-from ..serialization import load as _load
 from ..serialization import save as _save
 from ..memory import MemoryTier
 from . import memory as _memory_tier
@@ -596,10 +595,12 @@ class CheckpointManager:
         Args:
             map_location: as for :func:`fastckpt.load` (replicated mode), e.g.
                 ``f"cuda:{local_rank}"``.
-            state: sharded mode: the state dict to load into, in place
-                (``torch.distributed.checkpoint.load``); required there. A
-                checkpoint that fails part-way may have filled some entries;
-                the next one tried overwrites every entry it loads.
+            state: the state dict to load into, in place: required in sharded
+                mode (``torch.distributed.checkpoint.load``); in replicated
+                mode its tensors are filled by :func:`fastckpt.load_into` (no
+                second copy of the state; keys, shapes and dtypes must match:
+                no ``map_location``). A checkpoint that fails part-way may have
+                filled some entries; the next one tried overwrites every entry.
             weights_only: as for :func:`fastckpt.load`, in both modes: in
                 sharded mode, no value of the checkpoint (non-tensor entries
                 of ``state``) is unpickled by code-running pickle either.
@@ -620,6 +621,8 @@ class CheckpointManager:
         """
         if self.sharded and state is None:
             raise ValueError("sharded mode loads in place: pass state=<state dict to fill>")
+        if state is not None and map_location is not None and not self.sharded:
+            raise ValueError("load_latest(state=...) fills the state's own tensors: map_location does not apply")
         listing = None
         err = None
         if self.rank == 0:
@@ -636,13 +639,8 @@ class CheckpointManager:
             path = self.directory / name
             result, err = None, None
             try:
-                if self.sharded:
-                    self._ranks.dcp_load(state, str(path), self.verify, weights_only)
-                    result = state
-                else:
-                    group = self._ranks.own_group() if self.collective else None
-                    result = _load(path, map_location=map_location, weights_only=weights_only, verify=self.verify,
-                                   group=group)
+                result = self._ranks.load_step(path, self.sharded, self.collective, self.verify, weights_only,
+                                               map_location, state)
             except failure_types() as e:  # noqa: BLE001 - classified below
                 err = e
             got = self._ranks.gather(load_report(err))

@@ -201,7 +201,7 @@ def restore(mgr: Any, listing: List[Any], map_location: Any, weights_only: bool,
                 raise FormatError(f"{path}: snapshot of step {step} is damaged: {why}")
             tier.own.mark_mapped(rec["slot"])  # the next snapshot into this slot takes new pages
             state = _load(path, map_location=map_location, weights_only=weights_only, mmap=True, verify=False)
-            if mgr.sharded:
+            if target is not None:  # sharded, or replicated with state=: into the caller's tensors
                 try:
                     state = fill_into(target, state)
                 except FormatError as e:

@@ -207,6 +207,22 @@ class Ranks:
                              process_group=self.async_pg)
         return getattr(fut, "upload_completion", fut)  # an AsyncSaveResponse in some modes
 
+    def load_step(self, path: Any, sharded: bool, collective: bool, verify: bool, weights_only: bool,
+                  map_location: Any, state: Any) -> Any:
+        """Collective: one checkpoint of a manager, loaded: sharded, into ``state`` (DCP); replicated
+        with ``state``, into its tensors in place (``fastckpt.load_into``, shared reads with the
+        manager's group when collective); else ``fastckpt.load`` (collective when ``collective``)."""
+        if sharded:
+            self.dcp_load(state, str(path), verify, weights_only)
+            return state
+        group = self.own_group() if collective else None
+        if state is not None:
+            from ..serialization import load_into
+            load_into(state, path, group=group)
+            return state
+        from ..serialization import load
+        return load(path, map_location=map_location, weights_only=weights_only, verify=verify, group=group)
+
     def dcp_load(self, state: Any, path: str, verify: bool, weights_only: bool) -> None:
         """Collective: fill ``state`` in place from the sharded checkpoint ``path``."""
         import torch.distributed.checkpoint as dcp

@@ -161,14 +161,14 @@ def test_out_of_memory_propagates_instead_of_rolling_back(tmp_path, sharded, mon
             return real(state, storage_reader=storage_reader, **kw)
         monkeypatch.setattr(dcp, "load", load)
     else:
-        import fastckpt.manager.manager as m
-        real = m._load
+        import fastckpt.serialization as m  # the manager's replicated loads call fastckpt.serialization.load
+        real = m.load
 
         def load(path, **kw):
             if "step_00000020" in str(path):
                 raise MemoryError("simulated: cannot allocate")
             return real(path, **kw)
-        monkeypatch.setattr(m, "_load", load)
+        monkeypatch.setattr(m, "load", load)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         with pytest.raises(MemoryError, match="simulated"):
@@ -203,15 +203,15 @@ def test_missing_or_incomplete_checkpoint_still_falls_back(tmp_path, sharded):
         for f in (tmp_path / "step_00000020").glob("*.distcp"):
             os.unlink(f)
     else:
-        import fastckpt.manager.manager as m
-        real = m._load
+        import fastckpt.serialization as m  # the manager's replicated loads call fastckpt.serialization.load
+        real = m.load
         m_load = pytest.MonkeyPatch()
 
         def load(path, **kw):  # the file vanished between listing and loading
             if "step_00000020" in str(path):
                 raise FileNotFoundError(errno.ENOENT, "No such file or directory", str(path))
             return real(path, **kw)
-        m_load.setattr(m, "_load", load)
+        m_load.setattr(m, "load", load)
     try:
         with pytest.warns(RuntimeWarning, match=r"skipping checkpoint .*step_00000020"):
             r = mgr.load_latest(state=blank(sharded))
@@ -266,3 +266,30 @@ def test_sharded_load_latest_weights_only_refuses_code_in_values(tmp_path):
     mgr.save(30, {**sharded_state(30), "extra": {"lr": 0.1, "name": "adamw"}})
     target = {**sharded_state(-1), "extra": {"lr": None, "name": None}}
     assert mgr.load_latest(state=target).step == 30 and target["extra"] == {"lr": 0.1, "name": "adamw"}
+
+
+def test_load_latest_into_the_state_the_job_has(tmp_path):
+    """Replicated mode with state=: the checkpoint fills the caller's tensors in place (fastckpt.load_into),
+    a damaged newest one is skipped as by a plain load, and a state that does not match raises at once."""
+    mgr = CheckpointManager(tmp_path / "c", keep_last=3)
+    for v in (1, 2, 3):
+        mgr.save(v, small_state(v))
+    target = small_state(0)
+    ptrs = (target["w"].data_ptr(), target["b"].data_ptr())
+    r = mgr.load_latest(state=target)
+    assert r.step == 3 and r.state is target and (target["w"].data_ptr(), target["b"].data_ptr()) == ptrs
+    assert_state(target, 3, False) and target["step"] == 3
+    with open(mgr.path_for(3), "r+b") as f:  # a flipped byte inside w's record: its CRC fails
+        data = f.read()
+        at = data.index(torch.full((256,), 3.0).numpy().tobytes()) + 100
+        f.seek(at)
+        f.write(bytes([data[at] ^ 0xFF]))
+    with pytest.warns(RuntimeWarning, match="damaged"):
+        r = mgr.load_latest(state=target)
+    assert r.step == 2 and r.state is target
+    assert_state(target, 2, False)
+    with pytest.raises(fastckpt.StateMismatchError, match="w"):
+        mgr.load_latest(state={"w": torch.zeros(3), "b": torch.zeros(4, dtype=torch.int64), "step": 0})
+    with pytest.raises(ValueError, match="map_location"):
+        mgr.load_latest(map_location="cpu", state=target)
+    mgr.close()

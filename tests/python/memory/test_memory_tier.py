@@ -67,6 +67,12 @@ def test_a_restarted_job_restores_its_newest_snapshot_bitwise_and_slots_are_reus
     again._memory.wait()
     assert_same(r.state, make_state(5), bitwise=True)
     assert again.load_latest().step == 7
+    # into the state the job has (replicated mode's state=): the snapshot fills its tensors in place
+    target = make_state(0)
+    ptr = target["model"]["w"].data_ptr()
+    r = again.load_latest(state=target)
+    assert r.step == 7 and r.state is target and target["model"]["w"].data_ptr() == ptr
+    assert_same(target, make_state(7), bitwise=True)
     again.close()
     assert not (memdir / namespace_of(str(ckpt))).exists()  # close() frees the tier's memory
 

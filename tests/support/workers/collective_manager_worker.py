@@ -74,6 +74,12 @@ def main(ckpt: str) -> None:
     assert r.step == 3 and same(r.state, state(3))
     assert len(read) == 1 and read[0] > 1 << 19, read  # every rank read a share
 
+    # Into the state the job has (load_into with the manager's group): filled in place, the same values.
+    target = state(0)
+    ptr = target["model"]["w"].data_ptr()
+    r = mgr.load_latest(state=target)
+    assert r.step == 3 and r.state is target and same(target, state(3)) and target["model"]["w"].data_ptr() == ptr
+
     # A damaged checkpoint is skipped on every rank alike.
     dist.barrier()
     if rank == 0:
