@@ -3,7 +3,9 @@ DTensors (fastckpt/collective/full.py). Every rank is a process of
 tests/support/workers/full_save_worker.py on a CPU gloo mesh; the file must be
 the bytes a single-process save of the gathered state writes, load with stock
 torch.load as full tensors, and have been written about 1/W by each rank."""
+import errno
 import json
+import os
 
 import pytest
 import torch
@@ -100,3 +102,18 @@ def test_a_strided_shard_is_refused_naming_the_tensor(tmp_path):
     for r, line in enumerate(lines):
         assert line and line.startswith("ERR ValueError: ") and "'w'" in line and "_StridedShard" in line, res[r].stdout
     assert not (out / "full.pt").exists()
+
+
+@pytest.mark.parametrize("mode,errname", [("eio1", "EIO"), ("enospc0", "ENOSPC"), ("rename0", "EIO")])
+def test_an_engine_fault_on_one_rank_fails_every_rank_and_keeps_the_previous_file(tmp_path, mode, errname):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "full.pt").write_bytes(b"previous")
+    out, res, lines = _run(tmp_path, "tp", 2, mode)
+    for r, line in enumerate(lines):
+        assert res[r].returncode == 0 and line and line.startswith("ERR "), res[r].stdout[-3000:]
+        assert str(out / "full.pt") in line, line
+    faulty = {"eio1": 1, "enospc0": 0, "rename0": 0}[mode]
+    assert errname in lines[faulty] or os.strerror(getattr(errno, errname)) in lines[faulty], lines[faulty]
+    assert (out / "full.pt").read_bytes() == b"previous"
+    assert leftovers(out) == []

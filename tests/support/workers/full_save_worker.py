@@ -9,9 +9,12 @@ tensors kept tied) with the same serialization id; OUT_DIR/full.expected holds
 the gathered state (torch.save, for the test's comparisons). Prints one line
 "REPORT <json>" (bytes this rank wrote, from /proc/self/io) or "ERR <type>: <msg>".
 MODE: "ok"; "kill" (rank 1 is SIGKILLed in its writes: the others must fail,
-nothing committed); "differ" (rank 1's plain tensor differs).
+nothing committed); "differ" (rank 1's plain tensor differs); "eio1", "enospc0",
+"rename0" (every write of rank 1 fails with EIO, of rank 0 with ENOSPC, rank 0's
+rename with EIO: injected into the engine).
 """
 import copy
+import errno
 import json
 import os
 import signal
@@ -132,6 +135,14 @@ def main(case: str, out: str, mode: str = "ok") -> None:
     if mode == "differ" and rank == 1:
         state["plain"][3] += 1
     path = os.path.join(out, "full.pt")
+    faults = {"eio1": (1, "write", errno.EIO), "enospc0": (0, "write", errno.ENOSPC), "rename0": (0, "rename", errno.EIO)}
+    if mode in faults and rank == faults[mode][0]:
+        from fastckpt import _C
+        fastckpt.save({"warm": torch.zeros(1)}, os.path.join(out, f"warm{rank}.pt"))  # the engine made first
+        os.unlink(os.path.join(out, f"warm{rank}.pt"))
+        armed = faults[mode]
+    else:
+        armed = None
     if mode == "kill" and rank == 1:
         from fastckpt._core import engine
         orig = engine.region_file
@@ -148,6 +159,8 @@ def main(case: str, out: str, mode: str = "ok") -> None:
             torch.save(full, os.path.join(out, "full.expected"))
     dist.barrier()
     before = (_io("wchar"), _io("write_bytes"))
+    if armed is not None:
+        _C.fault_inject(armed[1], errno=armed[2], times=0)
     try:
         fastckpt.save(state, path, group=dist.group.WORLD)
     except Exception as e:
