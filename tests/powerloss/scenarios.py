@@ -180,6 +180,7 @@ CHECKS = {
     "resave": [("st", "st", "st", probe_sharded_st), ("rs", "rs", "rs/step_00000001", probe_dcp1),
                ("cv", "cv", "cv", probe_dcp1)],
     "collective": [("col.pt", "col.pt", "col.pt", probe_file)],
+    "full": [("full.pt", "full.pt", "full.pt", probe_file)],
     "manager_collective": [("latest", "latest", "mc", probe_latest), ("load_latest", "latest", "mc", probe_load_latest)],
     # the manager with a memory tier: checkpoints written from snapshots (a save of the snapshot's
     # step, and the persist that persist_on runs); a power cut empties the memory, so what counts
@@ -188,7 +189,7 @@ CHECKS = {
 }
 # Scenarios whose processes write one file together: checked under crashfs's per-client model
 # (a process's writes are durable only once it fsyncs the file itself, as on a shared filesystem).
-PER_CLIENT = {"collective", "manager_collective"}
+PER_CLIENT = {"collective", "manager_collective", "full"}
 
 
 # ---------------------------------------------------------------- the saves (in the child)
@@ -344,6 +345,38 @@ def run_collective_rank(mnt, p):
         dist.destroy_process_group()
 
 
+def run_full(mnt, p):
+    _spawn_ranks(mnt, p, "full_rank", world=2)
+
+
+def run_full_rank(mnt, p):
+    """A full-size save of sharded state at world size 2: make_state's tensors as Shard(0) DTensors,
+    fastckpt.save(state, path, group=pg) with every rank writing its shards' blocks of one
+    temporary file through the mount, rank 0 the shared blocks, the rest and the commit; the file
+    holds the full tensors (make_state's), so it is probed as the collective save's."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    rank = int(os.environ["RANK"])
+    if str(rank) in p.get("skip_sync_ranks", "").split(","):  # test_powerloss's check of the check
+        os.environ["FASTCKPT_TEST_SKIP_SYNC"] = "data"
+    dist.init_process_group("gloo")
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        for v in range(1, p["saves"] + 1):
+            state = {k: distribute_tensor(t, mesh, [Shard(0)]) if isinstance(t, torch.Tensor) else t
+                     for k, t in make_state(v, p["numel"]).items()}
+            dist.barrier()
+            if rank == 0:
+                mark(mnt, "begin", "full.pt", v)
+            dist.barrier()
+            fastckpt.save(state, os.path.join(mnt, "full.pt"), group=dist.group.WORLD)
+            if rank == 0:  # every rank returns only after the commit
+                mark(mnt, "end", "full.pt", v)
+    finally:
+        dist.destroy_process_group()
+
+
 def run_manager_collective(mnt, p):
     _spawn_ranks(mnt, p, "manager_collective_rank", world=3)
 
@@ -416,7 +449,7 @@ def run_resave(mnt, p):
 RUN = {"save": run_save, "resave": run_resave, "async_save": run_async_save, "manager": run_manager, "dcp": run_dcp,
        "dcp_rank": run_dcp_rank, "manager_sharded": run_manager_sharded,
        "manager_sharded_rank": run_manager_sharded_rank, "collective": run_collective,
-       "collective_rank": run_collective_rank, "manager_collective": run_manager_collective,
+       "collective_rank": run_collective_rank, "full": run_full, "full_rank": run_full_rank, "manager_collective": run_manager_collective,
        "manager_collective_rank": run_manager_collective_rank, "manager_memory": run_manager_memory}
 
 if __name__ == "__main__":

@@ -6,9 +6,10 @@ in flight at once too); ``CheckpointManager`` save and async_save with its ``lat
 retention, replicated and sharded (world size 2); DCP ``FastWriter`` at world size 2 (gloo, two
 processes; ``dcp.save`` and ``dcp.async_save``); the collective ``fastckpt.save(obj, path, group=pg)``
 at world size 3 (three processes writing their shares of one temporary file through the mount,
-each fdatasyncing its own, rank 0 the rest, the rename and the directory fsync), and
+each fdatasyncing its own, rank 0 the rest, the rename and the directory fsync), the full-size save of
+sharded state (``full``: DTensors at world size 2, every rank writing its shards' blocks), and
 ``CheckpointManager`` in replicated mode at world size 3 (its saves collective, and its async_saves,
-two in a row, written collectively by every rank's writer thread). Those two are checked under crashfs's per-client model (a process's writes are
+two in a row, written collectively by every rank's writer thread). Those three are checked under crashfs's per-client model (a process's writes are
 durable only once that process fsyncs the file, as on a shared filesystem: scenarios.PER_CLIENT). Each test runs one scenario in a child process on crashfs,
 an in-memory FUSE filesystem that records every operation (crashfs.py), then replays the record
 and checks, at every point between two operations, the states a power cut may leave there
@@ -55,7 +56,7 @@ if LONG:
         "threads": {"FASTCKPT_BACKEND": "threads"},
         "flushes": {"FASTCKPT_FLUSH_INTERVAL": "1M", "FASTCKPT_BUFFER_SIZE": "256K"},
     })
-SCENARIOS = ["save", "async_save", "manager", "manager_memory", "dcp", "manager_sharded", "collective",
+SCENARIOS = ["save", "async_save", "manager", "manager_memory", "dcp", "manager_sharded", "collective", "full",
              "manager_collective", "resave"]
 
 REPORTS = []
@@ -111,17 +112,18 @@ def test_simulator_finds_a_missing_sync(skip, scenario, tmp_path):
         assert lost, rep.violations
 
 
-def test_per_client_model_finds_a_rank_that_skips_its_sync(tmp_path):
+@pytest.mark.parametrize("scenario,ranks", [("collective", "1,2"), ("full", "1")])
+def test_per_client_model_finds_a_rank_that_skips_its_sync(tmp_path, scenario, ranks):
     """The collective save on a shared filesystem: each rank must make its own share durable.
     Ranks 1 and 2 skip their data fdatasync (FASTCKPT_TEST_SKIP_SYNC=data in those processes
-    only) while rank 0 syncs and commits: on one local filesystem rank 0's fdatasync would
+    only; in the full-size save of sharded state, rank 1) while rank 0 syncs and commits: on one local filesystem rank 0's fdatasync would
     cover their writes, under crashfs's per-client model (scenarios.PER_CLIENT) their shares
     are lost and the renamed file is torn."""
-    params = dict(SHORT_PARAMS, skip_sync_ranks="1,2")
-    log = harness.record("collective", params, str(tmp_path))
-    rep = harness.check("collective", params, log, str(tmp_path))
-    REPORTS.append(f"{rep.line()} [ranks 1 and 2 skip their data sync: violations expected]")
-    assert rep.violation_count > 0, "with ranks 1 and 2 not syncing their shares, no crash state lost data"
+    params = dict(SHORT_PARAMS, skip_sync_ranks=ranks)
+    log = harness.record(scenario, params, str(tmp_path))
+    rep = harness.check(scenario, params, log, str(tmp_path))
+    REPORTS.append(f"{rep.line()} [ranks {ranks} skip their data sync: violations expected]")
+    assert rep.violation_count > 0, f"with ranks {ranks} not syncing their shares, no crash state lost data"
     assert [v for v in rep.violations if "torn: " in v], rep.violations
     # what the per-client model adds: on one local filesystem, rank 0's later fdatasync covers them
-    assert harness.check("collective", params, log, str(tmp_path), per_client=False).violation_count == 0
+    assert harness.check(scenario, params, log, str(tmp_path), per_client=False).violation_count == 0
