@@ -1,0 +1,140 @@
+"""``fastckpt convert DCP_DIR FILE`` under torchrun (fastckpt/cli/convert_ranks.py): every rank
+converts its share of a DCP checkpoint into one file. Each rank is a process of
+tests/support/workers/convert_ranks_worker.py; the file must be byte-identical to the
+single-process conversion's, load with stock torch.load / safetensors, and each rank must have read
+(and written) only its share; a failure on any rank fails every rank and leaves the old target."""
+import json
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fastckpt.formats.archive
+from fastckpt.cli.command import main as cli
+
+from collective_ranks import leftovers
+from dist_launch import ranks
+from paths import WORKERS
+from states import assert_same
+from workers.convert_ranks_worker import SID
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="torch.distributed with gloo is not available")
+
+WORKER = WORKERS / "convert_ranks_worker.py"
+TARGETS = {"safetensors": "out.safetensors", "torch": "out.pt"}
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "big": torch.randn(1 << 20, generator=g),                       # 4 MiB
+        "bf": torch.randn(64, 33, generator=g).to(torch.bfloat16),
+        "idx": torch.arange(5000, dtype=torch.int64),
+        "layer": {"w": torch.randn(300, 17, generator=g), "b": torch.randn(17, generator=g)},
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4),
+    }
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A DCP checkpoint of _tensors() and a step count, in two data files."""
+    import torch.distributed.checkpoint as dcp
+    d = tmp_path_factory.mktemp("dcp") / "ckpt"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({**_tensors(), "step": 7}, storage_writer=dcp.FileSystemWriter(str(d), thread_count=2))
+    return d
+
+
+@pytest.fixture(scope="module")
+def reference(ckpt, tmp_path_factory):
+    """The single-process conversions, with the workers' serialization id."""
+    out = tmp_path_factory.mktemp("ref")
+    orig = fastckpt.formats.archive.new_serialization_id
+    fastckpt.formats.archive.new_serialization_id = lambda: SID
+    try:
+        for to, name in TARGETS.items():
+            assert cli(["convert", str(ckpt), str(out / name), "--to", to, "--drop-non-tensors", "-q"]) == 0
+    finally:
+        fastckpt.formats.archive.new_serialization_id = orig
+    return out
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def _run(ckpt, dst, to, world, mode="ok"):
+    res = ranks(WORKER, ckpt, dst, to, mode, world=world, timeout=120)
+    reports = []
+    for r in res:
+        line = next((ln for ln in r.stdout.splitlines() if ln.startswith("REPORT ")), None)
+        reports.append(json.loads(line.split(" ", 1)[1]) if line else None)
+    return res, reports
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("to", ["safetensors", "torch"])
+def test_ranks_write_the_single_process_conversion(tmp_path, ckpt, reference, to, world):
+    dst = tmp_path / TARGETS[to]
+    res, reports = _run(ckpt, dst, to, world)
+    for r, (p, rep) in enumerate(zip(res, reports)):
+        assert p.returncode == 0 and rep and rep["rc"] == 0, f"rank {r}: {p.stdout[-3000:]}{p.stderr[-3000:]}"
+    got = dst.read_bytes()
+    assert got == (reference / TARGETS[to]).read_bytes()
+    assert leftovers(tmp_path) == []
+    expected = _tensors()
+    if to == "torch":
+        assert_same({**expected, "step": 7}, torch.load(dst, weights_only=True))
+    else:
+        st = pytest.importorskip("safetensors.torch")
+        assert_same(_flat(expected), st.load_file(dst))
+    # Each tensor was read by exactly one rank; a rank read only its share (the 4 MiB tensor is one).
+    total = sum(t.numel() * t.element_size() for t in _flat(expected).values())
+    assert sum(rep["read"] for rep in reports) == total, reports
+    assert sum(rep["tensors"] for rep in reports) == sum(1 for t in _flat(expected).values() if t.numel()), reports
+    if world > 1:
+        assert max(rep["read"] for rep in reports) <= (4 << 20), reports
+        assert sorted(rep["read"] for rep in reports)[0] < total // 4, reports
+        wrote = [rep["write_bytes"] for rep in reports]
+        if sum(wrote) >= len(got) // 2:  # /proc/self/io counts this filesystem's writes
+            assert min(wrote) < len(got) // 2 and sum(wrote) <= 1.3 * len(got) + world * (64 << 10), wrote
+
+
+def test_a_rank_killed_in_the_conversion_fails_every_rank_and_leaves_the_old_file(tmp_path, ckpt):
+    dst = tmp_path / "out.safetensors"
+    dst.write_bytes(b"previous")
+    res, reports = _run(ckpt, dst, "safetensors", 3, "kill")
+    assert res[1].returncode != 0  # SIGKILLed
+    for r in (0, 2):
+        assert reports[r] and reports[r]["rc"] == 1, res[r].stdout + res[r].stderr
+        assert "error:" in res[r].stderr and str(dst) in res[r].stderr, res[r].stderr
+    assert dst.read_bytes() == b"previous"
+    assert leftovers(tmp_path) == []
+
+
+def test_a_missing_data_file_fails_every_rank_and_leaves_the_old_file(tmp_path, ckpt):
+    import shutil
+    src = tmp_path / "ckpt"
+    shutil.copytree(ckpt, src)
+    data = sorted(src.glob("*.distcp"))
+    assert len(data) == 2
+    data[-1].unlink()
+    dst = tmp_path / "out.pt"
+    dst.write_bytes(b"previous")
+    res, reports = _run(src, dst, "torch", 2)
+    for r in range(2):
+        assert res[r].returncode == 0 and reports[r] and reports[r]["rc"] == 1, res[r].stdout + res[r].stderr
+        assert "error:" in res[r].stderr, res[r].stderr
+    assert any(str(data[-1].name) in p.stderr for p in res), [p.stderr for p in res]
+    assert dst.read_bytes() == b"previous"
+    assert leftovers(tmp_path) == []
