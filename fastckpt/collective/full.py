@@ -359,6 +359,7 @@ class SharedFile:
                     d, s = self._write_batch(pieces, data_offset)
                     direct += d
                     shared += s
+                    del pieces  # this batch's storages go before the next batch is read
                 if self.g.rank != 0:
                     self.writer.finish()
                 report = (direct, shared)

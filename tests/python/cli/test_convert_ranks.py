@@ -14,7 +14,7 @@ import fastckpt.formats.archive
 from fastckpt.cli.command import main as cli
 
 from collective_ranks import leftovers
-from dist_launch import ranks
+from dist_launch import ranks, torchrun
 from paths import WORKERS
 from states import assert_same
 from workers.convert_ranks_worker import SID
@@ -137,4 +137,14 @@ def test_a_missing_data_file_fails_every_rank_and_leaves_the_old_file(tmp_path, 
         assert "error:" in res[r].stderr, res[r].stderr
     assert any(str(data[-1].name) in p.stderr for p in res), [p.stderr for p in res]
     assert dst.read_bytes() == b"previous"
+    assert leftovers(tmp_path) == []
+
+
+def test_the_documented_command_line(tmp_path, ckpt, reference):
+    """``torchrun --standalone --nproc_per_node 2 -m fastckpt convert DCP_DIR out.safetensors`` (docs/CLI.md)."""
+    dst = tmp_path / "out.safetensors"
+    r = torchrun("-m", "fastckpt", "convert", ckpt, dst, "--drop-non-tensors", nproc=2, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "rank 0 of 2" in r.stdout and "rank 1 of 2" in r.stdout, r.stdout
+    assert dst.read_bytes() == (reference / "out.safetensors").read_bytes()  # (safetensors: no random id)
     assert leftovers(tmp_path) == []
