@@ -6,7 +6,8 @@ that the file can be compared with the single-process conversion's.
 Usage: python convert_ranks_worker.py SRC DST TO MODE
 MODE: "ok"; "kill" (rank 1 is SIGKILLed when it starts reading its first tensor).
 Prints "REPORT {json}": the exit status, the tensor bytes this rank read from SRC (counted at
-DcpSource.load_tensor) and its /proc/self/io write_bytes over the conversion.
+DcpSource.load_tensor), its /proc/self/io write_bytes over the conversion and its peak RSS growth
+(VmHWM after resetting it; null where the kernel cannot reset it).
 """
 import json
 import os
@@ -14,9 +15,11 @@ import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support
+from crafted import hwm_resettable, status_bytes  # noqa: E402
 from proc_io import io_counter  # noqa: E402
 
 import torch  # noqa: E402
+import torch.distributed.checkpoint  # noqa: E402,F401  (imported before the memory baseline)
 
 import fastckpt.formats.archive  # noqa: E402
 from fastckpt.sources.dcp import DcpSource  # noqa: E402
@@ -39,6 +42,8 @@ def main(src: str, dst: str, to: str, mode: str) -> None:
         read["tensors"] += 1
         return t
     DcpSource.load_tensor = counted
+    resettable = hwm_resettable() is None  # resets the peak RSS to the current RSS when it can
+    base = status_bytes("VmRSS")
     before = io_counter("write_bytes")
     if world > 1:
         from fastckpt.cli.command import main as cli
@@ -53,7 +58,8 @@ def main(src: str, dst: str, to: str, mode: str) -> None:
         dist.destroy_process_group()
         rc = 0
     print("REPORT " + json.dumps({"rank": rank, "rc": rc, "read": read["bytes"], "tensors": read["tensors"],
-                                  "write_bytes": io_counter("write_bytes") - before}), flush=True)
+                                  "write_bytes": io_counter("write_bytes") - before,
+                                  "grown": status_bytes("VmHWM") - base if resettable else None}), flush=True)
 
 
 if __name__ == "__main__":
