@@ -12,6 +12,7 @@ file/safetensors -> file            two CHUNK (8 MiB) buffers
 file/safetensors -> safetensors     two CHUNK buffers (a non-contiguous view: its storage span)
 file/safetensors -> DCP             about two tensors (FastWriter copies one ahead)
 DCP -> anything                     one tensor (plus one more for DCP -> DCP)
+DCP -> file under torchrun          one tensor per rank (fastckpt.cli.convert_ranks)
 torch legacy / big-endian -> any    the whole checkpoint (loaded with fastckpt.load)
 ==================================  ============================================================
 

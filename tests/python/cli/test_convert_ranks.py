@@ -169,3 +169,16 @@ def test_a_rank_holds_one_tensor_at_a_time(tmp_path):
         assert [rep["read"] for rep in reports] == [count * (4 << 20)] * 2, reports
         grown[count] = max(rep["grown"] for rep in reports)
     assert grown[16] - grown[4] < 8 << 20, grown
+
+
+def test_under_torchrun_only_a_dcp_directory_to_a_file_is_converted(tmp_path, ckpt, monkeypatch, capsys):
+    """Refused before any process group is joined: a DCP target, and a source that is not DCP."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli(["convert", str(ckpt), str(tmp_path / "out.dcp"), "--to", "dcp"]) == 2
+    assert "not a DCP directory" in capsys.readouterr().err
+    f = tmp_path / "in.pt"
+    torch.save({"a": torch.ones(3)}, f)
+    assert cli(["convert", str(f), str(tmp_path / "out.safetensors")]) == 1
+    err = capsys.readouterr().err
+    assert str(f) in err and "reads a DCP directory" in err, err
+    assert not (tmp_path / "out.safetensors").exists() and not dist.is_initialized()
