@@ -107,7 +107,9 @@ def test_ranks_write_the_single_process_conversion(tmp_path, ckpt, reference, to
         assert sorted(rep["read"] for rep in reports)[0] < total // 4, reports
         wrote = [rep["write_bytes"] for rep in reports]
         if sum(wrote) >= len(got) // 2:  # /proc/self/io counts this filesystem's writes
-            assert min(wrote) < len(got) // 2 and sum(wrote) <= 1.3 * len(got) + world * (64 << 10), wrote
+            for rep in reports:  # its tensors' bytes, and rank 0 the header / zip records besides
+                assert rep["write_bytes"] <= rep["read"] + (256 << 10), reports
+            assert sum(wrote) <= 1.3 * len(got) + world * (64 << 10), wrote
 
 
 def test_a_rank_killed_in_the_conversion_fails_every_rank_and_leaves_the_old_file(tmp_path, ckpt):
