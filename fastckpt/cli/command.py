@@ -258,6 +258,18 @@ def cmd_convert(args) -> int:
     _existing(parent, "directory")
     if not os.path.isdir(parent):
         raise UsageError(f"{parent}: not a directory")
+    from .convert_ranks import convert_ranks, under_torchrun
+    if under_torchrun():  # every rank of the job converts its share of a DCP directory into the one file
+        if to == "dcp":
+            raise UsageError("under torchrun, convert writes one file (safetensors, torch or fastckpt), not a "
+                             "DCP directory")
+        _return_freed_memory()
+        with open_source(src_path, verify=args.verify) as src:
+            stats = convert_ranks(src, dst, to, drop_non_tensors=args.drop_non_tensors)
+            kind = src.kind
+        print(f"{src_path} ({kind}) -> {dst} ({to}), rank {stats['rank']} of {stats['world']}: "
+              f"{human(stats['bytes'])} of {human(stats['total'])} of tensor data ({stats['tensors']} tensors)")
+        return EXIT_OK
     bar_factory = _Bar(_progress_enabled(args))
     _return_freed_memory()
     with _convert.engine_for_streaming(), open_source(src_path, verify=args.verify) as src:
@@ -399,7 +411,10 @@ def build_parser(bench_module: Any = None) -> argparse.ArgumentParser:
     p = sub.add_parser("convert", parents=[common, progress], help="convert between fastckpt/torch, safetensors and DCP",
                        description="Convert a checkpoint, streaming: memory stays bounded by a few buffers (or "
                                    "the largest tensor for DCP), not by the checkpoint's size. Every file is "
-                                   "written through the engine: temporary name, fdatasync, rename.")
+                                   "written through the engine: temporary name, fdatasync, rename. Under "
+                                   "torchrun (WORLD_SIZE > 1), every rank converts a share of a DCP directory "
+                                   "into the one file (safetensors, torch or fastckpt): `torchrun "
+                                   "--nproc_per_node N -m fastckpt convert DCP_DIR out.safetensors`.")
     p.add_argument("src", help="source checkpoint file or DCP directory")
     p.add_argument("dst", help="destination file or DCP directory")
     p.add_argument("--to", choices=["fastckpt", "torch", "safetensors", "dcp"],

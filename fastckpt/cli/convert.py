@@ -12,6 +12,7 @@ file/safetensors -> file            two CHUNK (8 MiB) buffers
 file/safetensors -> safetensors     two CHUNK buffers (a non-contiguous view: its storage span)
 file/safetensors -> DCP             about two tensors (FastWriter copies one ahead)
 DCP -> anything                     one tensor (plus one more for DCP -> DCP)
+DCP -> file under torchrun          one tensor per rank (fastckpt.cli.convert_ranks)
 torch legacy / big-endian -> any    the whole checkpoint (loaded with fastckpt.load)
 ==================================  ============================================================
 
@@ -135,17 +136,20 @@ def pickle_tree(tree: Any, source: Source, progress: Progress = None) -> Tuple[b
     return data_pkl, order
 
 
+def archive_options(torch_layout: bool) -> Tuple[Optional[int], Optional[int]]:
+    """(alignment, direct_min) of write_archive for the fastckpt layout (torch's configured
+    alignment, large records 4 KiB-aligned) or, with `torch_layout`, torch.save's own."""
+    return (_zip.TORCH_ALIGNMENT, None) if torch_layout else (None, _zip.DIRECT_MIN)
+
+
 def write_file(source: Source, dst: str, torch_layout: bool = False, progress: Progress = None) -> Dict[str, Any]:
     """A torch.save archive: fastckpt's layout (docs/FORMAT.md 1.3: large storage
     records 4 KiB-aligned, the others packed at torch's alignment), or with
     `torch_layout` torch.save's own (every record 64-byte aligned)."""
     from ..torchsave.writer import write_archive
-    tree = source.tree(values=True)
-    data_pkl, storages = pickle_tree(tree, source, progress)
-    if torch_layout:
-        write_archive(dst, data_pkl, storages, alignment=_zip.TORCH_ALIGNMENT, direct_min=None)
-    else:
-        write_archive(dst, data_pkl, storages)
+    data_pkl, storages = pickle_tree(source.tree(values=True), source, progress)
+    alignment, direct_min = archive_options(torch_layout)
+    write_archive(dst, data_pkl, storages, alignment=alignment, direct_min=direct_min)
     return {"storages": len(storages), "bytes": sum(s.nbytes() for s in storages)}
 
 
@@ -200,8 +204,10 @@ def _strip(tree: Any) -> Any:
 _NOTHING = object()
 
 
-def write_safetensors(source: Source, dst: str, drop_non_tensors: bool = False,
-                      progress: Progress = None) -> Dict[str, Any]:
+def plan_safetensors(source: Source, drop_non_tensors: bool = False):
+    """The safetensors file of `source` (from its tree of meta tensors: nothing is read): (the header
+    bytes, [(name, tensor)] in file order, the file's size, the non-tensor values left out). The one
+    layout, :func:`fastckpt.formats.safetensors.plan`: what save_file writes."""
     tree = source.tree(values=False)
     tensors, dropped = _flat_tensors(tree, drop_non_tensors)
     if dropped:
@@ -249,7 +255,12 @@ def write_safetensors(source: Source, dst: str, drop_non_tensors: bool = False,
     # The one safetensors layout (fastckpt.formats.safetensors.plan): what save_file writes.
     head, order, total = _st.plan({name: (t.dtype, tuple(t.shape)) for name, t in entries}, metadata)
     by_name = dict(entries)
-    entries = [(name, by_name[name]) for name in order]
+    return head, [(name, by_name[name]) for name in order], total, dropped
+
+
+def write_safetensors(source: Source, dst: str, drop_non_tensors: bool = False,
+                      progress: Progress = None) -> Dict[str, Any]:
+    head, entries, total, dropped = plan_safetensors(source, drop_non_tensors)
     pos = total - len(head)
     w = AtomicFile(dst, total)
     try:

@@ -45,7 +45,7 @@ anywhere raises on every rank, and nothing is committed):
 
 import os
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 import torch.serialization as ts
@@ -57,7 +57,7 @@ from ..formats import torch_rules as _torch_rules
 from ..formats.torch_rules import contiguous_stride, is_dtensor, itemsize, storage_ref
 from . import stage as _collective_stage
 from .group import Group
-from .save import _digest, _write_records, _write_share
+from .save import _digest, _write_share, write_records
 
 _BLOCK = 4096
 
@@ -246,7 +246,7 @@ def check_meshes(dtensors: List[Tuple[str, Any]], g: Group, path: str) -> None:
                              "group's ranks (pass that group); nothing was written")
 
 
-def _balance(sizes: List[int], world: int) -> List[int]:
+def balance(sizes: List[int], world: int) -> List[int]:
     """A writer for each plain storage: the least loaded rank so far, largest storages first."""
     load = [0] * world
     out = [0] * len(sizes)
@@ -279,9 +279,9 @@ def my_pieces(items: List[Tuple[Any, Any]], rank: int, world: int) -> List[Piece
     """What this rank writes of the records `items` ([(record key, DTensor or plain tensor)] in the
     same order on every rank): its DTensors' shards (redistributed where needed: collectives over
     their meshes, in this order on every rank; a replica's range by one rank in turn), and the
-    plain tensors (whole, their bytes from their storage) assigned to it by :func:`_balance`."""
+    plain tensors (whole, their bytes from their storage) assigned to it by :func:`balance`."""
     plain = [(key, t) for key, t in items if not is_dtensor(t)]
-    writers = _balance([_nbytes(t) for _k, t in plain], world)
+    writers = balance([_nbytes(t) for _k, t in plain], world)
     out: List[Piece] = []
     for (key, t), w in zip(plain, writers):
         n = _nbytes(t)
@@ -341,36 +341,56 @@ class SharedFile:
         """Write this rank's whole blocks (fdatasync'd), hand the rest to rank 0; returns, on every
         rank, {record key: [(start, length, CRC-32 of a written piece or None, bytes for rank 0 or
         None)] in order}, checked to cover each record of `sizes` exactly once."""
+        return self.write_each([pieces] if pieces else [], data_offset, sizes, names)
+
+    def write_each(self, batches: Iterable[List[Piece]], data_offset: Dict[Any, int], sizes: Dict[Any, int],
+                   names: Callable[[Any], str]) -> Dict[Any, List[Tuple[int, int, Optional[int], Optional[bytes]]]]:
+        """:meth:`write` of the pieces that `batches` yields a list at a time (e.g. one tensor read
+        from a source at a time): each batch is written before the next is asked for, so that a rank
+        holds one batch's storages at once; an error raised by the iterator fails the write on
+        every rank like any other."""
         err = self._open_error
         report: Any = None
         if err is None:
             try:
-                src = _collective_stage.Storages([p[3] for p in pieces], self.path)
-                direct, shared = [], []  # ((source, start in it, length, file offset), piece, start in the piece)
-                for j, (key, start, n, _s, first) in enumerate(pieces):
-                    base = data_offset[key]
-                    whole, rest = _split(base, start, n)
-                    if whole is not None:
-                        direct.append(((j, first + whole[0], whole[1], base + start + whole[0]), j, whole[0]))
-                    shared += [((j, first + a, m, base + start + a), j, a) for a, m in rest]
-                crcs = _write_share(self.writer, src, [d[0] for d in direct])
+                direct: List[Any] = []
+                shared: List[Any] = []
+                for pieces in batches:
+                    d, s = self._write_batch(pieces, data_offset)
+                    direct += d
+                    shared += s
+                    del pieces  # this batch's storages go before the next batch is read
                 if self.g.rank != 0:
                     self.writer.finish()
-                out = []
-                it = src.ranges([x[0] for x in shared])
-                try:
-                    for _r, views in it:
-                        out.append(b"".join(v.numpy().tobytes() for v in views))
-                finally:
-                    it.close()
-                report = ([(pieces[j][0], pieces[j][1] + a, r[2], c) for (r, j, a), c in zip(direct, crcs)],
-                          [(pieces[j][0], pieces[j][1] + a, b) for (_r, j, a), b in zip(shared, out)])
+                report = (direct, shared)
             except Exception as e:
                 err = e
         if err is not None and self.writer is not None and self.g.rank != 0:
             self.writer.abort()
         written = self.g.exchange(report, err, "to write its shards")
         return _pieces_by_record(written, sizes, names, self.path)
+
+    def _write_batch(self, pieces: List[Piece], data_offset: Dict[Any, int]):
+        """Write the whole blocks of `pieces`; ([(key, start, length, CRC-32)] of the written parts,
+        [(key, start, bytes)] of the parts for rank 0)."""
+        src = _collective_stage.Storages([p[3] for p in pieces], self.path)
+        direct, shared = [], []  # ((source, start in it, length, file offset), piece, start in the piece)
+        for j, (key, start, n, _s, first) in enumerate(pieces):
+            base = data_offset[key]
+            whole, rest = _split(base, start, n)
+            if whole is not None:
+                direct.append(((j, first + whole[0], whole[1], base + start + whole[0]), j, whole[0]))
+            shared += [((j, first + a, m, base + start + a), j, a) for a, m in rest]
+        crcs = _write_share(self.writer, src, [d[0] for d in direct])
+        out = []
+        it = src.ranges([x[0] for x in shared])
+        try:
+            for _r, views in it:
+                out.append(b"".join(v.numpy().tobytes() for v in views))
+        finally:
+            it.close()
+        return ([(pieces[j][0], pieces[j][1] + a, r[2], c) for (r, j, a), c in zip(direct, crcs)],
+                [(pieces[j][0], pieces[j][1] + a, b) for (_r, j, a), b in zip(shared, out)])
 
     def commit(self, rest: Callable[[Any], None]) -> None:
         """Rank 0 writes the rest (``rest(writer)``) and commits; every rank returns after it."""
@@ -419,8 +439,7 @@ def save(obj: Any, path: str, g: Group, names: Dict[int, str], pickle_module: An
         check_agreed(agreed, path, lambda bad: f"the plain (not DTensor) storage data/{plain[bad]}")
         plan, entries, cd_offset, size = archive.plan_archive(agreed[0][3], storages, alignment, byteorder,
                                                               serialization_id=agreed[0][2])
-        record = {int(entry.name.rsplit("/", 1)[1]): i for i, (p, _h, entry) in enumerate(plan)
-                  if not isinstance(p, (bytes, bytearray))}  # storage key -> plan index
+        record = storage_records(plan)  # storage key -> plan index
 
         # 2. this rank's pieces (redistributing where needed), the temporary file.
         out = SharedFile(g, path, size)
@@ -438,21 +457,45 @@ def save(obj: Any, path: str, g: Group, names: Dict[int, str], pickle_module: An
                            lambda i: repr(getattr(plan[i][0], "name", None) or plan[i][2].name))
 
         # 4. rank 0 writes the rest and commits.
-        def pieces_of(i: int):
-            ps = layout.get(i, [])
-            crc = 0
-            if crc_on:
-                for start, n, c, b in ps:
-                    c = _engine.crc32(b) if c is None else c
-                    crc = _engine.crc32_combine(crc, c, n) if start else c
-            return [(start, b) for start, _n, _c, b in ps if b is not None], crc
-        out.commit(lambda w: _write_records(w, plan, entries, cd_offset, pieces_of, crc_on))
+        out.commit(lambda w: write_records(w, plan, entries, cd_offset, record_pieces(layout, crc_on), crc_on))
     except BaseException as e:
-        _failed(e, out, path)
+        failed_write(e, out, path)
         raise
 
 
-def _failed(e: BaseException, out: Optional["SharedFile"], path: str) -> None:
+def storage_records(plan) -> Dict[int, int]:
+    """{storage key k: index in `plan` of its record "data/k"} of a plan of
+    :func:`fastckpt.formats.archive.plan_archive`."""
+    return {int(entry.name.rsplit("/", 1)[1]): i for i, (p, _h, entry) in enumerate(plan)
+            if not isinstance(p, (bytes, bytearray))}
+
+
+def record_pieces(layout, crc_on: bool) -> Callable[[int], Tuple[List[Tuple[int, bytes]], int]]:
+    """The ``pieces_of`` of :func:`fastckpt.collective.save.write_records` for the `layout` that
+    :meth:`SharedFile.write` returned: record i's (bytes for rank 0 as [(offset, bytes)], CRC-32
+    combined from every piece's)."""
+    def pieces_of(i: int):
+        ps = layout.get(i, [])
+        crc = 0
+        if crc_on:
+            for start, n, c, b in ps:
+                c = _engine.crc32(b) if c is None else c
+                crc = _engine.crc32_combine(crc, c, n) if start else c
+        return [(start, b) for start, _n, _c, b in ps if b is not None], crc
+    return pieces_of
+
+
+def write_safetensors_rest(w, head: bytes, offsets: Dict[str, int], layout) -> None:
+    """Rank 0's bytes of a safetensors file that the ranks write: the header, and the parts of the
+    tensors' bytes that :meth:`SharedFile.write` handed to it (`layout`)."""
+    w.write_at(head, 0)
+    for n, at in offsets.items():
+        for start, _n, _c, b in layout.get(n, []):
+            if b is not None:
+                w.write_at(b, at + start)
+
+
+def failed_write(e: BaseException, out: Optional["SharedFile"], path: str) -> None:
     """What a failed full-size save does before raising `e`: rank 0 removes the temporary file; an
     OSError is raised named after the user's path."""
     if out is not None:
@@ -537,16 +580,9 @@ def save_safetensors(tensors: Dict[str, Any], path: str, g: Group, head: bytes, 
             err = e
         out.open(err)
         layout = out.write(pieces, offsets, sizes, repr)
-
-        def rest(w) -> None:
-            w.write_at(head, 0)
-            for n in order:
-                for start, _n, _c, b in layout.get(n, []):
-                    if b is not None:
-                        w.write_at(b, offsets[n] + start)
-        out.commit(rest)
+        out.commit(lambda w: write_safetensors_rest(w, head, offsets, layout))
     except BaseException as e:
-        _failed(e, out, path)
+        failed_write(e, out, path)
         raise
 
 

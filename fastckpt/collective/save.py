@@ -563,10 +563,10 @@ def _write_rest_from(writer, plan, entries, cd_offset: int, tails, bodies: Dict[
             if tail:
                 crc = _engine.crc32_combine(crc, _engine.crc32(tail), len(tail))
         return [p for p in ((0, first), (head + body, tail)) if p[1]], crc
-    _write_records(writer, plan, entries, cd_offset, pieces_of, crc_on)
+    write_records(writer, plan, entries, cd_offset, pieces_of, crc_on)
 
 
-def _write_records(writer, plan, entries, cd_offset: int, pieces_of, crc_on: bool) -> None:
+def write_records(writer, plan, entries, cd_offset: int, pieces_of, crc_on: bool) -> None:
     """Rank 0's bytes of an archive whose storage records the ranks write: every local header, the
     small records that are bytes, of each storage record i the pieces ``pieces_of(i)`` returns
     (([(offset in the record, bytes)], the record's CRC-32), called in plan order), the data

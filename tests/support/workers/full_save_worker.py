@@ -25,20 +25,14 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/support
+from proc_io import io_counter  # noqa: E402
+
 import fastckpt
 import fastckpt.formats.archive
 import fastckpt.safetensors
 
 SID = b"0123456789012345678"
-
-
-def _io(field: str) -> int:
-    with open("/proc/self/io") as f:
-        for line in f:
-            k, v = line.split(":")
-            if k == field:
-                return int(v)
-    return 0
 
 
 def build(case: str, world: int):
@@ -158,7 +152,7 @@ def main(case: str, out: str, mode: str = "ok") -> None:
             fastckpt.save(full, os.path.join(out, "ref.pt"))
             torch.save(full, os.path.join(out, "full.expected"))
     dist.barrier()
-    before = (_io("wchar"), _io("write_bytes"))
+    before = (io_counter("wchar"), io_counter("write_bytes"))
     if armed is not None:
         _C.fault_inject(armed[1], errno=armed[2], times=0)
     try:
@@ -166,7 +160,7 @@ def main(case: str, out: str, mode: str = "ok") -> None:
     except Exception as e:
         print(f"ERR {type(e).__name__}: {e}", flush=True)
         return
-    after = (_io("wchar"), _io("write_bytes"))
+    after = (io_counter("wchar"), io_counter("write_bytes"))
     report = {"rank": rank, "wchar": after[0] - before[0], "write_bytes": after[1] - before[1]}
     # The same tensors as a safetensors file and as a sharded Hugging Face set, written by every rank.
     flat = _flat(state)
@@ -175,10 +169,10 @@ def main(case: str, out: str, mode: str = "ok") -> None:
         fastckpt.safetensors.save_file(full_flat, os.path.join(out, "ref.safetensors"), {"format": "pt"})
         fastckpt.safetensors.save_sharded(full_flat, os.path.join(out, "ref_hf"), max_shard_size="1MB")
     dist.barrier()
-    before = _io("write_bytes")
+    before = io_counter("write_bytes")
     fastckpt.safetensors.save_file(flat, os.path.join(out, "full.safetensors"), {"format": "pt"},
                                    group=dist.group.WORLD)
-    report["st_write_bytes"] = _io("write_bytes") - before
+    report["st_write_bytes"] = io_counter("write_bytes") - before
     fastckpt.safetensors.save_sharded(flat, os.path.join(out, "hf"), max_shard_size="1MB", group=dist.group.WORLD)
     print("REPORT " + json.dumps(report), flush=True)
     dist.barrier()
