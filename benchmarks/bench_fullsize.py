@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from benchmarks.harness import cpu_self, drop_caches, fmt_size, free_port, median, parse_size  # noqa: E402
+from benchmarks.harness import emit_standalone, cpu_self, drop_caches, fmt_size, free_port, median, parse_size  # noqa: E402
 from benchmarks.workload import build_state_dict, payload_bytes  # noqa: E402
 
 GB = 1e9
@@ -215,11 +215,20 @@ def worker(args) -> None:
     step("dcp_save", lambda: dcp.save(sd, storage_writer=dcp.FileSystemWriter(os.path.join(out, "dcp"))))
 
     def convert():
-        if rank == 0:
+        if rank == 0:  # the command in a process of its own (not one rank of this job)
+            env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE",
+                                                                      "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
             subprocess.run([sys.executable, "-m", "fastckpt", "convert", os.path.join(out, "dcp"),
-                            os.path.join(out, "converted.pt"), "--to", "fastckpt"], check=True,
+                            os.path.join(out, "converted.pt"), "--to", "fastckpt"], check=True, env=env,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     step("convert", convert)
+
+    def convert_every_rank():  # what `torchrun -m fastckpt convert` does on each rank
+        from fastckpt.cli.convert_ranks import convert_ranks
+        from fastckpt.sources.kinds import open_source
+        with open_source(os.path.join(out, "dcp")) as src:
+            convert_ranks(src, os.path.join(out, "converted_ranks.pt"), "fastckpt", group=pg)
+    step("convert_ranks", convert_every_rank)
     step("load_into_sharded", lambda: fastckpt.load_into(sd, os.path.join(out, "full.pt")), cold=True)
     step("dcp_load", lambda: dcp.load(sd, storage_reader=dcp.FileSystemReader(os.path.join(out, "dcp"))), cold=True)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -252,6 +261,7 @@ def ranks(args, size: int, work: str, rows, notes, targets) -> None:
                            ("gather_st_save", "gather to rank 0 + safetensors save_file (+fsync)"),
                            ("dcp_save", "dcp.save (FileSystemWriter)"),
                            ("convert", "  then fastckpt convert DCP -> .pt (one process)"),
+                           ("convert_ranks", "  or fastckpt convert under torchrun (every rank its share)"),
                            ("load_into_sharded", "fastckpt.load_into full-size file -> shards (cold)"),
                            ("dcp_load", "dcp.load (FileSystemReader, cold)")):
             if key not in per[0]:
@@ -308,20 +318,7 @@ def main(argv=None):
     res = {"title": f"Full-size files from sharded jobs, and load_into ({fmt_size(size)})",
            "columns": ["operation", "seconds", "GB/s", "CPU-s/GB or bytes"], "rows": rows, "targets": targets,
            "notes": notes, "errors": errors}
-    print(f"## {res['title']}\n")
-    print("| " + " | ".join(res["columns"]) + " |\n|" + "---|" * len(res["columns"]))
-    for r in rows:
-        print("| " + " | ".join(map(str, r)) + " |")
-    for t in targets:
-        print(f"- target: {t['target']}: {t['measured']:.2f}{t['unit']} ({'met' if t['met'] else 'NOT met'})")
-    for n in notes:
-        print(f"- note: {n}")
-    for e in errors:
-        print(f"- ERROR: {e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return 1 if errors else 0
+    return emit_standalone(res, args.json)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from benchmarks.harness import drop_caches, fmt_size, free_port, median, parse_size  # noqa: E402
+from benchmarks.harness import emit_standalone, drop_caches, fmt_size, free_port, median, parse_size  # noqa: E402
 from benchmarks.workload import build_state_dict, iter_tensors, payload_bytes  # noqa: E402
 
 GB = 1e9
@@ -292,20 +292,7 @@ def main(argv=None):
     res = {"title": f"The memory tier: snapshots, replicas and restores ({fmt_size(nbytes)} state)",
            "columns": ["operation", "seconds", "", "GB/s"], "rows": rows, "targets": targets, "notes": notes,
            "errors": errors}
-    print(f"## {res['title']}\n")
-    print("| " + " | ".join(res["columns"]) + " |\n|" + "---|" * len(res["columns"]))
-    for r in rows:
-        print("| " + " | ".join(map(str, r)) + " |")
-    for t in targets:
-        print(f"- target: {t['target']}: {t['measured']:.2f}{t['unit']} ({'met' if t['met'] else 'NOT met'})")
-    for n in notes:
-        print(f"- note: {n}")
-    for e in errors:
-        print(f"- ERROR: {e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
-    return 1 if errors else 0
+    return emit_standalone(res, args.json)
 
 
 if __name__ == "__main__":
