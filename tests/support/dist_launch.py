@@ -3,6 +3,7 @@ under torchrun, or rank by rank with torchrun's environment (so that a rank
 that is killed is not followed by torchrun's agent stopping the others); free
 ports; killing and reaping the ranks and waiting for their "OK" lines."""
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -41,8 +42,15 @@ def accelerate_launch(script, *args, nproc: int = 2, timeout: float = 300) -> su
 
 
 def kill_all(procs) -> None:
-    """Kill and reap every process of ``procs`` still running (none is left behind a test)."""
+    """Kill and reap every process of ``procs`` still running (none is left behind a test); of one
+    started in a session of its own (a torchrun agent), its whole process group, so that ranks it
+    started do not outlive it (orphans when the agent is killed or fails)."""
     for p in procs:
+        if getattr(p, "own_group", False):
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         if p.poll() is None:
             p.kill()
             p.wait()
@@ -100,8 +108,10 @@ def torchrun_nodes(script, *args, node_env, nproc: int = 1, timeout: float = 300
     procs = [fastspawn.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(node_env)),
                               "--nproc_per_node", str(nproc), "--node_rank", str(i), "--master_addr", "127.0.0.1",
                               "--master_port", port, str(script), *map(str, args)], cwd=ROOT, text=True,
-                             stdout=files[i][0], stderr=files[i][1], env=env(**extra))
+                             stdout=files[i][0], stderr=files[i][1], env=env(**extra), start_new_session=True)
              for i, extra in enumerate(node_env)]
+    for p in procs:
+        p.own_group = True  # kill_all kills the agent's ranks with it
     return _collect(procs, files, timeout)
 
 
