@@ -77,25 +77,6 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def emit_standalone(res: Dict[str, Any], json_path: Optional[str]) -> int:
-    """A standalone script's result (report.py's STANDALONE format: title, columns, rows, targets,
-    notes, errors) printed as Markdown and written to `json_path`; the exit status (1 on errors)."""
-    print(f"## {res['title']}\n")
-    print("| " + " | ".join(res["columns"]) + " |\n|" + "---|" * len(res["columns"]))
-    for r in res["rows"]:
-        print("| " + " | ".join(map(str, r)) + " |")
-    for t in res.get("targets") or []:
-        print(f"- target: {t['target']}: {t['measured']:.2f}{t['unit']} ({'met' if t['met'] else 'NOT met'})")
-    for n in res.get("notes") or []:
-        print(f"- note: {n}")
-    for e in res.get("errors") or []:
-        print(f"- ERROR: {e}")
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(res, f, indent=1)
-    return 1 if res.get("errors") else 0
-
-
 def free_port() -> int:
     """A free TCP port for a benchmark's rendezvous (benchmarks run one at a time, so the
     kernel's pick is enough; the tests, run in parallel, use tests/support/ports.py)."""
@@ -607,7 +588,9 @@ def emit_standalone(rep: Dict[str, Any], json_path: Optional[str]) -> int:
         print("| " + " | ".join("" if v is None else str(v) for v in row) + " |")
     print()
     for t in rep["targets"]:
-        print(f"- {t['target']}: {t['measured']}x ({'met' if t['met'] else 'NOT met'})")
+        m = t["measured"]
+        print(f"- {t['target']}: {m if not isinstance(m, float) else round(m, 3)}{t.get('unit', 'x')} "
+              f"({'met' if t['met'] else 'NOT met'})")
     for n in rep["notes"] + rep["errors"]:
         print(f"- {n}")
     if json_path:
