@@ -135,15 +135,10 @@ def _convert_in(source: Source, dst: str, to: str, drop_non_tensors: bool, g: Gr
         if to == "safetensors":
             head, entries, total = planned
             items = [(name, storage_of(t)) for name, t in entries]
-            offsets: Dict[Any, int] = {}
-            at = len(head)
-            for name, s in items:
-                offsets[name] = at
-                at += s.nbytes
+            offsets, sizes, at = _full.data_offsets(head, [(name, s.nbytes) for name, s in items])
             if at != total:
                 raise RuntimeError(f"cannot convert to {path!r}: the header plans {total} bytes, the tensors "
                                    f"{at}")
-            sizes = {name: s.nbytes for name, s in items}
             names = repr
         else:
             data_pkl, streamed, alignment, direct_min, crc_on = planned

@@ -57,7 +57,7 @@ from ..formats import torch_rules as _torch_rules
 from ..formats.torch_rules import contiguous_stride, is_dtensor, itemsize, storage_ref
 from . import stage as _collective_stage
 from .group import Group
-from .save import _digest, _write_share, write_records
+from .save import Runs, _digest, _write_share, write_records
 
 _BLOCK = 4096
 
@@ -92,9 +92,9 @@ def dtensor_names(obj: Any, path: str = "", out: Optional[Dict[int, str]] = None
 
 def _placement_error(name: str, dt: Any, path: str) -> Optional[str]:
     from torch.distributed.tensor import Partial, Replicate, Shard
-    strided = getattr(__import__("torch.distributed.tensor.placement_types", fromlist=["x"]), "_StridedShard", ())
+    from torch.distributed.tensor.placement_types import _StridedShard
     for p in dt.placements:
-        if strided and isinstance(p, strided):
+        if isinstance(p, _StridedShard):
             return (f"cannot save {name!r} to {path!r} as a full-size tensor: its placement {p} "
                     f"(placements {tuple(dt.placements)}, FSDP2 over tensor parallelism) is not supported; "
                     "redistribute it (e.g. to Shard(0) on each mesh dimension) or save it sharded "
@@ -333,7 +333,6 @@ class SharedFile:
                 self.writer = _engine.region_file(self.path, tmp)
         except Exception as e:
             err = e
-        self._tmp = tmp
         self._open_error = err
 
     def write(self, pieces: List[Piece], data_offset: Dict[Any, int], sizes: Dict[Any, int],
@@ -488,11 +487,24 @@ def record_pieces(layout, crc_on: bool) -> Callable[[int], Tuple[List[Tuple[int,
 def write_safetensors_rest(w, head: bytes, offsets: Dict[str, int], layout) -> None:
     """Rank 0's bytes of a safetensors file that the ranks write: the header, and the parts of the
     tensors' bytes that :meth:`SharedFile.write` handed to it (`layout`)."""
-    w.write_at(head, 0)
+    runs = Runs(w)
+    runs.put(0, head)
     for n, at in offsets.items():
         for start, _n, _c, b in layout.get(n, []):
             if b is not None:
-                w.write_at(b, at + start)
+                runs.put(at + start, b)
+    runs.flush()
+
+
+def data_offsets(head: bytes, sizes: List[Tuple[Any, int]]) -> Tuple[Dict[Any, int], Dict[Any, int], int]:
+    """A safetensors file's layout after its header `head`, the tensors' bytes end to end in the
+    order of `sizes` ([(name, bytes)]): ({name: file offset}, {name: bytes}, the file's size)."""
+    offsets: Dict[Any, int] = {}
+    at = len(head)
+    for n, size in sizes:
+        offsets[n] = at
+        at += size
+    return offsets, dict(sizes), at
 
 
 def failed_write(e: BaseException, out: Optional["SharedFile"], path: str) -> None:
@@ -565,13 +577,7 @@ def save_safetensors(tensors: Dict[str, Any], path: str, g: Group, head: bytes, 
             err = e
         agreed = g.exchange(mine, err, "to prepare (check the path and the tensors)")
         check_agreed(agreed, path, lambda bad: f"the plain (not DTensor) tensor {plain[bad]!r}")
-        offsets: Dict[str, int] = {}
-        sizes: Dict[str, int] = {}
-        at = len(head)
-        for n in order:
-            offsets[n] = at
-            sizes[n] = tensors[n].numel() * tensors[n].element_size()
-            at += sizes[n]
+        offsets, sizes, at = data_offsets(head, [(n, tensors[n].numel() * tensors[n].element_size()) for n in order])
         out = SharedFile(g, path, at)
         err, pieces = None, []
         try:

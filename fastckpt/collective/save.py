@@ -571,20 +571,8 @@ def write_records(writer, plan, entries, cd_offset: int, pieces_of, crc_on: bool
     small records that are bytes, of each storage record i the pieces ``pieces_of(i)`` returns
     (([(offset in the record, bytes)], the record's CRC-32), called in plan order), the data
     descriptors and the central directory; small writes coalesced into runs."""
-    run: List[bytes] = []
-    run_off = 0
-    run_len = 0
-
-    def put(off: int, b) -> None:
-        nonlocal run, run_off, run_len
-        if run and (off != run_off + run_len or run_len >= _RUN_BYTES):
-            writer.write_at(b"".join(run), run_off)
-            run, run_len = [], 0
-        if not run:
-            run_off = off
-        run.append(b)
-        run_len += len(b)
-
+    runs = Runs(writer)
+    put = runs.put
     for i, (payload, header, entry) in enumerate(plan):
         put(entry.header_offset, header)
         size = entry.size
@@ -600,5 +588,28 @@ def write_records(writer, plan, entries, cd_offset: int, pieces_of, crc_on: bool
         if d:
             put(entry.data_offset + size, d)
     put(cd_offset, _zip.central_directory(entries, cd_offset))
-    if run:
-        writer.write_at(b"".join(run), run_off)
+    runs.flush()
+
+
+class Runs:
+    """Small writes at offsets of a region writer, coalesced: adjacent pieces go out as one write
+    of up to about _RUN_BYTES; call :meth:`flush` at the end."""
+
+    def __init__(self, writer):
+        self.writer = writer
+        self.run: List[bytes] = []
+        self.off = 0
+        self.len = 0
+
+    def put(self, off: int, b) -> None:
+        if self.run and (off != self.off + self.len or self.len >= _RUN_BYTES):
+            self.flush()
+        if not self.run:
+            self.off = off
+        self.run.append(b)
+        self.len += len(b)
+
+    def flush(self) -> None:
+        if self.run:
+            self.writer.write_at(b"".join(self.run), self.off)
+            self.run, self.len = [], 0
