@@ -6,9 +6,9 @@ from .errors import FormatError, StateMismatchError, UnsupportedURLError
 from . import knobs
 from ._core.engine import get_engine, reset_engine
 from .serialization import load, load_into, save
-from .saver import async_save, wait_for_saves
+from .saver import async_save, wait_for_saves, wait_staged
 
-__all__ = ["save", "load", "load_into", "async_save", "wait_for_saves", "CheckpointManager", "MemoryTier", "FormatError", "StateMismatchError", "UnsupportedURLError", "knobs",
+__all__ = ["save", "load", "load_into", "async_save", "wait_for_saves", "wait_staged", "CheckpointManager", "MemoryTier", "FormatError", "StateMismatchError", "UnsupportedURLError", "knobs",
            "get_engine", "reset_engine"]
 __version__ = "0.1.0"
 

@@ -7,27 +7,29 @@ for a block of code with :func:`override`::
     with fastckpt.knobs.override(backend="threads", buffer_size=4 << 20):
         fastckpt.save(sd, path)
 
-===================  ============================  =======================================================
-knob                 environment variable          meaning
-===================  ============================  =======================================================
-buffer_size          FASTCKPT_BUFFER_SIZE          bytes per staging buffer (K/M/G suffixes)
-buffer_count         FASTCKPT_BUFFER_COUNT         staging buffers in the pool
-queue_depth          FASTCKPT_QUEUE_DEPTH          I/Os in flight per writer or reader
-io_threads           FASTCKPT_IO_THREADS           workers of the thread backend
-backend              FASTCKPT_BACKEND              auto | uring | threads
-direct               FASTCKPT_DIRECT               0 disables O_DIRECT
-flush_interval       FASTCKPT_FLUSH_INTERVAL       async fdatasync every N bytes (0 = at the end)
-preallocate          FASTCKPT_PREALLOCATE          fallocate when the final size is known
-prefault             FASTCKPT_PREFAULT             0: no helper thread faulting in a load's memory ahead of its reads
-async_max_in_flight  FASTCKPT_ASYNC_MAX_IN_FLIGHT  async saves in flight, each holding a host snapshot (1)
-allow_foreign_owner  FASTCKPT_ALLOW_FOREIGN_OWNER  1: use checkpoint directories another user owns or can write (0)
-remote_part_size     FASTCKPT_REMOTE_PART_SIZE     bytes per part of a remote upload or ranged read (16 MiB)
-remote_parallelism   FASTCKPT_REMOTE_PARALLELISM   parts in flight per remote transfer (8): memory <= parts x part size
-remote_attempts      FASTCKPT_REMOTE_ATTEMPTS      tries of a remote request before its error is raised (5)
-remote_bandwidth     FASTCKPT_REMOTE_BANDWIDTH     bytes/s cap of a remote transfer (0: no cap)
-remote_peer_timeout  FASTCKPT_REMOTE_PEER_TIMEOUT  seconds without a sign of life before a rank of a shared
-                                                   upload is taken for dead (120)
-===================  ============================  =======================================================
+========================  =================================  =======================================================
+knob                      environment variable               meaning
+========================  =================================  =======================================================
+buffer_size               FASTCKPT_BUFFER_SIZE               bytes per staging buffer (K/M/G suffixes)
+buffer_count              FASTCKPT_BUFFER_COUNT              staging buffers in the pool
+queue_depth               FASTCKPT_QUEUE_DEPTH               I/Os in flight per writer or reader
+io_threads                FASTCKPT_IO_THREADS                workers of the thread backend
+backend                   FASTCKPT_BACKEND                   auto | uring | threads
+direct                    FASTCKPT_DIRECT                    0 disables O_DIRECT
+flush_interval            FASTCKPT_FLUSH_INTERVAL            async fdatasync every N bytes (0 = at the end)
+preallocate               FASTCKPT_PREALLOCATE               fallocate when the final size is known
+prefault                  FASTCKPT_PREFAULT                  0: no helper thread faulting in a load's memory ahead of its reads
+async_max_in_flight       FASTCKPT_ASYNC_MAX_IN_FLIGHT       async saves in flight, each holding a host snapshot (1)
+async_background_staging  FASTCKPT_ASYNC_BACKGROUND_STAGING  1: async saves copy large host tensors after returning;
+                                                             optimizer steps and wait_staged() wait for those copies (0)
+allow_foreign_owner       FASTCKPT_ALLOW_FOREIGN_OWNER       1: use checkpoint directories another user owns or can write (0)
+remote_part_size          FASTCKPT_REMOTE_PART_SIZE          bytes per part of a remote upload or ranged read (16 MiB)
+remote_parallelism        FASTCKPT_REMOTE_PARALLELISM        parts in flight per remote transfer (8): memory <= parts x part size
+remote_attempts           FASTCKPT_REMOTE_ATTEMPTS           tries of a remote request before its error is raised (5)
+remote_bandwidth          FASTCKPT_REMOTE_BANDWIDTH          bytes/s cap of a remote transfer (0: no cap)
+remote_peer_timeout       FASTCKPT_REMOTE_PEER_TIMEOUT       seconds without a sign of life before a rank of a shared
+                                                             upload is taken for dead (120)
+========================  =================================  =======================================================
 
 The first nine configure the C++ engine (:func:`config`); the others are read
 by the Python side with :func:`get`.
@@ -47,6 +49,7 @@ NAMES = ("buffer_size", "buffer_count", "queue_depth", "io_threads", "backend", 
 
 # Knobs of the Python side: name -> (environment variable, default, smallest allowed value). Integers.
 PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
+            "async_background_staging": ("FASTCKPT_ASYNC_BACKGROUND_STAGING", 0, 0),
             "allow_foreign_owner": ("FASTCKPT_ALLOW_FOREIGN_OWNER", 0, 0),
             # fastckpt.remote (object stores and shared filesystems)
             "remote_part_size": ("FASTCKPT_REMOTE_PART_SIZE", 16 << 20, 1 << 10),

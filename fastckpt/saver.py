@@ -78,7 +78,7 @@ from .formats.pickler import DEFAULT_PROTOCOL, pickle_with_storages
 from ._core.atomic import write_file
 from .torchsave.writer import write_archive
 
-__all__ = ["async_save", "wait_for_saves", "AsyncSaver", "SaveFuture", "SaveResult", "Stager", "default_saver"]
+__all__ = ["async_save", "wait_for_saves", "wait_staged", "AsyncSaver", "SaveFuture", "SaveResult", "Stager", "default_saver"]
 
 log = logging.getLogger("fastckpt")
 
@@ -90,6 +90,9 @@ class SaveResult:
     nbytes: int              # bytes of tensor data in the snapshot (0 for the manager's sharded saves)
     snapshot_seconds: float  # how long async_save blocked its caller (pickle + copies)
     write_seconds: float     # background: fastckpt.save of the snapshot, durable on return
+    staged_seconds: float = 0.0  # from the call until every copy was complete (background staging: later
+    #                              than the return; otherwise snapshot_seconds)
+    fence_seconds: float = 0.0   # how long optimizer steps and wait_staged() waited for this save's staging
 
 
 class SaveFuture(concurrent.futures.Future):
@@ -104,6 +107,18 @@ class SaveFuture(concurrent.futures.Future):
         super().__init__()
         self.path = path
         self.observed = False
+        self._staged = _DONE  # set once every copy of the snapshot is complete
+
+    @property
+    def staged(self) -> bool:
+        """Whether the snapshot is complete: the state saved may change from here."""
+        return self._staged.is_set()
+
+    def wait_staged(self, timeout: Optional[float] = None) -> bool:
+        """Wait until the snapshot is complete (at once unless the save stages
+        in the background); returns False on timeout. A failed staging counts
+        as complete here (nothing copies any more); the future holds its error."""
+        return _fence_wait([self._staged], timeout)
 
     def result(self, timeout: Optional[float] = None) -> SaveResult:
         self.observed = True
@@ -142,7 +157,8 @@ class SaveSnapshot:
     settings read in the caller's thread) or, for the legacy format, the
     whole file already serialized (``legacy``). ``copies``: the staging
     snapshot that holds the staged storages, until released."""
-    __slots__ = ("data_pkl", "staged", "copies", "nbytes", "opts", "legacy")
+    __slots__ = ("data_pkl", "staged", "copies", "nbytes", "opts", "legacy", "ready", "stage_error", "started_at",
+                 "staged_at", "fence_s")
 
     def __init__(self, data_pkl, staged, copies: Optional[Snapshot], nbytes, opts=None, legacy=None):
         self.data_pkl = data_pkl
@@ -151,6 +167,11 @@ class SaveSnapshot:
         self.nbytes = nbytes
         self.opts = opts or {}
         self.legacy = legacy
+        self.ready = _DONE            # set once copies has nothing pending (background staging: later)
+        self.stage_error: Optional[BaseException] = None
+        self.started_at = 0.0       # perf_counter() when the caller's snapshot began
+        self.staged_at: Optional[float] = None  # perf_counter() when background staging completed
+        self.fence_s = 0.0          # how long the fence (optimizer steps, wait_staged) waited for it
 
 
 class _Staged:
@@ -162,7 +183,8 @@ class _Staged:
 
 
 def _take_snapshot(stager: Snapshotter, obj: Any, pickle_module: Any, pickle_protocol: int,
-                   use_new_zipfile: bool, disable_byteorder_record: bool) -> SaveSnapshot:
+                   use_new_zipfile: bool, disable_byteorder_record: bool,
+                   defer_over: Optional[int] = None) -> SaveSnapshot:
     """Serialize ``obj`` in the caller's thread as :func:`fastckpt.save`
     would, with torch's settings as they are in this thread now
     (``torch.serialization.skip_data()`` is per thread; the storage alignment
@@ -182,8 +204,92 @@ def _take_snapshot(stager: Snapshotter, obj: Any, pickle_module: Any, pickle_pro
                 byteorder=not disable_byteorder_record, skip_data=skip_data)
     if skip_data:  # no storage bytes are written: none are copied (meta and fake tensors have none)
         return SaveSnapshot(data_pkl, [_NoData(s.nbytes()) for s in storages], None, 0, opts)
-    copies = stager.take(storages)
+    copies = stager.take(storages, defer_over)
     return SaveSnapshot(data_pkl, copies.views, copies, copies.nbytes, opts)
+
+
+# ---------------------------------------------------------------- background staging and its fence
+
+# Background staging (``async_save(..., background_staging=True)``): the caller
+# pickles and copies the device tensors and the host tensors of at most
+# SMALL_SYNC bytes (buffers such as BatchNorm's running statistics, which a
+# forward pass changes); a staging thread copies the larger host tensors while
+# the loop goes on. Until then those tensors must not change in place: every
+# optimizer's step() waits for them (a global step pre-hook, registered with
+# the first background staging), and wait_staged() is the fence for any other
+# in-place change.
+SMALL_SYNC = 1 << 20
+
+_DONE = threading.Event()
+_DONE.set()
+_fence_lock = threading.Lock()
+_staging: List[SaveSnapshot] = []     # snapshots whose background copies are not complete
+_hook_handle: Optional[Any] = None
+
+
+def _fence_wait(events: List[threading.Event], timeout: Optional[float]) -> bool:
+    deadline = None if timeout is None else time.monotonic() + timeout
+    for ev in events:
+        if not ev.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            return False
+    return True
+
+
+def wait_staged(timeout: Optional[float] = None) -> bool:
+    """The fence of background staging: wait until every snapshot that
+    :func:`async_save` (or the checkpoint manager) is copying in the
+    background is complete, so that the state saved may be changed in place.
+    ``optimizer.step()`` of every torch optimizer waits this way by itself;
+    call this before any other in-place change of a saved tensor (an EMA
+    update, a hand-written parameter update, ``load_state_dict``). Returns at
+    once when nothing stages in the background; False on timeout."""
+    with _fence_lock:
+        pending = list(_staging)
+    if not pending:
+        return True
+    t0 = time.perf_counter()
+    ok = _fence_wait([s.ready for s in pending], timeout)
+    waited = time.perf_counter() - t0
+    for s in pending:
+        s.fence_s += waited
+    return ok
+
+
+def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    if _staging:  # a plain read: the common case (nothing staging) costs no lock
+        wait_staged()
+
+
+def _stage_in_background(snap: SaveSnapshot) -> None:
+    """Start the thread that completes ``snap``'s copies; the fence holds until it has."""
+    global _hook_handle
+    with _fence_lock:
+        if _hook_handle is None:
+            from torch.optim.optimizer import register_optimizer_step_pre_hook
+            _hook_handle = register_optimizer_step_pre_hook(_before_optimizer_step)
+        snap.ready = threading.Event()
+        _staging.append(snap)
+
+    def run() -> None:
+        try:
+            snap.copies.complete()
+        except BaseException as e:  # noqa: BLE001 - the save's future reports it
+            snap.stage_error = e
+        finally:
+            snap.staged_at = time.perf_counter()
+            with _fence_lock:
+                if snap in _staging:
+                    _staging.remove(snap)
+            snap.ready.set()
+
+    t = threading.Thread(target=run, name="fastckpt-stage", daemon=True)
+    try:
+        t.start()
+    except BaseException:
+        with _fence_lock:
+            _staging.remove(snap)
+        snap.ready.set()
+        raise
 
 
 # ---------------------------------------------------------------- the saver
@@ -287,7 +393,8 @@ class AsyncSaver:
     # -- saving
     def save(self, obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
              _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False,
-             *, after: Optional[Callable[[], None]] = None) -> SaveFuture:
+             *, after: Optional[Callable[[], None]] = None,
+             background_staging: Optional[bool] = None) -> SaveFuture:
         """Snapshot ``obj`` and write it to ``f`` in the background; see :func:`async_save`.
 
         ``after``, if given, runs on the writer thread once the file is
@@ -295,11 +402,12 @@ class AsyncSaver:
         uses it to move its ``latest`` pointer.
         """
         return self.submit(self.stage(obj, f, pickle_module, pickle_protocol, _use_new_zipfile_serialization,
-                                      _disable_byteorder_record), after=after)
+                                      _disable_byteorder_record, background_staging=background_staging),
+                           after=after)
 
     def stage(self, obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
               _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False,
-              *, zip_only: bool = False) -> "_Staged":
+              *, zip_only: bool = False, background_staging: Optional[bool] = None) -> "_Staged":
         """The first half of :meth:`save`: take an in-flight slot (waiting for
         the oldest save if the limit is reached) and snapshot ``obj`` in this
         thread. Nothing is written until :meth:`submit`; :meth:`drop` gives
@@ -307,7 +415,8 @@ class AsyncSaver:
         snapshot for a collective write) the legacy format and
         ``torch.serialization.skip_data()`` are refused (ValueError) before
         anything is staged. Raises what the snapshot raised (the slot is
-        given back)."""
+        given back). ``background_staging`` (default: the knob
+        ``async_background_staging``): see :func:`async_save`."""
         if not isinstance(f, (str, os.PathLike)):
             raise TypeError("fastckpt.async_save writes to a path (str or os.PathLike), "
                             f"not {type(f).__name__}")
@@ -329,12 +438,23 @@ class AsyncSaver:
                                    "(make a new AsyncSaver for further saves)")
             fut = SaveFuture(path)
             self._in_flight.append(fut)  # the slot is ours from here
+        if background_staging is None:
+            background_staging = bool(knobs.get("async_background_staging"))
+        snap: Optional[SaveSnapshot] = None
         try:
             t0 = time.perf_counter()
-            # The live storages are not kept alive by the background save: only copies.
+            # The live storages are not kept alive by the background save: only copies (and,
+            # while background staging copies them, the sources it has still to copy).
             snap = _take_snapshot(self.stager, obj, pickle_module, pickle_protocol,
-                                  _use_new_zipfile_serialization, _disable_byteorder_record)
+                                  _use_new_zipfile_serialization, _disable_byteorder_record,
+                                  SMALL_SYNC if background_staging else None)
+            snap.started_at = t0
+            if snap.copies is not None and snap.copies.pending:
+                _stage_in_background(snap)
+                fut._staged = snap.ready
         except BaseException:
+            if snap is not None and snap.copies is not None:  # the staging thread did not start
+                snap.copies.release(keep=None)
             self._done(fut)
             raise
         return _Staged(fut, snap, time.perf_counter() - t0)
@@ -391,7 +511,9 @@ class AsyncSaver:
 
     def drop(self, staged: "_Staged") -> None:
         """A snapshot of :meth:`stage` that will not be written: its staging
-        memory and in-flight slot are given back, its future is cancelled."""
+        memory and in-flight slot are given back, its future is cancelled
+        (once a background staging of it has stopped copying into that memory)."""
+        staged.snap.ready.wait()
         if staged.snap.copies is not None:
             staged.snap.copies.release(keep=self.max_in_flight)
         staged.snap.staged = staged.snap.data_pkl = staged.snap.legacy = None
@@ -405,8 +527,11 @@ class AsyncSaver:
         try:
             if not fut.running() and not fut.set_running_or_notify_cancel():
                 return  # cancelled before it started: nothing written
-            t0 = time.perf_counter()
             try:
+                snap.ready.wait()  # background staging: every copy complete before a byte is written
+                if snap.stage_error is not None:
+                    raise snap.stage_error
+                t0 = time.perf_counter()
                 if write is not None:
                     write(fut.path, snap)
                 elif snap.legacy is not None:
@@ -422,8 +547,11 @@ class AsyncSaver:
                 self.note_failure(fut, e)
                 fut.set_exception(e)
                 return
-            fut.set_result(SaveResult(fut.path, snap.nbytes, snap_s, time.perf_counter() - t0))
+            staged_s = snap_s if snap.staged_at is None else snap.staged_at - snap.started_at
+            fut.set_result(SaveResult(fut.path, snap.nbytes, snap_s, time.perf_counter() - t0, staged_s,
+                                      snap.fence_s))
         finally:
+            snap.ready.wait()  # never give the arena back while a staging thread copies into it
             snap.staged = snap.data_pkl = snap.legacy = None  # a kept failure's traceback must not pin the snapshot
             if snap.copies is not None:
                 snap.copies.release(keep=self.max_in_flight)
@@ -560,8 +688,12 @@ def _after_fork_in_child() -> None:
     # every saver's writer thread is gone in the child, and a lock another
     # thread held at fork() stays held forever. A new lock here, and every
     # saver made fit for the child (AsyncSaver._after_fork_in_child).
-    global _default_lock
+    global _default_lock, _fence_lock
     _default_lock = threading.Lock()
+    _fence_lock = threading.Lock()
+    for snap in _staging:  # the parent's staging threads: not in this child, which cannot wait for them
+        snap.ready.set()
+    _staging.clear()
     for saver in list(_savers):
         saver._after_fork_in_child()
 
@@ -580,7 +712,8 @@ def default_saver() -> AsyncSaver:
 
 
 def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = DEFAULT_PROTOCOL,
-               _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False) -> SaveFuture:
+               _use_new_zipfile_serialization: bool = True, _disable_byteorder_record: bool = False,
+               *, background_staging: Optional[bool] = None) -> SaveFuture:
     """Save like :func:`fastckpt.save`, in the background.
 
     Returns once ``obj`` is pickled and every tensor's data is copied into
@@ -605,6 +738,17 @@ def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 
             then committed in the background like every save (temporary file,
             fdatasync, rename, directory fsync).
         _disable_byteorder_record: as for torch.save: no ``byteorder`` record.
+        background_staging: True: return once ``obj`` is pickled and its
+            device tensors and small host tensors (at most 1 MiB each) are
+            copied; a staging thread copies the larger host tensors while the
+            caller goes on, then the file is written. Until those copies are
+            complete (``fut.staged``, ``fut.wait_staged()``) the saved tensors
+            must not change in place: every torch optimizer's ``step()``
+            waits for them by itself (a global optimizer step pre-hook), and
+            :func:`wait_staged` is the fence before any other in-place change
+            (an EMA update, ``load_state_dict``). The loop's forward and
+            backward passes overlap the copy. Default: the knob
+            ``async_background_staging`` (0: copy everything before returning).
 
     torch's settings are honoured as :func:`fastckpt.save` honours them, as
     they are in the *calling* thread when ``async_save`` is called:
@@ -616,7 +760,8 @@ def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 
 
     Returns:
         A :class:`SaveFuture`; its result is a :class:`SaveResult` once the
-        file is durable under its final name.
+        file is durable under its final name (with the staging and fence
+        times of a background staging).
 
     Raises:
         Pickling errors (``obj`` cannot be saved), raised before anything is
@@ -632,7 +777,8 @@ def async_save(obj: Any, f, pickle_module: Any = pickle, pickle_protocol: int = 
     """
     if isinstance(f, (str, os.PathLike)): _paths.check_save_target(f)  # noqa: E701  (before anything is staged)
     return default_saver().save(obj, f, pickle_module, pickle_protocol,
-                                _use_new_zipfile_serialization, _disable_byteorder_record)
+                                _use_new_zipfile_serialization, _disable_byteorder_record,
+                                background_staging=background_staging)
 
 
 def wait_for_saves(timeout: Optional[float] = None) -> bool:

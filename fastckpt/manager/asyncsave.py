@@ -30,7 +30,7 @@ the collective save runs on the writer thread: change them only between saves).
 """
 
 import os
-from typing import Any
+from typing import Any, Optional
 
 from .ranks import PeerFailed, failure_types
 from ..saver import SaveFuture, SaveSnapshot
@@ -69,7 +69,7 @@ def write_snapshot(path: str, snap: SaveSnapshot, group: Any) -> None:
           _disable_byteorder_record=not snap.opts.get("byteorder", True))
 
 
-def async_save(mgr: Any, step: int, name: str, state: Any) -> SaveFuture:
+def async_save(mgr: Any, step: int, name: str, state: Any, background_staging: Optional[bool] = None) -> SaveFuture:
     """``mgr.async_save(step, state)`` in replicated mode with ``collective=True``
     (see the module's docstring). Collective on the manager's ranks."""
     mgr._begin(step, name, wait_previous=True)  # one background save of this manager in flight
@@ -81,7 +81,7 @@ def async_save(mgr: Any, step: int, name: str, state: Any) -> SaveFuture:
         mgr._writing.add(name)
     staged, err = None, None
     try:
-        staged = saver.stage(state, path, zip_only=True)
+        staged = saver.stage(state, path, zip_only=True, background_staging=background_staging)
     except failure_types() as e:  # noqa: BLE001 - every rank learns of it
         err = e
     try:

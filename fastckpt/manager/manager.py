@@ -301,7 +301,8 @@ class CheckpointManager:
         self._check_step(step)
         _memory_tier.snapshot(self, step, state)
 
-    def async_save(self, step: int, state: Any) -> concurrent.futures.Future:
+    def async_save(self, step: int, state: Any, *,
+                   background_staging: Optional[bool] = None) -> concurrent.futures.Future:
         """Like :meth:`save`, but returns once ``state`` is snapshotted into
         host memory and writes it in the background; ``latest`` moves and
         retention runs when the write is durable. Collective: on return every
@@ -316,6 +317,11 @@ class CheckpointManager:
         snapshots and writes alone. Sharded: every rank stages its shards
         (``dcp.async_save``, FastWriter's reused buffers) after waiting for its
         previous save, DCP's collectives on that group for background saves.
+
+        ``background_staging`` (replicated mode; default: the knob
+        ``async_background_staging``): as for :func:`fastckpt.async_save`, the
+        call returns before the large host tensors are copied, and
+        ``optimizer.step()`` (or :func:`fastckpt.wait_staged`) waits for them.
 
         Returns:
             The future (a SaveResult once the checkpoint is durable and
@@ -336,7 +342,7 @@ class CheckpointManager:
         if self.sharded:
             return self._async_save_sharded(step, name, state)
         if self.collective:
-            return _collective_async_save(self, step, name, state)
+            return _collective_async_save(self, step, name, state, background_staging)
         self._begin(step, name, wait_previous=False)  # the saver's in-flight limit orders the saves
         err = None
         fut: Optional[concurrent.futures.Future] = None
@@ -344,7 +350,8 @@ class CheckpointManager:
             with self._lock:
                 self._writing.add(name)
             try:
-                fut = self.saver.save(state, self.directory / name, after=lambda: self._commit(name))
+                fut = self.saver.save(state, self.directory / name, after=lambda: self._commit(name),
+                                      background_staging=background_staging)
             except failure_types() as e:  # noqa: BLE001
                 err = e
                 with self._lock:

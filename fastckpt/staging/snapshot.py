@@ -16,6 +16,11 @@ later, an in-memory tier all take their copies here:
 * the arena is page-locked once through the device's copier when a source
   lives on a device (``cudaHostRegister`` of exactly its size: no
   power-of-two rounding, nothing of torch's caching host allocator);
+* ``take(sources, defer_over=n)`` copies only the device sources and the
+  host sources of at most ``n`` bytes before it returns; the larger host
+  sources are copied by :meth:`Snapshot.complete`, which the caller runs
+  later (on another thread: the background staging of ``async_save``). Until
+  then the snapshot keeps those sources alive, and they must not change;
 * :meth:`Snapshot.release` gives the arena back, once: a second release of
   the same snapshot (a late finalizer, an error path) is a no-op, so an arena
   that a newer snapshot took is never freed under it. Free arenas are kept
@@ -103,10 +108,25 @@ class Snapshot:
     like it: an UntypedStorage for a storage, a tensor of the same shape and
     dtype for a tensor), ``nbytes`` (the sources' bytes) and the ``arena``
     that holds them until :meth:`release`."""
-    __slots__ = ("views", "nbytes", "arena", "_owner", "__weakref__")
+    __slots__ = ("views", "nbytes", "arena", "pending", "_owner", "__weakref__")
 
     def __init__(self, owner: "Snapshotter", arena: Optional[Arena], views: List[Source], nbytes: int):
         self._owner, self.arena, self.views, self.nbytes = owner, arena, views, nbytes
+        self.pending: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (flat copy, flat live source): not copied yet
+
+    @property
+    def pending_bytes(self) -> int:
+        """Bytes of the sources :meth:`complete` has still to copy."""
+        return sum(dst.numel() * dst.element_size() for dst, _ in self.pending)
+
+    def complete(self) -> None:
+        """Copy the sources that ``take(..., defer_over=...)`` left for later
+        (host sources: torch's copy, which releases the GIL), then forget them.
+        Raises what a copy raised (the copies stay incomplete: the snapshot
+        must then be released, not written)."""
+        pending, self.pending = self.pending, []
+        for dst, src in pending:
+            dst.copy_(src)
 
     def release(self, keep: Optional[int] = 1) -> bool:
         """Give the arena back for reuse (see :meth:`Snapshotter.release`);
@@ -186,17 +206,18 @@ class Snapshotter:
 
     # -- snapshots
 
-    def take(self, sources: Sequence[Source]) -> Snapshot:
+    def take(self, sources: Sequence[Source], defer_over: Optional[int] = None) -> Snapshot:
         """Copies of `sources` (see the module's docstring); returns once
-        every copy is complete. Raises what a copy raised (the arena is given
-        back)."""
+        every copy is complete, but for the host sources of more than
+        `defer_over` bytes, left to :meth:`Snapshot.complete`. Raises what a
+        copy raised (the arena is given back)."""
         sizes = [_nbytes(s) for s in sources]
         need = sum(_align(n) for n in sizes)
         copier = next((c for c in map(copier_for, sources) if c is not None), None) if need else None
         arena = self._acquire(need, copier) if need else None
         snap = Snapshot(self, arena, [], sum(sizes))
         try:
-            snap.views = self._copy(arena, sources, sizes)
+            snap.views = self._copy(arena, sources, sizes, defer_over, snap.pending)
         except BaseException:
             self.release(snap, keep=None)
             raise
@@ -206,7 +227,8 @@ class Snapshotter:
         return snap
 
     @staticmethod
-    def _copy(arena: Optional[Arena], sources: Sequence[Source], sizes: List[int]) -> List[Source]:
+    def _copy(arena: Optional[Arena], sources: Sequence[Source], sizes: List[int], defer_over: Optional[int],
+              later: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Source]:
         views: List[Source] = []
         pairs = []
         whole = arena.buf.untyped_storage() if arena is not None else None
@@ -218,15 +240,18 @@ class Snapshotter:
                 views.append(torch.UntypedStorage(0) if storage else torch.empty(src.shape, dtype=src.dtype))
                 continue
             at, off = off, off + _align(n)
+            deferred = defer_over is not None and n > defer_over and src.device.type == "cpu"
             if storage:
                 dst = whole[base + at:base + at + n]  # a storage viewing the arena, exactly n bytes
                 views.append(dst)
-                pairs.append((_flat(dst), _flat(src)))
+                (later if deferred else pairs).append((_flat(dst), _flat(src)))
                 continue
             view = arena.buf[at:at + n].view(src.dtype).view(src.shape)  # a tensor on the arena's storage
             views.append(view)
             c = copier_for(src)
-            if c is None:
+            if deferred:
+                later.append((view, src))  # host, any strides: torch's copy, later
+            elif c is None:
                 view.copy_(src)  # host (any strides) or another accelerator: torch's copy, synchronous
             else:
                 pairs.append((_flat(view), _flat(c.contiguous(src))))

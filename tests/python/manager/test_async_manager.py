@@ -583,3 +583,31 @@ def test_cuda_snapshot_is_pinned_isolated_and_keeps_locations(tmp_path):
     assert got["w"].device == dev and got["c"].device.type == "cpu"
     assert_same(expected, {k: v.cpu() for k, v in got.items()})
     assert got["v"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()
+
+
+def test_background_staging_through_the_manager(tmp_path, monkeypatch):
+    """mgr.async_save(..., background_staging=True): the call returns before the large tensors are
+    copied, the optimizer's step waits for the copies, `latest` names the step once it is durable
+    and load_latest gives the state as it was at the call."""
+    from staging_gate import Gate, step_in_thread
+
+    model = nn.Linear(1024, 1024)  # 4 MiB: copied in the background
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.randn(2, 1024)).sum().backward()
+    mgr = CheckpointManager(tmp_path, keep_last=2)
+    want = {"model": copy.deepcopy(model.state_dict()), "step": 5}
+    gate = Gate(monkeypatch)
+    fut = mgr.async_save(5, {"model": model.state_dict(), "step": 5}, background_staging=True)
+    assert gate.entered.wait(30) and not fut.done()
+    t, stepped = step_in_thread(opt)
+    assert not stepped.wait(0.3) and not (tmp_path / "latest").exists()
+    gate.open()
+    t.join(30)
+    assert stepped.is_set()
+    fut.result(timeout=60)
+    mgr.wait()
+    assert (tmp_path / "latest").read_text() == "step_00000005.pt\n"
+    r = mgr.load_latest()
+    assert r.step == 5
+    states.assert_same(r.state, want)
+    mgr.close()
