@@ -43,6 +43,7 @@ import torch
 
 from ._core import dircommit as _dircommit
 from ._core import engine as _engine
+from ._core import paths as _paths
 from ._core.atomic import AtomicFile, write_file
 from .staging import device as _staging
 from .staging.todevice import LoadJob, load_into_device
@@ -293,7 +294,7 @@ class _File:
 
     def __init__(self, path: str):
         self.path = path
-        self.f = open(path, "rb")
+        self.f = _paths.open_for_reading(path)
         try:
             fd = self.f.fileno()
             size = os.fstat(fd).st_size

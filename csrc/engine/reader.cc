@@ -61,6 +61,9 @@ constexpr uint64_t kCoalesceGap = 64u << 10;  // read through gaps up to this si
 // A staged part is copied out and checksummed in pieces this big, so that the
 // CRC reads what the copy just wrote while it is still in the cache.
 constexpr uint64_t kCrcPiece = 256u << 10;
+// The page cache phase reads a range in steps this big, each only when wholly cached.
+constexpr uint64_t kCachedPiece = 1u << 20;
+constexpr uint64_t kPage = 4096;
 
 // The ranges left for the disk after the page cache, in file order; cont[i]:
 // range i continues one whose cached prefix was read (its first byte is not
@@ -290,16 +293,29 @@ class RangeReader {
     p.cont.erase(p.cont.begin(), p.cont.begin() + static_cast<std::ptrdiff_t>(first_left));
   }
 
+  // Whether every page of [off, off+len) is in the page cache (cachestat);
+  // true where the kernel cannot say (the non-blocking read then finds out).
+  bool wholly_cached(uint64_t off, uint64_t len) const {
+    const uint64_t a = round_down(off, kPage);
+    const uint64_t e = round_up(off + len, kPage);
+    const int64_t n = sys::cached_pages_raw(fd_, a, e - a);
+    return n < 0 || static_cast<uint64_t>(n) >= (e - a) / kPage;
+  }
+
   // The bytes of r's cached prefix, copied into r.dst (and their CRC into
   // *r.crc); 0 when its first byte is not cached.
   uint64_t read_cached_prefix(const ReadRange& r) {
-    // With a CRC: in kCrcPiece steps, each checksummed right after its copy
-    // (still in the CPU cache), as the staged pieces are.
-    const uint64_t step = r.crc ? kCrcPiece : r.len;
+    // In kCachedPiece steps (with a CRC: kCrcPiece, each checksummed right
+    // after its copy, still in the CPU cache, as the staged pieces are). A
+    // step is read only when cachestat says all its pages are cached: a
+    // non-blocking read that misses still starts the kernel's readahead, which
+    // would read from the disk what the O_DIRECT path then reads again.
+    const uint64_t step = r.crc ? kCrcPiece : kCachedPiece;
     uint64_t got = 0;
     uint32_t crc = 0;
     while (got < r.len) {
       const uint64_t want = r.len - got < step ? r.len - got : step;
+      if (!wholly_cached(r.off + got, want)) break;
       char* at = static_cast<char*>(r.dst) + got;
       const int64_t k = sys::pread_cached(fd_, at, want, static_cast<int64_t>(r.off + got), path_);
       if (k <= 0) break;  // not cached, or RWF_NOWAIT refused (-1): the normal path

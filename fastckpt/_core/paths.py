@@ -23,7 +23,8 @@ from typing import Optional, Union
 
 from ..errors import UnsupportedURLError
 
-__all__ = ["is_url", "check_save_target", "check_dcp_target", "check_not_url", "open_for_reading", "raise_named_after_target"]
+__all__ = ["is_url", "check_save_target", "check_dcp_target", "check_not_url", "open_for_reading", "no_readahead",
+           "raise_named_after_target"]
 
 # scheme://... (RFC 3986 scheme). "s3:/x" or "c:x" are ordinary relative paths.
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -144,14 +145,31 @@ def check_dcp_target(d: Union[str, os.PathLike]) -> str:
         probe = parent
 
 
-def open_for_reading(path: str):
-    """``open(path, "rb")``; a missing path that is a URL says URLs are not
-    supported (:class:`UnsupportedURLError`) rather than "no such file"."""
+def no_readahead(fd: int) -> int:
+    """Turn the kernel's readahead off for the open file `fd` (POSIX_FADV_RANDOM;
+    advisory, errors ignored) and return `fd`. A checkpoint's metadata (a zip's
+    data.pkl and central directory, a safetensors header) is read through such a
+    descriptor: with readahead, a 64 KiB read would pull megabytes of tensor data
+    into the page cache, which the engine's O_DIRECT reads then read again."""
     try:
-        return open(path, "rb")
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    except (AttributeError, OSError):  # not Linux, or a file that takes no advice (a pipe)
+        pass
+    return fd
+
+
+def open_for_reading(path: str):
+    """``open(path, "rb")`` for a checkpoint whose data the engine reads
+    (readahead off: :func:`no_readahead`); a missing path that is a URL says
+    URLs are not supported (:class:`UnsupportedURLError`) rather than "no
+    such file"."""
+    try:
+        f = open(path, "rb")
     except FileNotFoundError:
         check_not_url(os.fsdecode(path), "load")
         raise
+    no_readahead(f.fileno())
+    return f
 
 
 def raise_named_after_target(e: OSError, path: str) -> None:

@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from ..torchsave.load import load_path
 from ..errors import FormatError
+from .._core import paths as _paths
 from ..formats import safetensors as _st
 from .source import Source
 from .dcp import DcpSource
@@ -69,7 +70,7 @@ class LoadedSource(Source):
 
 def sniff(path: str) -> str:
     """The format of file `path`: fastckpt-or-torch ("zip"), "torch-legacy", "safetensors" or "unknown"."""
-    with open(path, "rb") as f:
+    with _paths.open_for_reading(path) as f:
         head = f.read(32)
         size = os.fstat(f.fileno()).st_size
     if head[:4] == b"PK\x03\x04":

@@ -13,6 +13,7 @@ import torch
 import torch.serialization as ts
 
 from .._core import engine as _engine
+from .._core import paths as _paths
 from ..formats.torch_rules import contiguous_stride
 
 log = logging.getLogger("fastckpt")
@@ -222,7 +223,7 @@ class FileSource(Source):
     def __init__(self, path: str):
         super().__init__()
         self.path = path
-        self.f = open(path, "rb")
+        self.f = _paths.open_for_reading(path)
         try:
             self._parse()
         except BaseException:

@@ -205,7 +205,7 @@ class Records(dict):
         reads in the block go to it (``fd``)."""
         st = self.archive.stat
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = _paths.no_readahead(os.open(self.path, os.O_RDONLY | os.O_CLOEXEC))
         except OSError as e:
             raise FormatError(f"{self.path}: the file went away while it was being loaded ({e})") from None
         try:
@@ -326,7 +326,7 @@ def check_layout(f: FileLike, weights_only: bool = False) -> None:
                 raise pickle.UnpicklingError(weights_only_message(name, str(e), from_torch=False)) from None
 
     if _paths.is_path(f):
-        with open(f, "rb") as fh:  # FileNotFoundError etc. as torch.load would raise them
+        with _paths.open_for_reading(f) as fh:  # FileNotFoundError etc. as torch.load would raise them
             check(fh, os.fspath(f))
         return
     seekable = getattr(f, "seekable", None)
