@@ -10,6 +10,7 @@ placeholders, which it writes as the same persistent ids, with
 
 import collections
 import io
+import pickle
 import types
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -45,6 +46,39 @@ def tensor_reduce(ref: StorageRef, untyped: bool, dtype: torch.dtype, storage_of
     return fn, args
 
 
+_FAST_DEVICES = frozenset(["cpu", "cuda"])
+_ELEMENT_SIZE: Dict[torch.dtype, int] = {}  # torch._utils._element_size, per dtype
+_V3_DTYPES: Optional[frozenset] = None
+
+
+def plain_tensor_reduce(t: Any) -> Any:
+    """What ``Tensor.__reduce_ex__`` returns for `t`, computed without its
+    detour (``_get_obj_state``, ``copyreg._slotnames``, ``warn_if_has_hooks``:
+    half of torch.save's time for a state of many small tensors), for the
+    tensors where that detour changes nothing: exactly ``torch.Tensor`` (no
+    subclass), strided, on the CPU or a CUDA device, not quantized, no Python
+    attributes and no backward hooks. Anything else: ``NotImplemented`` (the
+    pickler then asks the tensor, as torch.save does)."""
+    global _V3_DTYPES
+    if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_quantized or t.is_nested \
+            or t.device.type not in _FAST_DEVICES or t._backward_hooks or t.__dict__:
+        return NotImplemented
+    if _V3_DTYPES is None:
+        _V3_DTYPES = frozenset(torch.storage._new_dtypes())
+    if t.dtype in _V3_DTYPES:
+        fn, storage = torch._utils._rebuild_tensor_v3, t.untyped_storage()
+        args: Tuple = (storage, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad,
+                       collections.OrderedDict(), t.dtype)
+    else:
+        fn = torch._utils._rebuild_tensor_v2
+        storage = torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
+        args = (storage, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad, collections.OrderedDict())
+    metadata = torch._utils.get_tensor_metadata(t)
+    if metadata:
+        args = args + (metadata,)
+    return fn, args
+
+
 def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = False,
                          reducer_override: Optional[Callable[[Any], Any]] = None,
                          ) -> Tuple[bytes, List[torch.UntypedStorage]]:
@@ -73,7 +107,10 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
                 storage = o._untyped_storage
                 storage_dtype = o.dtype
                 storage_type = getattr(torch, o._pickle_storage_type())
-                numel = o._size()
+                size = _ELEMENT_SIZE.get(storage_dtype)  # o._size(), without torch.finfo per storage
+                if size is None:
+                    size = _ELEMENT_SIZE[storage_dtype] = torch._utils._element_size(storage_dtype)
+                numel = storage.nbytes() // size
             else:
                 storage = o
                 storage_dtype = torch.uint8
@@ -103,8 +140,14 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
     if reducer_override is not None:
         class Reducing(Pickler):
             def reducer_override(self, o):
-                return reducer_override(o)
+                r = reducer_override(o)
+                return plain_tensor_reduce(o) if r is NotImplemented else r
         cls = Reducing
+    elif getattr(pickle_module, "Pickler", None) is pickle.Pickler:  # the C pickler, which asks reducer_override
+        class Plain(Pickler):
+            def reducer_override(self, o):
+                return plain_tensor_reduce(o)
+        cls = Plain
 
     buf = io.BytesIO()
     cls(buf, protocol=pickle_protocol).dump(obj)
