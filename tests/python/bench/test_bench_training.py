@@ -60,6 +60,6 @@ def test_stall_benchmark_follows_the_standalone_contract(tmp_path):
         assert (t["measured"] is None and t["met"] is None) or (t["measured"] > 0 and isinstance(t["met"], bool)), t
     assert rep["images"] == ["stall.png"]
     assert (tmp_path / "stall.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "## " not in p.stdout and p.stdout.startswith("### ")  # the Markdown report.py keeps as raw/NAME.md
+    assert p.stdout.startswith("### ") and "| " + " | ".join(cols) + " |" in p.stdout  # what report.py keeps (raw/)
     assert os.listdir(disk) == []
     assert _shm() == shm_before
