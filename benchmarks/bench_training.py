@@ -43,7 +43,7 @@ checkpoint every ``--every`` steps (not at the last step: the run ends with a wa
 checkpoint). Goodput: the useful step time (``--steps`` x the mode's median step without a write
 running) over the wall time of the timed loop, end wait included. CPU-s of the background writer: the process's CPU
 time (all threads, and child processes) over the timed loop, less the training threads' (the
-main thread and torch's intra-op pool). Modes run in the order given, reversed on odd
+main thread and torch's intra-op pool), per checkpoint. Modes run in the order given, reversed on odd
 repetitions; figures are medians over checkpoints and repetitions. Reference: a plain copy of every
 tensor of the state into preallocated, already-touched memory (``copy_``).
 
@@ -244,8 +244,12 @@ class MemorySnapshot(Mode):
         super().__init__(work)
         self.mem = tempfile.mkdtemp(prefix="fastckpt-bench-stall-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                     else None)
-        self.mgr = fastckpt.CheckpointManager(os.path.join(work, "mgr"), keep_last=1,
-                                              memory=fastckpt.MemoryTier(keep=2, replicas=0, directory=self.mem))
+        try:
+            self.mgr = fastckpt.CheckpointManager(os.path.join(work, "mgr"), keep_last=1,
+                                                  memory=fastckpt.MemoryTier(keep=2, replicas=0, directory=self.mem))
+        except BaseException:
+            shutil.rmtree(self.mem, ignore_errors=True)
+            raise
         self.last_step: Optional[int] = None
         self.persist_s: Optional[float] = None
 
@@ -371,6 +375,7 @@ def run_mode(tr: Trainer, name: str, steps: int, every: int, parent: str, traini
             pending.waited += perf() - t1
         wall = perf() - t_start
         cpu1 = meter.read() if meter else 0.0
+        out["load_avg"] = os.getloadavg()[0]  # other processes on the machine take CPUs from the loop too
         if isinstance(mode, MemorySnapshot):
             mode.persist(tr.state(steps))
             out["persist_s"] = mode.persist_s
@@ -383,10 +388,11 @@ def run_mode(tr: Trainer, name: str, steps: int, every: int, parent: str, traini
                    call_s=[c.call_end - c.t0 for c in ckpts],
                    staged_s=[(c.staged or c.call_end) - c.t0 for c in ckpts],
                    durable_s=[c.durable - c.t0 for c in ckpts],
-                   bg_cpu_s=(cpu1 - cpu0) if meter else None)
+                   bg_cpu_s=max(0.0, cpu1 - cpu0) / len(ckpts) if meter and ckpts else None)  # ticks: >= 0
         # the steps that started while a background write ran, and the others
         busy = [any(c.call_end < t0 < c.durable for c in ckpts) for t0, _ in steps_t]
         out["busy_steps"] = [s for (_, s), b in zip(steps_t, busy) if b]
+        out["step_busy"] = busy
         out["quiet_step_s"] = median([s for (_, s), b in zip(steps_t, busy) if not b])
         if isinstance(mode, FastAsync):
             res = [c.future.result() for c in ckpts]
@@ -447,8 +453,7 @@ LABEL = {"memory.snapshot": "memory tier snapshot", "torch.save": "torch.save + 
          "dcp.async_save": "dcp.async_save (FileSystemWriter)", "torch_checkpointing": "torch_checkpointing async"}
 
 
-def chart(per: Dict[str, Dict[str, Any]], results: Dict[str, List[Dict[str, Any]]], base_ms: Optional[float],
-          path: str) -> None:
+def chart(per: Dict[str, Dict[str, Any]], results: Dict[str, List[Dict[str, Any]]], every: int, path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -472,14 +477,17 @@ def chart(per: Dict[str, Dict[str, Any]], results: Dict[str, List[Dict[str, Any]
     ax.set_title("What one checkpoint costs the loop")
     for m in per:
         r = next((r for r in results[m] if "error" not in r), None)
-        if r is None:
+        if r is None or not r.get("quiet_step_s"):
             continue
-        ax2.plot(r["step_starts"], [s * 1e3 for s in r["step_times"]], marker=".", lw=1, label=LABEL.get(m, m))
-    if base_ms:
-        ax2.axhline(base_ms, color="k", ls="--", lw=0.8)
-    ax2.set_xlabel("seconds into the timed loop (first repetition)")
-    ax2.set_ylabel("step time, ms (waits excluded)")
-    ax2.set_title("Step times (a checkpoint every K steps; dashed: none's median)")
+        rel = [s / r["quiet_step_s"] for s in r["step_times"]]
+        line, = ax2.plot(range(1, len(rel) + 1), rel, lw=1, label=LABEL.get(m, m))
+        busy = [(i + 1, x) for i, (x, b) in enumerate(zip(rel, r["step_busy"])) if b]
+        ax2.plot([i for i, _ in busy], [x for _, x in busy], "o", color=line.get_color(), ms=5)
+    ax2.axhline(1.0, color="k", lw=0.6)
+    ax2.axhline(1.1, color="k", ls="--", lw=0.8)
+    ax2.set_xlabel(f"step of the timed loop (first repetition; a checkpoint every {every} steps)")
+    ax2.set_ylabel("step time / the mode's median step without a write")
+    ax2.set_title("The interference: steps that start while a background write runs (dots); dashed: 1.1")
     ax2.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -544,7 +552,7 @@ def main(argv=None) -> int:
     copies = [r["copy_s"] for rs in results.values() for r in rs if "copy_s" in r]
     copy_s = median(copies) if copies else float("nan")
     cols = ["mode", "step ms", "blocked ms (steady)", "blocked % of durable", "staged ms", "durable ms",
-            "interference window", "first-save blocked ms", "goodput", "background CPU-s"]
+            "interference window", "first-save blocked ms", "goodput", "background CPU-s per checkpoint"]
     rows = []
     for m in modes:
         if m not in per:
@@ -576,6 +584,11 @@ def main(argv=None) -> int:
                      f"buffers), measured before each mode: median {copy_s * 1e3:.1f} ms ({nbytes / copy_s / 1e9:.1f} "
                      f"GB/s), {min(copies) * 1e3:.0f}-{max(copies) * 1e3:.0f} ms; before fastckpt.async_save "
                      f"{fmt_opt(a['copy_ms'] if a else None, '.1f')} ms (its target's reference)")
+    loads = {m: [r["load_avg"] for r in rs if "load_avg" in r] for m, rs in results.items()}
+    if any(loads.values()):
+        notes.append(f"{os.cpu_count()} CPUs; load average (1 min) at the end of each mode's loop: " + ", ".join(
+            f"{m} {'/'.join(f'{x:.1f}' for x in v)}" for m, v in loads.items() if v) +
+            " (above the loop's own threads: other processes shared the CPUs; compare rows of one run only)")
     if a and a.get("snapshot_ms") is not None:
         notes.append(f"fastckpt.async_save's own figures (SaveResult, medians): snapshot_seconds "
                      f"{a['snapshot_ms']:.1f} ms, write_seconds {a['write_ms']:.1f} ms")
@@ -596,7 +609,7 @@ def main(argv=None) -> int:
                  f"or at the end); interference window: median step starting during a background write / median "
                  f"of the mode's other steps ('-': no step overlapped a write); goodput: {steps} x that median "
                  f"step without a write / wall time of the loop; background CPU-s: CPU of the process's non-training threads and children "
-                 f"over the timed loop; {steps} steps, a checkpoint every {every}, {reps} repetition(s), "
+                 f"over the timed loop, per checkpoint; {steps} steps, a checkpoint every {every}, {reps} repetition(s), "
                  f"first save = the first call of a fresh saver/manager (allocations)")
     res = {"title": f"The stall a training loop feels: a checkpoint every {every} steps of a {human(nbytes)} "
                     f"state (model + AdamW)",
@@ -605,8 +618,7 @@ def main(argv=None) -> int:
     if args.json:
         png = os.path.splitext(args.json)[0] + ".png"
         try:
-            base = per.get("none", {}).get("step_ms")
-            chart(per, results, base, png)
+            chart(per, results, every, png)
             res["images"] = [os.path.basename(png)]
         except Exception as e:  # noqa: BLE001 - the figures stand without the chart
             errors.append(f"chart not written: {type(e).__name__}: {e}")

@@ -48,7 +48,7 @@ def test_stall_benchmark_follows_the_standalone_contract(tmp_path):
         blocked, staged, durable = (float(r[k]) for k in ("blocked ms (steady)", "staged ms", "durable ms"))
         assert blocked > 0 and staged > 0 and durable >= staged, (name, r)
         assert float(r["first-save blocked ms"]) > 0, (name, r)
-        assert float(r["background CPU-s"]) > -0.5, (name, r)
+        assert float(r["background CPU-s per checkpoint"]) >= 0, (name, r)
     for sync in ("torch.save + fsync", "fastckpt.save"):  # blocked until durable: the whole save
         assert 99.0 <= float(rows[sync]["blocked % of durable"]) <= 101.0, rows[sync]
         assert rows[sync]["interference window"] == "-"
