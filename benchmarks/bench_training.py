@@ -40,8 +40,9 @@ Every mode starts fresh (its saver, manager or executor made for it, closed afte
 untimed checkpoints (the first one's blocked time, allocations included, is reported apart: "first
 save"; the second lets a two-slot tier reuse its slots), then ``--steps`` timed steps with a
 checkpoint every ``--every`` steps (not at the last step: the run ends with a wait for the last
-checkpoint). Goodput: the useful step time (``--steps`` x the mode's median step without a write
-running) over the wall time of the timed loop, end wait included. CPU-s of the background writer: the process's CPU
+checkpoint). Goodput: the useful step time (the sum of the steps' forward, backward and optimizer
+step) over the wall time of the timed loop (end wait included): what blocking takes; a step slowed by
+a background write still counts as useful (that is the interference window's part). CPU-s of the background writer: the process's CPU
 time (all threads, and child processes) over the timed loop, less the training threads' (the
 main thread and torch's intra-op pool), per checkpoint. Modes run in the order given, reversed on odd
 repetitions; figures are medians over checkpoints and repetitions. Reference: a plain copy of every
@@ -63,9 +64,6 @@ import os
 import shutil
 import sys
 import tempfile
-import threading
-import time
-import warnings
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
@@ -74,17 +72,15 @@ from torch import nn
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 import fastckpt  # noqa: E402
-from benchmarks.harness import (emit_standalone, fmt_opt, fsync_dir, fsync_path, median,  # noqa: E402
-                                parse_size, warm_copy_seconds)
+from benchmarks.harness import emit_standalone, fmt_opt, median, parse_size, warm_copy_seconds  # noqa: E402
+from benchmarks.stall_modes import MODE_CLASSES, CpuMeter, FastAsync, MemorySnapshot, Mode, perf  # noqa: E402
 from benchmarks.workload import iter_tensors  # noqa: E402
 from fastckpt._core.units import human  # noqa: E402  (the package's one size formatter)
 
 MiB, GiB = 1 << 20, 1 << 30
 MODES = ("none", "torch.save", "fastckpt.save", "fastckpt.async_save", "memory.snapshot", "dcp.async_save",
          "torch_checkpointing")
-ASYNC = ("fastckpt.async_save", "memory.snapshot", "dcp.async_save", "torch_checkpointing")
 WARMUPS = 2
-perf = time.perf_counter
 
 
 class Trainer:
@@ -118,216 +114,6 @@ class Trainer:
 
     def state(self, i: int) -> Dict[str, Any]:
         return {"model": self.model.state_dict(), "optim": self.opt.state_dict(), "step": i}
-
-
-# ------------------------------------------------------------------------------------------ CPU accounting
-
-class CpuMeter:
-    """The CPU seconds of every thread of this process but the training threads, and of child processes."""
-
-    def __init__(self, training: set):
-        import psutil
-        self.proc = psutil.Process()
-        self.training = training
-
-    @staticmethod
-    def threads_now() -> set:
-        """This process's threads now: after the first training step and before any checkpoint, the
-        training threads (the main thread and torch's intra-op pool)."""
-        import psutil
-        return {t.id for t in psutil.Process().threads()}
-
-    def _train_cpu(self) -> float:
-        return sum(t.user_time + t.system_time for t in self.proc.threads() if t.id in self.training)
-
-    def _children_cpu(self) -> float:
-        import psutil
-        live = 0.0
-        for c in self.proc.children(recursive=True):
-            try:
-                ct = c.cpu_times()
-                live += ct.user + ct.system
-            except psutil.Error:
-                pass
-        import resource
-        ru = resource.getrusage(resource.RUSAGE_CHILDREN)
-        return live + ru.ru_utime + ru.ru_stime
-
-    def read(self) -> float:
-        ct = self.proc.cpu_times()
-        return ct.user + ct.system - self._train_cpu() + self._children_cpu()
-
-
-# ------------------------------------------------------------------------------------------ the modes
-
-class Ckpt:
-    """One checkpoint's times (perf_counter seconds) on the training thread's clock."""
-
-    def __init__(self, t0: float):
-        self.t0 = t0
-        self.call_end = t0
-        self.staged: Optional[float] = None
-        self.durable: Optional[float] = None
-        self.waited = 0.0           # lock waits and the wait before the next checkpoint
-        self.done = threading.Event()
-        self.future: Any = None
-
-    def mark_durable(self, *_: Any) -> None:
-        if self.durable is None:
-            self.durable = perf()
-        self.done.set()
-
-    def mark_staged(self, *_: Any) -> None:
-        if self.staged is None:
-            self.staged = perf()
-
-
-class Mode:
-    """A checkpointing method: `checkpoint` starts one (returns its Ckpt), `wait` waits until it is done."""
-    guard: Optional[Callable[[], Any]] = None
-    durable_note = ""
-
-    def __init__(self, work: str):
-        self.work = work
-
-    def checkpoint(self, i: int, state: Dict[str, Any]) -> Ckpt:
-        c = Ckpt(perf())
-        self.call(i, state, c)
-        c.call_end = perf()
-        if c.future is None:  # synchronous: staged and durable on return
-            c.staged = c.call_end
-            c.mark_durable()
-        elif c.staged is None and not getattr(self, "staged_later", False):
-            c.staged = c.call_end
-        return c
-
-    def call(self, i: int, state: Dict[str, Any], c: Ckpt) -> None:
-        raise NotImplementedError
-
-    def wait(self, c: Ckpt) -> None:
-        if c.future is not None:
-            c.future.result()
-        c.done.wait()
-
-    def close(self) -> None:
-        pass
-
-
-class TorchSave(Mode):
-    def call(self, i, state, c):
-        path = os.path.join(self.work, "ckpt.pt")
-        torch.save(state, path)
-        fsync_path(path)
-        fsync_dir(self.work)
-
-
-class FastSave(Mode):
-    def call(self, i, state, c):
-        fastckpt.save(state, os.path.join(self.work, "ckpt.pt"))
-
-
-class FastAsync(Mode):
-    def call(self, i, state, c):
-        c.future = fastckpt.async_save(state, os.path.join(self.work, "ckpt.pt"))
-        c.future.add_done_callback(c.mark_durable)
-
-    def close(self):
-        fastckpt.wait_for_saves()
-        from fastckpt.saver import default_saver
-        default_saver().close()  # its staging arena freed; the next mode's saves get a new saver
-
-
-class MemorySnapshot(Mode):
-    durable_note = "committed in host memory"
-
-    def __init__(self, work):
-        super().__init__(work)
-        self.mem = tempfile.mkdtemp(prefix="fastckpt-bench-stall-", dir="/dev/shm" if os.path.isdir("/dev/shm")
-                                    else None)
-        try:
-            self.mgr = fastckpt.CheckpointManager(os.path.join(work, "mgr"), keep_last=1,
-                                                  memory=fastckpt.MemoryTier(keep=2, replicas=0, directory=self.mem))
-        except BaseException:
-            shutil.rmtree(self.mem, ignore_errors=True)
-            raise
-        self.last_step: Optional[int] = None
-        self.persist_s: Optional[float] = None
-
-    def call(self, i, state, c):
-        self.mgr.snapshot(i, state)
-        self.last_step = i
-        c.future = None
-        tier = self.mgr._memory  # the bound tier: its background commit is what "durable" waits for here
-        c.staged = perf()
-
-        def watch():
-            tier.wait()
-            c.mark_durable()
-        threading.Thread(target=watch, name="bench-memory-watch", daemon=True).start()
-
-    def checkpoint(self, i, state):
-        c = Ckpt(perf())
-        self.call(i, state, c)
-        c.call_end = c.staged
-        return c
-
-    def persist(self, state) -> None:
-        """Once per run, after the timed loop: the newest snapshot written to disk from memory."""
-        t0 = perf()
-        self.mgr.save(self.last_step, state)
-        self.persist_s = perf() - t0
-
-    def close(self):
-        try:
-            self.mgr.close()
-        finally:
-            shutil.rmtree(self.mem, ignore_errors=True)
-
-
-class DcpAsync(Mode):
-    def __init__(self, work):
-        super().__init__(work)
-        import torch.distributed.checkpoint as dcp
-        self.dcp = dcp
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-
-    def call(self, i, state, c):
-        w = self.dcp.FileSystemWriter(os.path.join(self.work, f"dcp_{i:08d}"), sync_files=True)
-        got = self.dcp.async_save(state, storage_writer=w, no_dist=True)
-        if hasattr(got, "staging_completion"):  # AsyncSaveResponse: staging may end after the return
-            self.staged_later = True
-            got.staging_completion.add_done_callback(c.mark_staged)
-            got = got.upload_completion
-        c.future = got
-        got.add_done_callback(c.mark_durable)
-
-
-class TorchCheckpointing(Mode):
-    durable_note = "written, not fsynced"
-    staged_later = True
-
-    def __init__(self, work):
-        super().__init__(work)
-        from torch_checkpointing import CheckpointManager as TcManager
-        from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
-        cfg = TcManager.Config.with_async_save()
-        # its default use_direct_io=True writes unaligned tails with O_DIRECT: EINVAL on ext4
-        cfg.storage_config = LocalFileSystemStorageConfig(use_direct_io=False)
-        self.mgr = TcManager(cfg)
-        self.guard = self.mgr.lock
-
-    def call(self, i, state, c):
-        c.future = self.mgr.save(os.path.join(self.work, f"tc_{i:08d}"), state)
-        self.mgr._staging_future.add_done_callback(c.mark_staged)  # its staging future (save returns the write's)
-        c.future.add_done_callback(c.mark_durable)
-
-    def close(self):
-        self.mgr.close()
-
-
-MODE_CLASSES = {"torch.save": TorchSave, "fastckpt.save": FastSave, "fastckpt.async_save": FastAsync,
-                "memory.snapshot": MemorySnapshot, "dcp.async_save": DcpAsync,
-                "torch_checkpointing": TorchCheckpointing}
 
 
 def run_mode(tr: Trainer, name: str, steps: int, every: int, parent: str, training: set) -> Dict[str, Any]:
@@ -380,6 +166,7 @@ def run_mode(tr: Trainer, name: str, steps: int, every: int, parent: str, traini
             mode.persist(tr.state(steps))
             out["persist_s"] = mode.persist_s
         out.update(wall_s=wall, steps=steps, step_s=median([s for _, s in steps_t]),
+                   useful_s=sum(s for _, s in steps_t),
                    step_times=[round(s, 5) for _, s in steps_t],
                    step_starts=[round(t - t_start, 5) for t, _ in steps_t],
                    ckpt_starts=[round(c.t0 - t_start, 5) for c in ckpts],
@@ -439,7 +226,7 @@ def summarize(results: Dict[str, List[Dict[str, Any]]], modes: List[str], errors
             "interference": median(busy) / med(m, "quiet_step_s") if busy and med(m, "quiet_step_s") else None,
             "busy_n": len(busy),
             "first_ms": (med(m, "first_blocked_s") or 0) * 1e3 if m != "none" else None,
-            "goodput": median([r["steps"] * r["quiet_step_s"] / r["wall_s"] for r in ok[m]]),
+            "goodput": median([r["useful_s"] / r["wall_s"] for r in ok[m]]),
             "bg_cpu_s": med(m, "bg_cpu_s"),
             "persist_s": med(m, "persist_s"),
             "copy_ms": (med(m, "copy_s") or 0) * 1e3,
@@ -607,8 +394,8 @@ def main(argv=None) -> int:
                      "call, so staged = the call's return; sync_files=True fsyncs each file")
     notes.append(f"blocked: the call + later waits because of it (lock waits, the wait before the next checkpoint "
                  f"or at the end); interference window: median step starting during a background write / median "
-                 f"of the mode's other steps ('-': no step overlapped a write); goodput: {steps} x that median "
-                 f"step without a write / wall time of the loop; background CPU-s: CPU of the process's non-training threads and children "
+                 f"of the mode's other steps ('-': no step overlapped a write); goodput: the steps' time (waits "
+                 f"excluded) / the loop's wall time; background CPU-s: CPU of the process's non-training threads and children "
                  f"over the timed loop, per checkpoint; {steps} steps, a checkpoint every {every}, {reps} repetition(s), "
                  f"first save = the first call of a fresh saver/manager (allocations)")
     res = {"title": f"The stall a training loop feels: a checkpoint every {every} steps of a {human(nbytes)} "
