@@ -42,11 +42,12 @@ save"; the second lets a two-slot tier reuse its slots), then ``--steps`` timed 
 checkpoint every ``--every`` steps (not at the last step: the run ends with a wait for the last
 checkpoint). Goodput: the useful step time (the sum of the steps' forward, backward and optimizer
 step) over the wall time of the timed loop (end wait included): what blocking takes; a step slowed by
-a background write still counts as useful (that is the interference window's part). CPU-s of the background writer: the process's CPU
-time (all threads, and child processes) over the timed loop, less the training threads' (the
-main thread and torch's intra-op pool), per checkpoint. Modes run in the order given, reversed on odd
-repetitions; figures are medians over checkpoints and repetitions. Reference: a plain copy of every
-tensor of the state into preallocated, already-touched memory (``copy_``).
+a background write still counts as useful (that is the interference window's part). CPU-s of the
+background writer: the process's CPU time (all threads, and child processes) over the timed loop,
+less the training threads' (the main thread and torch's intra-op pool), per checkpoint. Modes run
+in the order given, reversed on odd repetitions; figures are medians over checkpoints and
+repetitions. Reference, measured before each mode: a plain copy of every tensor of the state into
+preallocated, already-touched memory (``copy_``).
 
 Output: Markdown on stdout, and with ``--json`` report.py's standalone JSON (benchmarks/report.py,
 ``STANDALONE``) plus a chart beside it (``<json name>.png``).
@@ -395,9 +396,9 @@ def main(argv=None) -> int:
     notes.append(f"blocked: the call + later waits because of it (lock waits, the wait before the next checkpoint "
                  f"or at the end); interference window: median step starting during a background write / median "
                  f"of the mode's other steps ('-': no step overlapped a write); goodput: the steps' time (waits "
-                 f"excluded) / the loop's wall time; background CPU-s: CPU of the process's non-training threads and children "
-                 f"over the timed loop, per checkpoint; {steps} steps, a checkpoint every {every}, {reps} repetition(s), "
-                 f"first save = the first call of a fresh saver/manager (allocations)")
+                 f"excluded) / the loop's wall time; background CPU-s: CPU of the process's non-training threads "
+                 f"and children over the timed loop, per checkpoint; {steps} steps, a checkpoint every {every}, "
+                 f"{reps} repetition(s), first save = the first call of a fresh saver/manager (allocations)")
     res = {"title": f"The stall a training loop feels: a checkpoint every {every} steps of a {human(nbytes)} "
                     f"state (model + AdamW)",
            "columns": cols, "rows": rows, "targets": targets, "notes": notes, "errors": errors,
