@@ -92,10 +92,10 @@ bench: build
 
 # The same report with DeepSpeed's FastPersist writer (installed here first: minutes to JIT-build
 # its AsyncIO op) and, linked from it, the engine's full knob sweep against fio, the DCP study
-# (world size 2) and the training-loop benchmark.
+# (world size 2); the training-loop stall benchmark is a table of `make bench` (report.py's STANDALONE).
 bench-full: build
 	bash .ci/install_deepspeed.sh
-	$(BENCH_REPORT) --deepspeed yes --extras engine,dcp,training --command "make bench-full" $(BENCH_ARGS)
+	$(BENCH_REPORT) --deepspeed yes --extras engine,dcp --command "make bench-full" $(BENCH_ARGS)
 
 # The same pipeline in about a minute (64M, one repetition, one fio point, no knob sweep, the standalone
 # scripts' --quick): a check that `make bench` works end to end, not figures to quote; into build/bench-quick/.

@@ -41,21 +41,11 @@ sys.path.insert(0, os.path.dirname(HERE))
 
 import torch  # noqa: E402
 
-from benchmarks.harness import emit_standalone, drop_caches, fmt_size, free_port, median, parse_size  # noqa: E402
+from benchmarks.harness import (emit_standalone, drop_caches, fmt_size, free_port, median, parse_size,  # noqa: E402
+                                warm_copy_seconds)
 from benchmarks.workload import build_state_dict, iter_tensors, payload_bytes  # noqa: E402
 
 GB = 1e9
-
-
-def _copy_limit(sd, reps=3):
-    dst = [torch.empty_like(t) for t in iter_tensors(sd)]
-    times = []
-    for _ in range(reps + 1):  # the first pass faults the destination in
-        t0 = time.perf_counter()
-        for d, s in zip(dst, iter_tensors(sd)):
-            d.copy_(s)
-        times.append(time.perf_counter() - t0)
-    return median(times[1:])
 
 
 def _fresh(code: str, env) -> dict:
@@ -91,7 +81,7 @@ def single(args, size, work, rows, notes, targets):
     import fastckpt
     sd, nbytes = build_state_dict(size), None
     nbytes = payload_bytes(sd)
-    copy_s = _copy_limit(sd)
+    copy_s = warm_copy_seconds(list(iter_tensors(sd)))
     rows.append(["memory copy into warm memory (the limit)", f"{copy_s:.3f}", "", f"{nbytes / copy_s / GB:.2f}"])
     mem = tempfile.mkdtemp(prefix="fastckpt-bench-mem-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
     os.environ["FASTCKPT_MEMORY_DIR"] = mem

@@ -553,6 +553,19 @@ def workspace(parent: str, disk_need: int, mem_need: int) -> Iterator[str]:
 
 
 
+def warm_copy_seconds(tensors: Sequence[torch.Tensor], reps: int = 3) -> float:
+    """The memory-copy limit of a snapshot: median seconds of ``copy_`` of every tensor into
+    preallocated destinations already faulted in (a first, untimed pass touches them)."""
+    dst = [torch.empty_like(t) for t in tensors]
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        for d, s in zip(dst, tensors):
+            d.copy_(s)
+        times.append(time.perf_counter() - t0)
+    return median(times[1:])
+
+
 def fmt_opt(x: Optional[float], fmt: str) -> str:
     return "-" if x is None or x != x else format(x, fmt)
 

@@ -14,8 +14,8 @@ What it runs, on the directory ``--dir`` (default: the repository root, i.e. the
 3. the standalone scripts of ``STANDALONE`` (``--standalone``; the small-tensor and
    first-load figures: bench_small.py, bench_first_load.py), each rendered from its JSON (the
    contract is at ``STANDALONE``); a script missing from the checkout is reported as not run;
-4. with ``--extras`` (make bench-full): bench_engine.py --full, bench_dcp.py, bench_training.py,
-   whose own reports are kept in results/raw/ and linked.
+4. with ``--extras`` (make bench-full): bench_engine.py --full and bench_dcp.py, whose own reports
+   are kept in results/raw/ and linked.
 
 The targets are stated next to the figures they are judged on ("Targets" section:
 bench_save_load.py's ``size_targets`` per size, and the standalone scripts' own).
@@ -95,6 +95,8 @@ STANDALONE = (
      "dcp.async_save; restore from memory against disk; replication between two emulated nodes"),
     ("fullsize", "bench_fullsize.py", "full-size files from sharded jobs (every rank writes its shards) against "
      "gather + torch.save / safetensors and DCP + convert; load_into against torch.load + load_state_dict"),
+    ("stall", "bench_training.py", "the stall a training loop feels: blocked, staged and durable times of a checkpoint "
+     "every K steps, the step slowdown while it writes and the goodput, fastckpt against DCP and torch_checkpointing"),
     ("cluster", "cluster_emulate.py", "the cluster benchmark: N = 1, 2, 4 emulated nodes (root: loop "
      "filesystems, blkio cgroups), every save/load mode of replicated state"),
 )
@@ -221,8 +223,7 @@ def measure(args: argparse.Namespace, raw: str) -> Dict[str, Any]:
     for x in extras:
         md = os.path.join(raw, f"{x}.md")
         js = os.path.join(raw, f"{x}.json")
-        script = {"engine": ["bench_engine.py", "--full"], "dcp": ["bench_dcp.py"],
-                  "training": ["bench_training.py"]}[x]
+        script = {"engine": ["bench_engine.py", "--full"], "dcp": ["bench_dcp.py"]}[x]
         cmd = [py, os.path.join(HERE, script[0])] + script[1:] + ["--dir", args.dir, "--json", js]
         log(f"== extra: {' '.join(script)}")
         code, sec, last = run_script(cmd, md)
@@ -709,7 +710,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tune-size", default=None, help="knob sweep at this size (default 1G; --quick and 0: none)")
     ap.add_argument("--tune-reps", type=int, default=2, help="knob sweep repetitions (default 2)")
     ap.add_argument("--extras", default="", help="comma-separated: engine (bench_engine.py --full), dcp "
-                                                  "(bench_dcp.py), training (bench_training.py)")
+                                                  "(bench_dcp.py)")
     ap.add_argument("--out", default=None, help="where the report goes (default build/bench; --quick: "
                                                "build/bench-quick; benchmarks/results: the committed report)")
     ap.add_argument("--save-load-args", default="", help="more options for bench_save_load.py, in one string")
@@ -728,7 +729,7 @@ def main(argv=None) -> int:
     args.dir = os.path.abspath(args.dir)
     args.out = os.path.abspath(args.out)
     raw = os.path.join(args.out, "raw")
-    bad = [x for x in args.extras.split(",") if x and x not in ("engine", "dcp", "training")]
+    bad = [x for x in args.extras.split(",") if x and x not in ("engine", "dcp")]
     if bad:
         ap.error(f"--extras: unknown {bad}")
     if args.reps < 1:

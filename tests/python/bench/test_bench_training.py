@@ -1,0 +1,65 @@
+"""benchmarks/bench_training.py (the stall benchmark) at a tiny size follows report.py's STANDALONE contract:
+a row per mode with positive figures, its targets, a PNG chart, and nothing left behind in --dir or /dev/shm."""
+import glob
+import json
+import os
+import sys
+
+import fastspawn  # noqa: E402
+from paths import ROOT
+
+REPO = str(ROOT)
+MODES = ["none", "torch.save + fsync", "fastckpt.save", "fastckpt.async_save", "memory tier snapshot",
+         "dcp.async_save (FileSystemWriter)", "torch_checkpointing async"]
+TARGETS = ["fastckpt.async_save blocked <= 5% of time-to-durable",
+           "fastckpt.async_save blocked <= 1.2x a plain copy of the state into warm memory",
+           "fastckpt.async_save interference window <= 1.1",
+           "memory.snapshot interference window <= 1.1"]
+
+
+def _shm():
+    return set(glob.glob("/dev/shm/fastckpt-bench-*")) | set(glob.glob("/dev/shm/torch_*"))
+
+
+def test_stall_benchmark_follows_the_standalone_contract(tmp_path):
+    disk, out = tmp_path / "disk", tmp_path / "stall.json"
+    disk.mkdir()
+    shm_before = _shm()
+    p = fastspawn.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_training.py"), "--quick",
+                       "--size", "8M", "--width", "512", "--dir", str(disk), "--json", str(out)],
+                      capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=REPO))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert set(rep) >= {"title", "columns", "rows", "targets", "notes", "errors", "images"}
+    assert rep["errors"] == []
+    cols = rep["columns"]
+    assert cols[:7] == ["mode", "step ms", "blocked ms (steady)", "blocked % of durable", "staged ms", "durable ms",
+                        "interference window"]
+    assert len(rep["rows"]) == len(MODES)
+    rows = {}
+    for want, r in zip(MODES, rep["rows"]):  # a label may add what "durable" means for it, in parentheses
+        assert r[0] == want or r[0].startswith(want + " ("), (want, r[0])
+        rows[want] = dict(zip(cols, r))
+    for name, r in rows.items():
+        assert float(r["step ms"]) > 0 and 0 < float(r["goodput"]) <= 1.0, (name, r)  # steps' time / wall time
+        if name == "none":
+            assert r["blocked ms (steady)"] == "-" and r["interference window"] == "-"
+            continue
+        blocked, staged, durable = (float(r[k]) for k in ("blocked ms (steady)", "staged ms", "durable ms"))
+        assert blocked > 0 and staged > 0 and durable >= staged, (name, r)
+        assert float(r["first-save blocked ms"]) > 0, (name, r)
+        assert float(r["background CPU-s per checkpoint"]) >= 0, (name, r)
+    for sync in ("torch.save + fsync", "fastckpt.save"):  # blocked until durable: the whole save
+        assert 99.0 <= float(rows[sync]["blocked % of durable"]) <= 101.0, rows[sync]
+        assert rows[sync]["interference window"] == "-"
+    assert float(rows["fastckpt.async_save"]["blocked ms (steady)"]) < float(rows["fastckpt.async_save"]["durable ms"])
+    assert [t["target"] for t in rep["targets"]] == TARGETS
+    for t in rep["targets"][:2]:
+        assert isinstance(t["measured"], float) and t["measured"] > 0 and isinstance(t["met"], bool), t
+    for t in rep["targets"][2:]:  # no step may overlap a write this small: then not judged
+        assert (t["measured"] is None and t["met"] is None) or (t["measured"] > 0 and isinstance(t["met"], bool)), t
+    assert rep["images"] == ["stall.png"]
+    assert (tmp_path / "stall.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert p.stdout.startswith("### ") and "| " + " | ".join(cols) + " |" in p.stdout  # what report.py keeps (raw/)
+    assert os.listdir(disk) == []
+    assert _shm() == shm_before
