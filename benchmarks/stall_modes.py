@@ -7,6 +7,7 @@ futures' callbacks) and waits for one with :meth:`Mode.wait`; ``guard`` is what 
 ``optimizer.step()`` (torch_checkpointing's ``mgr.lock()``).
 """
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -141,6 +142,28 @@ class FastAsync(Mode):
         default_saver().close()  # its staging arena freed; the next mode's saves get a new saver
 
 
+class FastAsyncBackground(FastAsync):
+    """fastckpt.async_save(..., background_staging=True): the call returns after pickling; a staging
+    thread copies the state while the loop's next forward and backward run; the fence
+    (fastckpt.wait_staged, which optimizer.step() also waits on by itself) is the guard of
+    optimizer.step(), so its wait counts as blocked time; staged = when the copies were complete."""
+    staged_later = True
+
+    @staticmethod
+    def guard():
+        fastckpt.wait_staged()
+        return contextlib.nullcontext()
+
+    def call(self, i, state, c):
+        c.future = fastckpt.async_save(state, os.path.join(self.work, "ckpt.pt"), background_staging=True)
+
+        def done(fut):
+            if fut.exception() is None:
+                c.staged = c.t0 + fut.result().staged_seconds
+            c.mark_durable()
+        c.future.add_done_callback(done)
+
+
 class MemorySnapshot(Mode):
     durable_note = "committed in host memory"
 
@@ -230,5 +253,6 @@ class TorchCheckpointing(Mode):
 
 
 MODE_CLASSES = {"torch.save": TorchSave, "fastckpt.save": FastSave, "fastckpt.async_save": FastAsync,
+                "fastckpt.async_save(background)": FastAsyncBackground,
                 "memory.snapshot": MemorySnapshot, "dcp.async_save": DcpAsync,
                 "torch_checkpointing": TorchCheckpointing}

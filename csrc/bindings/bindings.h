@@ -54,7 +54,7 @@ auto without_gil(F&& f) -> decltype(f()) {
 // signature names a class registered before it: Engine before the writers).
 void init_engine(py::module_& m);   // EngineConfig, Engine, uring_compiled
 void init_io(py::module_& m);       // Writer, RegionWriter, read_ranges, CRC-32, files and temporary names
-void init_tensor(py::module_& m);   // empty_aligned, set_resizable (and Span)
+void init_tensor(py::module_& m);   // empty_aligned, copy_bytes, set_resizable (and Span)
 void init_pickle(py::module_& m);   // pickle_check
 void init_testing(py::module_& m);  // fault injection
 

@@ -10,6 +10,7 @@
 #include <torch/csrc/utils/pybind.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <string>
 
@@ -55,6 +56,21 @@ void init_tensor(py::module_& m) {
         py::arg("nbytes"), py::arg("alignment") = 4096,
         "An uninitialized uint8 CPU tensor of nbytes whose data is aligned to `alignment` bytes (for reads "
         "straight into it with O_DIRECT); its storage is resizable like torch.empty's.");
+
+  m.def("copy_bytes", [](py::handle dst, py::handle src) {
+          // memcpy on this thread, without the GIL: torch's copy_ of a host tensor of more than
+          // 32768 elements runs on its intra-op thread pool, whose start and wake-ups (milliseconds
+          // on a machine whose CPUs the training loop keeps busy) dwarf the copy of a small one.
+          Span d(dst, true), s(src, false);
+          if (d.len() != s.len())
+            throw py::value_error("copy_bytes: " + std::to_string(d.len()) + " bytes cannot hold " +
+                                  std::to_string(s.len()));
+          py::gil_scoped_release nogil;
+          if (s.len()) std::memcpy(d.ptr(), s.ptr(), s.len());
+        },
+        py::arg("dst"), py::arg("src"),
+        "Copy the bytes of contiguous CPU tensor (or buffer) `src` into `dst` of the same size, on the "
+        "calling thread, without the GIL.");
 
   m.def("set_resizable", [](const at::Tensor& t, bool resizable) {
           // torch.load's storages are not resizable: a tensor that a damaged pickle

@@ -56,7 +56,7 @@ def snapshot_into(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
         for dst, src in pairs:
             c = copier_for(src)
             if c is None:
-                dst.copy_(src if src.device.type == "cpu" else src.cpu())
+                host_copy(dst, src if src.device.type == "cpu" else src.cpu())
             else:
                 events.append((c, dst, c.to_host_async(dst, src)))
     finally:
@@ -64,6 +64,23 @@ def snapshot_into(pairs: Iterable[Tuple[torch.Tensor, torch.Tensor]]) -> None:
             ev.synchronize()
     for c, dst, _ in events:
         c.check_ready(dst)
+
+
+SMALL_COPY = 8 << 20  # host copies up to this size: a memcpy on the calling thread
+
+
+def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for host tensors; a contiguous pair of the same dtype up to
+    :data:`SMALL_COPY` bytes is a plain memcpy on this thread (``_C.copy_bytes``): torch's copy of
+    more than 32768 elements wakes its intra-op thread pool, which costs more than a small copy
+    (milliseconds where the training loop keeps every CPU busy, tens of them for the pool's start
+    in a fresh process)."""
+    if (dst.dtype == src.dtype and dst.shape == src.shape and dst.is_contiguous() and src.is_contiguous()
+            and src.device.type == "cpu" and dst.device.type == "cpu" and not src.is_conj() and not src.is_neg()
+            and dst.numel() * dst.element_size() <= SMALL_COPY):
+        _C.copy_bytes(dst, src)
+    else:
+        dst.copy_(src)
 
 
 def _align(n: int) -> int:
@@ -126,7 +143,7 @@ class Snapshot:
         must then be released, not written)."""
         pending, self.pending = self.pending, []
         for dst, src in pending:
-            dst.copy_(src)
+            host_copy(dst, src)
 
     def release(self, keep: Optional[int] = 1) -> bool:
         """Give the arena back for reuse (see :meth:`Snapshotter.release`);
@@ -252,7 +269,7 @@ class Snapshotter:
             if deferred:
                 later.append((view, src))  # host, any strides: torch's copy, later
             elif c is None:
-                view.copy_(src)  # host (any strides) or another accelerator: torch's copy, synchronous
+                host_copy(view, src)  # host (any strides) or another accelerator: torch's copy, synchronous
             else:
                 pairs.append((_flat(view), _flat(c.contiguous(src))))
         snapshot_into(pairs)  # returns once every copy is complete
