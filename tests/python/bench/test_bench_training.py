@@ -9,11 +9,15 @@ import fastspawn  # noqa: E402
 from paths import ROOT
 
 REPO = str(ROOT)
-MODES = ["none", "torch.save + fsync", "fastckpt.save", "fastckpt.async_save", "memory tier snapshot",
+MODES = ["none", "torch.save + fsync", "fastckpt.save", "fastckpt.async_save",
+         "fastckpt.async_save, background staging", "memory tier snapshot",
          "dcp.async_save (FileSystemWriter)", "torch_checkpointing async"]
 TARGETS = ["fastckpt.async_save blocked <= 5% of time-to-durable",
            "fastckpt.async_save blocked <= 1.2x a plain copy of the state into warm memory",
+           "fastckpt.async_save(background) blocked <= 5% of time-to-durable",
+           "fastckpt.async_save(background) blocked <= 1.2x a plain copy of the state into warm memory",
            "fastckpt.async_save interference window <= 1.1",
+           "fastckpt.async_save(background) interference window <= 1.1",
            "memory.snapshot interference window <= 1.1"]
 
 
@@ -54,9 +58,9 @@ def test_stall_benchmark_follows_the_standalone_contract(tmp_path):
         assert rows[sync]["interference window"] == "-"
     assert float(rows["fastckpt.async_save"]["blocked ms (steady)"]) < float(rows["fastckpt.async_save"]["durable ms"])
     assert [t["target"] for t in rep["targets"]] == TARGETS
-    for t in rep["targets"][:2]:
+    for t in rep["targets"][:4]:
         assert isinstance(t["measured"], float) and t["measured"] > 0 and isinstance(t["met"], bool), t
-    for t in rep["targets"][2:]:  # no step may overlap a write this small: then not judged
+    for t in rep["targets"][4:]:  # no step may overlap a write this small: then not judged
         assert (t["measured"] is None and t["met"] is None) or (t["measured"] > 0 and isinstance(t["met"], bool)), t
     assert rep["images"] == ["stall.png"]
     assert (tmp_path / "stall.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
