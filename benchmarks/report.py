@@ -283,7 +283,8 @@ def collect_size(raw_json: Dict[str, Any]) -> Dict[str, Any]:
             "cache": ("NOT dropped: " + raw_json["drop_caches_error"]) if raw_json.get("drop_caches_error")
             else "dropped before every load", "targets": s.get("targets"),
             "size_targets": s.get("size_targets") or [],
-            "versions": {k: ctx[k] for k in ("safetensors", "deepspeed") if k in ctx},
+            "versions": {k: ctx[k] for k in ("safetensors", "deepspeed", "torch-checkpointing", "fastsafetensors",
+                                                   "runai-model-streamer", "zipnn") if k in ctx},
             "load_avg": ctx.get("load_avg")}
 
 
