@@ -465,7 +465,8 @@ def fsync_dir(path: str) -> None:
 
 def fsync_tree(path: str) -> None:
     """A checkpoint directory made durable the way the benchmarks' peers are: fsync of every file and every
-    directory in it, of the directory itself and of its parent."""
+    directory in it, of the directory itself and of its parent (FileNotFoundError if there is none)."""
+    fsync_dir(path)  # raises for a missing path (os.walk would walk nothing, silently)
     for root, dirs, files in os.walk(path, topdown=False):
         for name in files:
             fsync_path(os.path.join(root, name))

@@ -97,6 +97,7 @@ STANDALONE = (
      "gather + torch.save / safetensors and DCP + convert; load_into against torch.load + load_state_dict"),
     ("cluster", "cluster_emulate.py", "the cluster benchmark: N = 1, 2, 4 emulated nodes (root: loop "
      "filesystems, blkio cgroups), every save/load mode of replicated state"),
+    ("zipnn", "bench_zipnn.py", "zipnn before an upload: compressed size against compress/decompress time, per link speed"),
 )
 # Standalone scripts run only when named in --standalone (minutes, or root): the cluster benchmark is
 # `make bench-cluster`; `make bench BENCH_ARGS="--standalone small,first_load,cluster"` puts it in the report.
@@ -116,6 +117,12 @@ SERIES = [
     ("fastckpt.load verify off", None, lambda r: r["key"] == "fastckpt_noverify"),
     ("torch.load mmap, touched", None, lambda r: r["key"] == "torch_mmap"),
     ("DeepSpeed FastPersist (best p)", lambda r: r["key"] == "deepspeed", None),
+    ("torch-checkpointing sync", lambda r: r["key"] == "tc", lambda r: r["key"] == "tc"),
+    ("torch-checkpointing async", lambda r: r["key"] == "tc_async", None),
+    ("dcp.async_save (best executor)", lambda r: r["key"] == "dcp_async", None),
+    ("fastckpt.safetensors.load_file", None, lambda r: r["key"] == "st_fastckpt"),
+    ("fastsafetensors", None, lambda r: r["key"] == "fastsafetensors"),
+    ("runai-model-streamer", None, lambda r: r["key"] == "runai"),
 ]
 
 
