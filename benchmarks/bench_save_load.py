@@ -37,6 +37,12 @@ Saves (every one durable before the clock stops):
   and its 64 MiB double buffer are DeepSpeed's checkpoint defaults (block 1 MiB, queue depth 8,
   ``intra_op_parallelism`` from --ds-parallelism), made once per process outside the timing.
 
+The peers users would pick (``benchmarks/peers.py``, whose docstring says how each is configured and
+made durable): torch-checkpointing's ``CheckpointManager`` (sync and async saves + fsync of every file
+and directory, its load), ``dcp.async_save`` (thread and process executors, a reused DefaultStager),
+and the fastckpt.safetensors, fastsafetensors and runai-model-streamer loaders of the safetensors
+row's file (load variants of that row). Their helper processes' CPU is in CPU-s/GB.
+
 Loads, each in its own fresh child from a cold page cache (``os.sync()`` and ``echo 3 >
 /proc/sys/vm/drop_caches`` right before the clock starts), several of them reading the same
 saved file (a method's ``load_variants``, their order reversed on odd repetitions):
@@ -60,8 +66,10 @@ after the state dict was built, so the children share it copy-on-write and each 
 same memory. In the child, the method is warmed up first, outside the timing (a tiny save and
 load: fastckpt's engine and staging pool, DeepSpeed's aio handle and pinned buffer), as a
 long-lived trainer would have done long before. CPU-s/GB is the child's ``getrusage(RUSAGE_SELF)``
-user+sys over the operation (all its threads: io_uring/libaio workers, DCP's writer threads;
-not kernel threads such as the page-cache flusher: see ``machine CPU-s/GB``, the busy time of
+user+sys over the operation (all its threads: io_uring/libaio workers, DCP's writer threads),
+plus that of every helper process it started (``harness.cpu_tree``: a peer's writer process or
+checkpoint daemon, live or reaped; the helpers' own peak RSS is kept in the records beside the
+row's); not kernel threads such as the page-cache flusher: see ``machine CPU-s/GB``, the busy time of
 all CPUs from /proc/stat over the same window). Peak extra RSS: the child resets its high-water
 mark at its start (``echo 5 > /proc/self/clear_refs``), so ``VmHWM`` after the operation minus
 ``VmRSS`` at that reset is the most memory the method added, its long-lived buffers included
@@ -186,18 +194,13 @@ class AsyncSaveMethod(Method):
         self.fc = mod
 
     def prime(self, sd, workdir):
-        # A trainer's steady state: its snapshot arena already exists (the first async_save made
-        # it; every later one reuses it). Stage the state once, untimed, and give the arena back.
-        import importlib
-        import pickle
-
-        am = importlib.import_module("fastckpt.saver")  # the module (fastckpt.async_save is the function)
-        pickler = importlib.import_module("fastckpt.formats.pickler")
-        _, storages = pickler.pickle_with_storages(sd, pickle, pickler.DEFAULT_PROTOCOL)
-        saver = am.default_saver()
-        arena, staged = saver.stager.snapshot(storages)
-        del staged, storages
-        saver.stager.release(arena, keep=saver.max_in_flight)
+        # A trainer's steady state: its snapshot arena already exists (the first async_save made it;
+        # every later one reuses it): one untimed async_save of this state, through the public API.
+        p = os.path.join(workdir, f"prime-{os.getpid()}.bin")
+        try:
+            self.fc.async_save(sd, p).result()
+        finally:
+            remove(p)
 
     def save(self, sd, path):
         t0 = time.perf_counter()
@@ -861,10 +864,14 @@ def report(bench: Bench, ctx: Dict[str, Any], skipped: Dict[str, str]) -> Dict[s
               f"({bench.drop_ok} times in all, saves included)")
     print("- durability: fastckpt.save: its own (tmp + fdatasync + rename + dir fsync); torch and safetensors: "
           "reopen + fsync(file) + fsync(dir); DCP: sync_files=True + fsync(checkpoint dir) + fsync(parent); "
-          "DeepSpeed: FastFileWriter.close() (its fsync) + fsync(dir). Only fastckpt also renames atomically.")
+          "DeepSpeed: FastFileWriter.close() (its fsync) + fsync(dir); torch-checkpointing: none of its own, "
+          "fsync of every file and directory + the parent added (+fsync); dcp.async_save: sync_files=True + "
+          "fsync(checkpoint dir) + fsync(parent). fastckpt and torch-checkpointing (a temporary directory) also "
+          "rename atomically.")
     print("- GB/s: tensor payload / wall time; x fastckpt: median / fastckpt's median; x disk: median / best fio "
           "median (same op); paired: median over reps of GB/s / best fio of that rep")
-    print("- CPU-s/GB: the child's user+sys (all its threads) over the operation; machine: all CPUs' busy time in "
+    print("- CPU-s/GB: the child's user+sys (all its threads, and every helper process it started: live "
+          "descendants' and reaped children's CPU from /proc) over the operation; machine: all CPUs' busy time in "
           "the window (includes kernel flusher threads, interrupts); peak extra RSS: VmHWM after the operation "
           "minus VmRSS at the child's start (after resetting VmHWM via /proc/self/clear_refs), including the "
           "method's long-lived buffers ('pool', made by the untimed warm-up) and, for loads, the loaded state dict")
