@@ -499,10 +499,13 @@ def markdown(res: Dict[str, Any], pngs: List[str]) -> str:
              f"interleaved (order reversed on odd repetitions); medians, [min-max].")
     L.append("- GB/s: tensor bytes (1e9) / wall time. x disk: the median over the disk's limit, the best fio O_DIRECT "
              "median of the same run and size (write with --end_fsync=1; read). CPU-s/GB: the child's user+sys "
-             "(all its threads). Peak RSS: the child's extra peak resident memory (its long-lived buffers included; "
+             "(all its threads, and every helper process it started: a peer's writer process or checkpoint daemon). "
+             "Peak RSS: the child's extra peak resident memory (its long-lived buffers included; "
              "for loads the loaded state dict too, about the payload).")
     L.append("- Loads: fastckpt.load with verify on (the row paired with fastckpt.save) and off, torch.load and "
-             "torch.load(mmap=True), safetensors load_file, DCP FileSystemReader and FastReader (verify on); "
+             "torch.load(mmap=True), safetensors load_file (and fastckpt.safetensors, fastsafetensors and "
+             "runai-model-streamer reading the same file), torch-checkpointing's load, DCP FileSystemReader and "
+             "FastReader (verify on); "
              "a lazily mapped result (mmap, safetensors) has one byte of every 4 KiB page read inside the timing, "
              "so that every loader has really read the data when the clock stops.")
     L.append("- Loads allocate fresh memory for their result (see the '(ref) fresh memory' row: the rate at which "
