@@ -430,7 +430,8 @@ def charts(res: Dict[str, Any], out: str) -> List[str]:
                     lo.append(c["gbps"] - (c["min"] if c["min"] is not None else c["gbps"]))
                     hi.append((c["max"] if c["max"] is not None else c["gbps"]) - c["gbps"])
             if xs:
-                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name, color=f"C{idx}",
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker="os^"[idx // 10 % 3], capsize=3, label=name,
+                            color=f"C{idx % 10}", linestyle="-" if idx < 10 else "--",  # 10 colours, then marks
                             linewidth=2.5 if name == "fastckpt" else 1.5)
         disk = disk_points(sizes, op)
         label = f"disk limit (fio O_DIRECT {'write' if op == 'save' else 'read'})"
