@@ -115,3 +115,16 @@ def test_zipnn_benchmark_follows_the_standalone_contract(tmp_path):
     bf16 = next(m for n, m in rep["raw"].items() if "as bfloat16" in n)
     assert bf16["zipped"] < 0.8 * bf16["raw"]  # trained-looking bf16: the exponent byte compresses
     assert any("scrambles the buffer" in n for n in rep["notes"])
+
+
+def test_a_peer_that_cannot_be_imported_is_skipped_with_the_reason(monkeypatch, tmp_path):
+    from benchmarks import peers
+
+    for mod in ("fastsafetensors", "runai_model_streamer", "torch_checkpointing"):
+        monkeypatch.setitem(sys.modules, mod, None)  # import raises ImportError, as when not installed
+    skipped, notes = {}, []
+    readers = peers.safetensors_readers(skipped)
+    assert [k for k, _, _ in readers] == ["st_fastckpt"]
+    assert set(skipped) == {"fastsafetensors", "runai"} and all("not importable" in v for v in skipped.values())
+    assert peers.torch_checkpointing_methods(str(tmp_path), ["tc", "tc_async"], skipped, notes) == []
+    assert "requirements-dev.txt" in skipped["tc"] and "requirements-dev.txt" in skipped["tc_async"]
