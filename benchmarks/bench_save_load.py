@@ -635,6 +635,7 @@ class Row:
     file_mb: float = float("nan")
     check: str = ""
     blocked_s: float = float("nan")   # async_save: how long the caller waited (median)
+    helpers_rss_mb: float = float("nan")  # the helper processes' own peak RSS (a peer's writer process)
 
 
 def summarize(bench: Bench) -> Tuple[Dict[str, List[Row]], Dict[str, Any]]:
@@ -674,7 +675,9 @@ def summarize(bench: Bench) -> Tuple[Dict[str, List[Row]], Dict[str, Any]]:
                 file_mb=median([r.file_bytes / MiB for r in rs]), check=check,
                 blocked_s=median([r.extra["returned"]["blocking_s"] for r in rs
                                   if isinstance(r.extra.get("returned"), dict)
-                                  and "blocking_s" in r.extra["returned"]])))
+                                  and "blocking_s" in r.extra["returned"]]),
+                helpers_rss_mb=median([r.extra["helpers_peak_rss"] / MiB for r in rs
+                                       if r.extra.get("helpers_peak_rss")])))
         fast = next((r for r in rows[op] if r.key == "fastckpt"), None)
         for r in rows[op]:
             if fast is not None:
@@ -705,6 +708,10 @@ def print_table(rows: List[Row], op: str, bench: Bench) -> None:
     for l in lines:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(l, widths)) + " |")
     for r in rows:
+        if r.helpers_rss_mb == r.helpers_rss_mb:
+            print(f"\n{r.label}: its helper processes' own peak RSS {r.helpers_rss_mb:.0f} MB (median VmHWM since "
+                  "they started, their imports included; beside the row's, which is the calling process's; shared "
+                  "staging memory counts in both)")
         if r.blocked_s == r.blocked_s:
             print(f"\n{r.label}: the caller was blocked {r.blocked_s:.3f} s (median; until it may change the state "
                   f"again: for fastckpt.async_save pickling + host snapshot), "
