@@ -37,6 +37,12 @@ Saves (every one durable before the clock stops):
   and its 64 MiB double buffer are DeepSpeed's checkpoint defaults (block 1 MiB, queue depth 8,
   ``intra_op_parallelism`` from --ds-parallelism), made once per process outside the timing.
 
+The peers users would pick (``benchmarks/peers.py``, whose docstring says how each is configured and
+made durable): torch-checkpointing's ``CheckpointManager`` (sync and async saves + fsync of every file
+and directory, its load), ``dcp.async_save`` (thread and process executors, a reused DefaultStager),
+and the fastckpt.safetensors, fastsafetensors and runai-model-streamer loaders of the safetensors
+row's file (load variants of that row). Their helper processes' CPU is in CPU-s/GB.
+
 Loads, each in its own fresh child from a cold page cache (``os.sync()`` and ``echo 3 >
 /proc/sys/vm/drop_caches`` right before the clock starts), several of them reading the same
 saved file (a method's ``load_variants``, their order reversed on odd repetitions):
@@ -60,8 +66,10 @@ after the state dict was built, so the children share it copy-on-write and each 
 same memory. In the child, the method is warmed up first, outside the timing (a tiny save and
 load: fastckpt's engine and staging pool, DeepSpeed's aio handle and pinned buffer), as a
 long-lived trainer would have done long before. CPU-s/GB is the child's ``getrusage(RUSAGE_SELF)``
-user+sys over the operation (all its threads: io_uring/libaio workers, DCP's writer threads;
-not kernel threads such as the page-cache flusher: see ``machine CPU-s/GB``, the busy time of
+user+sys over the operation (all its threads: io_uring/libaio workers, DCP's writer threads),
+plus that of every helper process it started (``harness.cpu_tree``: a peer's writer process or
+checkpoint daemon, live or reaped; the helpers' own peak RSS is kept in the records beside the
+row's); not kernel threads such as the page-cache flusher: see ``machine CPU-s/GB``, the busy time of
 all CPUs from /proc/stat over the same window). Peak extra RSS: the child resets its high-water
 mark at its start (``echo 5 > /proc/self/clear_refs``), so ``VmHWM`` after the operation minus
 ``VmRSS`` at that reset is the most memory the method added, its long-lived buffers included
@@ -107,9 +115,12 @@ import torch  # noqa: E402
 
 import bench_engine as be  # noqa: E402  (fio runner, size parsing, drop_caches, /proc helpers)
 from benchmarks.harness import (  # noqa: E402  (the shared measuring pieces)
-    SEED, fsync_dir, fsync_path, path_bytes, remove, reset_peak_rss, run_in_child, status_kb, timed)
+    SEED, fsync_dir, fsync_path, path_bytes, peak_rss_descendants, remove, reset_peak_rss, run_in_child, status_kb,
+    timed)
 from benchmarks.workload import (  # noqa: E402  (the synthetic state dict)
     build_state_dict, compare, describe_sd, iter_tensors, map_tensors, touch_pages)
+from benchmarks.method import Method, st_flatten, st_unflatten  # noqa: E402,F401  (the methods' interface)
+from benchmarks import peers  # noqa: E402  (torch-checkpointing, dcp.async_save, fastsafetensors, runai)
 
 MiB = be.MiB
 GiB = be.GiB
@@ -119,7 +130,7 @@ TARGET_CPU = 0.5       # "well below torch's": fastckpt CPU-s/GB <= this x torch
 DS_BLOCK = 1 * MiB     # DeepSpeed aio defaults (runtime/swap_tensor/constants.py)
 DS_QUEUE_DEPTH = 8
 DS_IO_BUFFER = 64 * MiB  # DeepSpeed checkpoint io_buffer_size default, double-buffered
-KEYS = ("fastckpt", "async", "torch", "dcp", "fastdcp", "safetensors", "deepspeed")
+KEYS = ("fastckpt", "async", "torch", "dcp", "fastdcp", "safetensors", "deepspeed") + peers.KEYS
 LABEL_LOAD_VERIFY = "fastckpt.load (verify on)"
 LABEL_LOAD_NOVERIFY = "fastckpt.load (verify off)"
 LABEL_TORCH_MMAP = "torch.load(mmap=True), pages touched"
@@ -135,96 +146,11 @@ log = be.log
 # (one copy, shared with `fastckpt bench`), imported at the top.
 
 
-# safetensors: flat tensors + the rest of the structure as JSON in the header's metadata.
-# (The synthetic state dict shares no storage between tensors; safetensors refuses shared ones.)
-
-def st_flatten(sd: Any) -> Tuple[Dict[str, torch.Tensor], Dict[str, str]]:
-    flat: Dict[str, torch.Tensor] = {}
-
-    def enc(o, name):
-        if isinstance(o, torch.Tensor):
-            flat[name] = o
-            return {"t": name}
-        if isinstance(o, dict):
-            return {"d": [[k, enc(v, f"{name}.{k}" if name else str(k))] for k, v in o.items()]}
-        if isinstance(o, (list, tuple)):
-            return {"l" if isinstance(o, list) else "u": [enc(v, f"{name}.{i}") for i, v in enumerate(o)]}
-        if o is None or isinstance(o, (bool, int, float, str)):
-            return {"v": o}
-        raise TypeError(f"safetensors peer: cannot encode {type(o).__name__} at {name}")
-
-    skeleton = enc(sd, "")
-    return flat, {"skeleton": json.dumps(skeleton, separators=(",", ":"))}
-
-
-def st_unflatten(flat: Dict[str, torch.Tensor], meta: Dict[str, str]) -> Any:
-    def dec(o):
-        if "t" in o:
-            return flat[o["t"]]
-        if "d" in o:
-            return {k: dec(v) for k, v in o["d"]}
-        if "l" in o:
-            return [dec(v) for v in o["l"]]
-        if "u" in o:
-            return tuple(dec(v) for v in o["u"])
-        return o["v"]
-
-    return dec(json.loads(meta["skeleton"]))
-
-
-# ----------------------------------------------------------------------------- durability helpers
-
-# fsync_path, fsync_dir, path_bytes, remove: benchmarks/harness.py, imported at the top.
+# st_flatten / st_unflatten (the safetensors encoding of the nested state dict) and Method (the interface
+# of a measured way of saving and loading): benchmarks/method.py, shared with the peers of benchmarks/peers.py.
 
 
 # ----------------------------------------------------------------------------- methods
-
-class Method:
-    """One way of saving (and maybe loading) a state dict. Runs inside forked children."""
-
-    key = ""
-    label = ""
-    load_label = ""
-    has_load = True
-    lazy_result = False   # the load returns memory-mapped tensors (made resident by touch_pages)
-    dir_output = False    # the checkpoint is a directory
-
-    def warmup(self, workdir: str) -> None:
-        """Untimed: what a long-lived process does once (engines, pinned buffers), with a tiny save."""
-        p = os.path.join(workdir, f"warmup-{os.getpid()}")
-        tiny = {"model": {"w": torch.ones(1024, 64)}, "step": 1}
-        try:
-            self.save(tiny, p)
-            if self.has_load:
-                self.load(p, self.prepare_load(tiny))
-        finally:
-            remove(p)
-
-    def prime(self, sd, workdir: str) -> None:
-        """Untimed, after warmup(): what a trainer's earlier checkpoints of this same state left behind."""
-
-    def load_variants(self) -> List[Tuple[str, str, Callable[[str, Any], Any]]]:
-        """(key, label, load) of every load measured after this method's save, each in a fresh child from a
-        cold page cache: the method's own load (its row pairs with the save), then the variants that read
-        the same file another way (rows of their own)."""
-        return [(self.key, self.load_label, self.load)] if self.has_load else []
-
-    def save(self, sd, path: str) -> Any:
-        raise NotImplementedError
-
-    def prepare_load(self, sd) -> Any:
-        return None
-
-    def load(self, path: str, prep: Any) -> Any:
-        raise NotImplementedError
-
-    def read_back(self, path: str, sd) -> Any:
-        """Untimed read back, to verify a save that has no load row."""
-        return self.load(path, self.prepare_load(sd))
-
-    def info(self) -> Dict[str, Any]:
-        return {}
-
 
 class FastckptMethod(Method):
     key = "fastckpt"
@@ -268,18 +194,13 @@ class AsyncSaveMethod(Method):
         self.fc = mod
 
     def prime(self, sd, workdir):
-        # A trainer's steady state: its snapshot arena already exists (the first async_save made
-        # it; every later one reuses it). Stage the state once, untimed, and give the arena back.
-        import importlib
-        import pickle
-
-        am = importlib.import_module("fastckpt.saver")  # the module (fastckpt.async_save is the function)
-        ser = importlib.import_module("fastckpt.serialization")
-        _, storages = fastckpt.formats.pickler.pickle_with_storages(sd, pickle, fastckpt.formats.pickler.DEFAULT_PROTOCOL)
-        saver = am.default_saver()
-        arena, staged = saver.stager.snapshot(storages)
-        del staged, storages
-        saver.stager.release(arena, keep=saver.max_in_flight)
+        # A trainer's steady state: its snapshot arena already exists (the first async_save made it;
+        # every later one reuses it): one untimed async_save of this state, through the public API.
+        p = os.path.join(workdir, f"prime-{os.getpid()}.bin")
+        try:
+            self.fc.async_save(sd, p).result()
+        finally:
+            remove(p)
 
     def save(self, sd, path):
         t0 = time.perf_counter()
@@ -379,11 +300,12 @@ class SafetensorsMethod(Method):
     load_label = LABEL_ST_LOAD
     lazy_result = True
 
-    def __init__(self):
+    def __init__(self, readers=()):
         from safetensors import safe_open
         from safetensors.torch import load_file, save_file
 
         self.safe_open, self.save_file, self.load_file = safe_open, save_file, load_file
+        self.readers = list(readers)  # the other libraries' loaders of this file (benchmarks/peers.py)
 
     def save(self, sd, path):
         flat, meta = st_flatten(sd)
@@ -396,6 +318,9 @@ class SafetensorsMethod(Method):
         with self.safe_open(path, framework="pt", device="cpu") as f:  # the header's metadata: the nesting
             meta = f.metadata()
         return st_unflatten(flat, meta)
+
+    def load_variants(self):
+        return [(self.key, self.load_label, self.load)] + self.readers
 
 
 class DeepSpeedMethod(Method):
@@ -563,13 +488,15 @@ class Bench:
         os.sync()
         t, (ret, d0, d1) = timed(lambda: m.save(self.sd, path), self.dev)
         hwm = _status_kb("VmHWM") * 1024
+        helpers_hwm = peak_rss_descendants()
         out = dict(t, rss_extra=hwm - base, pool=pool, reset_ok=reset_ok, file_bytes=path_bytes(path),
-                   dev=be.dev_delta(d0, d1, "write"), info=m.info())
+                   dev=be.dev_delta(d0, d1, "write"), info=m.info(), helpers_peak_rss=helpers_hwm)
         if ret is not None:
             out["returned"] = dict(ret) if isinstance(ret, dict) else repr(ret)[:2000]
         if verify:
             diffs = compare(self.sd, m.read_back(path, self.sd))
             out["verified"], out["diffs"] = not diffs, diffs
+        m.close()
         return out
 
     def _child_load(self, m: Method, path: str, load: Callable[[str, Any], Any]) -> Dict[str, Any]:
@@ -581,6 +508,7 @@ class Bench:
         t, (res, d0, d1) = timed(lambda: (lambda sd: (sd, touch_pages(sd)))(load(path, prep)), self.dev)
         hwm = _status_kb("VmHWM") * 1024
         diffs = compare(self.sd, res[0])
+        m.close()
         return dict(t, rss_extra=hwm - base, pool=pool, reset_ok=reset_ok, drop_error=drop_err,
                     dev=be.dev_delta(d0, d1, "read"), verified=not diffs, diffs=diffs)
 
@@ -604,11 +532,13 @@ class Bench:
                               "are VmHWM since the fork")
         if out.get("info"):
             self.method_info[m.label] = out["info"]
+            self.notes += out["info"].get("notes", [])
         if "verified" in out:
             self.verified_once[label] = self.verified_once.get(label, True) and out["verified"]
             if not out["verified"]:
                 self.errors.append(f"{label}: DATA MISMATCH after rep {rep + 1}: {out['diffs']}")
-        extra = {k: out[k] for k in ("dev", "returned", "child_cpu_total_s", "diffs") if k in out}
+        extra = {k: out[k] for k in ("dev", "returned", "child_cpu_total_s", "helpers_cpu_s", "helpers_peak_rss",
+                                     "diffs") if k in out}
         self.add(Rec(label, key, op, rep, self.payload, out["seconds"], self.payload / out["seconds"] / 1e9,
                      out["cpu_s"], out["machine_cpu_s"], out["rss_extra"], out["pool"],
                      out.get("file_bytes", float("nan")), out.get("verified"), extra))
@@ -705,6 +635,7 @@ class Row:
     file_mb: float = float("nan")
     check: str = ""
     blocked_s: float = float("nan")   # async_save: how long the caller waited (median)
+    helpers_rss_mb: float = float("nan")  # the helper processes' own peak RSS (a peer's writer process)
 
 
 def summarize(bench: Bench) -> Tuple[Dict[str, List[Row]], Dict[str, Any]]:
@@ -744,7 +675,9 @@ def summarize(bench: Bench) -> Tuple[Dict[str, List[Row]], Dict[str, Any]]:
                 file_mb=median([r.file_bytes / MiB for r in rs]), check=check,
                 blocked_s=median([r.extra["returned"]["blocking_s"] for r in rs
                                   if isinstance(r.extra.get("returned"), dict)
-                                  and "blocking_s" in r.extra["returned"]])))
+                                  and "blocking_s" in r.extra["returned"]]),
+                helpers_rss_mb=median([r.extra["helpers_peak_rss"] / MiB for r in rs
+                                       if r.extra.get("helpers_peak_rss")])))
         fast = next((r for r in rows[op] if r.key == "fastckpt"), None)
         for r in rows[op]:
             if fast is not None:
@@ -775,8 +708,13 @@ def print_table(rows: List[Row], op: str, bench: Bench) -> None:
     for l in lines:
         print("| " + " | ".join(c.ljust(w) for c, w in zip(l, widths)) + " |")
     for r in rows:
+        if r.helpers_rss_mb == r.helpers_rss_mb:
+            print(f"\n{r.label}: its helper processes' own peak RSS {r.helpers_rss_mb:.0f} MB (median VmHWM since "
+                  "they started, their imports included; beside the row's, which is the calling process's; shared "
+                  "staging memory counts in both)")
         if r.blocked_s == r.blocked_s:
-            print(f"\n{r.label}: the caller was blocked {r.blocked_s:.3f} s (median; pickling + host snapshot), "
+            print(f"\n{r.label}: the caller was blocked {r.blocked_s:.3f} s (median; until it may change the state "
+                  f"again: for fastckpt.async_save pickling + host snapshot), "
                   f"{bench.payload / r.blocked_s / 1e9:.2f} GB/s; the GB/s above run until the file is durable")
 
 
@@ -900,6 +838,7 @@ def context(bench: Bench, workdir: str, threads: int) -> Dict[str, Any]:
         m_ = sys.modules.get(mod)
         if m_ is not None:
             ctx[mod] = getattr(m_, "__version__", "?")
+    ctx.update(peers.versions())
     return ctx
 
 
@@ -910,7 +849,7 @@ def report(bench: Bench, ctx: Dict[str, Any], skipped: Dict[str, str]) -> Dict[s
     print(f"- kernel {ctx['kernel']}, {ctx['nproc']} CPUs ({ctx['cpus_usable']} usable), {ctx.get('cpu', '?')}, "
           f"{ctx.get('mem_total_gb', '?')} GB RAM; torch {ctx['torch']} ({ctx['torch_threads_in_children']} "
           f"intra-op threads in the children), fastckpt {ctx['git']}"
-          + "".join(f", {k} {ctx[k]}" for k in ("safetensors", "deepspeed") if k in ctx))
+          + "".join(f", {k} {ctx[k]}" for k in ("safetensors", "deepspeed") + peers.DISTRIBUTIONS if k in ctx))
     print(f"- dir {ctx['dir']}: {ctx['fstype']} on {ctx['mount']['source']}"
           + (f"; device {blk.get('device')}: scheduler {blk.get('scheduler')}, write_cache {blk.get('write_cache')}"
              if blk else ""))
@@ -932,10 +871,14 @@ def report(bench: Bench, ctx: Dict[str, Any], skipped: Dict[str, str]) -> Dict[s
               f"({bench.drop_ok} times in all, saves included)")
     print("- durability: fastckpt.save: its own (tmp + fdatasync + rename + dir fsync); torch and safetensors: "
           "reopen + fsync(file) + fsync(dir); DCP: sync_files=True + fsync(checkpoint dir) + fsync(parent); "
-          "DeepSpeed: FastFileWriter.close() (its fsync) + fsync(dir). Only fastckpt also renames atomically.")
+          "DeepSpeed: FastFileWriter.close() (its fsync) + fsync(dir); torch-checkpointing: none of its own, "
+          "fsync of every file and directory + the parent added (+fsync); dcp.async_save: sync_files=True + "
+          "fsync(checkpoint dir) + fsync(parent). fastckpt and torch-checkpointing (a temporary directory) also "
+          "rename atomically.")
     print("- GB/s: tensor payload / wall time; x fastckpt: median / fastckpt's median; x disk: median / best fio "
           "median (same op); paired: median over reps of GB/s / best fio of that rep")
-    print("- CPU-s/GB: the child's user+sys (all its threads) over the operation; machine: all CPUs' busy time in "
+    print("- CPU-s/GB: the child's user+sys (all its threads, and every helper process it started: live "
+          "descendants' and reaped children's CPU from /proc) over the operation; machine: all CPUs' busy time in "
           "the window (includes kernel flusher threads, interrupts); peak extra RSS: VmHWM after the operation "
           "minus VmRSS at the child's start (after resetting VmHWM via /proc/self/clear_refs), including the "
           "method's long-lived buffers ('pool', made by the untimed warm-up) and, for loads, the loaded state dict")
@@ -1022,6 +965,8 @@ def main(argv=None) -> int:
     notes: List[str] = []
     skipped: Dict[str, str] = {}
     methods: List[Method] = []
+    parent = os.path.abspath(args.dir) if args.dir else REPO_ROOT
+    os.makedirs(parent, exist_ok=True)
     for key in only:
         if key == "fastckpt":
             try:
@@ -1052,10 +997,16 @@ def main(argv=None) -> int:
                 skipped[key] = f"torch.distributed.checkpoint unavailable: {e}"
         elif key == "safetensors":
             try:
-                methods.append(SafetensorsMethod())
+                methods.append(SafetensorsMethod(peers.safetensors_readers(skipped)))
             except ImportError as e:
                 skipped[key] = (f"{e}; install with `.venv/bin/pip install -c .venv/torch-constraint.txt "
                                 f"safetensors`")
+        elif key in ("tc", "tc_async"):
+            if key == "tc" or "tc" not in only:  # both rows from one probe of use_direct_io
+                methods += peers.torch_checkpointing_methods(parent, [k for k in ("tc", "tc_async") if k in only],
+                                                             skipped, notes)
+        elif key == "dcp_async":
+            methods += peers.dcp_async_methods(skipped, notes)
         elif key == "deepspeed":
             aio_op, why = setup_deepspeed(notes)
             if aio_op is None:
@@ -1069,8 +1020,6 @@ def main(argv=None) -> int:
     # the DCP load row sits with the thread_count=2 (or first) variant; keep the list order readable
     methods.sort(key=lambda m: (KEYS.index(m.key), getattr(m, "threads", 0), getattr(m, "par", 0)))
 
-    parent = os.path.abspath(args.dir) if args.dir else REPO_ROOT
-    os.makedirs(parent, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix=".bench-tmp-", dir=parent)
     try:
         free = shutil.disk_usage(workdir).free

@@ -99,6 +99,59 @@ def cpu_children() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def descendants(pid: Optional[int] = None) -> List[int]:
+    """The live processes below pid (default: this one), children first (from /proc/PID/task/TID/children)."""
+    out: List[int] = []
+    todo = [pid or os.getpid()]
+    while todo:
+        p = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{p}/task/{tid}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except (OSError, ValueError):
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
+def _proc_cpu(pid: int) -> float:
+    """utime + stime + cutime + cstime of a process (all its threads, and its reaped children), seconds."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return sum(int(x) for x in fields[11:15]) / _CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def cpu_tree() -> Tuple[float, float]:
+    """(CPU seconds of this process and of every process it started, the part of the helpers): this
+    process's user+sys, its reaped children's, and every live descendant's own and reaped children's.
+    The sum only grows: a helper's time moves into its parent's reaped-children figure when it is reaped,
+    so a delta over a window counts the work of every helper process (a writer process spawned by a
+    checkpointing library, its resource tracker) that ran in it."""
+    helpers = cpu_children() + sum(_proc_cpu(p) for p in descendants())
+    return cpu_self() + helpers, helpers
+
+
+def peak_rss_descendants() -> int:
+    """The sum of the live descendants' VmHWM (bytes): the helpers' peak memory, beside this process's."""
+    total = 0
+    for p in descendants():
+        try:
+            with open(f"/proc/{p}/status") as f:
+                total += next((int(l.split()[1]) * 1024 for l in f if l.startswith("VmHWM:")), 0)
+        except OSError:
+            pass
+    return total
+
+
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -410,6 +463,17 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def fsync_tree(path: str) -> None:
+    """A checkpoint directory made durable the way the benchmarks' peers are: fsync of every file and every
+    directory in it, of the directory itself and of its parent (FileNotFoundError if there is none)."""
+    fsync_dir(path)  # raises for a missing path (os.walk would walk nothing, silently)
+    for root, dirs, files in os.walk(path, topdown=False):
+        for name in files:
+            fsync_path(os.path.join(root, name))
+        fsync_dir(root)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
 def path_bytes(path: str) -> int:
     if os.path.isdir(path):
         return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
@@ -483,16 +547,18 @@ def run_in_child(fn: Callable[[], Dict[str, Any]], threads: int, timeout_s: int)
 
 
 def timed(op: Callable[[], Any], dev: Optional[str] = None) -> Tuple[Dict[str, Any], Any]:
-    """Run op with the garbage collector off: ({seconds, cpu_s, machine_cpu_s}, (result, dev0, dev1))."""
+    """Run op with the garbage collector off: ({seconds, cpu_s, helpers_cpu_s, machine_cpu_s}, (result, dev0,
+    dev1)). cpu_s is cpu_tree()'s: this process's CPU and that of every helper process it started
+    (helpers_cpu_s, 0 for a method that starts none)."""
     gc.collect()
     gc.disable()
     try:
-        d0, m0, c0, t0 = dev_stat(dev), cpu_machine(), cpu_self(), time.perf_counter()
+        d0, m0, (c0, h0), t0 = dev_stat(dev), cpu_machine(), cpu_tree(), time.perf_counter()
         result = op()
-        t1, c1, m1, d1 = time.perf_counter(), cpu_self(), cpu_machine(), dev_stat(dev)
+        t1, (c1, h1), m1, d1 = time.perf_counter(), cpu_tree(), cpu_machine(), dev_stat(dev)
     finally:
         gc.enable()
-    return {"seconds": t1 - t0, "cpu_s": c1 - c0, "machine_cpu_s": m1 - m0}, (result, d0, d1)
+    return {"seconds": t1 - t0, "cpu_s": c1 - c0, "helpers_cpu_s": h1 - h0, "machine_cpu_s": m1 - m0}, (result, d0, d1)
 
 
 # ----------------------------------------------------------------------------- a benchmark's set-up and output

@@ -99,6 +99,7 @@ STANDALONE = (
      "every K steps, the step slowdown while it writes and the goodput, fastckpt against DCP and torch_checkpointing"),
     ("cluster", "cluster_emulate.py", "the cluster benchmark: N = 1, 2, 4 emulated nodes (root: loop "
      "filesystems, blkio cgroups), every save/load mode of replicated state"),
+    ("zipnn", "bench_zipnn.py", "zipnn before an upload: compressed size against compress/decompress time, per link speed"),
 )
 # Standalone scripts run only when named in --standalone (minutes, or root): the cluster benchmark is
 # `make bench-cluster`; `make bench BENCH_ARGS="--standalone small,first_load,cluster"` puts it in the report.
@@ -118,6 +119,12 @@ SERIES = [
     ("fastckpt.load verify off", None, lambda r: r["key"] == "fastckpt_noverify"),
     ("torch.load mmap, touched", None, lambda r: r["key"] == "torch_mmap"),
     ("DeepSpeed FastPersist (best p)", lambda r: r["key"] == "deepspeed", None),
+    ("torch-checkpointing sync", lambda r: r["key"] == "tc", lambda r: r["key"] == "tc"),
+    ("torch-checkpointing async", lambda r: r["key"] == "tc_async", None),
+    ("dcp.async_save (best executor)", lambda r: r["key"] == "dcp_async", None),
+    ("fastckpt.safetensors.load_file", None, lambda r: r["key"] == "st_fastckpt"),
+    ("fastsafetensors", None, lambda r: r["key"] == "fastsafetensors"),
+    ("runai-model-streamer", None, lambda r: r["key"] == "runai"),
 ]
 
 
@@ -284,7 +291,8 @@ def collect_size(raw_json: Dict[str, Any]) -> Dict[str, Any]:
             "cache": ("NOT dropped: " + raw_json["drop_caches_error"]) if raw_json.get("drop_caches_error")
             else "dropped before every load", "targets": s.get("targets"),
             "size_targets": s.get("size_targets") or [],
-            "versions": {k: ctx[k] for k in ("safetensors", "deepspeed") if k in ctx},
+            "versions": {k: ctx[k] for k in ("safetensors", "deepspeed", "torch-checkpointing", "fastsafetensors",
+                                                   "runai-model-streamer", "zipnn") if k in ctx},
             "load_avg": ctx.get("load_avg")}
 
 
@@ -423,7 +431,8 @@ def charts(res: Dict[str, Any], out: str) -> List[str]:
                     lo.append(c["gbps"] - (c["min"] if c["min"] is not None else c["gbps"]))
                     hi.append((c["max"] if c["max"] is not None else c["gbps"]) - c["gbps"])
             if xs:
-                ax.errorbar(xs, ys, yerr=[lo, hi], marker="o", capsize=3, label=name, color=f"C{idx}",
+                ax.errorbar(xs, ys, yerr=[lo, hi], marker="os^"[idx // 10 % 3], capsize=3, label=name,
+                            color=f"C{idx % 10}", linestyle="-" if idx < 10 else "--",  # 10 colours, then marks
                             linewidth=2.5 if name == "fastckpt" else 1.5)
         disk = disk_points(sizes, op)
         label = f"disk limit (fio O_DIRECT {'write' if op == 'save' else 'read'})"
@@ -492,10 +501,13 @@ def markdown(res: Dict[str, Any], pngs: List[str]) -> str:
              f"interleaved (order reversed on odd repetitions); medians, [min-max].")
     L.append("- GB/s: tensor bytes (1e9) / wall time. x disk: the median over the disk's limit, the best fio O_DIRECT "
              "median of the same run and size (write with --end_fsync=1; read). CPU-s/GB: the child's user+sys "
-             "(all its threads). Peak RSS: the child's extra peak resident memory (its long-lived buffers included; "
+             "(all its threads, and every helper process it started: a peer's writer process or checkpoint daemon). "
+             "Peak RSS: the child's extra peak resident memory (its long-lived buffers included; "
              "for loads the loaded state dict too, about the payload).")
     L.append("- Loads: fastckpt.load with verify on (the row paired with fastckpt.save) and off, torch.load and "
-             "torch.load(mmap=True), safetensors load_file, DCP FileSystemReader and FastReader (verify on); "
+             "torch.load(mmap=True), safetensors load_file (and fastckpt.safetensors, fastsafetensors and "
+             "runai-model-streamer reading the same file), torch-checkpointing's load, DCP FileSystemReader and "
+             "FastReader (verify on); "
              "a lazily mapped result (mmap, safetensors) has one byte of every 4 KiB page read inside the timing, "
              "so that every loader has really read the data when the clock stops.")
     L.append("- Loads allocate fresh memory for their result (see the '(ref) fresh memory' row: the rate at which "
