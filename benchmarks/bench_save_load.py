@@ -196,11 +196,7 @@ class AsyncSaveMethod(Method):
     def prime(self, sd, workdir):
         # A trainer's steady state: its snapshot arena already exists (the first async_save made it;
         # every later one reuses it): one untimed async_save of this state, through the public API.
-        p = os.path.join(workdir, f"prime-{os.getpid()}.bin")
-        try:
-            self.fc.async_save(sd, p).result()
-        finally:
-            remove(p)
+        self.save_once(sd, workdir)
 
     def save(self, sd, path):
         t0 = time.perf_counter()

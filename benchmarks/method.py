@@ -75,6 +75,15 @@ class Method:
     def prime(self, sd, workdir: str) -> None:
         """Untimed, after warmup(): what a trainer's earlier checkpoints of this same state left behind."""
 
+    def save_once(self, sd, workdir: str) -> None:
+        """A prime() for methods whose steady state a first save of this state makes (snapshot arenas,
+        staging caches, writer processes): one untimed save of it, then its file is removed."""
+        p = os.path.join(workdir, f"prime-{os.getpid()}.bin")
+        try:
+            self.save(sd, p)
+        finally:
+            remove(p)
+
     def load_variants(self) -> List[Tuple[str, str, Callable[[str, Any], Any]]]:
         """(key, label, load) of every load measured after this method's save, each in a fresh child from a
         cold page cache: the method's own load (its row pairs with the save), then the variants that read

@@ -132,11 +132,7 @@ class TorchCheckpointingMethod(Method):
 
     def prime(self, sd, workdir):
         if self.async_save:  # a trainer's steady state: the staging buffers of this state exist
-            p = os.path.join(workdir, f"prime-{os.getpid()}")
-            try:
-                self.save(sd, p)
-            finally:
-                remove(p)
+            self.save_once(sd, workdir)
 
     def save(self, sd, path):
         t0 = time.perf_counter()
@@ -220,11 +216,7 @@ class DcpAsyncMethod(Method):
         super().warmup(workdir)
 
     def prime(self, sd, workdir):  # the daemon started, the stager's cache made: a trainer's later checkpoints
-        p = os.path.join(workdir, f"prime-{os.getpid()}")
-        try:
-            self.save(sd, p)
-        finally:
-            remove(p)
+        self.save_once(sd, workdir)
 
     def save(self, sd, path):
         import torch.distributed.checkpoint as dcp
