@@ -33,7 +33,27 @@ struct Node {
   int64_t count;  // clamped to the budget: only ever read through count_of, which caps it there
   int32_t depth;
   uint8_t kind;
+  uint8_t tag = 0;  // the plain vocabulary's classes of globals and of what calls made (Tag)
 };
+
+// PickleVerdict::plain's bookkeeping: what a global is, what a call made.
+enum Tag : uint8_t { T_NONE, T_G_ODICT, T_G_CALL, T_G_VALUE, T_ODICT, T_MADE };
+
+// The opcodes of the plain vocabulary (PickleVerdict::plain).
+bool plain_opcode(unsigned char c) {
+  switch (c) {
+    case 0x80:  // PROTO
+    case '.': case '(': case 'c': case 'R': case 'b': case 'Q': case '}': case ']': case ')': case 't':
+    case 0x85: case 0x86: case 0x87:  // TUPLE1..3
+    case 's': case 'u': case 'a': case 'e':  // SETITEM(S), APPEND(S)
+    case 'q': case 'r': case 'h': case 'j':  // BINPUT, LONG_BINPUT, BINGET, LONG_BINGET
+    case 'J': case 'K': case 'M': case 'G': case 'N': case 0x88: case 0x89: case 0x8a:  // ints, float, None, bools, LONG1
+    case 'X':  // BINUNICODE
+      return true;
+    default:
+      return false;
+  }
+}
 
 // Handlers (_unpickle._HANDLER) and argument readers (pickletools' ArgumentDescriptors).
 enum Handler : uint8_t {
@@ -473,7 +493,7 @@ class Walk {
     unsigned __int128 b = static_cast<unsigned __int128>(max_ratio) * n;
     if (b < min_budget) b = min_budget;
     budget_ = b > kCap ? kCap : static_cast<uint64_t>(b);
-    nodes_.push_back({0, 0, kScalar});  // node 0: the shared scalar
+    nodes_.push_back({0, 0, kScalar, T_NONE});  // node 0: the shared scalar
   }
 
   PickleVerdict run() {
@@ -502,6 +522,7 @@ class Walk {
   size_t fence_ = 0;
   PickleVerdict v_;
   uint64_t pos_ = 0;
+  bool plain_ = true;  // PickleVerdict::plain so far
 
   // The argument genops read.
   uint64_t au_ = 0;        // integers; lengths of strings and bytes
@@ -537,7 +558,7 @@ class Walk {
   }
   uint32_t new_node(uint8_t kind, int64_t count, int32_t depth) {
     if (nodes_.size() >= UINT32_MAX) bad("more than " + std::to_string(UINT32_MAX) + " values");
-    Node node{0, depth, kind};
+    Node node{0, depth, kind, T_NONE};
     set_count(node, count);
     nodes_.push_back(node);
     return static_cast<uint32_t>(nodes_.size() - 1);
@@ -754,6 +775,33 @@ class Walk {
     return true;
   }
 
+  // The GLOBAL at pos_ (its two lines, read and checked by read_arg): its Tag in the plain
+  // vocabulary; T_NONE (and plain_ false) for any other global.
+  uint8_t global_tag() {
+    const char* s = reinterpret_cast<const char*>(d_) + pos_ + 1;
+    const char* end = reinterpret_cast<const char*>(d_) + p_;
+    const char* nl = static_cast<const char*>(std::memchr(s, '\n', static_cast<size_t>(end - s)));
+    if (!nl) {
+      plain_ = false;
+      return T_NONE;
+    }
+    const std::string module(s, nl);
+    const char* nl2 = static_cast<const char*>(std::memchr(nl + 1, '\n', static_cast<size_t>(end - nl - 1)));
+    const std::string name(nl + 1, nl2 ? nl2 : end);
+    if (module == "collections" && name == "OrderedDict") return T_G_ODICT;
+    if ((module == "torch._utils" &&
+         (name == "_rebuild_tensor_v2" || name == "_rebuild_tensor_v3" || name == "_rebuild_parameter")) ||
+        (module == "torch" && name == "Size"))
+      return T_G_CALL;
+    if (module == "torch" && !name.empty() &&
+        std::all_of(name.begin(), name.end(), [](char ch) {
+          return (ch >= 'a' && ch <= 'z') || (ch >= 'A' && ch <= 'Z') || (ch >= '0' && ch <= '9') || ch == '_';
+        }))
+      return T_G_VALUE;  // a storage class or a dtype, by the caller's lookup in torch's allow-list
+    plain_ = false;
+    return T_NONE;
+  }
+
   void budget_check(uint64_t pos) {
     if (cost_ > budget_)
       fail(PickleVerdict::kBad,
@@ -774,6 +822,7 @@ class Walk {
                 " unknown");
       }
       read_arg(op.r);
+      if (plain_ && !plain_opcode(code)) plain_ = false;
       switch (op.h) {
         case H_MEMO:
         case H_PUT: {
@@ -827,13 +876,17 @@ class Walk {
             refused(std::string(op.name) + " calls a " + kind_name(nodes_[func].kind) + ", not an allowed global");
           int64_t count = count_of(args) + (kw >= 0 ? count_of(static_cast<uint32_t>(kw)) : 0);
           int32_t depth = std::max(nodes_[args].depth, kw >= 0 ? nodes_[kw].depth : 0);
+          const uint8_t ftag = nodes_[func].tag;
+          if (op.h != H_REDUCE || (ftag != T_G_ODICT && ftag != T_G_CALL)) plain_ = false;
           stack_.push_back(new_node(kInst, count, depth));
+          nodes_[stack_.back()].tag = ftag == T_G_ODICT ? T_ODICT : T_MADE;
           add_cost(C_OBJ + mul(C_ENTRY, static_cast<uint64_t>(count)));
           break;
         }
         case H_BUILD: {
           uint32_t state = pop();
           uint32_t t = target(kInst, -1, "BUILD", "inst");
+          if (nodes_[t].tag != T_ODICT || nodes_[state].kind != kDict) plain_ = false;
           nest(t, &state, 1);
           add_cost(C_OBJ + mul(C_ENTRY, static_cast<uint64_t>(count_of(state))));
           break;
@@ -858,6 +911,7 @@ class Walk {
           }
           if (k % 2) bad(std::string("odd number of items for ") + op.name);
           uint32_t t = target(kDict, kInst, op.name, "dict/inst");
+          if (nodes_[t].kind != kDict && nodes_[t].tag != T_ODICT) plain_ = false;
           set_count(nodes_[t], nodes_[t].count + static_cast<int64_t>(k / 2));
           add_cost(mul(C_ENTRY, k / 2));
           nest(t, items, k);
@@ -970,6 +1024,7 @@ class Walk {
         }
         case H_GLOB:
           stack_.push_back(new_node(kGlobal, 0, 0));
+          nodes_[stack_.back()].tag = plain_ ? global_tag() : T_NONE;
           add_cost(C_OBJ);
           break;
         case H_SGLOB: {
@@ -991,6 +1046,7 @@ class Walk {
         }
         case H_PROTO:
           if (au_ > 5) bad("unsupported pickle protocol " + std::to_string(au_));
+          if (au_ != 2) plain_ = false;  // torch's unpickler warns about other protocols
           break;
         case H_FRAME: {
           uint64_t follow = n_ - pos_ - 9;
@@ -1005,6 +1061,7 @@ class Walk {
           budget_check(n_);
           v_.kind = PickleVerdict::kAccepted;
           v_.cost = cost_;
+          v_.plain = plain_;
           return;
         case H_REFUSE:
           refused(std::string("opcode ") + refused_op_text(op.name) + " (not used by the pickles read here)");

@@ -36,6 +36,17 @@ struct PickleVerdict {
   std::string message;  // without the caller's path and without the position
   uint64_t pos = 0;     // the opcode's offset (kBad, kRefused)
   uint64_t cost = 0;    // the estimated bytes (kAccepted)
+  // kAccepted: whether the pickle keeps to the vocabulary of a torch.save'd state dict, on which
+  // CPython's C unpickler (globals looked up in torch's allow-list, storages through a persistent
+  // id handler) builds what torch's weights-only unpickler builds, op for op: protocol 2; GLOBAL
+  // collections.OrderedDict, torch._utils._rebuild_tensor_v2 / _v3 / _rebuild_parameter,
+  // torch.Size and other names of module torch (storage classes and dtypes, as values only);
+  // REDUCE only of OrderedDict and of those functions; BUILD only of an OrderedDict a REDUCE made,
+  // with a dict; SETITEM(S) only into a dict or such an OrderedDict; APPEND(S) only onto a list;
+  // BINPERSID; the binary memo, int, float and str opcodes, NONE, NEWTRUE/NEWFALSE, LONG1, the
+  // empty list/dict/tuple and TUPLE* opcodes, MARK and STOP. Anything else: false (the caller then
+  // leaves the pickle to torch's unpickler).
+  bool plain = false;
 };
 
 // `int_max_str_digits`: Python's limit on the digits of a decimal int

@@ -426,13 +426,17 @@ def _any_global(module: str, name: str) -> None:
     return None
 
 
-def _c_walk(data: bytes, where: str, persistent: bool, max_depth: int, *, call_objects: bool) -> int:
-    """The walk, in C++ (the one production runs); raises as :func:`_walk` does."""
+def _c_walk(data: bytes, where: str, persistent: bool, max_depth: int, *, call_objects: bool,
+            plain: Optional[list] = None) -> int:
+    """The walk, in C++ (the one production runs); raises as :func:`_walk` does. `plain`, if
+    given, receives the walk's verdict on the vocabulary (see :func:`check`)."""
     from .. import _C
     n = len(data)
-    kind, msg, pos, cost = _C.pickle_check(data, persistent, max_depth, MAX_RATIO, MIN_BUDGET, _max_str_digits(),
-                                           call_objects)
+    kind, msg, pos, cost, is_plain = _C.pickle_check(data, persistent, max_depth, MAX_RATIO, MIN_BUDGET,
+                                                     _max_str_digits(), call_objects)
     if kind == 0:
+        if plain is not None:
+            plain.append(bool(is_plain))
         return cost
     if kind == 1:
         raise FormatError(f"{where}: {msg} at byte {pos} of the {n}-byte pickle (damaged or crafted; refused "
@@ -442,7 +446,8 @@ def _c_walk(data: bytes, where: str, persistent: bool, max_depth: int, *, call_o
     raise FormatError(f"{where}: damaged pickle ({msg}); refused before unpickling, {NOTHING_RUN}")
 
 
-def check(data: bytes, where: str, *, persistent: bool = True, max_depth: int = MAX_OBJECT_DEPTH) -> int:
+def check(data: bytes, where: str, *, persistent: bool = True, max_depth: int = MAX_OBJECT_DEPTH,
+          plain: Optional[list] = None) -> int:
     """Only the walk, for a pickle that torch's weights-only unpickler will
     judge class by class: it is not handed a pickle that would allocate far
     more than its size or nest deep enough to overflow the C stack when a key is
@@ -450,8 +455,11 @@ def check(data: bytes, where: str, *, persistent: bool = True, max_depth: int = 
     what a call returned (torch's unpickler allows or refuses each callable by
     its value, as ``getattr`` reaching a nested class or a classmethod needs).
     Returns the estimated bytes; raises FormatError or Refused (an opcode that
-    torch.save never writes, a call of a container or a string)."""
-    return _c_walk(data, where, persistent, max_depth, call_objects=True)
+    torch.save never writes, a call of a container or a string). `plain`, if
+    given (a list), gets whether the pickle keeps to the vocabulary of a
+    torch.save'd state dict (``PickleVerdict::plain``, csrc/pickle/pickle_scan.h),
+    which :mod:`fastckpt.torchsave.plain` unpickles with CPython's C unpickler."""
+    return _c_walk(data, where, persistent, max_depth, call_objects=True, plain=plain)
 
 
 def check_reference(data: bytes, where: str, *, persistent: bool = True, max_depth: int = MAX_OBJECT_DEPTH,

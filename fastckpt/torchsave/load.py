@@ -15,6 +15,7 @@ from ..formats import unpickler as _unpickle
 from ..formats.pickle_scan import is_legacy, unpickling_reads_no_data
 from ..formats.torch_rules import MapLocation
 from .device import DeviceRecords, moves_off_cpu, open_for_device
+from .plain import load_plain
 from .reader import Reader, Records, check_storages, read_archive, weights_only_message
 
 log = logging.getLogger("fastckpt")
@@ -85,6 +86,7 @@ def _restore_behind(storages: "Records", map_location: MapLocation):
 def unpickle_records(path: str, small, archive, storages, bad, map_location, weights_only: bool, pickle_module,
                verify: Optional[bool], pickle_load_args):
     """The unpickling half of :func:`load`, over records read (or being read)."""
+    plain: List[bool] = []  # the walk's verdict: a plain state dict (fastckpt.torchsave.plain)
     if weights_only:
         pickle_module = ts._weights_only_unpickler
         # torch's weights-only unpickler is never handed a pickle that nests deep
@@ -92,7 +94,7 @@ def unpickle_records(path: str, small, archive, storages, bad, map_location, wei
         # that would allocate far more than its size: the one walk (formats.unpickler.check), which
         # leaves every class and callable to torch's rules.
         try:
-            _unpickle.check(small["data.pkl"], f"{path}: data.pkl")
+            _unpickle.check(small["data.pkl"], f"{path}: data.pkl", plain=plain)
         except _unpickle.Refused as e:
             raise pickle.UnpicklingError(weights_only_message(path, str(e), from_torch=False)) from None
     reader = Reader(archive, small, storages)
@@ -129,6 +131,16 @@ def unpickle_records(path: str, small, archive, storages, bad, map_location, wei
                 raise FormatError(f"{path}: data.pkl is damaged: unknown storage location {location!r}") from e
             raise _MapLocationError(e) from e
 
+    if plain and plain[0] and not isinstance(storages, DeviceRecords):
+        # A plain state dict: the C unpickler builds what torch's would (fastckpt.torchsave.plain).
+        # Anything it does not know, or any error, and torch's unpickler loads the same records
+        # (and words the error as torch.load does).
+        try:
+            return done(load_plain(reader, restore_location, pickle_load_args))
+        except _MapLocationError as e:
+            raise e.error from None
+        except Exception:  # noqa: BLE001 - decided again, and reported, by torch's unpickler below
+            pass
     try:
         result = ts._load(reader, restore_location, pickle_module, **pickle_load_args)
     except _MapLocationError as e:

@@ -123,6 +123,8 @@ def test_an_unpickling_error_joins_the_read_first(tmp_path, behind_calls, monkey
         seen["reading"] = any(t.name == "fastckpt-load" for t in threading.enumerate())
         raise RuntimeError("boom")
     monkeypatch.setattr(ser.ts, "_load", broken_load)
+    # the plain state dict's own unpickler fails too (then torch's, the broken one, is run)
+    monkeypatch.setattr("fastckpt.torchsave.load.load_plain", broken_load)
     with pytest.raises(fastckpt.FormatError, match="data.pkl is damaged.*boom"):
         fastckpt.load(p)
     assert behind_calls and "reading" in seen
