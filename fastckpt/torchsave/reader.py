@@ -352,6 +352,9 @@ def no_checksums(path: str, verify: Optional[bool]) -> None:
                   "silences this, verify=True refuses such files)", stacklevel=5)
 
 
+READ_BEHIND_MIN = 8 << 20  # storages of at least this many bytes are read behind the unpickling
+
+
 def read_archive(path: str, fh, verify: Optional[bool], behind: Optional[Callable[[bytes], bool]] = None):
     """Parse and read the archive open as `fh`: every read goes to that one
     file, even if `path` is atomically replaced meanwhile. Reads data.pkl and
@@ -370,7 +373,9 @@ def read_archive(path: str, fh, verify: Optional[bool], behind: Optional[Callabl
     storages = Records(path, archive, fh.fileno(), verify)
     small = storages.read([n for n in SMALL_RECORDS if n in recs], [])
     wanted = referenced_storages(small["data.pkl"], recs)
-    if behind is not None and behind(small):
+    # Below READ_BEHIND_MIN bytes the reads take less than a thread's start and the GIL's hand-offs
+    # between it and the unpickler cost: read first, then unpickle.
+    if behind is not None and sum(recs[n].size for n in wanted) >= READ_BEHIND_MIN and behind(small):
         storages.read_behind(wanted)
     else:
         storages.read([], wanted)

@@ -49,7 +49,23 @@ def behind_calls(monkeypatch):
         calls.append(list(storages))
         return real(self, storages)
     monkeypatch.setattr(fastckpt.torchsave.reader.Records, "read_behind", spy)
+    monkeypatch.setattr(fastckpt.torchsave.reader, "READ_BEHIND_MIN", 0)  # these states are small
     return calls
+
+
+def test_a_small_state_is_read_before_it_is_unpickled(tmp_path, monkeypatch):
+    """Below READ_BEHIND_MIN bytes of storages no thread is started (its start and the GIL's hand-offs
+    would cost more than the reads); above, the storages are read behind the unpickling."""
+    calls = []
+    real = fastckpt.torchsave.reader.Records.read_behind
+    monkeypatch.setattr(fastckpt.torchsave.reader.Records, "read_behind",
+                        lambda self, s: (calls.append(list(s)), real(self, s))[1])
+    monkeypatch.setattr(fastckpt.torchsave.reader, "READ_BEHIND_MIN", 1 << 20)
+    small, large = {"w": torch.randn(1000)}, {"w": torch.randn(1 << 18)}  # 4 KB, 1 MiB
+    fastckpt.save(small, tmp_path / "s.pt")
+    fastckpt.save(large, tmp_path / "l.pt")
+    assert same_state(small, fastckpt.load(tmp_path / "s.pt")) and calls == []
+    assert same_state(large, fastckpt.load(tmp_path / "l.pt")) and len(calls) == 1
 
 
 def _no_reader_thread():
@@ -102,6 +118,7 @@ def test_a_failing_background_read_raises_the_read_error(tmp_path, monkeypatch):
         _C.fault_inject("read", nth=1, errno=5, times=0)
         return real(self, storages)
     monkeypatch.setattr(fastckpt.torchsave.reader.Records, "read_behind", failing)
+    monkeypatch.setattr(fastckpt.torchsave.reader, "READ_BEHIND_MIN", 0)  # 4 MiB: read behind
     try:
         with pytest.raises(OSError) as ei:
             fastckpt.load(p)
