@@ -301,8 +301,7 @@ class CheckpointManager:
         self._check_step(step)
         _memory_tier.snapshot(self, step, state)
 
-    def async_save(self, step: int, state: Any, *,
-                   background_staging: Optional[bool] = None) -> concurrent.futures.Future:
+    def async_save(self, step: int, state: Any, *, background_staging: Optional[bool] = None) -> concurrent.futures.Future:
         """Like :meth:`save`, but returns once ``state`` is snapshotted into
         host memory and writes it in the background; ``latest`` moves and
         retention runs when the write is durable. Collective: on return every
@@ -317,11 +316,7 @@ class CheckpointManager:
         snapshots and writes alone. Sharded: every rank stages its shards
         (``dcp.async_save``, FastWriter's reused buffers) after waiting for its
         previous save, DCP's collectives on that group for background saves.
-
-        ``background_staging`` (replicated mode; default: the knob
-        ``async_background_staging``): as for :func:`fastckpt.async_save`, the
-        call returns before the large host tensors are copied, and
-        ``optimizer.step()`` (or :func:`fastckpt.wait_staged`) waits for them.
+        ``background_staging`` (replicated mode): as for :func:`fastckpt.async_save`.
 
         Returns:
             The future (a SaveResult once the checkpoint is durable and
