@@ -22,6 +22,8 @@ prefault                  FASTCKPT_PREFAULT                  0: no helper thread
 async_max_in_flight       FASTCKPT_ASYNC_MAX_IN_FLIGHT       async saves in flight, each holding a host snapshot (1)
 async_background_staging  FASTCKPT_ASYNC_BACKGROUND_STAGING  1: async saves copy large host tensors after returning;
                                                              optimizer steps and wait_staged() wait for those copies (0)
+async_writer_nice         FASTCKPT_ASYNC_WRITER_NICE         the async save thread's nice value, 0-19 (0: as the
+                                                             caller): a background write yields the CPU to training
 allow_foreign_owner       FASTCKPT_ALLOW_FOREIGN_OWNER       1: use checkpoint directories another user owns or can write (0)
 remote_part_size          FASTCKPT_REMOTE_PART_SIZE          bytes per part of a remote upload or ranged read (16 MiB)
 remote_parallelism        FASTCKPT_REMOTE_PARALLELISM        parts in flight per remote transfer (8): memory <= parts x part size
@@ -50,6 +52,7 @@ NAMES = ("buffer_size", "buffer_count", "queue_depth", "io_threads", "backend", 
 # Knobs of the Python side: name -> (environment variable, default, smallest allowed value). Integers.
 PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
             "async_background_staging": ("FASTCKPT_ASYNC_BACKGROUND_STAGING", 0, 0),
+            "async_writer_nice": ("FASTCKPT_ASYNC_WRITER_NICE", 0, 0),
             "allow_foreign_owner": ("FASTCKPT_ALLOW_FOREIGN_OWNER", 0, 0),
             # fastckpt.remote (object stores and shared filesystems)
             "remote_part_size": ("FASTCKPT_REMOTE_PART_SIZE", 16 << 20, 1 << 10),

@@ -659,6 +659,20 @@ class AsyncSaver:
                       exc_info=(type(exc), exc, exc.__traceback__))
 
 
+def _yield_cpu(nice: int) -> None:
+    """Make the calling thread at least `nice` nice (Linux: a thread's own scheduling priority),
+    so that a background write takes the CPU the training loop leaves; never raises."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        now = os.getpriority(os.PRIO_PROCESS, tid)
+        if nice > now:
+            os.setpriority(os.PRIO_PROCESS, tid, min(nice, 19))
+    except OSError as e:  # e.g. a seccomp profile that refuses it: the write goes on at its priority
+        log.debug("fastckpt: could not lower the save thread's priority: %s", e)
+
+
 class _WriterThread(threading.Thread):
     """A saver's writer thread (see the module docstring): named
     ``fastckpt-save``, a daemon, gone once its saver has nothing to write."""
@@ -668,6 +682,7 @@ class _WriterThread(threading.Thread):
         self._saver = saver
 
     def run(self) -> None:
+        _yield_cpu(knobs.get("async_writer_nice"))
         self._saver._work()
 
     def stop(self) -> None:

@@ -21,14 +21,23 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def difference(a, b, path="state", *, bitwise=False, ordered=False, dtypes=True, exact_types=False,
-               sequence_types=True) -> Optional[str]:
-    """Where and how `b` differs from `a` (the first difference found), or None when they are the same."""
-    kw = dict(bitwise=bitwise, ordered=ordered, dtypes=dtypes, exact_types=exact_types, sequence_types=sequence_types)
+               sequence_types=True, exact=False) -> Optional[str]:
+    """Where and how `b` differs from `a` (the first difference found), or None when they are the same.
+    `exact`: as an unpickler would have to build it: the same types of tensors and dicts (a Parameter
+    is not a tensor, an OrderedDict not a dict), strides, storage offsets, requires_grad, and an
+    OrderedDict's ``_metadata`` (a state dict's)."""
+    kw = dict(bitwise=bitwise, ordered=ordered, dtypes=dtypes, exact_types=exact_types, sequence_types=sequence_types,
+              exact=exact)
+    if exact and isinstance(a, (torch.Tensor, dict)) and type(a) is not type(b):
+        return f"{path}: {type(b).__name__}, not {type(a).__name__}"
     if isinstance(a, torch.Tensor):
         if not isinstance(b, torch.Tensor):
             return f"{path}: {type(b).__name__}, not a tensor"
         if dtypes and (a.dtype != b.dtype or a.shape != b.shape):
             return f"{path}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
+        if exact and (a.stride(), a.storage_offset(), a.requires_grad) != (b.stride(), b.storage_offset(), b.requires_grad):
+            return (f"{path}: stride, offset, requires_grad {(a.stride(), a.storage_offset(), a.requires_grad)} != "
+                    f"{(b.stride(), b.storage_offset(), b.requires_grad)}")
         if not (torch.equal(_bytes(a), _bytes(b)) if bitwise else torch.equal(a, b)):
             return f"{path}: values differ"
         return None
@@ -37,6 +46,8 @@ def difference(a, b, path="state", *, bitwise=False, ordered=False, dtypes=True,
             return f"{path}: {type(b).__name__}, not a dict"
         if (list(a) != list(b)) if ordered else (a.keys() != b.keys()):
             return f"{path}: keys {list(a)} != {list(b)}"
+        if exact and getattr(a, "_metadata", None) != getattr(b, "_metadata", None):
+            return f"{path}: _metadata {getattr(a, '_metadata', None)} != {getattr(b, '_metadata', None)}"
         for k in a:
             d = difference(a[k], b[k], f"{path}.{k}", **kw)
             if d:

@@ -174,3 +174,22 @@ def test_a_forked_child_does_not_wait_for_the_parents_staging(tmp_path, monkeypa
     fut.result(timeout=60)
     assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     assert_same(fastckpt.load(tmp_path / "c.pt"), _state())
+
+
+@pytest.mark.parametrize("nice", [0, 7])
+def test_the_writer_thread_takes_the_nice_value_of_its_knob(tmp_path, nice):
+    """async_writer_nice: the thread that writes in the background runs at least that nice (it
+    yields the CPU to the training loop); 0 leaves it at the caller's priority."""
+    caller = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    seen = []
+    saver = AsyncSaver()
+    try:
+        with knobs.override(async_writer_nice=nice):
+            saver.save(_state(), tmp_path / "c.pt",
+                       after=lambda: seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+                       ).result(timeout=60)
+    finally:
+        saver.close()
+    assert seen == [max(caller, nice)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller  # the caller's own is unchanged
+    assert_same(fastckpt.load(tmp_path / "c.pt"), _state())

@@ -58,24 +58,9 @@ def _outcome(fn):
         return ("error", type(e), str(e))
 
 
-def _same_structure(a, b, where="state"):
-    """Types, values, dtypes, requires_grad, and for OrderedDicts their _metadata, alike."""
-    assert type(a) is type(b), (where, type(a), type(b))
-    if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.stride() == b.stride(), where
-        assert a.requires_grad == b.requires_grad and a.storage_offset() == b.storage_offset(), where
-        assert torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), where
-        for k in a:
-            _same_structure(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _same_structure(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, (where, a, b)
+def _same_structure(a, b):
+    """As an unpickler must build it: types, values, strides, offsets, requires_grad, _metadata."""
+    assert_same(a, b, exact=True, exact_types=True, ordered=True, bitwise=True)
 
 
 def _states():
