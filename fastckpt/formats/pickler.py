@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.serialization as ts
 
-from .torch_rules import StorageRef
+from .torch_rules import StorageRef, element_size, v3_dtypes
 
 
 DEFAULT_PROTOCOL = 2  # torch.save's pickle protocol
@@ -47,8 +47,6 @@ def tensor_reduce(ref: StorageRef, untyped: bool, dtype: torch.dtype, storage_of
 
 
 _FAST_DEVICES = frozenset(["cpu", "cuda"])
-_ELEMENT_SIZE: Dict[torch.dtype, int] = {}  # torch._utils._element_size, per dtype
-_V3_DTYPES: Optional[frozenset] = None
 
 
 def plain_tensor_reduce(t: Any) -> Any:
@@ -59,13 +57,10 @@ def plain_tensor_reduce(t: Any) -> Any:
     subclass), strided, on the CPU or a CUDA device, not quantized, no Python
     attributes and no backward hooks. Anything else: ``NotImplemented`` (the
     pickler then asks the tensor, as torch.save does)."""
-    global _V3_DTYPES
     if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_quantized or t.is_nested \
             or t.device.type not in _FAST_DEVICES or t._backward_hooks or t.__dict__:
         return NotImplemented
-    if _V3_DTYPES is None:
-        _V3_DTYPES = frozenset(torch.storage._new_dtypes())
-    if t.dtype in _V3_DTYPES:
+    if t.dtype in v3_dtypes():
         fn, storage = torch._utils._rebuild_tensor_v3, t.untyped_storage()
         args: Tuple = (storage, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad,
                        collections.OrderedDict(), t.dtype)
@@ -107,10 +102,7 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
                 storage = o._untyped_storage
                 storage_dtype = o.dtype
                 storage_type = getattr(torch, o._pickle_storage_type())
-                size = _ELEMENT_SIZE.get(storage_dtype)  # o._size(), without torch.finfo per storage
-                if size is None:
-                    size = _ELEMENT_SIZE[storage_dtype] = torch._utils._element_size(storage_dtype)
-                numel = storage.nbytes() // size
+                numel = storage.nbytes() // element_size(storage_dtype)  # o._size(), without its torch.finfo
             else:
                 storage = o
                 storage_dtype = torch.uint8

@@ -10,12 +10,13 @@ called, and tests/python/formats/test_torch_semantics.py checks the result again
 torch's own functions.
 """
 
+import functools
 import os
 import pickle
 import re
 import sys
 import warnings
-from typing import IO, Any, Callable, Dict, Optional, Sequence, Tuple, Union
+from typing import IO, Any, Callable, Dict, FrozenSet, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.serialization as ts
@@ -159,10 +160,24 @@ def is_dtensor(obj: Any) -> bool:
     return cls is not None and isinstance(obj, cls)
 
 
-def v3_dtypes():
+@functools.lru_cache(maxsize=1)
+def v3_dtypes() -> FrozenSet[torch.dtype]:
     """The dtypes torch.save pickles with an untyped storage (``_rebuild_tensor_v3``)."""
     new = getattr(torch.storage, "_new_dtypes", None)
-    return new() if new is not None else set()
+    return frozenset(new() if new is not None else ())
+
+
+_ELEMENT_SIZE: Dict[torch.dtype, int] = {}
+
+
+def element_size(dtype: torch.dtype) -> int:
+    """``torch._utils._element_size(dtype)`` (what torch's serialization divides a storage's bytes
+    by, and multiplies a pickled numel by), raising as it raises, computed once per dtype (it builds
+    a ``torch.finfo``)."""
+    size = _ELEMENT_SIZE.get(dtype)
+    if size is None:
+        size = _ELEMENT_SIZE[dtype] = torch._utils._element_size(dtype)
+    return size
 
 
 def itemsize(dtype: torch.dtype) -> int:

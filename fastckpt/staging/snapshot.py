@@ -131,11 +131,6 @@ class Snapshot:
         self._owner, self.arena, self.views, self.nbytes = owner, arena, views, nbytes
         self.pending: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (flat copy, flat live source): not copied yet
 
-    @property
-    def pending_bytes(self) -> int:
-        """Bytes of the sources :meth:`complete` has still to copy."""
-        return sum(dst.numel() * dst.element_size() for dst, _ in self.pending)
-
     def complete(self) -> None:
         """Copy the sources that ``take(..., defer_over=...)`` left for later
         (host sources: torch's copy, which releases the GIL), then forget them.

@@ -133,12 +133,15 @@ def unpickle_records(path: str, small, archive, storages, bad, map_location, wei
 
     if plain and plain[0] and not isinstance(storages, DeviceRecords):
         # A plain state dict: the C unpickler builds what torch's would (fastckpt.torchsave.plain).
-        # Anything it does not know, or any error, and torch's unpickler loads the same records
-        # (and words the error as torch.load does).
+        # Anything it does not know, or any other error, and torch's unpickler loads the same
+        # records (and words the error as torch.load does); fastckpt's own errors (a read, a record,
+        # a location, map_location's) are the ones torch's unpickler would meet at the same point.
         try:
             return done(load_plain(reader, restore_location, pickle_load_args))
         except _MapLocationError as e:
             raise e.error from None
+        except (FormatError, OSError):
+            raise
         except Exception:  # noqa: BLE001 - decided again, and reported, by torch's unpickler below
             pass
     try:

@@ -30,12 +30,13 @@ from typing import Any, Callable, Dict
 import torch
 import torch.serialization as ts
 
+from ..formats.torch_rules import element_size
+
 __all__ = ["NotPlain", "load_plain", "PLAIN_CALLS"]
 
 # The callables of the vocabulary (their objects come from torch's allow-list).
 PLAIN_CALLS = frozenset(["collections.OrderedDict", "torch._utils._rebuild_tensor_v2",
                          "torch._utils._rebuild_tensor_v3", "torch._utils._rebuild_parameter", "torch.Size"])
-_ELEMENT_SIZE: Dict[torch.dtype, int] = {}
 
 
 class NotPlain(Exception):
@@ -43,9 +44,9 @@ class NotPlain(Exception):
 
 
 def _is_storage_type(obj: Any) -> bool:
-    """What torch's allow-list gives for a storage class's name: a StorageType (its dtype), or
-    torch.UntypedStorage itself."""
-    return isinstance(obj, ts.StorageType) or obj is torch.UntypedStorage
+    """What torch's allow-list gives for a storage class's name: a StorageType (its dtype).
+    (torch.UntypedStorage is not on it: a pickle naming it goes to torch's unpickler.)"""
+    return isinstance(obj, ts.StorageType)
 
 
 def _settings_allow(reader: Any, pickle_load_args: Dict[str, Any]) -> None:
@@ -90,11 +91,9 @@ def load_plain(reader: Any, restore_location: Callable[[Any, str], Any], pickle_
             typed = loaded.get(key)
             if typed is not None:
                 return typed
-            dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
-            size = _ELEMENT_SIZE.get(dtype)
-            if size is None:
-                size = _ELEMENT_SIZE[dtype] = torch._utils._element_size(dtype)
-            storage = reader.get_storage_from_record(f"data/{key}", numel * size, torch.UntypedStorage).untyped_storage()
+            dtype = storage_type.dtype
+            nbytes = numel * element_size(dtype)
+            storage = reader.get_storage_from_record(f"data/{key}", nbytes, torch.UntypedStorage).untyped_storage()
             typed = torch.storage.TypedStorage(wrap_storage=restore_location(storage, ts._maybe_decode_ascii(location)),
                                                dtype=dtype, _internal=True)
             if typed._data_ptr() != 0:
