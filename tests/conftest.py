@@ -38,6 +38,7 @@ GROUPED = {
     "tests/python/formats/test_hostile.py",
     "tests/python/formats/test_zip_bounds.py",
     "tests/python/manager/test_ddp_resume.py",
+    "tests/python/torchsave/test_cold_read_once.py",
     "tests/python/torchsave/test_fuzz_load.py",
 }
 

@@ -335,10 +335,18 @@ def test_ddp_checkpoints_resume_bitwise_and_match_the_stock_plugin(tmp_path, str
     a fit resumed from the first epoch's checkpoint ends bitwise where the uninterrupted one did,
     which ends where the stock plugin's run ends; no temporary is left."""
     from paths import WORKERS
+    from ports import free_port
+    # MASTER_PORT from below the ephemeral range: left unset, Lightning takes a port bind(0) handed
+    # out and lets it go, and a parallel test's connection can take it before the store binds it.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (os.environ.get("PYTHONPATH"), str(
-        WORKERS.parent)) if p))
+        WORKERS.parent)) if p), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     r = subprocess.run([sys.executable, str(WORKERS / "lightning_ddp.py"), str(tmp_path), strategy, plugin],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     oks = [ln for ln in r.stdout.splitlines() if ln.startswith("ok ")]
+    # A string message (pytest shortens a tuple's repr): the lines that say why, then the tail.
+    why = [ln for ln in r.stderr.splitlines() if any(w in ln for w in ("terminate", "what()", "Error", "Abort",
+                                                                        "Signal", "Fatal", "rank"))]
     assert r.returncode == 0 and oks == ["ok fastckpt-files", "ok resume-bitwise", "ok same-as-stock",
-                                         "ok no-temporaries"], (r.stdout[-3000:], r.stderr[-3000:])
+                                         "ok no-temporaries"], \
+        f"rc={r.returncode}\nstdout:\n{r.stdout[-2000:]}\nstderr lines:\n" + "\n".join(why[-40:]) + \
+        f"\nstderr tail:\n{r.stderr[-3000:]}"

@@ -13,6 +13,7 @@ every checkpoint is a fastckpt file; B ends bitwise where A ended (model,
 optimizer, scheduler); A ends where the stock run ends; a stock torch.load reads
 A's checkpoints; no temporary is left.
 """
+import faulthandler
 import os
 import sys
 import zipfile
@@ -24,6 +25,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
 from fastckpt.integrations.lightning import AsyncFastCheckpointIO, FastCheckpointIO
+
+# Every thread's Python stack on a fatal signal (an abort at exit says where it came from); the
+# children ddp_spawn starts import this module too.
+faulthandler.enable(all_threads=True)
 
 
 class Tiny(pl.LightningModule):
