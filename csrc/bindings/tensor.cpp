@@ -37,25 +37,31 @@ Span::Span(py::handle obj, bool writable) {
 }
 
 void init_tensor(py::module_& m) {
-  m.def("empty_aligned", [](int64_t nbytes, int64_t alignment) {
-          // A uint8 CPU tensor whose data starts on a multiple of `alignment`
-          // (torch's allocator gives 64), so that the engine can read O_DIRECT
-          // straight into it. The storage stays resizable: a resize allocates
-          // through torch's CPU allocator and frees this block with free().
+  m.def("empty_aligned", [](int64_t nbytes, int64_t alignment, int64_t phase) {
+          // A uint8 CPU tensor whose data starts `phase` bytes past a multiple
+          // of `alignment` (torch's allocator gives 64): at phase 0 the engine
+          // reads O_DIRECT straight into it; at the phase of the file offset
+          // its bytes come from (a file whose tensors are not aligned), the
+          // aligned body of the range. The storage stays resizable: a resize
+          // allocates through torch's CPU allocator and frees this block with
+          // free().
           if (nbytes < 0) throw py::value_error("empty_aligned: negative size");
           if (alignment < 64 || (alignment & (alignment - 1)) != 0)
             throw py::value_error("empty_aligned: alignment must be a power of two >= 64");
+          if (phase < 0 || phase >= alignment || phase % 8 != 0)
+            throw py::value_error("empty_aligned: phase must be a multiple of 8 below the alignment");
           void* p = nullptr;
-          const size_t n = nbytes > 0 ? static_cast<size_t>(nbytes) : 1;
+          const size_t n = static_cast<size_t>(phase) + (nbytes > 0 ? static_cast<size_t>(nbytes) : 1);
           if (posix_memalign(&p, static_cast<size_t>(alignment), n) != 0) throw std::bad_alloc();
           c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes),
-                               at::DataPtr(p, p, &std::free, at::Device(at::kCPU)), c10::GetAllocator(at::kCPU),
-                               /*resizable=*/true);
+                               at::DataPtr(static_cast<char*>(p) + phase, p, &std::free, at::Device(at::kCPU)),
+                               c10::GetAllocator(at::kCPU), /*resizable=*/true);
           return at::empty({0}, at::TensorOptions().dtype(at::kByte)).set_(storage, 0, {nbytes}, {1});
         },
-        py::arg("nbytes"), py::arg("alignment") = 4096,
-        "An uninitialized uint8 CPU tensor of nbytes whose data is aligned to `alignment` bytes (for reads "
-        "straight into it with O_DIRECT); its storage is resizable like torch.empty's.");
+        py::arg("nbytes"), py::arg("alignment") = 4096, py::arg("phase") = 0,
+        "An uninitialized uint8 CPU tensor of nbytes whose data starts `phase` bytes (a multiple of 8) past a "
+        "multiple of `alignment` (for reads straight into it with O_DIRECT); its storage is resizable like "
+        "torch.empty's.");
 
   m.def("copy_bytes", [](py::handle dst, py::handle src) {
           // memcpy on this thread, without the GIL: torch's copy_ of a host tensor of more than

@@ -81,7 +81,7 @@ struct Plan {
 };
 
 // Plans the reads: direct jobs for the aligned bodies of ranges whose
-// destination and offset are aligned (`direct`: file offsets to `a`,
+// destination has its offset's phase (`direct`: file offsets to `a`,
 // memory to `mem_a`), staging windows of one buffer (`bs` bytes) for the
 // rest, a window taking in the next range when it starts inside it or within
 // kCoalesceGap of its end and fits.
@@ -97,25 +97,41 @@ class Planner {
 
  private:
   // `starts`: the range's first byte is read here (not from the cache).
+  // The aligned body of a range whose destination has the same phase as its
+  // offset (dst - off a multiple of the file alignment, the body's first byte
+  // on a memory-aligned address) is read straight into the destination: an
+  // aligned range has no head, a range of a file whose tensors are not
+  // aligned (safetensors' own, torch.save's) into memory allocated at its
+  // offset's phase has a head and a tail of less than a block each, which go
+  // through staging with the neighbouring range's (one window reads the block
+  // they share). Everything else goes through staging.
   void add(const ReadRange& r, bool starts) {
     char* dst = static_cast<char*>(r.dst);
-    // The aligned body of a range with an aligned destination and offset
-    // is read straight into the destination; the rest goes through staging.
+    const uint64_t head = (a_ - r.off % a_) % a_;
     uint64_t body = 0;
-    if (direct_ && reinterpret_cast<uintptr_t>(dst) % mem_a_ == 0 && r.off % a_ == 0) body = round_down(r.len, a_);
-    if (body > 0) {
-      close_window();
-      for (uint64_t done = 0; done < body; done += bs_) {
-        Job j;
-        j.off = r.off + done;
-        j.len = j.need = body - done < bs_ ? body - done : bs_;
-        j.direct_dst = dst + done;
-        j.piece = new_piece(r, j.len, starts && done == 0);
-        p_.jobs.push_back(j);
-      }
+    if (direct_ && r.len > head && (reinterpret_cast<uintptr_t>(dst) - r.off) % a_ == 0 &&
+        reinterpret_cast<uintptr_t>(dst + head) % mem_a_ == 0)
+      body = round_down(r.len - head, a_);
+    if (body == 0) {
+      stage(r, dst, r.off, r.len, starts);
+      return;
     }
-    uint64_t off = r.off + body, left = r.len - body;
-    dst += body;
+    if (head > 0) stage(r, dst, r.off, head, starts);
+    close_window();
+    for (uint64_t done = 0; done < body; done += bs_) {
+      Job j;
+      j.off = r.off + head + done;
+      j.len = j.need = body - done < bs_ ? body - done : bs_;
+      j.direct_dst = dst + head + done;
+      j.piece = new_piece(r, j.len, starts && head == 0 && done == 0);
+      p_.jobs.push_back(j);
+    }
+    const uint64_t tail = r.len - head - body;
+    if (tail > 0) stage(r, dst + head + body, r.off + head + body, tail, starts);
+  }
+
+  // [off, off + left) of range r (into dst on) through staging windows.
+  void stage(const ReadRange& r, char* dst, uint64_t off, uint64_t left, bool starts) {
     while (left > 0) {
       if (open_) {
         // Join the open window when the range starts inside it or near its

@@ -431,7 +431,7 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
                 raise xch.cannot_carry(path, flow.backend, "CPU tensors (the result's storages stay on the host)")
             storages.claim(flow.names)
             for n in flow.names:
-                storages[n] = reader.host_storage(archive.records[n].size)
+                storages[n] = reader.host_storage(archive.records[n].size, archive.records[n].data_offset)
         except Exception as e:
             err = e
         if flow.agree((False, False, "cpu"), err) == "host":

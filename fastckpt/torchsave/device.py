@@ -88,7 +88,7 @@ class DeviceRecords(dict):
             # The callable is called once per storage, as torch calls it, with a
             # storage of the record's size and location whose bytes are filled
             # after it returns (through the pool if it moved it to a device).
-            r = self.restore(host_storage(rec.size).untyped_storage(), location)
+            r = self.restore(host_storage(rec.size, rec.data_offset).untyped_storage(), location)
             u = r._untyped_storage if isinstance(r, torch.storage.TypedStorage) else r
             if isinstance(u, torch.UntypedStorage) and u.nbytes() == rec.size:
                 copier = _staging.copier_for(u)
@@ -101,7 +101,7 @@ class DeviceRecords(dict):
             return r
         dest = self._destination(location) if isinstance(location, str) else None
         if dest == "cpu":  # stays on the host: read with the others, in one batch
-            u = host_storage(rec.size).untyped_storage()
+            u = host_storage(rec.size, rec.data_offset).untyped_storage()
             self.host_jobs.append((name, u))
             return self.restore(u, location)
         if dest is None:  # an unknown place: read now, restore as torch does

@@ -27,15 +27,20 @@ SMALL_RECORDS = ("data.pkl", ".format_version", ".storage_alignment", "byteorder
                   ".data/serialization_id")
 
 
-def host_storage(nbytes: int) -> torch.Tensor:
-    """Memory for a storage of `nbytes` read from a file: 4 KiB-aligned from
-    _zip.DIRECT_MIN bytes on (an O_DIRECT read can go straight into it), torch's
-    allocator below. Not resizable, as torch.load's storages are not: a pickle
-    whose tensor reaches past its record is then torch's error (a FormatError
-    here), never a reallocation of memory that a read still in flight
-    (:meth:`Records.read_behind`) fills, nor a tensor holding bytes no record had."""
+def host_storage(nbytes: int, offset: int = 0) -> torch.Tensor:
+    """Memory for a storage of `nbytes` read from a file at `offset`: from
+    _zip.DIRECT_MIN bytes on, at the offset's phase within a 4 KiB page (where
+    that is a multiple of 8), so that the engine reads the aligned body of the
+    range O_DIRECT straight into it, also from a file whose storages are not
+    4 KiB-aligned (torch.save's records are 64-byte aligned, safetensors'
+    tensors packed); torch's allocator below. Not resizable, as torch.load's
+    storages are not: a pickle whose tensor reaches past its record is then
+    torch's error (a FormatError here), never a reallocation of memory that a
+    read still in flight (:meth:`Records.read_behind`) fills, nor a tensor
+    holding bytes no record had."""
     if nbytes >= _zip.DIRECT_MIN:
-        t = _C.empty_aligned(nbytes, _zip.ALIGNMENT)
+        phase = offset % _zip.ALIGNMENT
+        t = _C.empty_aligned(nbytes, _zip.ALIGNMENT, phase if phase % 8 == 0 else 0)
     else:
         t = torch.empty(nbytes, dtype=torch.uint8)
     _C.set_resizable(t, False)
@@ -111,7 +116,7 @@ class Records(dict):
         storages = [n for n in dict.fromkeys(storages) if n not in self]
         self.claim(storages)
         recs = self.archive.records
-        tensors = {n: host_storage(recs[n].size) for n in storages}
+        tensors = {n: host_storage(recs[n].size, recs[n].data_offset) for n in storages}
         items = [(n, 0, t, self.verify is not False) for n, t in tensors.items()]
         self.update(tensors)
         # The thread reads through a duplicate of the descriptor: the caller
@@ -178,7 +183,7 @@ class Records(dict):
         # the engine reads them O_DIRECT straight in (no copy out of staging),
         # while its helper thread faults the memory in ahead of the reads
         # (knob `prefault`). Small ones take torch's allocator, as torch.load.
-        tensors = {n: host_storage(recs[n].size) for n in storages}
+        tensors = {n: host_storage(recs[n].size, recs[n].data_offset) for n in storages}
         # The engine computes the CRC-32s while it reads (each piece as it
         # lands, in parallel with the other reads): metadata records always
         # (they are small), storages unless verify=False.

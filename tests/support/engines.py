@@ -38,3 +38,18 @@ def uring_refusal():
             except OSError as e:
                 _uring_probe["r"] = f"io_uring refused by the kernel: {e}"
     return _uring_probe["r"]
+
+
+def record_reads(monkeypatch):
+    """The statistics of every `_C.read_ranges` call from now on (a list of dicts: requests,
+    direct_requests, bytes_read, ...), recorded by wrapping the binding for the test."""
+    calls = []
+    real = _C.read_ranges
+
+    def wrapper(*args, **kwargs):
+        st = real(*args, **kwargs)
+        calls.append(st)
+        return st
+
+    monkeypatch.setattr(_C, "read_ranges", wrapper)
+    return calls

@@ -251,9 +251,9 @@ def main() -> int:
         host = [0]
         host_storage = fastckpt.torchsave.reader.host_storage
 
-        def counted_host(n):
+        def counted_host(n, offset=0):
             host[0] += n
-            return host_storage(n)
+            return host_storage(n, offset)
         fastckpt.torchsave.reader.host_storage = counted_host
 
         def reading(self, items, fd=None):
