@@ -4,7 +4,8 @@ check that nothing is lost (README "Guarantees").
 
     python tests/crash/crash_driver.py --kills 300 --seed 7    # every kind
 
-Kinds: ``save`` (fastckpt.save), ``async_save`` (fastckpt.async_save),
+Kinds: ``save`` (fastckpt.save), ``async_save`` (fastckpt.async_save; odd generations and the
+``staging`` plan, which slows the staging thread's copy down, with background_staging=True),
 ``manager`` (CheckpointManager, replicated single-file mode), ``dcp2``
 (dcp.save with FastWriter, world size 2), ``sharded2`` (CheckpointManager in
 sharded mode, world size 2: a DCP directory per step, written under a
@@ -141,6 +142,7 @@ PLANS = {
     "retention": "retention:{D}",                  # sharded2: between renaming an old step aside and removing it
     "fallback": "noexchange,rename:1:{D}",         # re-saves: RENAME_EXCHANGE refused, the two renames slowed
     "old_copy": "retention:{D}",                   # re-saves: before the replaced copy is removed
+    "staging": "staging:{D}",                      # async_save(background_staging=True): during its copy
 }
 ENV = "FASTCKPT_CRASH_FAULTS"
 # Test-only, for the driver's own tests (test_crash_short.py): a deliberately broken collective
@@ -158,6 +160,8 @@ def make_state(gen: int, rank: int = 0):
     return {
         "gen": gen,
         "w": torch.randn(256, 1024, generator=g),           # 1 MiB: 16 writes of 64 KiB
+        # 1.5 MiB: over async_save's SMALL_SYNC, so background staging copies it on its thread
+        "big": torch.randn(3 << 17, generator=g),
         "b": torch.randint(0, 1 << 30, (4099,), generator=g, dtype=torch.int64),
         "h": torch.randn(777, generator=g).to(torch.bfloat16),
         "meta": {"name": f"gen{gen}", "lr": 0.1 * gen},
@@ -210,6 +214,9 @@ def arm_faults(plan: str) -> None:
         if rule.startswith("retention:"):
             _slow_retention(int(rule.split(":")[1]))
             continue
+        if rule.startswith("staging:"):
+            _slow_staging(int(rule.split(":")[1]))
+            continue
         op, nth, delay, *rest = rule.split(":")
         _C.fault_inject(op, nth=int(nth), delay_ms=int(delay), times=0,
                         path_contains=rest[0] if rest else "")
@@ -230,6 +237,25 @@ def _slow_retention(delay_ms: int) -> None:
         return real(path, *args, **kwargs)
 
     shutil.rmtree = rmtree
+
+
+_background_staging = False  # async_save's background_staging, whatever the generation (the "staging" plan)
+
+
+def _slow_staging(delay_ms: int) -> None:
+    """Test-only, in a child process: async_save(background_staging=True)'s staging thread sleeps
+    before its copies (Python and memcpy, out of the engine's fault hook's reach), so that kills
+    land while the host tensors are still being copied and the save's writes wait for them."""
+    global _background_staging
+    from fastckpt.staging import snapshot
+    real = snapshot.Snapshot.complete
+    _background_staging = True
+
+    def complete(snap):
+        time.sleep(delay_ms / 1000)
+        return real(snap)
+
+    snapshot.Snapshot.complete = complete
 
 
 def _dcp_state(gen: int, rank: int) -> dict:
@@ -383,8 +409,8 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
         else:
             path = os.path.join(directory, "ckpt.pt")
             conn.send("started")
-            if kind == "async_save":
-                fastckpt.async_save(state, path).result()
+            if kind == "async_save":  # background staging in odd generations and under the "staging" plan
+                fastckpt.async_save(state, path, background_staging=_background_staging or gen % 2 == 1).result()
             else:
                 fastckpt.save(state, path)
         conn.send("saved")
@@ -677,7 +703,7 @@ class Driver:
 
     def _round(self, kind):
         plans = (["none", "writes", "fsync", "rename"] + (["latest"] if kind in MANAGED else [])
-                 + (["retention"] if kind == "sharded2" else []) + (["fallback", "old_copy"] if kind in RESAVE else []))
+                 + (["retention"] if kind == "sharded2" else []) + (["staging"] if kind == "async_save" else []) + (["fallback", "old_copy"] if kind in RESAVE else []))
         plan_name = self.rng.choice(plans)
         plan = PLANS[plan_name].format(d=self.rng.randint(5, 40), D=self.rng.randint(100, 400))
         # world size 2: kill both ranks (half the rounds), or only one of them;
