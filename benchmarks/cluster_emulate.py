@@ -37,7 +37,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -49,6 +48,7 @@ REPO_ROOT = os.path.dirname(HERE)
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 from benchmarks import cluster_report  # noqa: E402  (no torch import: the parent stays light)
+from benchmarks.ports import free_port  # noqa: E402
 
 BLKIO = "/sys/fs/cgroup/blkio"
 DEFAULT_OUT = os.path.join(REPO_ROOT, "build", "bench-cluster")
@@ -202,12 +202,6 @@ class Emulation:
         for x in left:
             log(f"CLEANUP FAILED: {x}")
         return left
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_world(n: int, args: argparse.Namespace, emu: Optional[Emulation], plain: Optional[str],

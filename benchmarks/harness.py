@@ -35,6 +35,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
+from benchmarks.ports import free_port  # noqa: F401  (the benchmarks take it from here)
+
 log = logging.getLogger("fastckpt.bench")
 
 MiB = 1 << 20
@@ -75,15 +77,6 @@ def fmt_size(n: int) -> str:
 def median(xs: Sequence[float]) -> float:
     xs = [x for x in xs if x == x]
     return statistics.median(xs) if xs else float("nan")
-
-
-def free_port() -> int:
-    """A free TCP port for a benchmark's rendezvous (benchmarks run one at a time, so the
-    kernel's pick is enough; the tests, run in parallel, use tests/support/ports.py)."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- counters
