@@ -334,7 +334,7 @@ def _read(src: _File, location: Any) -> Dict[str, torch.Tensor]:
                 jobs.append(LoadJob(e.name, src.data_start + e.begin, n, dst, copier))
             storage = dst
         else:
-            buf = host_storage(n, src.data_start + e.begin)
+            buf = host_storage(n, src.data_start + e.begin, e.dtype.itemsize)
             if n:
                 ranges.append((buf, src.data_start + e.begin))
             storage = buf.untyped_storage()

@@ -48,8 +48,8 @@ void init_tensor(py::module_& m) {
           if (nbytes < 0) throw py::value_error("empty_aligned: negative size");
           if (alignment < 64 || (alignment & (alignment - 1)) != 0)
             throw py::value_error("empty_aligned: alignment must be a power of two >= 64");
-          if (phase < 0 || phase >= alignment || phase % 8 != 0)
-            throw py::value_error("empty_aligned: phase must be a multiple of 8 below the alignment");
+          if (phase < 0 || phase >= alignment)
+            throw py::value_error("empty_aligned: phase must lie in [0, alignment)");
           void* p = nullptr;
           const size_t n = static_cast<size_t>(phase) + (nbytes > 0 ? static_cast<size_t>(nbytes) : 1);
           if (posix_memalign(&p, static_cast<size_t>(alignment), n) != 0) throw std::bad_alloc();
@@ -59,7 +59,7 @@ void init_tensor(py::module_& m) {
           return at::empty({0}, at::TensorOptions().dtype(at::kByte)).set_(storage, 0, {nbytes}, {1});
         },
         py::arg("nbytes"), py::arg("alignment") = 4096, py::arg("phase") = 0,
-        "An uninitialized uint8 CPU tensor of nbytes whose data starts `phase` bytes (a multiple of 8) past a "
+        "An uninitialized uint8 CPU tensor of nbytes whose data starts `phase` bytes past a "
         "multiple of `alignment` (for reads straight into it with O_DIRECT); its storage is resizable like "
         "torch.empty's.");
 

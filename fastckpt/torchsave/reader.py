@@ -27,20 +27,22 @@ SMALL_RECORDS = ("data.pkl", ".format_version", ".storage_alignment", "byteorder
                   ".data/serialization_id")
 
 
-def host_storage(nbytes: int, offset: int = 0) -> torch.Tensor:
+def host_storage(nbytes: int, offset: int = 0, item: int = 8) -> torch.Tensor:
     """Memory for a storage of `nbytes` read from a file at `offset`: from
-    _zip.DIRECT_MIN bytes on, at the offset's phase within a 4 KiB page (where
-    that is a multiple of 8), so that the engine reads the aligned body of the
-    range O_DIRECT straight into it, also from a file whose storages are not
-    4 KiB-aligned (torch.save's records are 64-byte aligned, safetensors'
-    tensors packed); torch's allocator below. Not resizable, as torch.load's
-    storages are not: a pickle whose tensor reaches past its record is then
-    torch's error (a FormatError here), never a reallocation of memory that a
-    read still in flight (:meth:`Records.read_behind`) fills, nor a tensor
-    holding bytes no record had."""
+    _zip.DIRECT_MIN bytes on, at the offset's phase within a 4 KiB page where
+    that phase keeps elements of `item` bytes aligned (a torch record's dtype is
+    not known here: 8, the largest element alignment; torch.save aligns records
+    to 64), so that the engine reads the aligned body of the range O_DIRECT
+    straight into it, also from a file whose storages are not 4 KiB-aligned
+    (torch.save's 64-byte records, safetensors' packed tensors); torch's
+    allocator below. Not resizable, as torch.load's storages are not: a pickle
+    whose tensor reaches past its record is then torch's error (a FormatError
+    here), never a reallocation of memory that a read still in flight
+    (:meth:`Records.read_behind`) fills, nor a tensor holding bytes no record
+    had."""
     if nbytes >= _zip.DIRECT_MIN:
         phase = offset % _zip.ALIGNMENT
-        t = _C.empty_aligned(nbytes, _zip.ALIGNMENT, phase if phase % 8 == 0 else 0)
+        t = _C.empty_aligned(nbytes, _zip.ALIGNMENT, phase if phase % max(1, min(item, 8)) == 0 else 0)
     else:
         t = torch.empty(nbytes, dtype=torch.uint8)
     _C.set_resizable(t, False)

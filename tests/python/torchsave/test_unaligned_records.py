@@ -30,6 +30,14 @@ def test_a_phase_that_is_not_a_multiple_of_8_gets_aligned_memory(offset):
     assert host_storage(_zip.DIRECT_MIN, offset).data_ptr() % _zip.ALIGNMENT == 0
 
 
+@pytest.mark.parametrize("offset,item,phase", [(4100, 4, 4), (4098, 4, 0), (4098, 2, 2), (4097, 1, 1),
+                                               (4100, 8, 0), (4104, 16, 8)])
+def test_the_phase_keeps_elements_of_the_given_size_aligned(offset, item, phase):
+    """safetensors knows each tensor's dtype: an offset that is a multiple of its element size
+    (at most 8) keeps its phase."""
+    assert host_storage(_zip.DIRECT_MIN, offset, item).data_ptr() % _zip.ALIGNMENT == phase
+
+
 def test_small_storages_take_torchs_allocator():
     t = host_storage(_zip.DIRECT_MIN - 1, 64)
     assert t.numel() == _zip.DIRECT_MIN - 1
