@@ -42,7 +42,7 @@ def host_storage(nbytes: int, offset: int = 0, item: int = 8) -> torch.Tensor:
     had."""
     if nbytes >= _zip.DIRECT_MIN:
         phase = offset % _zip.ALIGNMENT
-        t = _C.empty_aligned(nbytes, _zip.ALIGNMENT, phase if phase % max(1, min(item, 8)) == 0 else 0)
+        t = _C.empty_aligned(nbytes, _zip.ALIGNMENT, phase if phase % min(item, 8) == 0 else 0)
     else:
         t = torch.empty(nbytes, dtype=torch.uint8)
     _C.set_resizable(t, False)

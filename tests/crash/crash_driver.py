@@ -239,17 +239,12 @@ def _slow_retention(delay_ms: int) -> None:
     shutil.rmtree = rmtree
 
 
-_background_staging = False  # async_save's background_staging, whatever the generation (the "staging" plan)
-
-
 def _slow_staging(delay_ms: int) -> None:
     """Test-only, in a child process: async_save(background_staging=True)'s staging thread sleeps
     before its copies (Python and memcpy, out of the engine's fault hook's reach), so that kills
     land while the host tensors are still being copied and the save's writes wait for them."""
-    global _background_staging
     from fastckpt.staging import snapshot
     real = snapshot.Snapshot.complete
-    _background_staging = True
 
     def complete(snap):
         time.sleep(delay_ms / 1000)
@@ -410,7 +405,8 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
             path = os.path.join(directory, "ckpt.pt")
             conn.send("started")
             if kind == "async_save":  # background staging in odd generations and under the "staging" plan
-                fastckpt.async_save(state, path, background_staging=_background_staging or gen % 2 == 1).result()
+                background = gen % 2 == 1 or "staging:" in os.environ.get(ENV, "")
+                fastckpt.async_save(state, path, background_staging=background).result()
             else:
                 fastckpt.save(state, path)
         conn.send("saved")
