@@ -24,11 +24,38 @@ def env(**extra) -> dict:
     return e
 
 
+def _per_rank(logs: str) -> list:
+    """torchrun's options that give every rank files of its own under ``logs`` (``--redirects 3``).
+    Ranks of one agent that shared its stdout would interleave their writes: an unbuffered
+    ``print("A", b)`` is one write per piece, so two ranks' lines can come out mixed."""
+    return ["--log-dir", logs, "--redirects", "3"]
+
+
+def _with_ranks(r: subprocess.CompletedProcess, logs: str) -> subprocess.CompletedProcess:
+    """``r`` (an agent's output) with each of its ranks' stdout and stderr appended, rank by rank
+    (every restart attempt in order), each whole."""
+    out, err = [r.stdout], [r.stderr]
+    runs = sorted(os.listdir(logs)) if os.path.isdir(logs) else []
+    for run in runs:
+        for attempt in sorted(os.listdir(os.path.join(logs, run)), key=lambda a: int(a.rpartition("_")[2])):
+            base = os.path.join(logs, run, attempt)
+            for rank in sorted(os.listdir(base), key=int):
+                for name, into in (("stdout.log", out), ("stderr.log", err)):
+                    f = os.path.join(base, rank, name)
+                    if os.path.exists(f):
+                        with open(f, errors="replace") as fh:
+                            into.append(fh.read())
+    return subprocess.CompletedProcess(r.args, r.returncode, "".join(out), "".join(err))
+
+
 def torchrun(script, *args, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node nproc script args``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(script), *map(str, args)]
-    return subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    """``torchrun --standalone --nproc_per_node nproc script args``; stdout and stderr are the
+    agent's followed by each rank's (see :func:`_with_ranks`)."""
+    with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+               *_per_rank(logs), str(script), *map(str, args)]
+        r = subprocess.run(cmd, env=env(), cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+        return _with_ranks(r, logs)
 
 
 def accelerate_launch(script, *args, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -102,17 +129,21 @@ def ranks(script, *args, world: int = 2, timeout: float = 300, extra_env=None) -
 def torchrun_nodes(script, *args, node_env, nproc: int = 1, timeout: float = 300) -> List[subprocess.CompletedProcess]:
     """One torchrun agent per emulated node (``--nnodes len(node_env) --node-rank i``, a static
     rendezvous on 127.0.0.1: node i's ranks are i*nproc ...), agent i with the extra environment
-    ``node_env[i]`` (e.g. its own FASTCKPT_MEMORY_DIR); one CompletedProcess per agent."""
+    ``node_env[i]`` (e.g. its own FASTCKPT_MEMORY_DIR); one CompletedProcess per agent, its output
+    followed by its ranks' (see :func:`_with_ranks`)."""
     port = str(free_port())
     files = [(tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")) for _ in node_env]
-    procs = [fastspawn.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(node_env)),
-                              "--nproc_per_node", str(nproc), "--node_rank", str(i), "--master_addr", "127.0.0.1",
-                              "--master_port", port, str(script), *map(str, args)], cwd=ROOT, text=True,
-                             stdout=files[i][0], stderr=files[i][1], env=env(**extra), start_new_session=True)
-             for i, extra in enumerate(node_env)]
-    for p in procs:
-        p.own_group = True  # kill_all kills the agent's ranks with it
-    return _collect(procs, files, timeout)
+    with tempfile.TemporaryDirectory(prefix="torchrun-logs-") as logs:
+        dirs = [os.path.join(logs, f"node{i}") for i in range(len(node_env))]
+        procs = [fastspawn.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(node_env)),
+                                  "--nproc_per_node", str(nproc), "--node_rank", str(i), "--master_addr", "127.0.0.1",
+                                  "--master_port", port, *_per_rank(dirs[i]), str(script), *map(str, args)],
+                                 cwd=ROOT, text=True, stdout=files[i][0], stderr=files[i][1], env=env(**extra),
+                                 start_new_session=True)
+                 for i, extra in enumerate(node_env)]
+        for p in procs:
+            p.own_group = True  # kill_all kills the agent's ranks with it
+        return [_with_ranks(r, d) for r, d in zip(_collect(procs, files, timeout), dirs)]
 
 
 def report(results) -> str:

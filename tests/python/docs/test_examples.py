@@ -1,18 +1,12 @@
 """The examples the README shows run, and do what it says."""
-import os
 import re
-import subprocess
-import sys
-import fastspawn  # noqa: E402
+
+from dist_launch import torchrun
 from paths import ROOT
 
 
-
 def _torchrun(script, *args):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "examples" / script), *map(str, args)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    r = fastspawn.run(cmd, capture_output=True, text=True, timeout=180, env=env)
+    r = torchrun(ROOT / "examples" / script, *args, nproc=2, timeout=180)
     assert r.returncode == 0, r.stdout + r.stderr
     return sorted(re.findall(r"rank \d+: trained steps \d+\.\.\d+, weight sum -?[\d.]+", r.stdout))
 
