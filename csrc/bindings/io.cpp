@@ -40,7 +40,11 @@ py::dict stats_dict(const WriteStatsBase& s, const uint64_t* direct_requests, co
   return d;
 }
 
-py::dict stats_dict(const WriteStats& s) { return stats_dict(s, nullptr, &s.flush_seconds); }
+py::dict stats_dict(const WriteStats& s) {
+  py::dict d = stats_dict(s, nullptr, &s.flush_seconds);
+  d["borrowed_bytes"] = s.borrowed_bytes;
+  return d;
+}
 py::dict stats_dict(const RegionStats& s) { return stats_dict(s, &s.direct_requests, nullptr); }
 
 py::dict read_stats_dict(const ReadStats& s) {
@@ -60,6 +64,11 @@ py::dict read_stats_dict(const ReadStats& s) {
 // The Python objects own the engine's writers; the Engine object is kept
 // alive by pybind11's keep_alive.
 struct PyWriter {
+  // What write_crc(..., borrow=True) lent: kept alive until commit() or
+  // abort() has returned (the kernel reads it until then). Declared before
+  // the writer, so that a writer destroyed uncommitted is aborted (its
+  // requests reaped) before what it borrowed is let go.
+  std::vector<py::object> lent;
   std::unique_ptr<Writer> w;
   Writer& get() {
     if (!w) throw py::value_error("Writer is closed");
@@ -94,16 +103,19 @@ void init_io(py::module_& m) {
   py::class_<PyWriter>(m, "Writer")
       .def(py::init([](std::shared_ptr<Engine> eng, const std::string& path, int64_t expected_size) {
              py::gil_scoped_release nogil;
-             return PyWriter{std::unique_ptr<Writer>(new Writer(*eng, path, expected_size))};
+             return PyWriter{{}, std::unique_ptr<Writer>(new Writer(*eng, path, expected_size))};
            }),
            py::arg("engine"), py::arg("path"), py::arg("expected_size") = -1, py::keep_alive<1, 2>())
-      .def("write", [](PyWriter& w, py::handle obj) {
+      .def("write", [](PyWriter& w, py::handle obj, bool borrow) {
              Span s(obj, false);
              Writer& wr = w.get();
+             if (borrow) w.lent.push_back(py::reinterpret_borrow<py::object>(obj));
              py::gil_scoped_release nogil;
-             wr.append(s.ptr(), s.len());
+             if (borrow) wr.append_borrowed(s.ptr(), s.len());
+             else wr.append(s.ptr(), s.len());
            },
-           py::arg("data"), "Append the bytes of a contiguous CPU tensor or buffer.")
+           py::arg("data"), py::arg("borrow") = false,
+           "Append the bytes of a contiguous CPU tensor or buffer (borrow: see write_crc).")
       .def("write_at", [](PyWriter& w, py::handle obj, uint64_t off) {
              Span s(obj, false);
              Writer& wr = w.get();
@@ -139,15 +151,20 @@ void init_io(py::module_& m) {
              }
            },
            py::arg("items"))
-      .def("write_crc", [](PyWriter& w, py::handle obj, uint32_t crc) {
+      .def("write_crc", [](PyWriter& w, py::handle obj, uint32_t crc, bool borrow) {
              Span s(obj, false);
              Writer& wr = w.get();
+             if (borrow) w.lent.push_back(py::reinterpret_borrow<py::object>(obj));
              py::gil_scoped_release nogil;
-             wr.append(s.ptr(), s.len(), &crc);
+             if (borrow) wr.append_borrowed(s.ptr(), s.len(), &crc);
+             else wr.append(s.ptr(), s.len(), &crc);
              return crc;
            },
-           py::arg("data"), py::arg("crc") = 0,
-           "Append like write() and return the zip CRC-32 of the data, continued from `crc`.")
+           py::arg("data"), py::arg("crc") = 0, py::arg("borrow") = false,
+           "Append like write() and return the zip CRC-32 of the data, continued from `crc`. "
+           "borrow=True: written straight from the data's memory where it can be (Writer::append_borrowed), "
+           "which must then not change until commit() or abort() has returned; the writer keeps it alive "
+           "until then.")
       .def("write_zeros", [](PyWriter& w, uint64_t n) {
              Writer& wr = w.get();
              py::gil_scoped_release nogil;
@@ -160,18 +177,32 @@ void init_io(py::module_& m) {
       .def_property_readonly("tmp_path", [](PyWriter& w) { return w.get().tmp_path(); })
       .def("commit", [](PyWriter& w) {
         Writer& wr = w.get();
-        return stats_dict(without_gil([&] { return wr.commit(); }));
+        WriteStats st;
+        try {
+          st = without_gil([&] { return wr.commit(); });
+        } catch (...) {
+          w.lent.clear();  // a failed commit aborted: nothing is in flight
+          throw;
+        }
+        w.lent.clear();
+        return stats_dict(st);
       }, "Make the file durable and rename it to its final name; returns statistics.")
       .def("abort", [](PyWriter& w) {
         if (!w.w) return;
-        py::gil_scoped_release nogil;
-        w.w->abort();
+        {
+          py::gil_scoped_release nogil;
+          w.w->abort();
+        }
+        w.lent.clear();
       }, "Discard the temporary file (no effect after commit).")
       .def("__enter__", [](py::object self) { return self; })
       .def("__exit__", [](PyWriter& w, py::object, py::object, py::object) {
         if (!w.w) return false;
-        py::gil_scoped_release nogil;
-        w.w->abort();  // a Writer left without commit() is discarded
+        {
+          py::gil_scoped_release nogil;
+          w.w->abort();  // a Writer left without commit() is discarded
+        }
+        w.lent.clear();
         return false;
       });
 

@@ -15,6 +15,10 @@ namespace fastckpt {
 
 static uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
+// The tag of a write straight from a caller's memory (no staging buffer to
+// give back); the flush's is UINT64_MAX.
+static constexpr uint64_t kBorrowedTag = UINT64_MAX - 1;
+
 Writer::Writer(Engine& engine, const std::string& path, int64_t expected_size)
     : s_(engine, "Writer", path, /*owns_temp=*/true) {
   // What crashed saves of this same target left here (docs/ENGINE.md).
@@ -39,6 +43,7 @@ void Writer::open_temp(int64_t expected_size) {
       s_.fallback = "unsupported direct-I/O alignment " + std::to_string(al.offset);
     } else {
       s_.align = al.offset;
+      mem_align_ = al.mem ? al.mem : al.offset;
       // Probe: some filesystems accept O_DIRECT at open and refuse it at the
       // first write. The real data overwrites this block.
       cur_ = take_buffer();
@@ -72,7 +77,7 @@ void Writer::reap_one() {
     return;
   }
   done_bytes_ += r.bytes;
-  s_.bufs.put_back(static_cast<int>(r.tag));
+  if (r.tag != kBorrowedTag) s_.bufs.put_back(static_cast<int>(r.tag));
   if (s_.cfg.flush_interval && !flush_inflight_ && done_bytes_ >= next_flush_ && !s_.q->full()) {
     IoRequest f;
     f.kind = IoRequest::Fsync;
@@ -138,6 +143,53 @@ void Writer::append(const void* src, uint64_t n, uint32_t* crc) {
 
 void Writer::append_zeros(uint64_t n) { put(nullptr, n, nullptr); }
 
+void Writer::submit_borrowed(const char* src, uint64_t len) {
+  while (s_.q->full()) reap_one();
+  IoRequest r;
+  r.kind = IoRequest::Write;
+  r.fd = s_.fd;
+  r.buf = const_cast<char*>(src);  // written from, never into
+  r.len = len;
+  r.off = static_cast<int64_t>(pos_);
+  r.buf_index = -1;
+  r.tag = kBorrowedTag;
+  s_.q->submit(r, &s_.tmp);
+  ++requests_;
+  borrowed_bytes_ += len;
+  pos_ += len;
+  buf_off_ = pos_;
+}
+
+void Writer::append_borrowed(const void* src_v, uint64_t n, uint32_t* crc) {
+  if (n && !src_v) throw UsageError("Writer::append_borrowed: null source");
+  const char* src = static_cast<const char*>(src_v);
+  const uint64_t a = s_.align > mem_align_ ? s_.align : mem_align_;  // both powers of two
+  const uint64_t bs = s_.engine.pool().buffer_size();
+  s_.ensure_open();
+  // Worth it from a few blocks on (each request pins its pages); elsewhere the copy.
+  if (!s_.direct || n < 8 * a || n > static_cast<uint64_t>(INT64_MAX) - pos_ ||
+      (reinterpret_cast<uintptr_t>(src) - pos_) % a != 0) {
+    put(src, n, crc);
+    return;
+  }
+  const uint64_t head = (a - pos_ % a) % a;
+  put(src, head, crc);  // the current buffer now ends on a block boundary
+  src += head;
+  n -= head;
+  const uint64_t body = n / a * a;
+  s_.guarded([&] {
+    // The staged bytes before the body: a whole number of blocks from buf_off_.
+    if (cur_ >= 0 && fill_ > 0) submit_current(fill_);
+    for (uint64_t done = 0; done < body;) {
+      const uint64_t k = body - done < bs ? body - done : bs;
+      submit_borrowed(src + done, k);
+      if (crc) *crc = crc32(*crc, src + done, k);  // while the device writes it
+      done += k;
+    }
+  });
+  put(src + body, n - body, crc);
+}
+
 void Writer::write_at(const void* src, uint64_t n, uint64_t off) {
   s_.ensure_open();
   if (off > static_cast<uint64_t>(INT64_MAX))
@@ -177,6 +229,7 @@ WriteStats Writer::commit() {
   });
   st.bytes = pos_;
   st.requests = requests_;
+  st.borrowed_bytes = borrowed_bytes_;
   s_.fill(st);
   return st;
 }

@@ -14,6 +14,7 @@ namespace fastckpt {
 
 struct WriteStats : WriteStatsBase {
   double flush_seconds = 0;    // final fdatasync + rename + directory fsync
+  uint64_t borrowed_bytes = 0;  // written O_DIRECT straight from the callers' memory (append_borrowed)
 };
 
 // Writes one file durably and atomically. Data goes to a temporary file in the
@@ -35,6 +36,18 @@ class Writer {
   // `crc`, also folds the bytes into that zip CRC-32 while they are hot in
   // the cache after the copy.
   void append(const void* src, uint64_t n, uint32_t* crc = nullptr);
+  // Appends like append(), without the copy where it can: when the file is
+  // written O_DIRECT and src sits at the file position's phase (src -
+  // position() a multiple of the direct-I/O memory and offset alignments),
+  // the aligned body of the range is written straight from src, and only its
+  // head and tail (under an alignment block each) go through the staging
+  // buffers. Elsewhere it is append(). The caller lends the memory: it must
+  // stay valid and unchanged until commit() or abort() has returned (the
+  // kernel reads it until then; a failed write reaps every request before it
+  // throws, and a write that could never be reaped only reads the memory,
+  // into the temporary file that abort() removes). With `crc`, the CRC is
+  // folded from src.
+  void append_borrowed(const void* src, uint64_t n, uint32_t* crc = nullptr);
   // Writes n bytes at file offset `off` >= position(); the gap is zero-filled.
   void write_at(const void* src, uint64_t n, uint64_t off);
   void append_zeros(uint64_t n);
@@ -56,6 +69,7 @@ class Writer {
   int take_buffer();
   void submit_current(uint64_t len);
   void reap_one();
+  void submit_borrowed(const char* src, uint64_t len);
 
   WriteSession s_;              // lease, queue, buffers, temporary file, commit protocol
   int cur_ = -1;                // buffer being filled
@@ -67,6 +81,8 @@ class Writer {
   bool flush_inflight_ = false;
   bool size_may_differ_ = false;  // padded tail or preallocation: ftruncate at commit
   uint64_t requests_ = 0;
+  uint64_t borrowed_bytes_ = 0;
+  uint32_t mem_align_ = 1;      // direct-I/O memory alignment (when direct)
 };
 
 }  // namespace fastckpt

@@ -54,12 +54,15 @@ class AtomicFile:
         self._w.write(b)
         return b.nbytes if hasattr(b, "nbytes") else memoryview(b).nbytes
 
-    def write_crc(self, t, crc: int) -> int:
-        """Append CPU tensor ``t``; returns the CRC-32 of its bytes continued from ``crc``."""
+    def write_crc(self, t, crc: int, borrow: bool = False) -> int:
+        """Append CPU tensor ``t``; returns the CRC-32 of its bytes continued from ``crc``.
+        ``borrow=True``: the engine may write ``t``'s aligned body straight from its memory
+        (no copy; docs/ENGINE.md), which must then not change until :meth:`commit` or
+        :meth:`abort` has returned (the writer holds a reference to ``t`` until then)."""
         if not self.checksums:
-            self._w.write(t)
+            self._w.write(t, borrow)
             return 0
-        return self._w.write_crc(t, crc)
+        return self._w.write_crc(t, crc, borrow)
 
     def write_zeros(self, n: int) -> None:
         self._w.write_zeros(n)

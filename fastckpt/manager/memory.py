@@ -126,7 +126,7 @@ def write_from_snapshot(tier: Any, rec: Record, path: str) -> None:
     """The checkpoint file of snapshot `rec`, written durably at `path` (the commit helper's
     temporary file, fdatasync, rename, directory fsync), with every CRC-32."""
     data_pkl, storages = _slot_view(tier, rec)
-    write_archive(path, data_pkl, storages, compute_crc32=True, **rec["opts"])
+    write_archive(path, data_pkl, storages, compute_crc32=True, borrowed=True, **rec["opts"])  # the slot holds still
 
 
 def write_step(mgr: Any, step: int, state: Any, path: Any, save: Any) -> None:

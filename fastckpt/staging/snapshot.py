@@ -6,7 +6,10 @@ later, an in-memory tier all take their copies here:
 
 * :meth:`Snapshotter.take` copies every source (tensor or UntypedStorage, on
   the host or a device) into one :class:`Arena` (one block of host memory,
-  4 KiB aligned, each source on a 64-byte boundary, rounded up to 1 MiB so
+  4 KiB aligned, each source on a 64-byte boundary and those of
+  ``formats.zip.DIRECT_MIN`` bytes or more on a 4 KiB one, as their records
+  are in a fastckpt file, so that the writer sends their bodies to the disk
+  straight from the arena; rounded up to 1 MiB so
   that a state that grows a little reuses it) and returns a :class:`Snapshot`
   whose ``views`` are the copies, one per source (same shape and dtype);
 * device sources are copied by :func:`snapshot_into`: each copy on its
@@ -35,6 +38,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .. import _C
+from ..formats.zip import DIRECT_MIN
 from .device import ALIGN as PAGE, DeviceCopier, HostBuffer, copier_for
 
 log = logging.getLogger("fastckpt")
@@ -83,8 +87,24 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def _align(n: int) -> int:
-    return (n + ALIGN - 1) // ALIGN * ALIGN
+def _place(off: int, n: int) -> int:
+    """Where in an arena a source of `n` bytes goes when the previous one ends at `off`: on a page
+    from DIRECT_MIN bytes on (the phase of its record in a fastckpt file), else on a cache line."""
+    a = PAGE if n >= DIRECT_MIN else ALIGN
+    return (off + a - 1) // a * a
+
+
+def _layout(sizes: List[int]) -> Tuple[List[int], int]:
+    """Each source's offset in the arena (empty ones: -1), and the bytes the arena needs."""
+    at, off = [], 0
+    for n in sizes:
+        if n == 0:
+            at.append(-1)
+            continue
+        off = _place(off, n)
+        at.append(off)
+        off += n
+    return at, off
 
 
 def _nbytes(s: Source) -> int:
@@ -224,12 +244,12 @@ class Snapshotter:
         `defer_over` bytes, left to :meth:`Snapshot.complete`. Raises what a
         copy raised (the arena is given back)."""
         sizes = [_nbytes(s) for s in sources]
-        need = sum(_align(n) for n in sizes)
+        where, need = _layout(sizes)
         copier = next((c for c in map(copier_for, sources) if c is not None), None) if need else None
         arena = self._acquire(need, copier) if need else None
         snap = Snapshot(self, arena, [], sum(sizes))
         try:
-            snap.views = self._copy(arena, sources, sizes, defer_over, snap.pending)
+            snap.views = self._copy(arena, sources, sizes, where, defer_over, snap.pending)
         except BaseException:
             self.release(snap, keep=None)
             raise
@@ -239,19 +259,17 @@ class Snapshotter:
         return snap
 
     @staticmethod
-    def _copy(arena: Optional[Arena], sources: Sequence[Source], sizes: List[int], defer_over: Optional[int],
-              later: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Source]:
+    def _copy(arena: Optional[Arena], sources: Sequence[Source], sizes: List[int], where: List[int],
+              defer_over: Optional[int], later: List[Tuple[torch.Tensor, torch.Tensor]]) -> List[Source]:
         views: List[Source] = []
         pairs = []
         whole = arena.buf.untyped_storage() if arena is not None else None
         base = arena.buf.storage_offset() if arena is not None else 0
-        off = 0
-        for src, n in zip(sources, sizes):
+        for src, n, at in zip(sources, sizes, where):
             storage = isinstance(src, torch.UntypedStorage)
             if n == 0:
                 views.append(torch.UntypedStorage(0) if storage else torch.empty(src.shape, dtype=src.dtype))
                 continue
-            at, off = off, off + _align(n)
             deferred = defer_over is not None and n > defer_over and src.device.type == "cpu"
             if storage:
                 dst = whole[base + at:base + at + n]  # a storage viewing the arena, exactly n bytes

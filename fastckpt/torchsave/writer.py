@@ -37,7 +37,7 @@ class FileSink:
         if parts:
             self.f.write(b"".join(parts))
 
-    def write_crc(self, t: torch.Tensor, crc: int) -> int:
+    def write_crc(self, t: torch.Tensor, crc: int, borrow: bool = False) -> int:  # borrow: nothing to spare here
         mv = memoryview(t.numpy()) if t.numel() else memoryview(b"")
         self.f.write(mv)
         if not self.crc:
@@ -86,7 +86,7 @@ _PARTS_BYTES = 4 << 20
 
 def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: Optional[int] = None,
                    byteorder: bool = True, skip_data: bool = False, compute_crc32: Optional[bool] = None,
-                   direct_min: Optional[int] = _zip.DIRECT_MIN) -> List[_zip.Entry]:
+                   direct_min: Optional[int] = _zip.DIRECT_MIN, borrowed: bool = False) -> List[_zip.Entry]:
     """Write the archive of a pickle made by :func:`pickle_with_storages` whose storage i is
     ``storages[i]`` (the storages may be copies of the pickled object's, as
     async_save's snapshots are). A storage may also be any object with
@@ -101,7 +101,9 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
     predict record offsets from sizes alone: a fastckpt layout leaves it out).
     ``byteorder=False`` leaves out the byteorder record; ``skip_data`` writes no
     storage bytes (zero-filled records, CRC 0); ``compute_crc32`` defaults to
-    torch's setting (False: every CRC is 0).
+    torch's setting (False: every CRC is 0). ``borrowed=True`` (the storages are a snapshot's
+    copies, which nothing changes until this returns): the engine writes the page-aligned bodies of
+    large CPU storages straight from their memory, no copy (``AtomicFile.write_crc(borrow=True)``).
     Engine errors name ``f`` (see :func:`fastckpt._core.paths.raise_named_after_target`).
     Returns the archive's entries (name, size, CRC-32, offsets), in file order."""
     if alignment is None:
@@ -138,7 +140,7 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
                 parts.append(header)
                 sink.write_parts(parts)
                 parts, parts_bytes = [], 0
-                crc = write_storage(sink, stager, payload, size, skip_data)
+                crc = write_storage(sink, stager, payload, size, skip_data, borrowed)
             entry.crc = crc
             if 0 < size < u32 and entry.header_offset < u32:
                 parts.append(desc32(_zip.DESCRIPTOR_SIG, crc, size, size))
@@ -161,8 +163,9 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
         stager.release()
 
 
-def write_storage(sink, stager: DeviceStorages, payload, size: int, skip_data: bool) -> int:
-    """Write the bytes of one storage record through `sink`; returns its CRC."""
+def write_storage(sink, stager: DeviceStorages, payload, size: int, skip_data: bool, borrowed: bool = False) -> int:
+    """Write the bytes of one storage record through `sink`; returns its CRC (`borrowed`: see
+    :func:`write_archive`)."""
     if skip_data:
         sink.write_zeros(size)  # torch writes the record's metadata only
         return 0
@@ -173,7 +176,7 @@ def write_storage(sink, stager: DeviceStorages, payload, size: int, skip_data: b
             return stager.write(sink, payload, 0)
         t = as_bytes_tensor(payload)
         if t.device.type == "cpu":
-            return sink.write_crc(t, 0)
+            return sink.write_crc(t, 0, borrow=True) if borrowed else sink.write_crc(t, 0)
         return sink.write_crc(t.cpu(), 0)  # other accelerators: a plain host copy of this storage
     return payload.write_into(sink) if size else 0  # streamed storage
 

@@ -434,6 +434,108 @@ TEST(unaligned_ranges_into_memory_at_their_phase_read_their_bodies_directly, ALL
   CHECK_POOL_FULL(eng);
 }
 
+TEST(borrowed_ranges_at_the_file_phase_are_written_straight_from_memory, ALL) {
+  // Writer::append_borrowed: a range whose memory sits at its file offset's
+  // phase has its aligned body written O_DIRECT straight from that memory
+  // (no copy), its head and tail through the staging buffers beside the
+  // neighbours' bytes; a range at another phase, or too short, is copied.
+  // The file holds every byte in order, each CRC is that of its bytes, the
+  // memory is never written, and short writes or an EIO part way leave what
+  // any failed save leaves (an IoError, no temporary file, the previous file,
+  // every staging buffer back), after which the same memory saves again.
+  EngineConfig cfg = config();
+  TempDir dir;
+  Engine eng(cfg);
+  const std::string path = dir.file("borrowed.bin");
+  const std::string old = random_bytes(5000, 60);
+  save(eng, path, old);
+  struct Part { size_t len; bool borrow; size_t shift; };
+  // After a 1000-byte header: one longer than three staging buffers, a small
+  // staged record, one just over a block past a page boundary, one too short
+  // for a body, one off its phase (shift 8), a last one ending mid-block.
+  const std::vector<Part> parts = {{1000, false, 0}, {size_t(cfg.buffer_size) * 3 + 12344, true, 0},
+                                   {700, false, 0},   {70000, true, 0},
+                                   {3000, true, 0},   {200000, true, 8},
+                                   {300001, true, 0}};
+  std::string want;
+  std::vector<std::string> src;
+  for (size_t i = 0; i < parts.size(); ++i) src.push_back(random_bytes(parts[i].len, 61 + int(i)));
+  std::vector<std::unique_ptr<AlignedBuf>> mem(parts.size());
+  std::vector<size_t> at(parts.size(), 0);  // each lent range's phase in its memory
+  auto write_all = [&](std::vector<uint32_t>& crcs) {
+    Writer w(eng, path, -1);
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const Part& p = parts[i];
+      if (!p.borrow) {
+        w.append(src[i].data(), p.len);
+        continue;
+      }
+      const size_t phase = (w.position() + p.shift) % 4096;
+      if (!mem[i]) {
+        mem[i].reset(new AlignedBuf(phase + p.len + 4096));
+        std::memcpy(mem[i]->p + phase, src[i].data(), p.len);
+        at[i] = phase;
+      }
+      CHECK_EQ(at[i], phase);  // the same layout every time
+      w.append_borrowed(mem[i]->p + phase, p.len, &crcs[i]);
+    }
+    return w.commit();
+  };
+  for (const std::string& s : src) want += s;
+  std::vector<uint32_t> crcs(parts.size(), 0);
+  WriteStats st = write_all(crcs);
+  CHECK_BYTES(read_file(path), want);
+  uint64_t matched = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    if (!parts[i].borrow) continue;
+    CHECK_MSG(crcs[i] == fastckpt::crc32(0, src[i].data(), parts[i].len), "CRC of part " + std::to_string(i));
+    if (parts[i].shift == 0 && parts[i].len > 8 * 4096) matched += parts[i].len;
+  }
+  if (cfg.direct) {
+    // The bodies of the three long ranges at their phase: all but a head and
+    // a tail under a block each; nothing of the others.
+    CHECK_MSG(st.borrowed_bytes > 0 && st.borrowed_bytes <= matched, std::to_string(st.borrowed_bytes));
+    CHECK_MSG(st.borrowed_bytes + 3 * 2 * 4096 >= matched, std::to_string(st.borrowed_bytes) + " of " +
+                                                               std::to_string(matched));
+  } else {
+    CHECK_EQ(st.borrowed_bytes, 0u);
+  }
+  for (size_t i = 0; i < parts.size(); ++i) {  // the lent memory is only read
+    if (!mem[i]) continue;
+    CHECK_BYTES(mem[i]->str(at[i], parts[i].len), src[i]);
+    CHECK_BYTES(mem[i]->str(0, at[i]), std::string(at[i], '\x55'));
+  }
+  CHECK_NO_TEMP_FILES(dir.path());
+  CHECK_POOL_FULL(eng);
+
+  // Every write cut short: requeued (the rest of a direct body still whole
+  // blocks), the same file.
+  fault::arm(short_rule(fault::Op::Write, probe_writes() + 1, short_unit(), 0));
+  std::fill(crcs.begin(), crcs.end(), 0);
+  WriteStats st2 = write_all(crcs);
+  CHECK(fault::fired() > 0);
+  CHECK(st2.requeued > 0);
+  fault::clear();
+  CHECK_BYTES(read_file(path), want);
+  CHECK_POOL_FULL(eng);
+
+  // An EIO part way (the third write): the previous file stays, nothing is
+  // left behind, and the same memory, reused at once, saves again.
+  save(eng, path, old);
+  fault::arm(rule(fault::Op::Write, probe_writes() + 3, EIO));
+  IoError e = CHECK_THROWS(IoError, write_all(crcs));
+  fault::clear();
+  CHECK_EQ(e.err(), EIO);
+  CHECK_EQ(e.target(), path);
+  CHECK_BYTES(read_file(path), old);
+  CHECK_NO_TEMP_FILES(dir.path());
+  CHECK_POOL_FULL(eng);
+  std::fill(crcs.begin(), crcs.end(), 0);
+  write_all(crcs);
+  CHECK_BYTES(read_file(path), want);
+  CHECK_POOL_FULL(eng);
+}
+
 TEST(read_ranges_returns_the_crc32_of_each_range_that_asks, ALL) {
   // Every way a range is read: direct bodies split into buffer-sized jobs with
   // a staged tail, staged ranges spanning several windows, many small ranges

@@ -53,3 +53,19 @@ def record_reads(monkeypatch):
 
     monkeypatch.setattr(_C, "read_ranges", wrapper)
     return calls
+
+
+def record_commits(monkeypatch):
+    """The statistics of every AtomicFile commit from now on (a list of the engine's dicts: bytes,
+    requests, borrowed_bytes, ...), recorded by wrapping the method for the test."""
+    from fastckpt._core.atomic import AtomicFile
+    calls = []
+    real = AtomicFile.commit
+
+    def wrapper(self):
+        st = real(self)
+        calls.append(st)
+        return st
+
+    monkeypatch.setattr(AtomicFile, "commit", wrapper)
+    return calls

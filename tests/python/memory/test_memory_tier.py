@@ -16,6 +16,7 @@ import torch
 
 import fastckpt
 from fastckpt.memory import namespace_of
+from engines import record_commits
 from paths import ROOT
 from sim_device import SimDevice
 from states import assert_same
@@ -77,8 +78,9 @@ def test_a_restarted_job_restores_its_newest_snapshot_bitwise_and_slots_are_reus
     assert not (memdir / namespace_of(str(ckpt))).exists()  # close() frees the tier's memory
 
 
-def test_save_after_snapshot_writes_from_the_snapshot(tmp_path, memdir):
+def test_save_after_snapshot_writes_from_the_snapshot(tmp_path, memdir, monkeypatch):
     calls = []
+    commits = record_commits(monkeypatch)
 
     class Counted:
         def __reduce__(self):
@@ -91,14 +93,19 @@ def test_save_after_snapshot_writes_from_the_snapshot(tmp_path, memdir):
     mgr.snapshot(3, state)
     state["model"]["w"].add_(1)  # changed after the snapshot: the file holds the snapshot's bytes
     path = mgr.save(3, state)
+    file = max(commits, key=lambda st: st["bytes"])  # the checkpoint's (and the latest pointer's)
+    commits.clear()
     assert len(calls) == 1  # pickled once, for the snapshot
     want = make_state(3)
     want["extra"] = {}
     assert_same(fastckpt.load(path, verify=True, weights_only=False), want, bitwise=True)
     assert_same(torch.load(path, weights_only=False), want, bitwise=True)  # a stock torch.save file
     assert mgr.latest_name() == path.name
+    if file["direct"]:  # the slot's large records written straight from its pages
+        assert file["borrowed_bytes"] >= state["model"]["w"].nbytes - 2 * 4096, file
     mgr.save(4, state)  # another step: the state itself
     assert len(calls) == 2
+    assert all(st["borrowed_bytes"] == 0 for st in commits)  # the caller's tensors are never lent
     mgr.close()
 
 

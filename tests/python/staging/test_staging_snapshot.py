@@ -35,6 +35,28 @@ def test_copies_are_exact_and_independent_of_the_sources():
     assert snap.arena.buf.data_ptr() % 4096 == 0 and snap.arena.capacity == ARENA_ROUND
 
 
+def test_large_sources_start_on_a_page_of_the_arena_and_small_ones_on_a_cache_line():
+    """Sources of DIRECT_MIN bytes or more start on a 4 KiB page of the arena (the phase of their
+    records in a fastckpt file, so that the writer sends them to the disk straight from it), the
+    others on 64 bytes; copies never overlap and the arena holds them all."""
+    from fastckpt.formats.zip import DIRECT_MIN
+    sizes = [3, DIRECT_MIN - 8, DIRECT_MIN, 100, 1 << 20, 5000, DIRECT_MIN + 1, 0, 64]
+    src = [torch.full((n,), i + 1, dtype=torch.uint8) for i, n in enumerate(sizes)]
+    snap = Snapshotter().take(src)
+    base = snap.arena.buf.data_ptr()
+    spans = []
+    for n, v in zip(sizes, snap.views):
+        if n == 0:
+            continue
+        at = v.data_ptr() - base
+        assert at % (4096 if n >= DIRECT_MIN else 64) == 0, (n, at)
+        spans.append((at, at + n))
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert spans[-1][1] <= snap.arena.capacity
+    assert all(torch.equal(v, s) for v, s in zip(snap.views, src))
+    snap.release()
+
+
 def test_arenas_are_reused_and_a_release_is_once_only():
     st = Snapshotter()
     src = _sources(torch.Generator().manual_seed(1))
