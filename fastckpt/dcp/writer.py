@@ -517,8 +517,11 @@ class FastWriter(StorageWriter, AsyncStager):
                                      f"{tuple(td.chunk.sizes)}")
                 w.write(e.blob.head)
                 crc = 0
+                # A tensor of stage()'s copy, whose buffers this save claims until it returns: the
+                # engine writes it straight from them (its page-aligned body; no copy).
+                lend = t.device.type == "cpu" and self._stager.owner_of(t) is not None
                 for piece in pieces if e.blob.nbytes else ():
-                    crc = w.write_crc(piece, crc)
+                    crc = w.write_crc(piece, crc, lend)
                 w.write(e.blob.tail(crc))
             if w.position != total:
                 raise RuntimeError(f"fastckpt.dcp: {name}: wrote {w.position} bytes, planned {total}")

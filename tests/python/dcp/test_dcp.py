@@ -390,6 +390,28 @@ def test_async_save_reuses_staging_buffers(tmp_path):
         assert tgt["step"] == 3 and torch.equal(tgt["nested"]["m"], torch.ones(5))
 
 
+def test_async_save_writes_the_staged_copy_straight_from_its_buffers(tmp_path, monkeypatch):
+    """dcp.async_save through FastWriter: the large tensors of stage()'s copy are written O_DIRECT
+    straight from its arena (no copy into the engine's staging buffers), bitwise, where the files
+    are written O_DIRECT; dcp.save of the caller's own tensors never lends them to the engine."""
+    from engines import record_commits
+    commits = record_commits(monkeypatch)
+    src = {"w": torch.randn(512, 512), "v": torch.randn(3, 70001), "b": torch.randn(100), "step": 3}
+    dcp.async_save(src, storage_writer=FastWriter(tmp_path / "a")).result()
+    data = [st for st in commits if st["bytes"] > 1 << 20]
+    assert data, commits
+    if data[0]["direct"]:
+        big = src["w"].nbytes + src["v"].nbytes
+        assert big - 2 * 2 * 4096 <= sum(st["borrowed_bytes"] for st in data) <= big, data
+    commits.clear()
+    dcp.save(src, storage_writer=FastWriter(tmp_path / "b"))
+    assert commits and all(st["borrowed_bytes"] == 0 for st in commits)
+    for name in ("a", "b"):
+        tgt = {"w": torch.zeros(512, 512), "v": torch.zeros(3, 70001), "b": torch.zeros(100), "step": 0}
+        dcp.load(tgt, storage_reader=FastReader(tmp_path / name))
+        assert all(torch.equal(tgt[k], src[k]) for k in ("w", "v", "b")) and tgt["step"] == 3
+
+
 def test_stage_never_overwrites_buffers_in_use():
     w = FastWriter("/nonexistent")
     a = w.stage({"x": torch.ones(4)})
