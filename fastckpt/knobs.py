@@ -24,6 +24,8 @@ async_background_staging  FASTCKPT_ASYNC_BACKGROUND_STAGING  1: async saves copy
                                                              optimizer steps and wait_staged() wait for those copies (0)
 async_writer_nice         FASTCKPT_ASYNC_WRITER_NICE         the async save thread's nice value, 0-19 (0: as the
                                                              caller): a background write yields the CPU to training
+snapshot_huge_pages       FASTCKPT_SNAPSHOT_HUGE_PAGES       1: snapshot arenas of 2 MiB or more on transparent huge
+                                                             pages (1); 0: small pages (see docs/ENGINE.md)
 allow_foreign_owner       FASTCKPT_ALLOW_FOREIGN_OWNER       1: use checkpoint directories another user owns or can write (0)
 remote_part_size          FASTCKPT_REMOTE_PART_SIZE          bytes per part of a remote upload or ranged read (16 MiB)
 remote_parallelism        FASTCKPT_REMOTE_PARALLELISM        parts in flight per remote transfer (8): memory <= parts x part size
@@ -53,6 +55,7 @@ NAMES = ("buffer_size", "buffer_count", "queue_depth", "io_threads", "backend", 
 PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
             "async_background_staging": ("FASTCKPT_ASYNC_BACKGROUND_STAGING", 0, 0),
             "async_writer_nice": ("FASTCKPT_ASYNC_WRITER_NICE", 0, 0),
+            "snapshot_huge_pages": ("FASTCKPT_SNAPSHOT_HUGE_PAGES", 1, 0),
             "allow_foreign_owner": ("FASTCKPT_ALLOW_FOREIGN_OWNER", 0, 0),
             # fastckpt.remote (object stores and shared filesystems)
             "remote_part_size": ("FASTCKPT_REMOTE_PART_SIZE", 16 << 20, 1 << 10),

@@ -12,7 +12,10 @@ size rounded up to 1 MiB (page-locked once through :mod:`fastckpt.staging.device
 when the state holds CUDA tensors, so device-to-host copies run at full
 speed; never rounded up to a power of two), taken
 from a small pool and given back when the write is done: saving the same
-state again reuses the same arena, nothing is allocated. Host memory is
+state again reuses the same arena, nothing is allocated. The writer sends the
+page-aligned bodies of the large storages to the disk straight from the arena
+(O_DIRECT; no second copy through the engine's staging buffers: docs/ENGINE.md,
+``append_borrowed``), so its CPU time is the CRC-32 and the I/O. Host memory is
 bounded by ``async_max_in_flight`` (a :mod:`fastckpt.knobs` knob, default 1)
 times the size of the state: a call that would exceed that many saves in
 flight waits for the oldest to finish first.

@@ -44,7 +44,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .. import _C
+from .. import _C, knobs
 
 log = logging.getLogger("fastckpt")
 
@@ -76,7 +76,7 @@ class HostBuffer:
     __slots__ = ("tensor", "nbytes", "copier", "_fin", "__weakref__")
 
     def __init__(self, nbytes: int, copier: "DeviceCopier"):
-        self.tensor = _C.empty_aligned(nbytes, ALIGN)
+        self.tensor = _C.empty_aligned(nbytes, ALIGN, huge=bool(knobs.get("snapshot_huge_pages")))
         self.nbytes = nbytes
         self.copier = copier
         unpin = copier._lock_pages(self.tensor)

@@ -37,7 +37,7 @@ from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import _C
+from .. import _C, knobs
 from ..formats.zip import DIRECT_MIN
 from .device import ALIGN as PAGE, DeviceCopier, HostBuffer, copier_for
 
@@ -127,7 +127,8 @@ class Arena:
     def __init__(self, nbytes: int, copier: Optional[DeviceCopier]):
         self.copier = copier
         self.host: Optional[HostBuffer] = copier.alloc_host(nbytes) if copier is not None else None
-        self.buf = self.host.tensor if self.host is not None else _C.empty_aligned(nbytes, PAGE)
+        self.buf = self.host.tensor if self.host is not None else \
+            _C.empty_aligned(nbytes, PAGE, huge=bool(knobs.get("snapshot_huge_pages")))
         self.pinned = copier is not None
 
     @property

@@ -7,6 +7,7 @@ by the simulated device, whose copies land late and out of order)."""
 import pytest
 import torch
 
+from fastckpt import knobs
 from fastckpt.staging.snapshot import ARENA_ROUND, Snapshotter
 
 from sim_device import SimDevice
@@ -101,3 +102,39 @@ def test_device_sources_through_the_simulated_device(spontaneous):
         again.release()
         st.clear()
     assert sim.violations == []
+
+
+def _vm_flags(addr):
+    """The VmFlags of the mapping of this process that holds `addr` (/proc/self/smaps)."""
+    flags, inside = None, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "VmFlags:":
+                flags = line.split()[1:]
+    return flags
+
+
+def test_a_large_arena_is_on_transparent_huge_pages():
+    """An arena of 2 MiB or more starts on a 2 MiB boundary and is advised MADV_HUGEPAGE ("hg"):
+    the engine's O_DIRECT writes from it then carry 2 MiB segments (one per 4 KiB page otherwise:
+    a virtio disk's 254 segments a request cut each 8 MiB write into 1 MiB requests, and a 1.5 GB
+    write from the arena took 1.3 s against 1.0 s)."""
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        pytest.skip("no transparent huge pages on this kernel")
+    if "[never]" in mode:
+        pytest.skip("transparent huge pages are disabled on this machine")
+    snap = Snapshotter().take([torch.ones(3 << 20, dtype=torch.uint8)])
+    ptr = snap.arena.buf.data_ptr()
+    assert ptr % (2 << 20) == 0
+    assert "hg" in _vm_flags(ptr)
+    snap.release()
+    with knobs.override(snapshot_huge_pages=0):  # the knob's small pages: no advice
+        snap = Snapshotter().take([torch.ones(3 << 20, dtype=torch.uint8)])
+    assert "hg" not in _vm_flags(snap.arena.buf.data_ptr())
+    snap.release()
