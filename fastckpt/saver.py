@@ -540,7 +540,9 @@ class AsyncSaver:
                 elif snap.legacy is not None:
                     write_file(fut.path, snap.legacy)
                 else:
-                    write_archive(fut.path, snap.data_pkl, snap.staged, borrowed=snap.copies is not None, **snap.opts)
+                    copies = snap.copies  # None for skip_data: nothing staged, no CRCs
+                    write_archive(fut.path, snap.data_pkl, snap.staged, borrowed=copies is not None,
+                                  crcs=copies.crcs if copies is not None else None, **snap.opts)
                 snap.staged = snap.legacy = None
                 if snap.copies is not None:  # none for skip_data and the legacy format
                     snap.copies.release(keep=self.max_in_flight)

@@ -49,9 +49,10 @@ class AtomicFile:
         """Bytes written so far."""
         return self._w.position
 
-    def write(self, b) -> int:
-        """Append a bytes-like object or a CPU tensor; returns its size in bytes."""
-        self._w.write(b)
+    def write(self, b, borrow: bool = False) -> int:
+        """Append a bytes-like object or a CPU tensor; returns its size in bytes (``borrow``: see
+        :meth:`write_crc`)."""
+        self._w.write(b, borrow)
         return b.nbytes if hasattr(b, "nbytes") else memoryview(b).nbytes
 
     def write_crc(self, t, crc: int, borrow: bool = False) -> int:

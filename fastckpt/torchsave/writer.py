@@ -30,7 +30,9 @@ class FileSink:
         self.f = f
         self.crc = crc
 
-    def write(self, b) -> None:
+    def write(self, b, borrow: bool = False) -> None:  # borrow: nothing to spare here
+        if isinstance(b, torch.Tensor):
+            b = memoryview(b.numpy()) if b.numel() else b""
         self.f.write(b)
 
     def write_parts(self, parts: List[Any]) -> None:
@@ -86,7 +88,8 @@ _PARTS_BYTES = 4 << 20
 
 def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: Optional[int] = None,
                    byteorder: bool = True, skip_data: bool = False, compute_crc32: Optional[bool] = None,
-                   direct_min: Optional[int] = _zip.DIRECT_MIN, borrowed: bool = False) -> List[_zip.Entry]:
+                   direct_min: Optional[int] = _zip.DIRECT_MIN, borrowed: bool = False,
+                   crcs: Optional[List[Optional[int]]] = None) -> List[_zip.Entry]:
     """Write the archive of a pickle made by :func:`pickle_with_storages` whose storage i is
     ``storages[i]`` (the storages may be copies of the pickled object's, as
     async_save's snapshots are). A storage may also be any object with
@@ -104,6 +107,8 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
     torch's setting (False: every CRC is 0). ``borrowed=True`` (the storages are a snapshot's
     copies, which nothing changes until this returns): the engine writes the page-aligned bodies of
     large CPU storages straight from their memory, no copy (``AtomicFile.write_crc(borrow=True)``).
+    ``crcs[i]``, where given and not None, is the zip CRC-32 of storage i's bytes, taken when they
+    were copied (a snapshot's ``crcs``): written as the record's CRC, not computed again.
     Engine errors name ``f`` (see :func:`fastckpt._core.paths.raise_named_after_target`).
     Returns the archive's entries (name, size, CRC-32, offsets), in file order."""
     if alignment is None:
@@ -123,8 +128,11 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
         sink = AtomicFile(path, expected, checksums=crc_on) if path is not None else FileSink(f, crc_on)
         parts: List[Any] = []  # headers, small records' bytes and descriptors, written in one call
         parts_bytes = 0
+        k = -1  # the storage's index in `storages` (plan holds them in order, among the other records)
         for payload, header, entry in plan:
             size = entry.size
+            if not isinstance(payload, (bytes, bytearray)):
+                k += 1
             if isinstance(payload, (bytes, bytearray)):
                 crc = crc32(payload) if crc_on else 0
                 parts += (header, payload)
@@ -140,7 +148,8 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
                 parts.append(header)
                 sink.write_parts(parts)
                 parts, parts_bytes = [], 0
-                crc = write_storage(sink, stager, payload, size, skip_data, borrowed)
+                known = crcs[k] if crcs is not None and crc_on else None
+                crc = write_storage(sink, stager, payload, size, skip_data, borrowed, known)
             entry.crc = crc
             if 0 < size < u32 and entry.header_offset < u32:
                 parts.append(desc32(_zip.DESCRIPTOR_SIG, crc, size, size))
@@ -163,9 +172,10 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
         stager.release()
 
 
-def write_storage(sink, stager: DeviceStorages, payload, size: int, skip_data: bool, borrowed: bool = False) -> int:
-    """Write the bytes of one storage record through `sink`; returns its CRC (`borrowed`: see
-    :func:`write_archive`)."""
+def write_storage(sink, stager: DeviceStorages, payload, size: int, skip_data: bool, borrowed: bool = False,
+                  known: Optional[int] = None) -> int:
+    """Write the bytes of one storage record through `sink`; returns its CRC (`borrowed`, `known`
+    (its CRC, taken with the copy): see :func:`write_archive`)."""
     if skip_data:
         sink.write_zeros(size)  # torch writes the record's metadata only
         return 0
@@ -176,6 +186,9 @@ def write_storage(sink, stager: DeviceStorages, payload, size: int, skip_data: b
             return stager.write(sink, payload, 0)
         t = as_bytes_tensor(payload)
         if t.device.type == "cpu":
+            if known is not None:
+                sink.write(t, borrow=True) if borrowed else sink.write(t)
+                return known
             return sink.write_crc(t, 0, borrow=True) if borrowed else sink.write_crc(t, 0)
         return sink.write_crc(t.cpu(), 0)  # other accelerators: a plain host copy of this storage
     return payload.write_into(sink) if size else 0  # streamed storage

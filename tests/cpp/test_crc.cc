@@ -82,3 +82,37 @@ TEST(crc32_combine_of_many_pieces_in_order, ONCE) {
 }
 
 FCT_MAIN()
+
+TEST(copy_crc32_many_copies_every_range_and_gives_each_ones_crc, ONCE) {
+  // Ranges from empty to several pieces of 4 MiB (split across threads and
+  // joined with crc32_combine), at odd addresses, on 1 to 5 threads (more
+  // than pieces too): every destination byte is its source's, nothing
+  // around a destination is written, and each CRC is zlib's.
+  std::mt19937_64 rng(71);
+  const std::vector<size_t> sizes = {0, 1, 4095, 262145, (4u << 20), (4u << 20) + 1, (9u << 20) + 333, 12345678};
+  std::vector<std::string> src;
+  for (size_t i = 0; i < sizes.size(); ++i) src.push_back(random_bytes(sizes[i], 80 + int(i)));
+  for (unsigned threads : {0u, 1u, 2u, 5u}) {
+    std::vector<std::string> dst_mem;
+    std::vector<char*> dst;
+    std::vector<const char*> sp;
+    std::vector<uint64_t> len;
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const size_t shift = rng() % 64;
+      dst_mem.emplace_back(sizes[i] + 128, '\x55');
+      dst.push_back(&dst_mem.back()[0] + 64 + (shift % 7));
+      sp.push_back(src[i].data());
+      len.push_back(sizes[i]);
+    }
+    std::vector<uint32_t> crc(sizes.size(), 0xdeadbeef);
+    fastckpt::copy_crc32_many(dst.data(), sp.data(), len.data(), sizes.size(), crc.data(), threads);
+    for (size_t i = 0; i < sizes.size(); ++i) {
+      const size_t at = static_cast<size_t>(dst[i] - dst_mem[i].data());
+      CHECK_BYTES(dst_mem[i].substr(at, sizes[i]), src[i]);
+      CHECK_BYTES(dst_mem[i].substr(0, at), std::string(at, '\x55'));
+      CHECK_BYTES(dst_mem[i].substr(at + sizes[i]), std::string(dst_mem[i].size() - at - sizes[i], '\x55'));
+      CHECK_MSG(crc[i] == ref(0, src[i].data(), sizes[i]),
+                "range " + std::to_string(i) + " on " + std::to_string(threads) + " threads: " + hex(crc[i]));
+    }
+  }
+}

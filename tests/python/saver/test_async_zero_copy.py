@@ -1,7 +1,8 @@
 """async_save writes the bodies of its snapshot's large storages O_DIRECT straight from the
 snapshot arena (Writer::append_borrowed: no copy into the staging buffers, whose memcpy was half
-of the writer thread's CPU time), where the file is written O_DIRECT; the file is the one
-fastckpt.save writes, bitwise, with every CRC. A write that fails or comes back short while the
+of the writer thread's CPU time), where the file is written O_DIRECT, with the CRC-32 each copy
+took while the snapshot was made (no second pass over the bytes in the writer); the file is the
+one fastckpt.save writes, bitwise, with every CRC. A write that fails or comes back short while the
 engine holds the arena's memory behaves as every failed save: the future's error names the path,
 the previous file stays, no temporary file is left, and the next save, which reuses the arena,
 is whole."""
@@ -62,6 +63,27 @@ def test_the_snapshot_is_written_from_the_arena_and_is_fastckpt_saves_file(tmp_p
     assert_same(fastckpt.load(tmp_path / "a.pt", verify=True), sd, bitwise=True)
     assert_same(torch.load(tmp_path / "b.pt", weights_only=True), _state(1), bitwise=True)
     assert_same(fastckpt.load(tmp_path / "b.pt", verify=True), _state(1), bitwise=True)
+
+
+def test_the_writer_takes_the_snapshots_crcs_and_reads_no_large_storage_again(tmp_path, monkeypatch):
+    """The large storages reach the engine through write() (no CRC), the small ones are packed with
+    the headers; the records' CRCs are those the snapshot took, which fastckpt.load verifies."""
+    from fastckpt._core.atomic import AtomicFile
+    crc_calls, writes = [], []
+    real_crc, real_write = AtomicFile.write_crc, AtomicFile.write
+    monkeypatch.setattr(AtomicFile, "write_crc", lambda self, t, crc, borrow=False: (
+        crc_calls.append(t.nbytes), real_crc(self, t, crc, borrow))[1])
+    monkeypatch.setattr(AtomicFile, "write", lambda self, b, borrow=False: (
+        writes.append((getattr(b, "nbytes", None), borrow)), real_write(self, b, borrow))[1])
+    sd = _state()
+    with AsyncSaver() as saver:
+        saver.save(sd, tmp_path / "a.pt").result()
+    assert crc_calls == []
+    assert sorted(n for n, borrow in writes if borrow) == sorted(
+        t.nbytes for t in sd.values() if isinstance(t, torch.Tensor) and t.nbytes >= 64 << 10)
+    assert_same(fastckpt.load(tmp_path / "a.pt", verify=True), sd, bitwise=True)
+    fastckpt.save(sd, tmp_path / "s.pt")
+    assert _records(tmp_path / "a.pt") == _records(tmp_path / "s.pt")
 
 
 def test_a_synchronous_save_copies(tmp_path, monkeypatch):
