@@ -317,36 +317,6 @@ void init_io(py::module_& m) {
         py::arg("data"), py::arg("crc") = 0,
         "Zip CRC-32 of a CPU tensor or buffer, continued from `crc` (equal to zlib.crc32; the GIL is released "
         "for inputs of 64 KiB and more).");
-  m.def("copy_crc32_many", [](py::sequence dsts, py::sequence srcs, unsigned threads) {
-          const size_t n = py::len(dsts);
-          if (py::len(srcs) != n) throw py::value_error("copy_crc32_many: as many sources as destinations");
-          std::vector<Span> d, s;
-          d.reserve(n);
-          s.reserve(n);
-          std::vector<char*> dp(n);
-          std::vector<const char*> sp(n);
-          std::vector<uint64_t> len(n);
-          for (size_t i = 0; i < n; ++i) {
-            d.emplace_back(dsts[i], true);
-            s.emplace_back(srcs[i], false);
-            if (d[i].len() != s[i].len())
-              throw py::value_error("copy_crc32_many: destination " + std::to_string(i) + " has " +
-                                    std::to_string(d[i].len()) + " bytes, its source " + std::to_string(s[i].len()));
-            dp[i] = static_cast<char*>(d[i].ptr());
-            sp[i] = static_cast<const char*>(s[i].ptr());
-            len[i] = d[i].len();
-          }
-          std::vector<uint32_t> crc(n);
-          {
-            py::gil_scoped_release nogil;
-            copy_crc32_many(dp.data(), sp.data(), len.data(), n, crc.data(), threads);
-          }
-          return crc;
-        },
-        py::arg("dsts"), py::arg("srcs"), py::arg("threads") = 1,
-        "Copy each contiguous CPU source into its destination of the same size and return the zip CRC-32 "
-        "of each, in one pass (each 256 KiB folded right after its copy), on `threads` threads, without "
-        "the GIL.");
   m.def("crc32_combine", &crc32_combine, py::arg("crc1"), py::arg("crc2"), py::arg("len2"),
         "The CRC-32 of a followed by b, from crc32(a), crc32(b) and len(b) (zlib's crc32_combine).");
   m.def("crc32_impl", []() { return std::string(crc32_impl()); },

@@ -4,11 +4,16 @@
 // nn, optim, data) and took two thirds of the extension's compile time, but
 // what is used here: pybind11 with torch's tensor casters, THPVariable,
 // at::empty and the CPU allocator.
-#include <sys/mman.h>
 #include <ATen/ops/empty.h>
 #include <c10/core/CPUAllocator.h>
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/utils/pybind.h>
+
+#include <sys/mman.h>
+
+#include <vector>
+
+#include "../engine/crc32.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -88,6 +93,37 @@ void init_tensor(py::module_& m) {
         py::arg("dst"), py::arg("src"),
         "Copy the bytes of contiguous CPU tensor (or buffer) `src` into `dst` of the same size, on the "
         "calling thread, without the GIL.");
+
+  m.def("copy_crc32_many", [](py::sequence dsts, py::sequence srcs, unsigned threads) {
+          const size_t n = py::len(dsts);
+          if (py::len(srcs) != n) throw py::value_error("copy_crc32_many: as many sources as destinations");
+          std::vector<Span> d, s;
+          d.reserve(n);
+          s.reserve(n);
+          std::vector<char*> dp(n);
+          std::vector<const char*> sp(n);
+          std::vector<uint64_t> len(n);
+          for (size_t i = 0; i < n; ++i) {
+            d.emplace_back(dsts[i], true);
+            s.emplace_back(srcs[i], false);
+            if (d[i].len() != s[i].len())
+              throw py::value_error("copy_crc32_many: destination " + std::to_string(i) + " has " +
+                                    std::to_string(d[i].len()) + " bytes, its source " + std::to_string(s[i].len()));
+            dp[i] = d[i].ptr();
+            sp[i] = s[i].ptr();
+            len[i] = d[i].len();
+          }
+          std::vector<uint32_t> crc(n);
+          {
+            py::gil_scoped_release nogil;
+            fastckpt::copy_crc32_many(dp.data(), sp.data(), len.data(), n, crc.data(), threads);
+          }
+          return crc;
+        },
+        py::arg("dsts"), py::arg("srcs"), py::arg("threads") = 1,
+        "Copy each contiguous CPU source into its destination of the same size and return the zip CRC-32 "
+        "of each, in one pass (each 256 KiB folded right after its copy), on `threads` threads (the "
+        "caller's and threads - 1 more), without the GIL.");
 
   m.def("set_resizable", [](const at::Tensor& t, bool resizable) {
           // torch.load's storages are not resizable: a tensor that a damaged pickle
