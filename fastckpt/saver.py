@@ -15,7 +15,9 @@ from a small pool and given back when the write is done: saving the same
 state again reuses the same arena, nothing is allocated. The writer sends the
 page-aligned bodies of the large storages to the disk straight from the arena
 (O_DIRECT; no second copy through the engine's staging buffers: docs/ENGINE.md,
-``append_borrowed``), so its CPU time is the CRC-32 and the I/O. Host memory is
+``append_borrowed``) with the CRC-32 each host storage's copy took in the
+same pass (``Snapshot.crcs``), so the background work is mostly the I/O.
+Host memory is
 bounded by ``async_max_in_flight`` (a :mod:`fastckpt.knobs` knob, default 1)
 times the size of the state: a call that would exceed that many saves in
 flight waits for the oldest to finish first.
