@@ -28,8 +28,8 @@ uint32_t crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
 }
 
 void copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* len, size_t n, uint32_t* crc,
-                     const ParallelFor& parallel_for) {
-  constexpr uint64_t kPiece = 4u << 20;  // what one worker takes at a time
+                     unsigned threads) {
+  constexpr uint64_t kPiece = 4u << 20;  // what one thread takes at a time
   constexpr uint64_t kStep = 256u << 10;  // copied, then folded while in the cache
   struct Piece {
     size_t range;
@@ -42,8 +42,9 @@ void copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* l
     for (uint64_t off = 0; off < len[i]; off += kPiece)
       pieces.push_back(Piece{i, off, len[i] - off < kPiece ? len[i] - off : kPiece, 0});
   }
-  parallel_for(pieces.size(), [&](size_t begin, size_t end) {
-    for (size_t k = begin; k < end; ++k) {
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < pieces.size();) {
       Piece& p = pieces[k];
       char* d = dst[p.range] + p.off;
       const char* s = src[p.range] + p.off;
@@ -55,29 +56,19 @@ void copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* l
       }
       p.crc = c;
     }
-  });
-  for (const Piece& p : pieces) crc[p.range] = p.off == 0 ? p.crc : crc32_combine(crc[p.range], p.crc, p.len);
-}
-
-void copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* len, size_t n, uint32_t* crc,
-                     unsigned threads) {
-  copy_crc32_many(dst, src, len, n, crc, [threads](size_t count, const std::function<void(size_t, size_t)>& body) {
-    std::atomic<size_t> next{0};
-    auto work = [&] {
-      for (size_t k; (k = next.fetch_add(1, std::memory_order_relaxed)) < count;) body(k, k + 1);
-    };
-    std::vector<std::thread> helpers;
-    const size_t want = threads > 1 ? threads - 1 : 0;
-    for (size_t t = 0; t < want && t + 1 < count; ++t) {
-      try {
-        helpers.emplace_back(work);
-      } catch (const std::system_error&) {
-        break;  // no more threads: the ones there are (and the caller) do it all
-      }
+  };
+  std::vector<std::thread> helpers;
+  const size_t want = threads > 1 ? threads - 1 : 0;
+  for (size_t t = 0; t < want && t + 1 < pieces.size(); ++t) {
+    try {
+      helpers.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // no more threads: the ones there are (and the caller) do it all
     }
-    work();
-    for (std::thread& h : helpers) h.join();
-  });
+  }
+  work();
+  for (std::thread& h : helpers) h.join();
+  for (const Piece& p : pieces) crc[p.range] = p.off == 0 ? p.crc : crc32_combine(crc[p.range], p.crc, p.len);
 }
 
 const char* crc32_impl() {

@@ -4,7 +4,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 
 namespace fastckpt {
 
@@ -14,19 +13,12 @@ uint32_t crc32(uint32_t crc, const void* data, uint64_t n);
 // The CRC-32 of a followed by b, from crc1 = crc32(0, a), crc2 = crc32(0, b)
 // and len2 = the length of b (zlib's crc32_combine).
 uint32_t crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
-// Runs body(begin, end) over [0, count) split into chunks, on as many
-// threads as the caller chooses (the Python binding passes torch's intra-op
-// pool, whose threads a training loop keeps warm).
-using ParallelFor = std::function<void(size_t count, const std::function<void(size_t, size_t)>& body)>;
 // Copies n ranges (len[i] bytes from src[i] to dst[i], which must not overlap)
 // and sets crc[i] to the CRC-32 of each, in one pass over the bytes: each
 // 256 KiB step is folded into its CRC right after its copy, from the cache.
-// Work is split into pieces of up to 4 MiB run by `parallel_for`; the pieces'
-// CRCs are joined with crc32_combine.
-void copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* len, size_t n, uint32_t* crc,
-                     const ParallelFor& parallel_for);
-// The same on `threads` threads of its own (the caller's and threads - 1
-// more; 0 counts as 1).
+// Work is split into pieces of up to 4 MiB taken in turn by `threads` threads
+// (the caller's and threads - 1 more; 0 counts as 1); the pieces' CRCs are
+// joined with crc32_combine.
 void copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* len, size_t n, uint32_t* crc,
                      unsigned threads);
 // The implementation crc32() uses in this build: "isa-l" or "zlib".

@@ -95,25 +95,22 @@ def _fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
 
 
 def copy_with_crcs(jobs: Sequence[Tuple[int, torch.Tensor, torch.Tensor]], crcs: List[Optional[int]]) -> None:
-    """Copy each (source index, arena view, host source): the byte copies in one call that also takes
-    each one's zip CRC-32 (``_C.copy_crc32_many``: 256 KiB copied, then folded from the cache, on
-    as many threads as torch's intra-op pool has, no GIL; the CRC costs about a tenth of the copy instead
-    of a second pass over memory in the writer), recorded in ``crcs[index]``; the others with
-    torch's copy (CRC None)."""
-    fused = [(i, dst, src) for i, dst, src in jobs if _fusable(dst, src)]
-    for i, dst, src in jobs:
-        if not _fusable(dst, src):
-            host_copy(dst, src)
+    """Copy each (source index, arena view, host source): the byte copies in one call that also
+    takes each one's zip CRC-32 (``_C.copy_crc32_many``: 256 KiB copied, then folded from the cache,
+    on as many threads as torch's intra-op pool has, no GIL; the CRC costs about a tenth of the
+    copy instead of a second pass over memory in the writer), recorded in ``crcs[index]``; the
+    others with torch's copy (CRC None)."""
+    fused = []
+    for job in jobs:
+        if _fusable(job[1], job[2]):
+            fused.append(job)
+        else:
+            host_copy(job[1], job[2])
     if fused:
-        got = _C.copy_crc32_many([_bytes(d) for _, d, _ in fused], [_bytes(s) for _, _, s in fused],
+        got = _C.copy_crc32_many([_flat(d) for _, d, _ in fused], [_flat(s) for _, _, s in fused],
                                  max(1, torch.get_num_threads()))
         for (i, _, _), c in zip(fused, got):
             crcs[i] = c
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of contiguous `t`."""
-    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.uint8 or t.dim() != 1 else t
 
 
 def _place(off: int, n: int) -> int:

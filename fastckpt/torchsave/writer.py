@@ -131,9 +131,9 @@ def write_archive(f: FileLike, data_pkl: bytes, storages: List[Any], alignment: 
         k = -1  # the storage's index in `storages` (plan holds them in order, among the other records)
         for payload, header, entry in plan:
             size = entry.size
-            if not isinstance(payload, (bytes, bytearray)):
-                k += 1
-            if isinstance(payload, (bytes, bytearray)):
+            record = isinstance(payload, (bytes, bytearray))  # else a storage
+            k += not record
+            if record:
                 crc = crc32(payload) if crc_on else 0
                 parts += (header, payload)
                 parts_bytes += size
