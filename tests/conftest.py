@@ -11,6 +11,9 @@ worker while the other idles): the expected durations come from
 ``tests/durations.json``, seconds per test id, written by a run with
 ``FASTCKPT_TEST_DURATIONS_OUT=tests/durations.json`` (``make test-durations``).
 A test that is not in it counts as short. Serial runs keep pytest's order.
+
+At the end of a run, the run fails if it left something of fastckpt's in /dev/shm (shared memory
+that outlives the tests takes the machine's memory until a reboot).
 """
 import json
 import os
@@ -83,7 +86,42 @@ def pytest_runtest_logreport(report):
         _seen[report.nodeid] = _seen.get(report.nodeid, 0.0) + report.duration  # setup + call + teardown
 
 
+# ---------------------------------------------------------------- shared memory left behind
+
+SHM = Path("/dev/shm")
+_shm_before = set()
+
+
+def _shm_names() -> set:
+    """fastckpt's names in /dev/shm, and the namespaces in the memory tier's default directory."""
+    try:
+        names = {n for n in os.listdir(SHM) if n.startswith("fastckpt")}
+    except OSError:
+        return set()
+    if (SHM / "fastckpt").is_dir():
+        names |= {f"fastckpt/{n}" for n in os.listdir(SHM / "fastckpt")}
+    return names
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):
+        _shm_before.update(_shm_names())
+
+
+def _shm_left(session) -> None:
+    """What this run made in /dev/shm and left there fails the run (another run of the tests at the
+    same time on this machine would be counted too: run one at a time)."""
+    if hasattr(session.config, "workerinput") or not SHM.is_dir():
+        return
+    left = sorted(_shm_names() - _shm_before)
+    if left:
+        session.config.get_terminal_writer().line(
+            "FAILED: the tests left shared memory behind in /dev/shm: " + ", ".join(left), red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_sessionfinish(session, exitstatus):
+    _shm_left(session)
     out = os.environ.get("FASTCKPT_TEST_DURATIONS_OUT")
     if not out or hasattr(session.config, "workerinput"):  # the controller writes (it sees every report)
         return

@@ -518,11 +518,17 @@ class FastWriter(StorageWriter, AsyncStager):
                 w.write(e.blob.head)
                 crc = 0
                 # A tensor of stage()'s copy, whose buffers this save claims until it returns: the
-                # engine writes it straight from them (its page-aligned body; no copy).
-                lend = t.device.type == "cpu" and self._stager.owner_of(t) is not None
+                # engine writes it straight from them (its page-aligned body; no copy), with the
+                # CRC-32 taken when it was copied (the writer reads none of its bytes).
+                claim = self._stager.owner_of(t) if t.device.type == "cpu" else None
+                lend = claim is not None
+                known = claim.crc_of(t) if claim is not None and e.blob.nbytes else None
                 for piece in pieces if e.blob.nbytes else ():
-                    crc = w.write_crc(piece, crc, lend)
-                w.write(e.blob.tail(crc))
+                    if known is None:
+                        crc = w.write_crc(piece, crc, lend)
+                    else:
+                        w.write(piece, lend)
+                w.write(e.blob.tail(crc if known is None else known))
             if w.position != total:
                 raise RuntimeError(f"fastckpt.dcp: {name}: wrote {w.position} bytes, planned {total}")
             stats = w.commit()

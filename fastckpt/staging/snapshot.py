@@ -33,7 +33,7 @@ later, an in-memory tier all take their copies here:
 
 import logging
 import threading
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -175,12 +175,25 @@ class Snapshot:
     copy, for host sources whose bytes are contiguous; None for the others,
     device sources among them) and the ``arena`` that holds them until
     :meth:`release`."""
-    __slots__ = ("views", "nbytes", "arena", "pending", "crcs", "_owner", "__weakref__")
+    __slots__ = ("views", "nbytes", "arena", "pending", "crcs", "_owner", "_at", "__weakref__")
 
     def __init__(self, owner: "Snapshotter", arena: Optional[Arena], views: List[Source], nbytes: int):
         self._owner, self.arena, self.views, self.nbytes = owner, arena, views, nbytes
         self.pending: List[Tuple[int, torch.Tensor, torch.Tensor]] = []  # (source, copy, live source): not copied yet
         self.crcs: List[Optional[int]] = []
+        self._at: Optional[Dict[int, Tuple[int, int]]] = None  # view address -> (bytes, index)
+
+    def crc_of(self, t: torch.Tensor) -> Optional[int]:
+        """The CRC-32 taken with the copy of the view that `t` is whole (contiguous, from the view's
+        first byte to its last); None for any other tensor, or before the copy is complete."""
+        if self.pending or not t.is_contiguous():
+            return None
+        if self._at is None:
+            self._at = {v.data_ptr(): (_nbytes(v), i) for i, v in enumerate(self.views) if _nbytes(v)}
+        hit = self._at.get(t.data_ptr())
+        if hit is None or hit[0] != t.numel() * t.element_size():
+            return None
+        return self.crcs[hit[1]]
 
     def complete(self) -> None:
         """Copy the sources that ``take(..., defer_over=...)`` left for later

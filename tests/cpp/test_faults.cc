@@ -25,7 +25,24 @@ struct WriteFault {
   bool has_offset = true;    // the message carries "off="
   bool temp_path = true;     // the error names the temporary file
   uint64_t flush_interval = 0;
+  bool lent = false;         // the data lent to the writer (Writer::append_borrowed) after a 1000-byte head
 };
+
+// A save of `data` whose bytes after a 1000-byte head are lent to the writer from memory at their
+// file phase: under O_DIRECT their aligned body is written straight from that memory.
+WriteStats save_lent(Engine& eng, const std::string& path, const std::string& data, int64_t expected) {
+  const size_t head = std::min<size_t>(1000, data.size());
+  AlignedBuf mem(data.size() + 4096);
+  std::memcpy(mem.p + head, data.data() + head, data.size() - head);
+  Writer w(eng, path, expected);  // goes before `mem` does: an aborted save reaps its requests first
+  w.append(data.data(), head);
+  uint32_t crc = 0;
+  w.append_borrowed(mem.p + head, data.size() - head, &crc);
+  WriteStats st = w.commit();
+  CHECK_EQ(crc, fastckpt::crc32(0, data.data() + head, data.size() - head));
+  CHECK_BYTES(mem.str(head, data.size() - head), data.substr(head));  // only read
+  return st;
+}
 
 // Saves over an existing file with `f.rule` armed and checks everything a
 // failed save must guarantee, then that the engine saves correctly again.
@@ -39,9 +56,10 @@ void run_write_fault(const WriteFault& f) {
   save(eng, path, old);  // the previous checkpoint; also creates the backend
   const size_t fds = count_fds();
   const std::string data = random_bytes(f.size, 2);
+  auto save_new = [&] { return f.lent ? save_lent(eng, path, data, f.expected) : save(eng, path, data, 10007, f.expected); };
 
   fault::arm(f.rule);
-  IoError e = CHECK_THROWS(IoError, save(eng, path, data, 10007, f.expected));
+  IoError e = CHECK_THROWS(IoError, save_new());
   CHECK(fault::fired() >= 1);
   fault::clear();
 
@@ -75,8 +93,9 @@ void run_write_fault(const WriteFault& f) {
   CHECK_EQ(list_dir(dir.path()).size(), 1u);
 
   // The engine recovers: the same save now succeeds.
-  WriteStats st = save(eng, path, data, 10007, f.expected);
+  WriteStats st = save_new();
   CHECK_EQ(st.bytes, data.size());
+  if (f.lent && cfg.direct) CHECK(st.borrowed_bytes > 0);
   CHECK_BYTES(read_file(path), data);
   CHECK_BYTES(load(eng, path, data.size()), data);
   CHECK_NO_TEMP_FILES(dir.path());
@@ -95,6 +114,27 @@ TEST(enospc_on_first_data_write, ALL) {
 TEST(eio_on_a_write_in_mid_stream, ALL) {
   // 16 buffer-sized writes; the 7th fails while others are in flight.
   run_write_fault({rule(Op::Write, probe_writes() + 7, EIO), "pwrite", EIO});
+}
+
+TEST(eio_on_a_lent_write_in_mid_stream, ALL) {
+  // Writes straight from the caller's memory: the one that fails is reaped with the others in
+  // flight before the save throws, and the memory is the caller's again.
+  WriteFault f{rule(Op::Write, probe_writes() + 7, EIO), "pwrite", EIO};
+  f.lent = true;
+  run_write_fault(f);
+}
+
+TEST(enospc_on_every_lent_write_from_the_third_on, ALL) {
+  WriteFault f{rule(Op::Write, probe_writes() + 3, ENOSPC, 0), "pwrite", ENOSPC};
+  f.lent = true;
+  run_write_fault(f);
+}
+
+TEST(eio_on_fdatasync_after_lent_writes, ALL) {
+  WriteFault f{rule(Op::Fsync, 1, EIO), "fdatasync", EIO};
+  f.lent = true;
+  f.has_offset = false;
+  run_write_fault(f);
 }
 
 TEST(eio_on_every_write_from_the_third_on, ALL) {

@@ -114,6 +114,7 @@ import sys
 import tempfile
 import time
 import traceback
+from typing import Optional
 
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "support"))
 from ports import free_port  # noqa: E402
@@ -268,10 +269,12 @@ def _scribble(sd: dict) -> None:
             v.reshape(-1).view(torch.uint8).bitwise_not_()  # (a non-contiguous view: a copy, left alone)
 
 
-def _child(kind: str, directory: str, gen: int, plan: str, conn, rank: int = 0, port: int = 0) -> None:
-    """One save (runs in a forked child, or in the foreground with --child)."""
+def _child(kind: str, directory: str, gen: int, plan: str, conn, rank: int = 0, port: int = 0,
+           memory_dir: Optional[str] = None) -> None:
+    """One save (runs in a forked child, or in the foreground with --child). `memory_dir`: the
+    memory kind's tier directory (None: the tier's default)."""
     try:
-        _child_save(kind, directory, gen, plan, conn, rank, port)
+        _child_save(kind, directory, gen, plan, conn, rank, port, memory_dir)
     except BaseException as e:  # noqa: BLE001 - reported to the parent, which decides
         if isinstance(conn, _Stdout):
             raise
@@ -284,7 +287,7 @@ def _child(kind: str, directory: str, gen: int, plan: str, conn, rank: int = 0, 
     conn.send("done")
 
 
-def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
+def _child_save(kind, directory, gen, plan, conn, rank, port, memory_dir) -> None:
     import faulthandler
     import fastckpt
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the parent asks a hung rank where it is
@@ -383,7 +386,8 @@ def _child_save(kind, directory, gen, plan, conn, rank, port) -> None:
         state = make_state(gen, rank)
         if kind == "memory":
             from fastckpt.manager.memory import persist_newest
-            mgr = fastckpt.CheckpointManager(directory, keep_last=2, memory=fastckpt.MemoryTier(keep=2))
+            mgr = fastckpt.CheckpointManager(directory, keep_last=2,
+                                             memory=fastckpt.MemoryTier(keep=2, directory=memory_dir))
             conn.send("started")
             mgr.snapshot(gen, state)
             if gen % 3 == 0:
@@ -532,9 +536,10 @@ class Driver:
         self.seconds = collections.Counter()  # kind -> wall time of its rounds (children and checks)
         self.gen = {}
         self.prev = {}   # kind -> what must still be there
-        # the memory kind's snapshots: real shared memory, this run's own (the forkserver inherits it)
+        # the memory kind's snapshots: real shared memory, this run's own, named to every tier the
+        # driver and its children make (not through the environment: a driver made inside a test
+        # process would leave it set for the process's later tests)
         self.memory_dir = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else root, f"fastckpt-crash-{os.getpid()}")
-        os.environ["FASTCKPT_MEMORY_DIR"] = self.memory_dir
         for k in KINDS:
             os.makedirs(os.path.join(root, k), exist_ok=True)
 
@@ -560,7 +565,8 @@ class Driver:
             fastckpt.CheckpointManager(d, keep_last=2).save(g, make_state(g))
             self.prev[kind] = (g, _sha(os.path.join(d, f"step_{g:08d}.pt")))
         elif kind == "memory":
-            mgr = fastckpt.CheckpointManager(d, keep_last=2, memory=fastckpt.MemoryTier(keep=2))
+            mgr = fastckpt.CheckpointManager(d, keep_last=2,
+                                             memory=fastckpt.MemoryTier(keep=2, directory=self.memory_dir))
             mgr.snapshot(g, make_state(g))
             mgr.save(g, make_state(g))
             mgr._memory.wait()
@@ -602,7 +608,7 @@ class Driver:
         t_start = time.monotonic()
         for r in ranks:
             a, b = self.ctx.Pipe(duplex=False)
-            p = self.ctx.Process(target=_child, args=(kind, d, gen, plan, b, r, port), daemon=True)
+            p = self.ctx.Process(target=_child, args=(kind, d, gen, plan, b, r, port, self.memory_dir), daemon=True)
             p.start()
             b.close()
             procs.append(p)
@@ -918,7 +924,8 @@ class Driver:
             self.counts[(kind, "leftover_tmp")] += 1
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            mgr = fastckpt.CheckpointManager(d, keep_last=2, memory=fastckpt.MemoryTier(keep=2))
+            mgr = fastckpt.CheckpointManager(d, keep_last=2,
+                                             memory=fastckpt.MemoryTier(keep=2, directory=self.memory_dir))
             r = mgr.load_latest()
         if any(TMP_MARK in n for n in os.listdir(d)):
             raise AssertionError("manager start left temporaries")

@@ -1,6 +1,8 @@
 """Fixtures of the Python tests: engines and backends, torch's process-wide settings, injected faults, and
 a real S3 endpoint. Plain helpers live in tests/support/ (imported by their bare names, `from leaks import
 temp_files`; tests/conftest.py puts that folder on sys.path)."""
+import os
+
 import torch
 
 import pytest
@@ -35,6 +37,29 @@ def _restore_torch_globals():
     yield
     torch.use_deterministic_algorithms(det, warn_only=warn_only)
     torch.set_default_dtype(dtype)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment():
+    """A test leaves the process environment as it found it (the next test on this worker would
+    see what it set: the crash driver made inside a test once left FASTCKPT_MEMORY_DIR set, and
+    later tests' memory tiers made /dev/shm directories under its name). Every change is undone;
+    a change to a FASTCKPT_ variable, a fastckpt setting that later tests would run under,
+    fails the test."""
+    before = dict(os.environ)
+    yield
+    after = dict(os.environ)
+    for d in (before, after):
+        d.pop("PYTEST_CURRENT_TEST", None)  # pytest's own, set for each phase
+    if after == before:
+        return
+    for k in set(after) - set(before):
+        del os.environ[k]
+    os.environ.update(before)
+    ours = sorted(k for k in set(before) | set(after) if k.startswith("FASTCKPT_") and before.get(k) != after.get(k))
+    if ours:
+        pytest.fail("the test left fastckpt settings in the process environment: "
+                    + ", ".join(f"{k}={after.get(k)!r} (was {before.get(k)!r})" for k in ours), pytrace=False)
 
 
 @pytest.fixture(autouse=True)

@@ -412,6 +412,41 @@ def test_async_save_writes_the_staged_copy_straight_from_its_buffers(tmp_path, m
         assert all(torch.equal(tgt[k], src[k]) for k in ("w", "v", "b")) and tgt["step"] == 3
 
 
+def test_async_save_writes_the_staged_copy_with_the_crcs_of_its_copy(tmp_path, monkeypatch):
+    """The CRC-32 of each tensor of stage()'s copy was taken with the copy: the writer reads none of
+    their bytes again (a strided tensor, copied by torch, has its CRC taken by the writer), and the
+    records hold the right CRCs (FastReader checks them; a flipped byte fails the load). dcp.save of
+    the caller's tensors computes its CRCs as it writes."""
+    from fastckpt._core.atomic import AtomicFile
+    summed = []
+    orig = AtomicFile.write_crc
+
+    def counting(self, t, crc, borrow=False):
+        summed.append(t.numel() * t.element_size())
+        return orig(self, t, crc, borrow)
+    monkeypatch.setattr(AtomicFile, "write_crc", counting)
+    src = {"w": torch.randn(512, 512), "v": torch.randn(3, 70001)[:, 1:], "b": torch.randn(100), "step": 3}
+    dcp.async_save(src, storage_writer=FastWriter(tmp_path / "a")).result()
+    # the contiguous tensors' CRCs came with their copy; the strided one's (copied by torch) is taken here
+    assert summed == [src["v"].numel() * 4], summed
+    summed.clear()
+    dcp.save(src, storage_writer=FastWriter(tmp_path / "b"))
+    assert sum(summed) == sum(t.numel() * t.element_size() for t in (src["w"], src["v"], src["b"]))
+    for name in ("a", "b"):
+        tgt = {"w": torch.zeros(512, 512), "v": torch.zeros(3, 70000), "b": torch.zeros(100), "step": 0}
+        dcp.load(tgt, storage_reader=FastReader(tmp_path / name))
+        assert all(torch.equal(tgt[k], src[k]) for k in ("w", "v", "b")) and tgt["step"] == 3
+    data = max((p for p in (tmp_path / "a").iterdir() if p.suffix == ".distcp"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    at = raw.find(src["w"][100].numpy().tobytes())  # inside w's record
+    assert at > 0
+    raw[at] ^= 1
+    data.write_bytes(bytes(raw))
+    tgt = {"w": torch.zeros(512, 512), "v": torch.zeros(3, 70000), "b": torch.zeros(100), "step": 0}
+    with pytest.raises(FormatError, match="checksum mismatch"):
+        dcp_unwrapped(dcp.load, tgt, storage_reader=FastReader(tmp_path / "a"))
+
+
 def test_stage_never_overwrites_buffers_in_use():
     w = FastWriter("/nonexistent")
     a = w.stage({"x": torch.ones(4)})

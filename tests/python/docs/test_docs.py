@@ -18,8 +18,10 @@
 import importlib
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -153,7 +155,15 @@ def run_block(code: str, marks: dict, label: str) -> None:
 @pytest.mark.parametrize("f,line,code,marks", BLOCKS, ids=[f"{_rel(f)}:{line}" for f, line, _, _ in BLOCKS])
 def test_example_runs(f, line, code, marks, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    run_block(code, marks, f"{_rel(f)}:{line}")
+    # A memory tier of an example keeps its snapshots in a shared-memory directory of the test's
+    # own, never in the default one (/dev/shm/fastckpt) that a job on this machine may be using.
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    mem = tempfile.mkdtemp(prefix="fastckpt-docs-", dir=shm or str(tmp_path))
+    monkeypatch.setenv("FASTCKPT_MEMORY_DIR", mem)
+    try:
+        run_block(code, marks, f"{_rel(f)}:{line}")
+    finally:
+        shutil.rmtree(mem, ignore_errors=True)
 
 
 def test_every_guide_page_and_the_readme_have_examples_that_run():

@@ -79,6 +79,27 @@ def test_each_host_copy_comes_with_its_crc32_taken_in_the_same_pass():
     later.release()
 
 
+def test_the_crc_of_a_whole_view_is_found_from_the_view_and_no_other_tensor():
+    """Snapshot.crc_of (what FastWriter writes staged tensors with): the view itself, or the same
+    bytes seen as another dtype, gives its copy's CRC; a part of a view, a strided view, a tensor
+    outside the snapshot, a view whose copy is deferred (until complete()) or a strided source's
+    copy give None."""
+    import zlib
+    g = torch.Generator().manual_seed(4)
+    big = torch.randn(1 << 16, generator=g)
+    src = [big, torch.randn(40, 30, generator=g).t(), torch.arange(9)]
+    snap = Snapshotter().take(src, defer_over=1 << 12)
+    v0, v1, v2 = snap.views
+    assert snap.crc_of(v0) is None  # deferred: not copied yet
+    snap.complete()
+    assert snap.crc_of(v0) == zlib.crc32(big.numpy().tobytes()) == snap.crc_of(v0.view(torch.uint8))
+    assert snap.crc_of(v2) == zlib.crc32(torch.arange(9).numpy().tobytes())
+    assert snap.crc_of(v0[1:]) is None and snap.crc_of(v0[:-1]) is None and snap.crc_of(v0[::2]) is None
+    assert snap.crc_of(v1) is None  # its source was strided: copied by torch, no CRC taken
+    assert snap.crc_of(big) is None and snap.crc_of(torch.arange(9)) is None
+    snap.release()
+
+
 def test_arenas_are_reused_and_a_release_is_once_only():
     st = Snapshotter()
     src = _sources(torch.Generator().manual_seed(1))

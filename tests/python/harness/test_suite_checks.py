@@ -1,0 +1,47 @@
+"""The suite's own checks bite: a run that leaves fastckpt's shared memory in /dev/shm fails
+(tests/conftest.py), and so does a test that leaves a fastckpt setting in the process environment
+(tests/python/conftest.py), whose other changes are undone for the next test."""
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parents[2]
+
+
+def _pytest(tmp_path, body: str) -> subprocess.CompletedProcess:
+    (tmp_path / "test_probe.py").write_text(body)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                           "-p", "python.conftest", "--rootdir", str(tmp_path), str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
+def test_a_run_that_leaves_shared_memory_fails(tmp_path):
+    name = f"fastckpt-probe-{uuid.uuid4().hex[:8]}"
+    try:
+        r = _pytest(tmp_path, f"def test_leaves():\n    open('/dev/shm/{name}', 'w').write('x')\n")
+        assert r.returncode == 1, r.stdout + r.stderr
+        assert f"left shared memory behind in /dev/shm: {name}" in r.stdout, r.stdout
+    finally:
+        if os.path.exists(f"/dev/shm/{name}"):
+            os.unlink(f"/dev/shm/{name}")
+    r = _pytest(tmp_path, f"import os\ndef test_cleans():\n    open('/dev/shm/{name}', 'w').write('x')\n"
+                          f"    os.unlink('/dev/shm/{name}')\n")
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_a_fastckpt_setting_left_in_the_environment_fails_and_other_changes_are_undone(tmp_path):
+    r = _pytest(tmp_path, "import os\n"
+                          "def test_a_leaves():\n    os.environ['FASTCKPT_PROBE_LEFT'] = '1'\n"
+                          "    os.environ['OTHER_PROBE_LEFT'] = '2'\n"
+                          "def test_b_sees_nothing():\n"
+                          "    assert 'FASTCKPT_PROBE_LEFT' not in os.environ and 'OTHER_PROBE_LEFT' not in os.environ\n")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "left fastckpt settings in the process environment: FASTCKPT_PROBE_LEFT='1' (was None)" in r.stdout, \
+        r.stdout
+    assert "2 passed, 1 error" in r.stdout, r.stdout  # test_a passed, its teardown failed; test_b passed
