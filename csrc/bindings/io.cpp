@@ -321,6 +321,9 @@ void init_io(py::module_& m) {
         "The CRC-32 of a followed by b, from crc32(a), crc32(b) and len(b) (zlib's crc32_combine).");
   m.def("crc32_impl", []() { return std::string(crc32_impl()); },
         "The CRC-32 implementation of this build: 'isa-l' (hardware-accelerated) or 'zlib'.");
+  m.def("crc32_kernel", []() { return std::string(crc32_kernel()); },
+        "What crc32 runs on this CPU from 256 bytes on: 'vpclmulqdq-avx2' (the engine's own folding) or "
+        "crc32_impl().");
   m.def("fsync_dir", [](const std::string& path) {
           py::gil_scoped_release nogil;
           sys::fsync_dir(path);

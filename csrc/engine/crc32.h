@@ -1,5 +1,7 @@
 // Zip CRC-32 (zlib's polynomial): ISA-L's crc32_gzip_refl where the build has
-// it (FASTCKPT_HAVE_ISAL), else zlib's crc32_z; both give the same values.
+// it (FASTCKPT_HAVE_ISAL), else zlib's crc32_z; both give the same values. On
+// x86-64 CPUs with VPCLMULQDQ and AVX2 (and no AVX-512 for ISA-L's kernel),
+// inputs of 256 bytes and more take the engine's own 256-bit folding.
 #pragma once
 
 #include <cstddef>
@@ -21,7 +23,13 @@ uint32_t crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 // joined with crc32_combine.
 void copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* len, size_t n, uint32_t* crc,
                      unsigned threads);
-// The implementation crc32() uses in this build: "isa-l" or "zlib".
+// The implementation this build links for crc32(): "isa-l" or "zlib".
 const char* crc32_impl();
+// What crc32() runs on this CPU for inputs of 256 bytes and more: "vpclmulqdq-avx2" (the
+// engine's own folding, where the CPU has VPCLMULQDQ and AVX2 but ISA-L has no faster kernel
+// for it), else crc32_impl().
+const char* crc32_kernel();
+// crc32() through the build's implementation only (the tests compare the two).
+uint32_t crc32_with_build_impl(uint32_t crc, const void* data, uint64_t n);
 
 }  // namespace fastckpt

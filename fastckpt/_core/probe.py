@@ -8,7 +8,7 @@ from typing import Dict, Optional, Tuple
 
 from .. import _C, knobs
 
-__all__ = ["uring_compiled", "probe_backend", "dio_alignment", "direct_writes", "crc32_impl"]
+__all__ = ["uring_compiled", "probe_backend", "dio_alignment", "direct_writes", "crc32_impl", "crc32_kernel"]
 
 
 def _probe_config(backend: Optional[str] = None) -> "_C.EngineConfig":
@@ -55,3 +55,8 @@ def direct_writes(directory: str) -> bool:
 def crc32_impl() -> str:
     """The CRC-32 implementation compiled in."""
     return _C.crc32_impl()
+
+
+def crc32_kernel() -> str:
+    """What the CRC-32 runs on this CPU (the engine's own 256-bit folding, or crc32_impl())."""
+    return _C.crc32_kernel()

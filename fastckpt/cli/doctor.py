@@ -269,6 +269,7 @@ def diagnose(directory: str) -> Dict[str, Any]:
         "engine": choice,
         "o_direct": _o_direct(d),
         "crc32": probe.crc32_impl(),
+        "crc32_kernel": probe.crc32_kernel(),
         "cuda": cuda,
         "pinned_memory": pinned,
         "memory": {**_meminfo(), "staging_buffers": cfg.buffer_size * cfg.buffer_count,
@@ -323,9 +324,12 @@ def _recommend(r: Dict[str, Any]) -> List[str]:
     if r["cuda"]["available"] and r["pinned_memory"].get("usable") is False:
         out.append(f"pinned memory unavailable ({r['pinned_memory'].get('error')}): CUDA tensors are staged "
                    "through pageable memory, more slowly")
-    if r.get("crc32") == "zlib":
+    if r.get("crc32") == "zlib" and r.get("crc32_kernel", "zlib") == "zlib":
         out.append("built without ISA-L: CRC-32s (verified loads, saves) use zlib's, about 15x slower; install "
                    "libisal-dev and rebuild (make build) for the hardware-accelerated one")
+    elif r.get("crc32") == "zlib":
+        out.append(f"built without ISA-L: CRC-32s of 256 bytes and more run on {r['crc32_kernel']} on this CPU, "
+                   "shorter ones on zlib's; install libisal-dev and rebuild (make build) for those too")
     if not r["knobs"].get("direct", True):
         out.append("FASTCKPT_DIRECT=0: O_DIRECT is disabled by the knob")
     mt = r["memory_tier"]
@@ -367,7 +371,8 @@ def doctor_text(r: Dict[str, Any]) -> str:
     L.append(f"engine backend   {eng.get('backend') or 'none: ' + str(eng.get('error'))}"
              + (f" (io_uring refused: {eng['refusal']})" if eng.get("refusal") else ""))
     L.append(f"CRC-32           {r['crc32']}"
-             + (" (hardware-accelerated)" if r["crc32"] == "isa-l" else " (ISA-L not compiled in)"))
+             + (" (hardware-accelerated)" if r["crc32"] == "isa-l" else " (ISA-L not compiled in)")
+             + (f"; {r['crc32_kernel']} on this CPU" if r.get("crc32_kernel", r["crc32"]) != r["crc32"] else ""))
     c = r["cuda"]
     L.append(f"CUDA             " + (f"{len(c['devices'])} device(s): {', '.join(c['devices'])}" if c["available"]
                                      else "not available" + (f" ({c['error']})" if c.get("error") else "")))

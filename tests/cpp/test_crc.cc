@@ -1,5 +1,6 @@
 // The engine's CRC-32 (fastckpt::crc32: ISA-L's crc32_gzip_refl where the
-// build has it, else zlib's crc32_z) against zlib's crc32_z, the reference:
+// build has it, else zlib's crc32_z; its own 256-bit folding on CPUs with
+// VPCLMULQDQ and AVX2) against zlib's crc32_z, the reference:
 // random sizes from 0 to past 1 MiB at random misalignments, continued across
 // random splits, and crc32_combine of pieces. Run in both builds
 // (-DFASTCKPT_NO_ISAL=ON gives the zlib one).
@@ -61,6 +62,31 @@ TEST(crc32_matches_zlib_on_random_sizes_offsets_and_splits, ONCE) {
     CHECK_MSG(fastckpt::crc32_combine(fastckpt::crc32(0, p, k), fastckpt::crc32(0, p + k, n - k), n - k) == want,
               what + " combined at " + std::to_string(k));
   }
+}
+
+TEST(the_wide_kernel_matches_the_build_impl_at_every_length_around_its_steps, ONCE) {
+  // crc32() on this CPU (crc32_kernel(): the engine's 256-bit folding where the CPU has
+  // VPCLMULQDQ and AVX2, else the build's implementation) against the build's implementation
+  // and zlib's: every length from 0 to 1300 bytes (the 128-, 32- and 16-byte steps and the tail
+  // of the folding, and the 256-byte threshold), each at a random misalignment, from 0 and from
+  // a random running value, then long inputs.
+  const std::string kernel = fastckpt::crc32_kernel();
+  CHECK_MSG(kernel == fastckpt::crc32_impl() || kernel == "vpclmulqdq-avx2", kernel);
+#if defined(__x86_64__)
+  if (kernel == "vpclmulqdq-avx2") CHECK(__builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("avx2"));
+#endif
+  std::printf("crc32 kernel on this CPU: %s (build: %s)\n", kernel.c_str(), fastckpt::crc32_impl());
+  const std::string data = random_bytes((4u << 20) + 128, 79);
+  std::mt19937_64 rng(7);
+  auto check = [&](size_t n) {
+    const char* p = data.data() + rng() % 64;
+    const uint32_t seed = rng() % 2 ? static_cast<uint32_t>(rng()) : 0;
+    const uint32_t want = ref(seed, p, n);
+    CHECK_MSG(fastckpt::crc32(seed, p, n) == want, std::to_string(n) + " bytes from " + hex(seed));
+    CHECK_MSG(fastckpt::crc32_with_build_impl(seed, p, n) == want, std::to_string(n) + " bytes (build impl)");
+  };
+  for (size_t n = 0; n <= 1300; ++n) check(n);
+  for (size_t n : {4096u, 65536u + 17u, 1u << 20, (4u << 20) + 1u}) check(n);
 }
 
 TEST(crc32_combine_of_many_pieces_in_order, ONCE) {

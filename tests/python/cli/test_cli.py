@@ -875,6 +875,7 @@ def test_doctor(tmp_path, capsys, where):
     assert rep["o_direct"]["alignment"]["offset"] >= 512
     assert rep["io_uring"]["compiled"] == _C.uring_compiled()
     assert rep["crc32"] == _C.crc32_impl() and rep["crc32"] in ("isa-l", "zlib")
+    assert rep["crc32_kernel"] == _C.crc32_kernel() and rep["crc32_kernel"] in (rep["crc32"], "vpclmulqdq-avx2")
     assert rep["engine"]["backend"] == ("threads" if uring_refusal() else "io_uring")
     assert rep["knobs"] == {**fastckpt.knobs.as_dict(), **{k: fastckpt.knobs.get(k) for k in fastckpt.knobs.PY_NAMES}}
     st = os.statvfs(d)
