@@ -97,9 +97,9 @@ def _fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
 def copy_with_crcs(jobs: Sequence[Tuple[int, torch.Tensor, torch.Tensor]], crcs: List[Optional[int]]) -> None:
     """Copy each (source index, arena view, host source): the byte copies in one call that also
     takes each one's zip CRC-32 (``_C.copy_crc32_many``: 256 KiB copied, then folded from the cache,
-    on as many threads as torch's intra-op pool has, no GIL; the CRC costs about a tenth of the
-    copy instead of a second pass over memory in the writer), recorded in ``crcs[index]``; the
-    others with torch's copy (CRC None)."""
+    on as many threads as torch's intra-op pool has, no GIL; the CRC costs what the engine's CRC
+    kernel takes, no second pass over memory in the writer: docs/ENGINE.md), recorded in
+    ``crcs[index]``; the others with torch's copy (CRC None)."""
     fused = []
     for job in jobs:
         if _fusable(job[1], job[2]):
