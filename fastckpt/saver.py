@@ -76,6 +76,7 @@ import torch
 import torch.serialization as _ts
 
 from .staging.snapshot import Snapshot, Snapshotter
+from .staging.through import Through, Waited, eligible
 from .formats import torch_rules as _torch_rules
 from . import knobs
 from ._core import paths as _paths
@@ -98,6 +99,8 @@ class SaveResult:
     staged_seconds: float = 0.0  # from the call until every copy was complete (background staging: later
     #                              than the return; otherwise snapshot_seconds)
     fence_seconds: float = 0.0   # how long optimizer steps and wait_staged() waited for this save's staging
+    through_bytes: int = 0       # background staging: bytes written straight from the live tensors
+    fence_copied_bytes: int = 0  # background staging: bytes the fence copied (unwritten when it came)
 
 
 class SaveFuture(concurrent.futures.Future):
@@ -162,8 +165,8 @@ class SaveSnapshot:
     settings read in the caller's thread) or, for the legacy format, the
     whole file already serialized (``legacy``). ``copies``: the staging
     snapshot that holds the staged storages, until released."""
-    __slots__ = ("data_pkl", "staged", "copies", "nbytes", "opts", "legacy", "ready", "stage_error", "started_at",
-                 "staged_at", "fence_s")
+    __slots__ = ("data_pkl", "staged", "copies", "nbytes", "opts", "legacy", "ready", "copied", "through",
+                 "stage_error", "started_at", "staged_at", "fence_s")
 
     def __init__(self, data_pkl, staged, copies: Optional[Snapshot], nbytes, opts=None, legacy=None):
         self.data_pkl = data_pkl
@@ -172,7 +175,9 @@ class SaveSnapshot:
         self.nbytes = nbytes
         self.opts = opts or {}
         self.legacy = legacy
-        self.ready = _DONE            # set once copies has nothing pending (background staging: later)
+        self.ready = _DONE            # set once nothing reads the live tensors (background staging: later)
+        self.copied = _DONE           # set once the staging thread's copies are made
+        self.through: Optional[Through] = None  # sources written straight from the live tensors until the fence
         self.stage_error: Optional[BaseException] = None
         self.started_at = 0.0       # perf_counter() when the caller's snapshot began
         self.staged_at: Optional[float] = None  # perf_counter() when background staging completed
@@ -222,7 +227,9 @@ def _take_snapshot(stager: Snapshotter, obj: Any, pickle_module: Any, pickle_pro
 # the loop goes on. Until then those tensors must not change in place: every
 # optimizer's step() waits for them (a global step pre-hook, registered with
 # the first background staging), and wait_staged() is the fence for any other
-# in-place change.
+# in-place change. Large host tensors whose memory sits at their record's
+# phase in the file are not copied at all unless the fence comes before the
+# writer has sent them (fastckpt.staging.through; knob async_write_through).
 SMALL_SYNC = 1 << 20
 
 _DONE = threading.Event()
@@ -253,6 +260,9 @@ def wait_staged(timeout: Optional[float] = None) -> bool:
     if not pending:
         return True
     t0 = time.perf_counter()
+    for s in pending:  # what the writer has not sent from the live tensors yet is copied now
+        if s.through is not None:
+            s.through.fence()
     ok = _fence_wait([s.ready for s in pending], timeout)
     waited = time.perf_counter() - t0
     for s in pending:
@@ -265,14 +275,37 @@ def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
         wait_staged()
 
 
-def _stage_in_background(snap: SaveSnapshot) -> None:
-    """Start the thread that completes ``snap``'s copies; the fence holds until it has."""
+def _write_through(snap: SaveSnapshot) -> None:
+    """Hand the deferred sources that can be written straight from their live memory to a
+    :class:`~fastckpt.staging.through.Through` (the staging thread copies only the others), and
+    give the writer sources that send them, or wait for the staging thread's copies of the others."""
+    copies = snap.copies
+    items = [job for job in copies.pending if eligible(job[1], job[2])]
+    if not items:
+        return
+    snap.through = Through(copies, items)
+    through = {i for i, _, _ in items}
+    copies.pending = [job for job in copies.pending if job[0] not in through]
+    staged = list(snap.staged)
+    for i in through:
+        staged[i] = snap.through.source(i)
+    for i, _, _ in copies.pending:
+        staged[i] = Waited(staged[i], i, copies.crcs, snap.copied, lambda: snap.stage_error)
+    snap.staged = staged
+
+
+def _stage_in_background(snap: SaveSnapshot, write_through: bool = False) -> None:
+    """Start the thread that completes ``snap``'s copies; the fence holds until it has, and, with
+    ``write_through``, until nothing reads the live tensors any more (see :func:`_write_through`)."""
     global _hook_handle
+    if write_through and knobs.get("async_write_through"):
+        _write_through(snap)
     with _fence_lock:
         if _hook_handle is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
             _hook_handle = register_optimizer_step_pre_hook(_before_optimizer_step)
         snap.ready = threading.Event()
+        snap.copied = threading.Event()
         _staging.append(snap)
 
     def run() -> None:
@@ -281,6 +314,9 @@ def _stage_in_background(snap: SaveSnapshot) -> None:
         except BaseException as e:  # noqa: BLE001 - the save's future reports it
             snap.stage_error = e
         finally:
+            snap.copied.set()
+            if snap.through is not None:  # the writer (or the fence) lets go of the live tensors
+                snap.through.done.wait()
             snap.staged_at = time.perf_counter()
             with _fence_lock:
                 if snap in _staging:
@@ -293,6 +329,7 @@ def _stage_in_background(snap: SaveSnapshot) -> None:
     except BaseException:
         with _fence_lock:
             _staging.remove(snap)
+        snap.copied.set()
         snap.ready.set()
         raise
 
@@ -455,7 +492,8 @@ class AsyncSaver:
                                   SMALL_SYNC if background_staging else None)
             snap.started_at = t0
             if snap.copies is not None and snap.copies.pending:
-                _stage_in_background(snap)
+                # A collective write (zip_only) writes the arena copies with a writer of its own.
+                _stage_in_background(snap, write_through=not zip_only)
                 fut._staged = snap.ready
         except BaseException:
             if snap is not None and snap.copies is not None:  # the staging thread did not start
@@ -518,6 +556,8 @@ class AsyncSaver:
         """A snapshot of :meth:`stage` that will not be written: its staging
         memory and in-flight slot are given back, its future is cancelled
         (once a background staging of it has stopped copying into that memory)."""
+        if staged.snap.through is not None:  # no writer will send from the live tensors
+            staged.snap.through.finish()
         staged.snap.ready.wait()
         if staged.snap.copies is not None:
             staged.snap.copies.release(keep=self.max_in_flight)
@@ -533,7 +573,8 @@ class AsyncSaver:
             if not fut.running() and not fut.set_running_or_notify_cancel():
                 return  # cancelled before it started: nothing written
             try:
-                snap.ready.wait()  # background staging: every copy complete before a byte is written
+                if snap.through is None:  # background staging: every copy complete before a byte is written
+                    snap.ready.wait()     # (else each source waits for its own copy, or sends the live bytes)
                 if snap.stage_error is not None:
                     raise snap.stage_error
                 t0 = time.perf_counter()
@@ -554,11 +595,18 @@ class AsyncSaver:
                 self.note_failure(fut, e)
                 fut.set_exception(e)
                 return
+            through = snap.through
+            if through is not None:
+                through.finish()
+                snap.ready.wait()
             staged_s = snap_s if snap.staged_at is None else snap.staged_at - snap.started_at
             fut.set_result(SaveResult(fut.path, snap.nbytes, snap_s, time.perf_counter() - t0, staged_s,
-                                      snap.fence_s))
+                                      snap.fence_s, through.live_bytes if through else 0,
+                                      through.copied_bytes if through else 0))
         finally:
-            snap.ready.wait()  # never give the arena back while a staging thread copies into it
+            if snap.through is not None:  # written, failed or cancelled: nothing more is sent from live memory
+                snap.through.finish()
+            snap.ready.wait()  # never give the arena back while a staging thread (or the fence) copies into it
             snap.staged = snap.data_pkl = snap.legacy = None  # a kept failure's traceback must not pin the snapshot
             if snap.copies is not None:
                 snap.copies.release(keep=self.max_in_flight)

@@ -165,6 +165,18 @@ void init_io(py::module_& m) {
            "borrow=True: written straight from the data's memory where it can be (Writer::append_borrowed), "
            "which must then not change until commit() or abort() has returned; the writer keeps it alive "
            "until then.")
+      .def("drain", [](PyWriter& w) {
+             Writer& wr = w.get();
+             try {
+               without_gil([&] { wr.drain(); });
+             } catch (...) {
+               w.lent.clear();  // a failed drain aborted: nothing is in flight
+               throw;
+             }
+             w.lent.clear();  // no request reads what was lent any more
+           },
+           "Wait until every write in flight has completed (Writer::drain): memory lent before it "
+           "(write(..., borrow=True)) is read no more and may change; the file stays open.")
       .def("write_zeros", [](PyWriter& w, uint64_t n) {
              Writer& wr = w.get();
              py::gil_scoped_release nogil;

@@ -190,6 +190,11 @@ void Writer::append_borrowed(const void* src_v, uint64_t n, uint32_t* crc) {
   put(src + body, n - body, crc);
 }
 
+void Writer::drain() {
+  s_.ensure_open();
+  s_.guarded([&] { s_.reap_all([this] { reap_one(); }); });
+}
+
 void Writer::write_at(const void* src, uint64_t n, uint64_t off) {
   s_.ensure_open();
   if (off > static_cast<uint64_t>(INT64_MAX))

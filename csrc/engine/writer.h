@@ -48,6 +48,12 @@ class Writer {
   // into the temporary file that abort() removes). With `crc`, the CRC is
   // folded from src.
   void append_borrowed(const void* src, uint64_t n, uint32_t* crc = nullptr);
+  // Waits until every write request in flight has completed (the borrowed
+  // ones too): from its return no request of this writer reads memory lent
+  // before it, and that memory may change (its bytes are in the file; the
+  // partly filled staging buffer holds copies). The file stays open for more
+  // appends. An error aborts the write, as any failed write does.
+  void drain();
   // Writes n bytes at file offset `off` >= position(); the gap is zero-filled.
   void write_at(const void* src, uint64_t n, uint64_t off);
   void append_zeros(uint64_t n);

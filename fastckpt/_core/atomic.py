@@ -68,6 +68,11 @@ class AtomicFile:
     def write_zeros(self, n: int) -> None:
         self._w.write_zeros(n)
 
+    def drain(self) -> None:
+        """Wait until every write in flight has completed: memory lent so far (``borrow=True``) is
+        read no more and may change from here. The file stays open for more writes."""
+        self._w.drain()
+
     def write_parts(self, parts: List[Any]) -> None:
         """Append several buffers in one engine call."""
         if parts:

@@ -43,7 +43,8 @@ from .device import ALIGN as PAGE, DeviceCopier, HostBuffer, copier_for
 
 log = logging.getLogger("fastckpt")
 
-__all__ = ["Arena", "Snapshot", "Snapshotter", "snapshot_into", "ALIGN", "ARENA_ROUND"]
+__all__ = ["Arena", "Snapshot", "Snapshotter", "snapshot_into", "copy_with_crcs", "flat", "fusable", "nbytes_of", "ALIGN",
+           "ARENA_ROUND"]
 
 ALIGN = 64               # each source starts on a cache line
 ARENA_ROUND = 1 << 20    # arenas are rounded up to 1 MiB so small growth reuses them
@@ -87,7 +88,7 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-def _fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
+def fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
     """Whether host `src` is copied into its arena view `dst` as plain bytes (and its CRC-32 taken
     on the way): both contiguous, of one dtype and shape, no lazy conjugate or negation."""
     return (dst.dtype == src.dtype and dst.shape == src.shape and src.device.type == "cpu"
@@ -102,12 +103,12 @@ def copy_with_crcs(jobs: Sequence[Tuple[int, torch.Tensor, torch.Tensor]], crcs:
     ``crcs[index]``; the others with torch's copy (CRC None)."""
     fused = []
     for job in jobs:
-        if _fusable(job[1], job[2]):
+        if fusable(job[1], job[2]):
             fused.append(job)
         else:
             host_copy(job[1], job[2])
     if fused:
-        got = _C.copy_crc32_many([_flat(d) for _, d, _ in fused], [_flat(s) for _, _, s in fused],
+        got = _C.copy_crc32_many([flat(d) for _, d, _ in fused], [flat(s) for _, _, s in fused],
                                  max(1, torch.get_num_threads()))
         for (i, _, _), c in zip(fused, got):
             crcs[i] = c
@@ -133,11 +134,11 @@ def _layout(sizes: List[int]) -> Tuple[List[int], int]:
     return at, off
 
 
-def _nbytes(s: Source) -> int:
+def nbytes_of(s: Source) -> int:
     return s.nbytes() if isinstance(s, torch.UntypedStorage) else s.numel() * s.element_size()
 
 
-def _flat(t: Union[torch.Tensor, torch.UntypedStorage]) -> torch.Tensor:
+def flat(t: Union[torch.Tensor, torch.UntypedStorage]) -> torch.Tensor:
     """A flat uint8 view of contiguous `t`."""
     if isinstance(t, torch.UntypedStorage):
         return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t)
@@ -189,7 +190,7 @@ class Snapshot:
         if self.pending or not t.is_contiguous():
             return None
         if self._at is None:
-            self._at = {v.data_ptr(): (_nbytes(v), i) for i, v in enumerate(self.views) if _nbytes(v)}
+            self._at = {v.data_ptr(): (nbytes_of(v), i) for i, v in enumerate(self.views) if nbytes_of(v)}
         hit = self._at.get(t.data_ptr())
         if hit is None or hit[0] != t.numel() * t.element_size():
             return None
@@ -287,7 +288,7 @@ class Snapshotter:
         every copy is complete, but for the host sources of more than
         `defer_over` bytes, left to :meth:`Snapshot.complete`. Raises what a
         copy raised (the arena is given back)."""
-        sizes = [_nbytes(s) for s in sources]
+        sizes = [nbytes_of(s) for s in sources]
         where, need = _layout(sizes)
         copier = next((c for c in map(copier_for, sources) if c is not None), None) if need else None
         arena = self._acquire(need, copier) if need else None
@@ -322,11 +323,11 @@ class Snapshotter:
                 dst = whole[base + at:base + at + n]  # a storage viewing the arena, exactly n bytes
                 views.append(dst)
                 if deferred:
-                    later.append((i, _flat(dst), _flat(src)))
+                    later.append((i, flat(dst), flat(src)))
                 elif copier_for(src) is None and src.device.type == "cpu":
-                    host.append((i, _flat(dst), _flat(src)))
+                    host.append((i, flat(dst), flat(src)))
                 else:
-                    pairs.append((_flat(dst), _flat(src)))
+                    pairs.append((flat(dst), flat(src)))
                 continue
             view = arena.buf[at:at + n].view(src.dtype).view(src.shape)  # a tensor on the arena's storage
             views.append(view)
@@ -336,7 +337,7 @@ class Snapshotter:
             elif c is None:
                 host.append((i, view, src))  # host (any strides) or another accelerator: synchronous
             else:
-                pairs.append((_flat(view), _flat(c.contiguous(src))))
+                pairs.append((flat(view), flat(c.contiguous(src))))
         copy_with_crcs(host, crcs)
         snapshot_into(pairs)  # returns once every copy is complete
         return views

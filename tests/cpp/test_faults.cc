@@ -26,21 +26,34 @@ struct WriteFault {
   bool temp_path = true;     // the error names the temporary file
   uint64_t flush_interval = 0;
   bool lent = false;         // the data lent to the writer (Writer::append_borrowed) after a 1000-byte head
+  bool drained = false;      // lent in two halves, Writer::drain() between them, then the first half's
+                             // memory overwritten (a fault may surface in the drain)
 };
 
 // A save of `data` whose bytes after a 1000-byte head are lent to the writer from memory at their
 // file phase: under O_DIRECT their aligned body is written straight from that memory.
-WriteStats save_lent(Engine& eng, const std::string& path, const std::string& data, int64_t expected) {
+// With `drained`, the lent bytes go in two halves with Writer::drain() between them, and the first
+// half's memory is overwritten right after the drain: the file must hold the bytes lent, not those.
+WriteStats save_lent(Engine& eng, const std::string& path, const std::string& data, int64_t expected,
+                     bool drained = false) {
   const size_t head = std::min<size_t>(1000, data.size());
   AlignedBuf mem(data.size() + 4096);
   std::memcpy(mem.p + head, data.data() + head, data.size() - head);
   Writer w(eng, path, expected);  // goes before `mem` does: an aborted save reaps its requests first
   w.append(data.data(), head);
   uint32_t crc = 0;
-  w.append_borrowed(mem.p + head, data.size() - head, &crc);
+  const size_t n = data.size() - head;
+  const size_t first = drained ? n / 2 / 4096 * 4096 : n;  // the second half keeps the file phase
+  w.append_borrowed(mem.p + head, first, &crc);
+  if (drained) {
+    w.drain();
+    std::memset(mem.p + head, 0xA5, first);  // no request reads it any more
+    w.append_borrowed(mem.p + head + first, n - first, &crc);
+  }
   WriteStats st = w.commit();
-  CHECK_EQ(crc, fastckpt::crc32(0, data.data() + head, data.size() - head));
-  CHECK_BYTES(mem.str(head, data.size() - head), data.substr(head));  // only read
+  if (drained) std::memcpy(mem.p + head, data.data() + head, first);
+  CHECK_EQ(crc, fastckpt::crc32(0, data.data() + head, n));
+  CHECK_BYTES(mem.str(head, n), data.substr(head));  // only read
   return st;
 }
 
@@ -56,7 +69,9 @@ void run_write_fault(const WriteFault& f) {
   save(eng, path, old);  // the previous checkpoint; also creates the backend
   const size_t fds = count_fds();
   const std::string data = random_bytes(f.size, 2);
-  auto save_new = [&] { return f.lent ? save_lent(eng, path, data, f.expected) : save(eng, path, data, 10007, f.expected); };
+  auto save_new = [&] {
+    return f.lent ? save_lent(eng, path, data, f.expected, f.drained) : save(eng, path, data, 10007, f.expected);
+  };
 
   fault::arm(f.rule);
   IoError e = CHECK_THROWS(IoError, save_new());
@@ -121,6 +136,16 @@ TEST(eio_on_a_lent_write_in_mid_stream, ALL) {
   // flight before the save throws, and the memory is the caller's again.
   WriteFault f{rule(Op::Write, probe_writes() + 7, EIO), "pwrite", EIO};
   f.lent = true;
+  run_write_fault(f);
+}
+
+TEST(eio_on_a_lent_write_surfaces_in_a_drain, ALL) {
+  // The first half's writes (its staged head, then two lent ones: fewer than the queue holds) are
+  // all in flight when drain() is called: the drain reaps the failed one and throws like any
+  // failed write; the memory is overwritten only after the retry's drain.
+  WriteFault f{rule(Op::Write, probe_writes() + 2, EIO), "pwrite", EIO, 201000};
+  f.lent = true;
+  f.drained = true;
   run_write_fault(f);
 }
 

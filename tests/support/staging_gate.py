@@ -36,3 +36,45 @@ def step_in_thread(opt):
     t = threading.Thread(target=run)
     t.start()
     return t, done
+
+
+class SendGate:
+    """Holds the writer thread of a write-through save (fastckpt.staging.through) right after it has
+    sent its `after`-th piece of live memory, until open(): that piece's writes may still be in
+    flight, and the fence must wait for them. Pieces are made small (`piece` bytes) so that a state
+    of a few MiB has several."""
+
+    def __init__(self, monkeypatch, after: int = 1, piece: int = 256 << 10):
+        from fastckpt._core.atomic import AtomicFile
+        from fastckpt.staging import through as through_mod
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.sent = 0
+        monkeypatch.setattr(through_mod, "PIECE", piece)
+        orig = AtomicFile.write_crc
+        gate = self
+
+        def write_crc(f, t, crc, borrow=False):
+            out = orig(f, t, crc, borrow)
+            if borrow and threading.current_thread().name == "fastckpt-save" and gate._live(t):
+                gate.sent += 1
+                if gate.sent == after:
+                    gate.entered.set()
+                    assert gate.go.wait(60), "the test never opened the gate"
+            return out
+
+        self.live_ptrs = set()
+        monkeypatch.setattr(AtomicFile, "write_crc", write_crc)
+
+    def watch(self, tensors):
+        """The live tensors whose pieces count."""
+        for t in tensors:
+            start = t.untyped_storage().data_ptr()
+            self.live_ptrs.add((start, start + t.untyped_storage().nbytes()))
+
+    def _live(self, t) -> bool:
+        p = t.data_ptr()
+        return any(a <= p < b for a, b in self.live_ptrs)
+
+    def open(self):
+        self.go.set()

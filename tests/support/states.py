@@ -80,3 +80,23 @@ def assert_same(a, b, path="state", **how) -> None:
 def same_state(a, b, **how) -> bool:
     """Whether `a` and `b` are the same (keywords: see the module): dtypes, shapes and values of tensors."""
     return difference(a, b, **how) is None
+
+
+def page_aligned(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` (contiguous) in page-aligned memory of its own, as torch allocates tensors of
+    2 MiB and more under THP_MEM_ALLOC_ENABLE=1."""
+    from fastckpt import _C
+    n = t.numel() * t.element_size()
+    out = _C.empty_aligned(max(n, 1), 4096)[:n].view(t.dtype).view(t.shape)
+    out.copy_(t)
+    assert out.data_ptr() % 4096 == 0
+    return out
+
+
+def align_module(m: torch.nn.Module, min_bytes: int = 0) -> torch.nn.Module:
+    """Move every parameter of `m` (of at least `min_bytes`) into page-aligned memory, in place."""
+    with torch.no_grad():
+        for p in m.parameters():
+            if p.numel() * p.element_size() >= min_bytes:
+                p.data = page_aligned(p.data)
+    return m

@@ -1,0 +1,279 @@
+"""Background staging that writes the large host tensors straight from their memory until the fence
+(fastckpt.staging.through; knob async_write_through, on by default).
+
+A tensor whose memory sits at its record's phase in the file (page-aligned, as torch allocates
+tensors of 2 MiB and more under THP_MEM_ALLOC_ENABLE=1; here made so by the tests) is not copied
+when the write ends before the fence: the writer sends it from the live tensor. When the fence (an
+optimizer step, fastckpt.wait_staged) comes first, it copies what is not yet sent into the arena
+and waits until no write in flight reads the live memory; from then on the caller may change its
+tensors, and the file is still the state at the call. Failures reach the future; the fence never
+hangs.
+
+The writer is held at a gate after a chosen piece of live memory (SendGate), so that "before the
+write ends" does not depend on timing."""
+
+import errno
+import os
+import sys
+import threading
+
+import pytest
+import torch
+
+import fastckpt
+from fastckpt import _C, knobs
+from fastckpt._core.atomic import AtomicFile
+from fastckpt.saver import AsyncSaver, SMALL_SYNC
+
+from leaks import fd_count, temp_files
+from staging_gate import SendGate, step_in_thread
+from states import align_module, assert_same, page_aligned
+
+MIB = 1 << 20
+
+
+def _state(gen_seed=1):
+    g = torch.Generator().manual_seed(gen_seed)
+    return {"a": page_aligned(torch.randn(3 * MIB // 4, generator=g)),              # 3 MiB, sent live
+            "b": page_aligned(torch.randn(512, 1024, generator=g)),                  # 2 MiB, sent live
+            "odd": torch.randn(SMALL_SYNC // 4 + 1000, generator=g),                 # deferred, off the phase
+            "bn": torch.randn(64, generator=g), "step": 7}
+
+
+def _clone(sd):
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in sd.items()}
+
+
+def _live_bytes(sd):
+    return sum(v.numel() * v.element_size() for k, v in sd.items() if k in ("a", "b"))
+
+
+def test_a_write_that_ends_before_the_fence_copies_nothing(tmp_path, monkeypatch):
+    sd = _state()
+    want = _clone(sd)
+    fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
+    res = fut.result(timeout=60)
+    assert fut.staged and fastckpt.wait_staged(timeout=0)
+    assert res.through_bytes == _live_bytes(sd) and res.fence_copied_bytes == 0
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), want, bitwise=True)
+    sd["a"].add_(1)  # after the save: not in the file
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), want, bitwise=True)
+    # The file fastckpt.save writes of the same state (but for the serialization id, new per save).
+    monkeypatch.setattr(fastckpt.formats.archive, "new_serialization_id", lambda: b"0" * 40)
+    fastckpt.save(want, tmp_path / "s.pt")
+    fastckpt.async_save(_clone(want), tmp_path / "a.pt", background_staging=True).result(timeout=60)
+    assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "s.pt").read_bytes()
+
+
+def test_the_fence_copies_the_rest_and_waits_for_the_writes_in_flight(tmp_path, monkeypatch):
+    sd = _state()
+    want = _clone(sd)
+    gate = SendGate(monkeypatch, after=2)
+    gate.watch([sd["a"], sd["b"]])
+    order = []  # the writer drains its writes (engine: every request reaped) before the fence returns
+    drain = AtomicFile.drain
+    monkeypatch.setattr(AtomicFile, "drain", lambda f: (drain(f), order.append("drained")))
+    fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
+    assert gate.entered.wait(30) and not fut.staged
+    fenced = threading.Event()
+    t = threading.Thread(target=lambda: (fastckpt.wait_staged(), order.append("fenced"), fenced.set()))
+    t.start()
+    # The writer holds live memory in writes it has not reaped: the fence must wait for them.
+    assert not fenced.wait(0.3), "the fence returned while writes from the live tensors were in flight"
+    gate.open()
+    t.join(30)
+    assert fenced.is_set() and fut.staged
+    assert order[:2] == ["drained", "fenced"]
+    for v in (sd["a"], sd["b"], sd["odd"]):  # the caller changes everything after the fence
+        v.mul_(-3).add_(1)
+    res = fut.result(timeout=60)
+    assert 0 < res.through_bytes < _live_bytes(sd)
+    assert res.fence_copied_bytes > 0 and res.fence_seconds > 0
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), want, bitwise=True)
+    assert temp_files(tmp_path) == []
+
+
+def test_the_optimizer_step_is_the_fence(tmp_path, monkeypatch):
+    model = align_module(torch.nn.Linear(1024, 1024), min_bytes=MIB)  # 4 MiB of weight
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    model(torch.randn(4, 1024)).sum().backward()
+    sd = {"model": model.state_dict(), "step": 3}
+    before = {k: v.clone() for k, v in sd["model"].items()}
+    gate = SendGate(monkeypatch, after=1)
+    gate.watch([model.weight])
+    fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
+    assert gate.entered.wait(30)
+    t, stepped = step_in_thread(opt)
+    assert not stepped.wait(0.3), "optimizer.step() ran while the weight was being written from its memory"
+    assert torch.equal(model.weight.detach(), before["weight"])
+    gate.open()
+    t.join(30)
+    assert stepped.is_set() and fut.staged
+    res = fut.result(timeout=60)
+    assert not torch.equal(model.weight.detach(), before["weight"])
+    assert res.through_bytes > 0 and res.fence_copied_bytes > 0
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), {"model": before, "step": 3}, bitwise=True)
+
+
+def test_a_fence_before_the_writer_starts_copies_everything(tmp_path, monkeypatch):
+    """The writer busy with an earlier save (two in flight): the fence copies every source and
+    nothing is sent from live memory."""
+    saver = AsyncSaver(max_in_flight=2)
+    try:
+        first = _state(2)
+        gate = SendGate(monkeypatch, after=1)
+        gate.watch([first["a"], first["b"]])
+        f1 = saver.save(first, tmp_path / "first.pt", background_staging=True)
+        assert gate.entered.wait(30)
+        sd = _state(3)
+        want = _clone(sd)
+        f2 = saver.save(sd, tmp_path / "c.pt", background_staging=True)
+        threading.Timer(0.5, gate.open).start()  # the first save's fence waits for its writes
+        assert fastckpt.wait_staged(timeout=60)
+        sd["a"].zero_()
+        sd["b"].zero_()
+        r2 = f2.result(timeout=60)
+        f1.result(timeout=60)
+    finally:
+        saver.close()
+    assert r2.through_bytes == 0 and r2.fence_copied_bytes == _live_bytes(sd)
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), want, bitwise=True)
+
+
+def test_the_knob_off_copies_in_the_background_as_before(tmp_path):
+    sd = _state()
+    with knobs.override(async_write_through=0):
+        res = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True).result(timeout=60)
+    assert res.through_bytes == 0 and res.fence_copied_bytes == 0
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), sd, bitwise=True)
+
+
+@pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
+@pytest.mark.parametrize("nth", [1, 3])
+def test_a_failed_write_from_live_memory(tmp_path, err, nth):
+    """The write fails part way (the first request, or one among the live pieces): the future holds
+    the error naming the path, the previous file stays, nothing is left behind, the fence does not
+    hang, and the next save works."""
+    fds = fd_count()
+    old = _state(4)
+    fastckpt.save(old, tmp_path / "c.pt")
+    sd = _state()
+    _C.fault_inject("write", nth=nth, errno=err)
+    try:
+        fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
+        exc = fut.exception(timeout=60)
+    finally:
+        _C.fault_clear()
+    assert isinstance(exc, OSError) and exc.errno == err and str(tmp_path / "c.pt") in str(exc)
+    assert fastckpt.wait_staged(timeout=5) and fut.staged
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), old, bitwise=True)
+    assert temp_files(tmp_path) == []
+    fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True).result(timeout=60)
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), sd, bitwise=True)
+    assert fd_count() == fds
+
+
+def test_a_write_failing_while_the_fence_waits(tmp_path, monkeypatch):
+    """The fence waits for the writer's live requests; the writer's next request fails instead: the
+    fence returns, the save fails, the previous file stays."""
+    old = _state(4)
+    fastckpt.save(old, tmp_path / "c.pt")
+    sd = _state()
+    gate = SendGate(monkeypatch, after=1)
+    gate.watch([sd["a"], sd["b"]])
+    fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
+    assert gate.entered.wait(30)
+    _C.fault_inject("write", nth=1, errno=errno.EIO, times=0)
+    try:
+        threading.Timer(0.3, gate.open).start()
+        assert fastckpt.wait_staged(timeout=60)
+        exc = fut.exception(timeout=60)
+    finally:
+        _C.fault_clear()
+    assert isinstance(exc, OSError) and exc.errno == errno.EIO
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), old, bitwise=True)
+    assert temp_files(tmp_path) == []
+
+
+def test_a_failed_fence_copy_fails_the_save_and_opens_the_fence(tmp_path, monkeypatch):
+    from fastckpt.staging import through as through_mod
+    sd = _state()
+    fastckpt.save(_state(4), tmp_path / "c.pt")
+    gate = SendGate(monkeypatch, after=1)
+    gate.watch([sd["a"], sd["b"]])
+
+    def broken(jobs, crcs):
+        raise MemoryError("no memory for the copy")
+
+    monkeypatch.setattr(through_mod, "copy_with_crcs", broken)
+    fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
+    assert gate.entered.wait(30)
+    threading.Timer(0.3, gate.open).start()
+    assert fastckpt.wait_staged(timeout=60) and fut.staged
+    with pytest.raises(MemoryError, match="no memory for the copy"):
+        fut.result(timeout=60)
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), _state(4), bitwise=True)
+    assert temp_files(tmp_path) == []
+
+
+def test_a_dropped_snapshot_does_not_wait_for_a_writer(tmp_path):
+    saver = AsyncSaver()
+    try:
+        staged = saver.stage(_state(), tmp_path / "c.pt", background_staging=True)
+        done = threading.Event()
+        t = threading.Thread(target=lambda: (saver.drop(staged), done.set()))
+        t.start()
+        t.join(30)
+        assert done.is_set() and staged.fut.cancelled() and staged.fut.staged
+        assert fastckpt.wait_staged(timeout=5)
+    finally:
+        saver.close()
+    assert not (tmp_path / "c.pt").exists()
+
+
+def test_repeated_saves_with_fences_at_every_piece(tmp_path, monkeypatch):
+    """A fence after each piece in turn, the state changed after every fence: every file is the
+    state at its call."""
+    sd = _state()
+    for after in range(1, 8):
+        with monkeypatch.context() as m:
+            gate = SendGate(m, after=after)
+            gate.watch([sd["a"], sd["b"]])
+            want = _clone(sd)
+            fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
+            if gate.entered.wait(5):
+                threading.Timer(0.05, gate.open).start()
+            else:
+                gate.open()  # fewer pieces than `after`: the write ends first
+            assert fastckpt.wait_staged(timeout=60)
+            for v in (sd["a"], sd["b"], sd["odd"]):
+                v.add_(after)
+            fut.result(timeout=60)
+            assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), want, bitwise=True)
+
+
+_EXIT = r"""
+import sys, torch, fastckpt
+sys.path.insert(0, sys.argv[3])
+from states import page_aligned
+sd = {f"w{i}": page_aligned(torch.randn(1024, 1024)) for i in range(6)}
+fut = fastckpt.async_save(sd, sys.argv[1], background_staging=True)
+if sys.argv[2] == "wait":
+    fut.result()
+"""
+
+
+@pytest.mark.parametrize("wait", ["wait", "exit"])
+def test_a_process_exits_cleanly_right_after_a_write_through_save(tmp_path, wait):
+    """Interpreter exit waits for the save; the tensors the write held are let go on the writer's
+    thread before that wait ends (a daemon thread dropping them during finalization aborted the
+    process: 'terminate called without an active exception')."""
+    import fastspawn
+    import states
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT)
+    for k in range(5):
+        p = fastspawn.run([sys.executable, str(script), str(tmp_path / f"c{k}.pt"), wait,
+                           os.path.dirname(states.__file__)], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 0, (k, p.returncode, p.stderr[-2000:])
+        assert fastckpt.load(tmp_path / f"c{k}.pt").keys() == {f"w{i}" for i in range(6)}
