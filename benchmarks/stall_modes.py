@@ -143,8 +143,9 @@ class FastAsync(Mode):
 
 
 class FastAsyncBackground(FastAsync):
-    """fastckpt.async_save(..., background_staging=True): the call returns after pickling; a staging
-    thread copies the state while the loop's next forward and backward run; the fence
+    """fastckpt.async_save(..., background_staging=True): the call returns after pickling; the page-aligned
+    tensors are written straight from their memory while the loop's next forward and backward run (and
+    the others copied by a staging thread), and the fence copies what is unwritten when it comes; the fence
     (fastckpt.wait_staged, which optimizer.step() also waits on by itself) is the guard of
     optimizer.step(), so its wait counts as blocked time; staged = when the copies were complete."""
     staged_later = True
@@ -162,6 +163,16 @@ class FastAsyncBackground(FastAsync):
                 c.staged = c.t0 + fut.result().staged_seconds
             c.mark_durable()
         c.future.add_done_callback(done)
+
+
+class FastAsyncBackgroundCopied(FastAsyncBackground):
+    """As FastAsyncBackground, with the knob async_write_through=0: the staging thread copies every large
+    host tensor while the loop goes on, and the write starts from the copy (no tensor is written straight
+    from its memory: what background staging does for tensors that are not page-aligned)."""
+
+    def call(self, i, state, c):
+        with fastckpt.knobs.override(async_write_through=0):
+            super().call(i, state, c)
 
 
 class MemorySnapshot(Mode):
@@ -254,5 +265,6 @@ class TorchCheckpointing(Mode):
 
 MODE_CLASSES = {"torch.save": TorchSave, "fastckpt.save": FastSave, "fastckpt.async_save": FastAsync,
                 "fastckpt.async_save(background)": FastAsyncBackground,
+                "fastckpt.async_save(background-copied)": FastAsyncBackgroundCopied,
                 "memory.snapshot": MemorySnapshot, "dcp.async_save": DcpAsync,
                 "torch_checkpointing": TorchCheckpointing}

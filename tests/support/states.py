@@ -82,14 +82,15 @@ def same_state(a, b, **how) -> bool:
     return difference(a, b, **how) is None
 
 
-def page_aligned(t: torch.Tensor) -> torch.Tensor:
-    """A copy of `t` (contiguous) in page-aligned memory of its own, as torch allocates tensors of
-    2 MiB and more under THP_MEM_ALLOC_ENABLE=1."""
+def page_aligned(t: torch.Tensor, phase: int = 0) -> torch.Tensor:
+    """A copy of `t` (contiguous) in memory of its own that starts `phase` bytes past a page boundary:
+    0 as torch allocates tensors of 2 MiB and more under THP_MEM_ALLOC_ENABLE=1, 64 as its default
+    allocator usually does (which a malloc'd tensor may also miss, landing on a page by chance)."""
     from fastckpt import _C
     n = t.numel() * t.element_size()
-    out = _C.empty_aligned(max(n, 1), 4096)[:n].view(t.dtype).view(t.shape)
+    out = _C.empty_aligned(max(n, 1), 4096, phase)[:n].view(t.dtype).view(t.shape)
     out.copy_(t)
-    assert out.data_ptr() % 4096 == 0
+    assert out.untyped_storage().data_ptr() % 4096 == phase
     return out
 
 

@@ -1,5 +1,6 @@
 """async_save(..., background_staging=True): the call returns once the state is pickled and its small
-tensors copied; a staging thread copies the large host tensors while the caller goes on. Until those
+tensors copied; a staging thread copies the large host tensors while the caller goes on (here with the
+knob async_write_through=0: page-aligned tensors are otherwise written straight from their memory). Until those
 copies are complete the fence holds: every optimizer's step() waits for them (a global step
 pre-hook), fastckpt.wait_staged() and fut.wait_staged() wait too. The file is the one fastckpt.save
 writes of the state as it was at the call, whatever the caller changes after the fence, and every
@@ -24,6 +25,14 @@ from staging_gate import Gate, step_in_thread
 from states import assert_same
 
 BIG = (SMALL_SYNC // 4) * 3  # float32 elements: 3 MiB, copied in the background
+
+
+@pytest.fixture(autouse=True)
+def _copied():
+    """These tests are about the staging thread's copies: a tensor that torch happened to put on a
+    page boundary would otherwise be written straight from its memory (test_write_through.py)."""
+    with knobs.override(async_write_through=0):
+        yield
 
 
 def _state():

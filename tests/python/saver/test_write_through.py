@@ -36,7 +36,7 @@ def _state(gen_seed=1):
     g = torch.Generator().manual_seed(gen_seed)
     return {"a": page_aligned(torch.randn(3 * MIB // 4, generator=g)),              # 3 MiB, sent live
             "b": page_aligned(torch.randn(512, 1024, generator=g)),                  # 2 MiB, sent live
-            "odd": torch.randn(SMALL_SYNC // 4 + 1000, generator=g),                 # deferred, off the phase
+            "odd": page_aligned(torch.randn(SMALL_SYNC // 4 + 1000, generator=g), 64),  # deferred, off the phase
             "bn": torch.randn(64, generator=g), "step": 7}
 
 
