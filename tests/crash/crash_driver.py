@@ -157,12 +157,15 @@ BREAK_ENV = "FASTCKPT_CRASH_BREAK"
 def make_state(gen: int, rank: int = 0):
     """The checkpoint content of generation ``gen``: deterministic, different per gen."""
     import torch
+    from fastckpt import _C
     g = torch.Generator().manual_seed(1000 * gen + rank)
+    big = torch.randn(3 << 17, generator=g)
     return {
         "gen": gen,
         "w": torch.randn(256, 1024, generator=g),           # 1 MiB: 16 writes of 64 KiB
-        # 1.5 MiB: over async_save's SMALL_SYNC, so background staging copies it on its thread
-        "big": torch.randn(3 << 17, generator=g),
+        # 1.5 MiB: over async_save's SMALL_SYNC, and on a page boundary (as torch allocates large tensors
+        # under THP_MEM_ALLOC_ENABLE=1), so background staging writes it straight from its memory
+        "big": _C.empty_aligned(big.numel() * 4, 4096).view(torch.float32).copy_(big),
         "b": torch.randint(0, 1 << 30, (4099,), generator=g, dtype=torch.int64),
         "h": torch.randn(777, generator=g).to(torch.bfloat16),
         "meta": {"name": f"gen{gen}", "lr": 0.1 * gen},
