@@ -88,7 +88,7 @@ from fastckpt._core.units import human  # noqa: E402  (the package's one size fo
 
 MiB, GiB = 1 << 20, 1 << 30
 MODES = ("none", "torch.save", "fastckpt.save", "fastckpt.async_save", "fastckpt.async_save(background)",
-         "fastckpt.async_save(background-copied)", "memory.snapshot", "dcp.async_save", "torch_checkpointing")
+         "fastckpt.async_save(background-through)", "memory.snapshot", "dcp.async_save", "torch_checkpointing")
 WARMUPS = 2
 
 
@@ -249,10 +249,9 @@ def summarize(results: Dict[str, List[Dict[str, Any]]], modes: List[str], errors
 
 
 LABEL = {"memory.snapshot": "memory tier snapshot", "torch.save": "torch.save + fsync",
-         "fastckpt.async_save(background)": "fastckpt.async_save, background staging (written from the tensors "
-                                            "until the fence)",
-         "fastckpt.async_save(background-copied)": "fastckpt.async_save, background staging (copied in the "
-                                                   "background; knob async_write_through=0)",
+         "fastckpt.async_save(background)": "fastckpt.async_save, background staging",
+         "fastckpt.async_save(background-through)": "fastckpt.async_save, background staging, written from the "
+                                                    "tensors until the fence (knob async_write_through=1)",
          "dcp.async_save": "dcp.async_save (FileSystemWriter)", "torch_checkpointing": "torch_checkpointing async"}
 
 
@@ -372,7 +371,7 @@ def main(argv=None) -> int:
                      fmt_opt(p["first_ms"], ".1f"), fmt_opt(p["goodput"], ".3f"), fmt_opt(p["bg_cpu_s"], ".2f")])
     targets = []
     a = per.get("fastckpt.async_save")
-    for m in ("fastckpt.async_save", "fastckpt.async_save(background)", "fastckpt.async_save(background-copied)"):
+    for m in ("fastckpt.async_save", "fastckpt.async_save(background)", "fastckpt.async_save(background-through)"):
         if m not in modes:
             continue
         p = per.get(m)
@@ -383,13 +382,13 @@ def main(argv=None) -> int:
              "measured": None if pct is None else round(pct, 2), "met": None if pct is None else pct <= 5},
             {"target": f"{m} blocked <= 1.2x a plain copy of the state into warm memory", "unit": "x",
              "measured": None if x is None else round(x, 3), "met": None if x is None else x <= 1.2}]
-    for m in ("fastckpt.async_save", "fastckpt.async_save(background)", "fastckpt.async_save(background-copied)",
+    for m in ("fastckpt.async_save", "fastckpt.async_save(background)", "fastckpt.async_save(background-through)",
               "memory.snapshot"):
         if m in modes:
             w = per.get(m, {}).get("interference")
             targets.append({"target": f"{m} interference window <= 1.1", "unit": "x",
                             "measured": None if w is None else round(w, 3), "met": None if w is None else w <= 1.1})
-    for m in ("fastckpt.async_save(background)", "fastckpt.async_save(background-copied)"):
+    for m in ("fastckpt.async_save(background)", "fastckpt.async_save(background-through)"):
         rs = [r for r in results.get(m, []) if "through_bytes" in r]
         total = sum(sum(r["nbytes"]) for r in rs)
         if total:

@@ -143,9 +143,8 @@ class FastAsync(Mode):
 
 
 class FastAsyncBackground(FastAsync):
-    """fastckpt.async_save(..., background_staging=True): the call returns after pickling; the page-aligned
-    tensors are written straight from their memory while the loop's next forward and backward run (and
-    the others copied by a staging thread), and the fence copies what is unwritten when it comes; the fence
+    """fastckpt.async_save(..., background_staging=True): the call returns after pickling; a staging
+    thread copies the state while the loop's next forward and backward run; the fence
     (fastckpt.wait_staged, which optimizer.step() also waits on by itself) is the guard of
     optimizer.step(), so its wait counts as blocked time; staged = when the copies were complete."""
     staged_later = True
@@ -165,13 +164,13 @@ class FastAsyncBackground(FastAsync):
         c.future.add_done_callback(done)
 
 
-class FastAsyncBackgroundCopied(FastAsyncBackground):
-    """As FastAsyncBackground, with the knob async_write_through=0: the staging thread copies every large
-    host tensor while the loop goes on, and the write starts from the copy (no tensor is written straight
-    from its memory: what background staging does for tensors that are not page-aligned)."""
+class FastAsyncBackgroundThrough(FastAsyncBackground):
+    """As FastAsyncBackground, with the knob async_write_through=1: the page-aligned tensors are written
+    straight from their memory while the loop's forward and backward run, and the fence (the next
+    optimizer step) copies only what is not written by then."""
 
     def call(self, i, state, c):
-        with fastckpt.knobs.override(async_write_through=0):
+        with fastckpt.knobs.override(async_write_through=1):
             super().call(i, state, c)
 
 
@@ -265,6 +264,6 @@ class TorchCheckpointing(Mode):
 
 MODE_CLASSES = {"torch.save": TorchSave, "fastckpt.save": FastSave, "fastckpt.async_save": FastAsync,
                 "fastckpt.async_save(background)": FastAsyncBackground,
-                "fastckpt.async_save(background-copied)": FastAsyncBackgroundCopied,
+                "fastckpt.async_save(background-through)": FastAsyncBackgroundThrough,
                 "memory.snapshot": MemorySnapshot, "dcp.async_save": DcpAsync,
                 "torch_checkpointing": TorchCheckpointing}

@@ -26,7 +26,7 @@ async_writer_nice         FASTCKPT_ASYNC_WRITER_NICE         the async save thre
                                                              caller): a background write yields the CPU to training
 async_write_through       FASTCKPT_ASYNC_WRITE_THROUGH       1: background staging writes page-aligned host tensors
                                                              straight from their memory until the fence, which copies
-                                                             only what is unwritten by then (1); 0: copy them all
+                                                             only what is unwritten by then; 0: copy them all (0)
 snapshot_huge_pages       FASTCKPT_SNAPSHOT_HUGE_PAGES       1: snapshot arenas of 2 MiB or more on transparent huge
                                                              pages (1); 0: small pages (see docs/ENGINE.md)
 allow_foreign_owner       FASTCKPT_ALLOW_FOREIGN_OWNER       1: use checkpoint directories another user owns or can write (0)
@@ -58,7 +58,7 @@ NAMES = ("buffer_size", "buffer_count", "queue_depth", "io_threads", "backend", 
 PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
             "async_background_staging": ("FASTCKPT_ASYNC_BACKGROUND_STAGING", 0, 0),
             "async_writer_nice": ("FASTCKPT_ASYNC_WRITER_NICE", 0, 0),
-            "async_write_through": ("FASTCKPT_ASYNC_WRITE_THROUGH", 1, 0),
+            "async_write_through": ("FASTCKPT_ASYNC_WRITE_THROUGH", 0, 0),
             "snapshot_huge_pages": ("FASTCKPT_SNAPSHOT_HUGE_PAGES", 1, 0),
             "allow_foreign_owner": ("FASTCKPT_ALLOW_FOREIGN_OWNER", 0, 0),
             # fastckpt.remote (object stores and shared filesystems)

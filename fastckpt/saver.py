@@ -227,9 +227,9 @@ def _take_snapshot(stager: Snapshotter, obj: Any, pickle_module: Any, pickle_pro
 # the loop goes on. Until then those tensors must not change in place: every
 # optimizer's step() waits for them (a global step pre-hook, registered with
 # the first background staging), and wait_staged() is the fence for any other
-# in-place change. Large host tensors whose memory sits at their record's
-# phase in the file are not copied at all unless the fence comes before the
-# writer has sent them (fastckpt.staging.through; knob async_write_through).
+# in-place change. With the knob async_write_through, large host tensors whose
+# memory sits at their record's phase in the file are not copied at all unless
+# the fence comes before the writer has sent them (fastckpt.staging.through).
 SMALL_SYNC = 1 << 20
 
 _DONE = threading.Event()

@@ -26,6 +26,18 @@ class Gate:
         self.go.set()
 
 
+def step_waits_for(gate, opt, param, before):
+    """optimizer.step() of `opt`, in a thread, must wait while `gate` is closed (`param` still equals
+    `before`: the state being staged is unchanged), and run once it is opened."""
+    import torch
+    t, stepped = step_in_thread(opt)
+    assert not stepped.wait(0.3), "optimizer.step() ran while the state saved was still being staged"
+    assert torch.equal(param.detach(), before)
+    gate.open()
+    t.join(30)
+    assert stepped.is_set()
+
+
 def step_in_thread(opt):
     done = threading.Event()
 

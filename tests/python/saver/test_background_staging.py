@@ -1,6 +1,7 @@
 """async_save(..., background_staging=True): the call returns once the state is pickled and its small
 tensors copied; a staging thread copies the large host tensors while the caller goes on (here with the
-knob async_write_through=0: page-aligned tensors are otherwise written straight from their memory). Until those
+knob async_write_through=0, its default, set here: with it on, page-aligned tensors are written straight
+from their memory, test_write_through.py). Until those
 copies are complete the fence holds: every optimizer's step() waits for them (a global step
 pre-hook), fastckpt.wait_staged() and fut.wait_staged() wait too. The file is the one fastckpt.save
 writes of the state as it was at the call, whatever the caller changes after the fence, and every
@@ -21,7 +22,7 @@ from fastckpt import _C, knobs
 from fastckpt.saver import AsyncSaver, SMALL_SYNC
 
 from leaks import fd_count, temp_files
-from staging_gate import Gate, step_in_thread
+from staging_gate import Gate, step_in_thread, step_waits_for
 from states import assert_same
 
 BIG = (SMALL_SYNC // 4) * 3  # float32 elements: 3 MiB, copied in the background
@@ -51,12 +52,8 @@ def test_the_file_is_the_state_at_the_call_and_the_optimizer_waits_for_the_copie
     fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
     assert gate.entered.wait(30) and not fut.staged and not fut.done()
     assert not fut.wait_staged(timeout=0.05) and not fastckpt.wait_staged(timeout=0.05)
-    t, stepped = step_in_thread(opt)  # the step must wait: it would change the weight being copied
-    assert not stepped.wait(0.3), "optimizer.step() ran while the snapshot was being copied"
-    assert torch.equal(model.weight.detach(), before["weight"])
-    gate.open()
-    t.join(30)
-    assert stepped.is_set() and fut.staged
+    step_waits_for(gate, opt, model.weight, before["weight"])  # it would change the weight being copied
+    assert fut.staged
     res = fut.result(timeout=60)
     assert not torch.equal(model.weight.detach(), before["weight"])  # the step ran after the copies
     assert res.staged_seconds >= res.snapshot_seconds and res.fence_seconds > 0

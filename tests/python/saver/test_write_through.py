@@ -1,5 +1,5 @@
 """Background staging that writes the large host tensors straight from their memory until the fence
-(fastckpt.staging.through; knob async_write_through, on by default).
+(fastckpt.staging.through; knob async_write_through, off by default, on in these tests).
 
 A tensor whose memory sits at its record's phase in the file (page-aligned, as torch allocates
 tensors of 2 MiB and more under THP_MEM_ALLOC_ENABLE=1; here made so by the tests) is not copied
@@ -26,10 +26,16 @@ from fastckpt._core.atomic import AtomicFile
 from fastckpt.saver import AsyncSaver, SMALL_SYNC
 
 from leaks import fd_count, temp_files
-from staging_gate import SendGate, step_in_thread
+from staging_gate import SendGate, step_waits_for
 from states import align_module, assert_same, page_aligned
 
 MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _write_through():
+    with knobs.override(async_write_through=1):
+        yield
 
 
 def _state(gen_seed=1):
@@ -103,12 +109,8 @@ def test_the_optimizer_step_is_the_fence(tmp_path, monkeypatch):
     gate.watch([model.weight])
     fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
     assert gate.entered.wait(30)
-    t, stepped = step_in_thread(opt)
-    assert not stepped.wait(0.3), "optimizer.step() ran while the weight was being written from its memory"
-    assert torch.equal(model.weight.detach(), before["weight"])
-    gate.open()
-    t.join(30)
-    assert stepped.is_set() and fut.staged
+    step_waits_for(gate, opt, model.weight, before["weight"])  # it would change the weight being written
+    assert fut.staged
     res = fut.result(timeout=60)
     assert not torch.equal(model.weight.detach(), before["weight"])
     assert res.through_bytes > 0 and res.fence_copied_bytes > 0
