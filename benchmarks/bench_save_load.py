@@ -632,6 +632,7 @@ class Row:
     check: str = ""
     blocked_s: float = float("nan")   # async_save: how long the caller waited (median)
     helpers_rss_mb: float = float("nan")  # the helper processes' own peak RSS (a peer's writer process)
+    dev_x: float = float("nan")   # bytes the disk read (loads) or wrote (saves) per tensor byte (median)
 
 
 def summarize(bench: Bench) -> Tuple[Dict[str, List[Row]], Dict[str, Any]]:
@@ -673,7 +674,9 @@ def summarize(bench: Bench) -> Tuple[Dict[str, List[Row]], Dict[str, Any]]:
                                   if isinstance(r.extra.get("returned"), dict)
                                   and "blocking_s" in r.extra["returned"]]),
                 helpers_rss_mb=median([r.extra["helpers_peak_rss"] / MiB for r in rs
-                                       if r.extra.get("helpers_peak_rss")])))
+                                       if r.extra.get("helpers_peak_rss")]),
+                dev_x=median([r.extra["dev"]["bytes"] / r.bytes for r in rs
+                              if isinstance(r.extra.get("dev"), dict) and "bytes" in r.extra["dev"] and r.bytes])))
         fast = next((r for r in rows[op] if r.key == "fastckpt"), None)
         for r in rows[op]:
             if fast is not None:
@@ -689,13 +692,13 @@ def _f(x: float, fmt: str) -> str:
 def print_table(rows: List[Row], op: str, bench: Bench) -> None:
     hdr = ["method", "n", f"{op} GB/s median [min-max]", "x fastckpt",
            "x disk", "x disk paired", "CPU-s/GB", "machine CPU-s/GB", "peak extra RSS MB", "pool MB", "file MB",
-           "check"]
+           "disk " + ("read" if op == "load" else "wrote") + " x tensor bytes", "check"]
     lines = []
     for r in rows:
         lines.append([r.label, str(r.n), f"{r.gbps:.3f} [{r.lo:.3f}-{r.hi:.3f}]", _f(r.x_fast, ".2f"),
                       _f(r.x_disk, ".2f"), _f(r.x_disk_paired, ".2f"), _f(r.cpu_per_gb, ".3f"),
                       _f(r.machine_per_gb, ".3f"), _f(r.rss_mb, ".0f"), _f(r.pool_mb, ".0f"), _f(r.file_mb, ".0f"),
-                      r.check])
+                      _f(r.dev_x, ".3f"), r.check])
     widths = [max(len(h), *(len(l[i]) for l in lines)) for i, h in enumerate(hdr)]
     what = "durable save" if op == "save" else "cold load"
     print(f"\n### {what}: {bench.payload / 1e9:.3f} GB of tensors per run\n")

@@ -301,12 +301,14 @@ def dev_stat(dev: Optional[str]) -> Optional[List[int]]:
 
 
 def dev_delta(a: Optional[List[int]], b: Optional[List[int]], op: str) -> Dict[str, float]:
-    """Requests, mean request size and flushes the device completed between two dev_stat()s."""
+    """Requests, bytes, mean request size and flushes the device completed between two dev_stat()s (of the
+    whole device: what other processes read or wrote meanwhile counts too)."""
     if not a or not b:
         return {}
     ios, sectors = (0, 2) if op == "read" else (4, 6)
     n = b[ios] - a[ios]
-    out = {"requests": n, "kib_per_request": (b[sectors] - a[sectors]) * 512 / 1024 / n if n else float("nan")}
+    moved = (b[sectors] - a[sectors]) * 512
+    out = {"requests": n, "bytes": moved, "kib_per_request": moved / 1024 / n if n else float("nan")}
     if len(a) >= 17:
         out["flushes"] = b[15] - a[15]
     return out

@@ -255,7 +255,8 @@ def collect_size(raw_json: Dict[str, Any]) -> Dict[str, Any]:
         return {"label": r["label"], "n": r["n"], "gbps": num(r["gbps"]), "min": num(r["lo"]), "max": num(r["hi"]),
                 "x_disk": num(r.get("x_disk")), "x_disk_paired": num(r.get("x_disk_paired")),
                 "cpu_s_per_gb": num(r.get("cpu_per_gb")), "machine_cpu_s_per_gb": num(r.get("machine_per_gb")),
-                "peak_rss_mb": num(r.get("rss_mb")), "pool_mb": num(r.get("pool_mb")), "check": r.get("check", "")}
+                "peak_rss_mb": num(r.get("rss_mb")), "pool_mb": num(r.get("pool_mb")), "check": r.get("check", ""),
+                "dev_x": num(r.get("dev_x"))}
 
     fio_s = [r for r in saves if r["key"] == "fio"]
     fio_l = [r for r in loads if r["key"] == "fio"]
@@ -569,6 +570,8 @@ def markdown(res: Dict[str, Any], pngs: List[str]) -> str:
             note = "verified" if checks and all(c.startswith("verified") for c in checks) else "; ".join(checks)
             if r.get("blocked_s") is not None:
                 note = (note + "; " if note else "") + f"caller blocked {r['blocked_s']:.2f} s"
+            if l and l.get("dev_x") is not None and r["key"] not in ("fio", "ref"):  # a cold load reads each byte once
+                note = (note + "; " if note else "") + f"disk read {l['dev_x']:.2f}x the tensor bytes"
             rows.append([name] + part(s) + part(l) + [note])
         L += _table(["method (save / load)", "save GB/s", "x disk", "CPU-s/GB", "peak RSS MB", "load GB/s", "x disk",
                      "CPU-s/GB", "peak RSS MB", "check, notes"], rows)

@@ -212,11 +212,11 @@ def _report_module():
     return mod
 
 
-def _row(label, key, op, gbps, disk, cpu=0.5, rss=100.0, check="verified", blocked=math.nan):
+def _row(label, key, op, gbps, disk, cpu=0.5, rss=100.0, check="verified", blocked=math.nan, dev_x=math.nan):
     return {"label": label, "key": key, "op": op, "n": 3, "gbps": gbps, "lo": gbps * 0.9, "hi": gbps * 1.1,
             "x_fast": math.nan, "x_disk": gbps / disk, "x_disk_paired": gbps / disk, "cpu_per_gb": cpu,
             "machine_per_gb": cpu * 2, "rss_mb": rss, "pool_mb": 10.0, "file_mb": 100.0, "check": check,
-            "blocked_s": blocked}
+            "blocked_s": blocked, "dev_x": dev_x}
 
 
 def _fake_save_load(size):
@@ -230,7 +230,7 @@ def _fake_save_load(size):
              _row("DCP FileSystemWriter t=2", "dcp", "save", 1.1, dw, check="verified (by load)"),
              _row("safetensors save_file+fsync", "safetensors", "save", 1.5, dw)]
     loads = [_row("fio bs=8M qd=8", "fio", "load", dr, dr, rss=math.nan, check=""),
-             _row("fastckpt.load", "fastckpt", "load", 1.7 + f, dr),
+             _row("fastckpt.load", "fastckpt", "load", 1.7 + f, dr, dev_x=1.004),
              _row("torch.load", "torch", "load", 1.0, dr),
              _row("DCP FileSystemReader", "dcp", "load", 0.8, dr),
              _row("(ref) fresh memory: empty+fill_", "ref", "load", 3.0, dr, check="")]
@@ -278,7 +278,7 @@ def test_report_assembler(tmp_path):
     for s in ("## Machine", "## The disk's limits (fio)", "## Summary", "## 256 MiB", "## 1 GiB", "## 4 GiB",
               "## 8 GiB", "Not measured: no results (exit 1: not enough memory: about 30 GB needed)", "| **fastckpt.save / fastckpt.load** |",
               "| DCP FileSystemWriter t=2 / DCP FileSystemReader |", "| fastckpt.async_save |",
-              "caller blocked 0.20 s", "| (ref) fresh memory: empty+fill_ |", "not installed here",
+              "caller blocked 0.20 s", "| (ref) fresh memory: empty+fill_ |", "disk read 1.00x the tensor bytes", "not installed here",
               "export FASTCKPT_BUFFER_SIZE=16M", "within this run's noise", "![save_gbps](save_gbps.png)",
               machine["fstype"]):
         assert s in md, s
