@@ -15,6 +15,7 @@ TESTS = Path(__file__).resolve().parents[2]
 def _pytest(tmp_path, body: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_probe.py").write_text(body)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
+    env.pop("FASTCKPT_TEST_DURATIONS_OUT", None)  # `make test-durations`: the probe's run records nothing
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                            "-p", "python.conftest", "--rootdir", str(tmp_path), str(tmp_path)],
                           capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
