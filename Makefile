@@ -111,6 +111,12 @@ distclean: clean
 
 # 50 torchrun jobs per manager mode (replicated/DDP, sharded/DCP) that
 # end with destroy_process_group(); 0 failures allowed (tests/python/manager/test_manager_exit.py).
+# The wheel built with build isolation (pip installs pyproject.toml's build requirements, torch among them,
+# into a fresh environment and compiles everything: 2-3 minutes here); make test builds it without isolation.
+.PHONY: packaging-long
+packaging-long: build
+	FASTCKPT_PACKAGING_LONG=1 $(PY) -m pytest -q tests/python/core/test_packaging.py $(PYTEST_ARGS)
+
 .PHONY: test-exit-long
 test-exit-long: build
 	FASTCKPT_EXIT_RUNS=50 $(PY) -m pytest -q tests/python/manager/test_manager_exit.py $(PYTEST_ARGS)
