@@ -290,7 +290,7 @@ def _write_through(snap: SaveSnapshot) -> None:
     for i in through:
         staged[i] = snap.through.source(i)
     for i, _, _ in copies.pending:
-        staged[i] = Waited(staged[i], i, copies.crcs, snap.copied, lambda: snap.stage_error)
+        staged[i] = Waited(staged[i], i, copies.crcs, snap.copied, lambda: snap.stage_error, snap.through)
     snap.staged = staged
 
 

@@ -121,6 +121,18 @@ class Through:
             self._release(sink)
         return crc
 
+    def wait_beside(self, ready: threading.Event, sink) -> None:
+        """Wait for `ready` (the staging thread's copy of the source the writer writes next); if the
+        fence comes meanwhile (or came), let go of the live memory first, so that the fence waits
+        neither for that copy nor for that source's writes."""
+        while True:
+            with self._cv:
+                fenced = self._switched and self._lent
+            if fenced:
+                self._release(sink)
+            if ready.wait(0 if fenced else 0.01) or (fenced and ready.wait()):
+                return
+
     def _release(self, sink) -> None:
         with self._cv:
             if not self._lent:
@@ -187,17 +199,21 @@ class Waited:
     """A source that the staging thread copies into the arena (one not written straight from live
     memory) as the archive writer takes it, once `copied` is set: its arena copy, lent to the
     engine, with the CRC-32 the copy took. ``error()`` returns the staging thread's failure."""
-    __slots__ = ("_view", "_i", "_crcs", "_copied", "_error")
+    __slots__ = ("_view", "_i", "_crcs", "_copied", "_error", "_through")
 
     def __init__(self, view: torch.UntypedStorage, i: int, crcs: List[Optional[int]], copied: threading.Event,
-                 error):
+                 error, through: Optional[Through] = None):
         self._view, self._i, self._crcs, self._copied, self._error = view, i, crcs, copied, error
+        self._through = through  # the snapshot's live sources: let go of at a fence before this is written
 
     def nbytes(self) -> int:
         return nbytes_of(self._view)
 
     def write_into(self, sink) -> int:
-        self._copied.wait()
+        if self._through is not None:
+            self._through.wait_beside(self._copied, sink)
+        else:
+            self._copied.wait()
         e = self._error()
         if e is not None:
             raise e
