@@ -111,11 +111,12 @@ distclean: clean
 
 # 50 torchrun jobs per manager mode (replicated/DDP, sharded/DCP) that
 # end with destroy_process_group(); 0 failures allowed (tests/python/manager/test_manager_exit.py).
-# The wheel built with build isolation (pip installs pyproject.toml's build requirements, torch among them,
-# into a fresh environment and compiles everything: 2-3 minutes here); make test builds it without isolation.
-.PHONY: packaging-long
-packaging-long: build
-	FASTCKPT_PACKAGING_LONG=1 $(PY) -m pytest -q tests/python/core/test_packaging.py $(PYTEST_ARGS)
+# The long variants (tests marked `long`, which make test skips): the wheel built with build isolation
+# (torch installed into a fresh environment and a full compile), the memory tier's lost node with 2 ranks
+# per node, Lightning's ddp_spawn run, ... (tests/conftest.py); about 6 minutes here.
+.PHONY: test-long
+test-long: build
+	FASTCKPT_TEST_LONG=1 $(PY) -m pytest -q $(PYTEST_XDIST) -m long tests/python tests/powerloss $(PYTEST_ARGS)
 
 .PHONY: test-exit-long
 test-exit-long: build

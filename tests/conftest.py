@@ -12,6 +12,11 @@ worker while the other idles): the expected durations come from
 ``FASTCKPT_TEST_DURATIONS_OUT=tests/durations.json`` (``make test-durations``).
 A test that is not in it counts as short. Serial runs keep pytest's order.
 
+The long tier: a test or parametrization marked ``long`` is a second variant of a class
+that ``make test`` already covers with another (the same check at a larger placement, the
+other branch of a fault, a slower launcher); ``make test`` skips it with the reason,
+``make test-long`` (``FASTCKPT_TEST_LONG=1 pytest -m long``) runs them.
+
 At the end of a run, the run fails if it left something of fastckpt's in /dev/shm (shared memory
 that outlives the tests takes the machine's memory until a reboot).
 """
@@ -54,7 +59,29 @@ def _module(nodeid: str) -> str:
     return nodeid.split("::", 1)[0]
 
 
+LONG = os.environ.get("FASTCKPT_TEST_LONG") == "1"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "long: a variant that make test skips and make test-long runs "
+                                       "(FASTCKPT_TEST_LONG=1); another variant covers its class in make test")
+
+
+def _skip_long(items) -> set:
+    """Mark the long tests skipped unless FASTCKPT_TEST_LONG=1; their node ids."""
+    skipped = set()
+    if LONG:
+        return skipped
+    why = pytest.mark.skip(reason="a long variant: make test-long runs it (FASTCKPT_TEST_LONG=1)")
+    for item in items:
+        if item.get_closest_marker("long") is not None:
+            item.add_marker(why)
+            skipped.add(item.nodeid)
+    return skipped
+
+
 def pytest_collection_modifyitems(session, config, items):
+    skipped = _skip_long(items)
     if not _distributed(config):
         return
     try:
@@ -71,7 +98,8 @@ def pytest_collection_modifyitems(session, config, items):
         else:
             unit[item.nodeid] = item.nodeid
         u = unit[item.nodeid]
-        cost[u] = cost.get(u, 0.0) + float(expected.get(item.nodeid, DEFAULT_S))
+        own = 0.0 if item.nodeid in skipped else float(expected.get(item.nodeid, DEFAULT_S))
+        cost[u] = cost.get(u, 0.0) + own
     # Stable: the tests of a group keep their order; equal costs keep pytest's.
     items.sort(key=lambda it: -cost[unit[it.nodeid]])
 

@@ -89,9 +89,7 @@ def test_wheel_without_build_isolation(tmp_path):
     _check_wheel(str(whl), tmp_path)
 
 
-@pytest.mark.skipif(os.environ.get("FASTCKPT_PACKAGING_LONG") != "1",
-                    reason="a full build in a fresh environment (2-3 minutes here, the suite's longest test): "
-                           "make packaging-long runs it (FASTCKPT_PACKAGING_LONG=1)")
+@pytest.mark.long  # a full build in a fresh environment (2-3 minutes here); the wheel without isolation is in make test
 def test_wheel_with_build_isolation(tmp_path):
     """`pip wheel` with build isolation, from a copy of the sources: pip installs pyproject.toml's build
     requirements into a fresh environment, with torch pinned (--build-constraint) to the torch running here,

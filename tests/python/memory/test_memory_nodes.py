@@ -83,7 +83,8 @@ def test_a_job_killed_on_every_rank_resumes_from_its_own_memory(tmp_path, nodes,
     assert_same(final, reference(1), bitwise=True)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+# 2 ranks per node: the long tier (test_replicas.py checks every placement's plan in make test)
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.long)])
 def test_a_lost_node_restores_from_its_peers_replicas(tmp_path, nodes, reference, nproc):
     mem = nodes(2)
     killed_run(mem, tmp_path / "ckpt", nproc=nproc)
@@ -116,7 +117,8 @@ def test_a_damaged_replica_is_not_used(tmp_path, nodes, reference):
     assert_same(final, reference(1), bitwise=True)
 
 
-@pytest.mark.parametrize("lose_node", [False, True])
+# Without a lost node (each rank restores from its own memory after the kill): the long tier
+@pytest.mark.parametrize("lose_node", [pytest.param(False, marks=pytest.mark.long), True])
 def test_a_kill_during_the_background_commit_and_replication(tmp_path, nodes, reference, lose_node):
     """Every rank killed as soon as its snapshot returns (CRC-32, commit record and replication
     still running): the restart takes the newest step every rank can restore (this one or the
