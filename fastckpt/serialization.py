@@ -234,8 +234,7 @@ def load(f: FileLike, map_location: MapLocation = None, pickle_module: Any = Non
     weights_only, pickle_module = _torch_rules.weights_only_policy(weights_only, pickle_module)
     ts._check_dill_version(pickle_module)
     if mmap is None:  # torch.load's default
-        from torch.utils.serialization import config as _torch_config
-        mmap = bool(_torch_config.load.mmap)
+        mmap = _torch_rules.default_mmap()
     if pickle_load_args:
         _check_unpickler_args(weights_only, pickle_module, pickle_load_args)
     if group is not None:

@@ -23,7 +23,9 @@ import torch.serialization as ts
 
 from . import zip as _zip
 
-__all__ = ["weights_only_policy", "weights_only_failure", "reads_no_data", "storage_alignment", "compute_crc32", "StorageRef",
+__all__ = ["weights_only_policy", "weights_only_failure", "reads_no_data", "storage_alignment", "compute_crc32", "default_mmap",
+           "default_load_endianness",
+           "CONFIG_DEFAULTS", "StorageRef",
            "v3_dtypes", "itemsize", "contiguous_stride"]
 
 
@@ -112,17 +114,50 @@ def reads_no_data(map_location: Any) -> bool:
                 or (is_meta(map_location) if is_meta else isinstance(map_location, str) and map_location == "meta"))
 
 
+# torch's serialization settings are in torch.utils.serialization.config, which torch imports on its
+# first save or load; that first import takes 10-15 ms (the config module parses its own source). While
+# no code has imported it, no setting can differ from its default, so fastckpt takes the defaults
+# without importing it (tests/python/formats/test_torch_semantics.py checks them against torch's).
+_CONFIG = "torch.utils.serialization.config"
+CONFIG_DEFAULTS = {"save.storage_alignment": _zip.TORCH_ALIGNMENT, "save.compute_crc32": True, "load.mmap": False,
+                   "load.endianness": None}
+
+
+def _config_loaded() -> bool:
+    return _CONFIG in sys.modules
+
+
 def storage_alignment() -> int:
     """torch's ``config.save.storage_alignment`` (64 by default): the alignment
     of a new file's records, or a multiple of it and of 4096 where large
     storages dominate (:func:`fastckpt.formats.zip.storage_alignment`)."""
     get = getattr(ts, "_get_storage_alignment", None)
-    return max(1, int(get())) if get else _zip.TORCH_ALIGNMENT
+    if get is None or not _config_loaded():
+        return CONFIG_DEFAULTS["save.storage_alignment"]
+    return max(1, int(get()))
 
 
 def compute_crc32() -> bool:
     get = getattr(ts, "get_crc32_options", None)
-    return bool(get()) if get else True
+    if get is None or not _config_loaded():
+        return CONFIG_DEFAULTS["save.compute_crc32"]
+    return bool(get())
+
+
+def default_mmap() -> bool:
+    """torch's ``config.load.mmap``: what ``torch.load(mmap=None)`` does."""
+    if not _config_loaded():
+        return CONFIG_DEFAULTS["load.mmap"]
+    from torch.utils.serialization import config
+    return bool(config.load.mmap)
+
+
+def default_load_endianness() -> Any:
+    """torch's ``config.load.endianness`` (``get_default_load_endianness()``): the byte order of a
+    file without a byteorder record (None: native)."""
+    if not _config_loaded():
+        return CONFIG_DEFAULTS["load.endianness"]
+    return ts.get_default_load_endianness()
 
 
 # ---------------------------------------------------------------- storages in data.pkl

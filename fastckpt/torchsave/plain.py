@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict
 import torch
 import torch.serialization as ts
 
+from ..formats import torch_rules as _torch_rules
 from ..formats.torch_rules import element_size
 
 __all__ = ["NotPlain", "load_plain", "PLAIN_CALLS"]
@@ -58,7 +59,7 @@ def _settings_allow(reader: Any, pickle_load_args: Dict[str, Any]) -> None:
         order = reader.get_record("byteorder")
         if order != sys.byteorder.encode():
             raise NotPlain("a byte order to swap (or an unknown one)")
-    elif sys.byteorder != "little" or ts.get_default_load_endianness() not in (None, ts.LoadEndianness.LITTLE):
+    elif sys.byteorder != "little" or _torch_rules.default_load_endianness() not in (None, ts.LoadEndianness.LITTLE):
         raise NotPlain("no byteorder record, and not a little-endian load")
 
 

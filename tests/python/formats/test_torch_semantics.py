@@ -360,3 +360,33 @@ def test_loads_without_data_read_no_data(tmp_path, how):
     with pytest.raises(OSError):  # the hook is live: a load that reads data hits it
         _C.fault_inject("read", nth=1, errno=errno.EIO, times=0, path_contains="x.pt")
         fastckpt.load(tmp_path / "x.pt")
+
+
+def test_torch_settings_taken_as_their_defaults_while_torch_s_config_is_not_imported(tmp_path):
+    """torch.utils.serialization.config is imported by torch's first save or load (10-15 ms: it parses
+    its own source). fastckpt.save, fastckpt.load and async_save in a fresh process leave it unimported
+    (no setting can differ from a default then) and write torch's default file; the defaults fastckpt
+    assumes are torch's own; once the config is imported, a changed setting is followed (the tests above)."""
+    import subprocess
+    import sys
+    from fastckpt.formats import torch_rules
+    for name, value in torch_rules.CONFIG_DEFAULTS.items():
+        assert torch_config._config[name].default == value, name  # torch's declared default
+    script = f"""
+import sys, torch, fastckpt
+sd = {{"w": torch.arange(1000.0), "n": 3}}
+fastckpt.save(sd, {str(tmp_path / "a.pt")!r})
+fastckpt.async_save(sd, {str(tmp_path / "b.pt")!r}).result()
+got = fastckpt.load({str(tmp_path / "a.pt")!r})
+assert torch.equal(got["w"], sd["w"]) and got["n"] == 3
+assert "torch.utils.serialization.config" not in sys.modules, "imported"
+from torch.utils.serialization import config
+assert config.save.storage_alignment == 64 and config.save.compute_crc32 and not config.load.mmap
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+    # the same file as with the config imported (its defaults): records at 64 (and 4096 for large ones), CRCs
+    with zipfile.ZipFile(tmp_path / "a.pt") as z:
+        assert z.read(next(n for n in z.namelist() if n.endswith(".storage_alignment"))) in (b"64", b"4096")
+        assert all(i.CRC != 0 for i in z.infolist() if "/data/" in i.filename)
