@@ -14,6 +14,11 @@ process, no peers):
 * ``torch.save``: ``torch.save`` then ``fsync`` of the file and of its directory;
 * ``fastckpt.save``: synchronous (temporary name, O_DIRECT, fdatasync, rename, directory fsync);
 * ``fastckpt.async_save``: returns after the host snapshot; the write runs in the background;
+* ``fastckpt.async_save(background)``: ``background_staging=True``: returns after pickling; the
+  large tensors are copied by a staging thread, or written straight from their memory, until the
+  fence (the next ``optimizer.step()``), as the knob ``async_write_through`` chooses: by default
+  per save, from whether the last one was written before its fence; ``(background-copy)`` and
+  ``(background-through)`` pin the knob to 0 (always copy) and 1 (always write through);
 * ``memory.snapshot``: ``CheckpointManager(memory=MemoryTier(keep=2, replicas=0)).snapshot(step)``:
   the state copied into host memory (a tmpfs), its CRC-32 and commit record in the background
   ("durable" here: committed in host memory, which survives the process but not the node; a
@@ -87,8 +92,10 @@ from benchmarks.workload import iter_tensors  # noqa: E402
 from fastckpt._core.units import human  # noqa: E402  (the package's one size formatter)
 
 MiB, GiB = 1 << 20, 1 << 30
-MODES = ("none", "torch.save", "fastckpt.save", "fastckpt.async_save", "fastckpt.async_save(background)",
-         "fastckpt.async_save(background-through)", "memory.snapshot", "dcp.async_save", "torch_checkpointing")
+BACKGROUND = ("fastckpt.async_save(background)", "fastckpt.async_save(background-copy)",
+              "fastckpt.async_save(background-through)")
+MODES = ("none", "torch.save", "fastckpt.save", "fastckpt.async_save") + BACKGROUND + \
+    ("memory.snapshot", "dcp.async_save", "torch_checkpointing")
 WARMUPS = 2
 
 
@@ -249,7 +256,11 @@ def summarize(results: Dict[str, List[Dict[str, Any]]], modes: List[str], errors
 
 
 LABEL = {"memory.snapshot": "memory tier snapshot", "torch.save": "torch.save + fsync",
-         "fastckpt.async_save(background)": "fastckpt.async_save, background staging",
+         "fastckpt.async_save(background)": "fastckpt.async_save, background staging (the default: written from "
+                                            "the tensors when the last save was written before its fence, else "
+                                            "copied)",
+         "fastckpt.async_save(background-copy)": "fastckpt.async_save, background staging, every tensor copied "
+                                                 "(knob async_write_through=0)",
          "fastckpt.async_save(background-through)": "fastckpt.async_save, background staging, written from the "
                                                     "tensors until the fence (knob async_write_through=1)",
          "dcp.async_save": "dcp.async_save (FileSystemWriter)", "torch_checkpointing": "torch_checkpointing async"}
@@ -371,7 +382,7 @@ def main(argv=None) -> int:
                      fmt_opt(p["first_ms"], ".1f"), fmt_opt(p["goodput"], ".3f"), fmt_opt(p["bg_cpu_s"], ".2f")])
     targets = []
     a = per.get("fastckpt.async_save")
-    for m in ("fastckpt.async_save", "fastckpt.async_save(background)", "fastckpt.async_save(background-through)"):
+    for m in ("fastckpt.async_save",) + BACKGROUND:
         if m not in modes:
             continue
         p = per.get(m)
@@ -382,13 +393,12 @@ def main(argv=None) -> int:
              "measured": None if pct is None else round(pct, 2), "met": None if pct is None else pct <= 5},
             {"target": f"{m} blocked <= 1.2x a plain copy of the state into warm memory", "unit": "x",
              "measured": None if x is None else round(x, 3), "met": None if x is None else x <= 1.2}]
-    for m in ("fastckpt.async_save", "fastckpt.async_save(background)", "fastckpt.async_save(background-through)",
-              "memory.snapshot"):
+    for m in ("fastckpt.async_save",) + BACKGROUND + ("memory.snapshot",):
         if m in modes:
             w = per.get(m, {}).get("interference")
             targets.append({"target": f"{m} interference window <= 1.1", "unit": "x",
                             "measured": None if w is None else round(w, 3), "met": None if w is None else w <= 1.1})
-    for m in ("fastckpt.async_save(background)", "fastckpt.async_save(background-through)"):
+    for m in BACKGROUND:
         rs = [r for r in results.get(m, []) if "through_bytes" in r]
         total = sum(sum(r["nbytes"]) for r in rs)
         if total:

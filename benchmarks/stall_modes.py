@@ -144,10 +144,13 @@ class FastAsync(Mode):
 
 class FastAsyncBackground(FastAsync):
     """fastckpt.async_save(..., background_staging=True): the call returns after pickling; a staging
-    thread copies the state while the loop's next forward and backward run; the fence
+    thread copies the state while the loop's next forward and backward run, or (the knob
+    async_write_through, by default chosen per save from the last one) the writer sends the
+    page-aligned tensors straight from their memory until the fence; the fence
     (fastckpt.wait_staged, which optimizer.step() also waits on by itself) is the guard of
     optimizer.step(), so its wait counts as blocked time; staged = when the copies were complete."""
     staged_later = True
+    write_through: Optional[int] = None  # the knob's value for this mode (None: its default)
 
     @staticmethod
     def guard():
@@ -155,7 +158,9 @@ class FastAsyncBackground(FastAsync):
         return contextlib.nullcontext()
 
     def call(self, i, state, c):
-        c.future = fastckpt.async_save(state, os.path.join(self.work, "ckpt.pt"), background_staging=True)
+        knob = {} if self.write_through is None else {"async_write_through": self.write_through}
+        with fastckpt.knobs.override(**knob):
+            c.future = fastckpt.async_save(state, os.path.join(self.work, "ckpt.pt"), background_staging=True)
 
         def done(fut):
             if fut.exception() is None:
@@ -164,14 +169,17 @@ class FastAsyncBackground(FastAsync):
         c.future.add_done_callback(done)
 
 
+class FastAsyncBackgroundCopy(FastAsyncBackground):
+    """As FastAsyncBackground, with the knob async_write_through=0: every large tensor copied by the
+    staging thread."""
+    write_through = 0
+
+
 class FastAsyncBackgroundThrough(FastAsyncBackground):
     """As FastAsyncBackground, with the knob async_write_through=1: the page-aligned tensors are written
     straight from their memory while the loop's forward and backward run, and the fence (the next
     optimizer step) copies only what is not written by then."""
-
-    def call(self, i, state, c):
-        with fastckpt.knobs.override(async_write_through=1):
-            super().call(i, state, c)
+    write_through = 1
 
 
 class MemorySnapshot(Mode):
@@ -264,6 +272,7 @@ class TorchCheckpointing(Mode):
 
 MODE_CLASSES = {"torch.save": TorchSave, "fastckpt.save": FastSave, "fastckpt.async_save": FastAsync,
                 "fastckpt.async_save(background)": FastAsyncBackground,
+                "fastckpt.async_save(background-copy)": FastAsyncBackgroundCopy,
                 "fastckpt.async_save(background-through)": FastAsyncBackgroundThrough,
                 "memory.snapshot": MemorySnapshot, "dcp.async_save": DcpAsync,
                 "torch_checkpointing": TorchCheckpointing}

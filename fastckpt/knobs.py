@@ -26,7 +26,9 @@ async_writer_nice         FASTCKPT_ASYNC_WRITER_NICE         the async save thre
                                                              caller): a background write yields the CPU to training
 async_write_through       FASTCKPT_ASYNC_WRITE_THROUGH       1: background staging writes page-aligned host tensors
                                                              straight from their memory until the fence, which copies
-                                                             only what is unwritten by then; 0: copy them all (0)
+                                                             only what is unwritten by then; 0: copy them all; 2:
+                                                             write through when the saver's last background save
+                                                             was written before its first fence, else copy (2)
 snapshot_huge_pages       FASTCKPT_SNAPSHOT_HUGE_PAGES       1: snapshot arenas of 2 MiB or more on transparent huge
                                                              pages (1); 0: small pages (see docs/ENGINE.md)
 allow_foreign_owner       FASTCKPT_ALLOW_FOREIGN_OWNER       1: use checkpoint directories another user owns or can write (0)
@@ -58,7 +60,7 @@ NAMES = ("buffer_size", "buffer_count", "queue_depth", "io_threads", "backend", 
 PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
             "async_background_staging": ("FASTCKPT_ASYNC_BACKGROUND_STAGING", 0, 0),
             "async_writer_nice": ("FASTCKPT_ASYNC_WRITER_NICE", 0, 0),
-            "async_write_through": ("FASTCKPT_ASYNC_WRITE_THROUGH", 0, 0),
+            "async_write_through": ("FASTCKPT_ASYNC_WRITE_THROUGH", 2, 0),
             "snapshot_huge_pages": ("FASTCKPT_SNAPSHOT_HUGE_PAGES", 1, 0),
             "allow_foreign_owner": ("FASTCKPT_ALLOW_FOREIGN_OWNER", 0, 0),
             # fastckpt.remote (object stores and shared filesystems)
@@ -67,6 +69,9 @@ PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
             "remote_attempts": ("FASTCKPT_REMOTE_ATTEMPTS", 5, 1),
             "remote_bandwidth": ("FASTCKPT_REMOTE_BANDWIDTH", 0, 0),
             "remote_peer_timeout": ("FASTCKPT_REMOTE_PEER_TIMEOUT", 120, 1)}
+
+# Largest allowed values, where there is one.
+_PY_HIGH = {"async_write_through": 2}
 
 _lock = threading.Lock()
 _overrides: Dict[str, object] = {}
@@ -93,13 +98,14 @@ def config() -> "_C.EngineConfig":
 
 
 def _py_value(name: str, value: object, source: str) -> int:
-    low = PY_NAMES[name][2]
+    low, high = PY_NAMES[name][2], _PY_HIGH.get(name)
     try:
         n = int(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
         n = low - 1
-    if n < low or (isinstance(value, float) and value != n):
-        raise ValueError(f"fastckpt knob {name} ({source}) must be an integer >= {low}, got {value!r}")
+    if n < low or (high is not None and n > high) or (isinstance(value, float) and value != n):
+        within = f">= {low}" if high is None else f"from {low} to {high}"
+        raise ValueError(f"fastckpt knob {name} ({source}) must be an integer {within}, got {value!r}")
     return n
 
 

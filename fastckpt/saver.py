@@ -166,7 +166,7 @@ class SaveSnapshot:
     whole file already serialized (``legacy``). ``copies``: the staging
     snapshot that holds the staged storages, until released."""
     __slots__ = ("data_pkl", "staged", "copies", "nbytes", "opts", "legacy", "ready", "copied", "through",
-                 "stage_error", "started_at", "staged_at", "fence_s")
+                 "stage_error", "started_at", "staged_at", "fence_s", "fence_at")
 
     def __init__(self, data_pkl, staged, copies: Optional[Snapshot], nbytes, opts=None, legacy=None):
         self.data_pkl = data_pkl
@@ -182,6 +182,7 @@ class SaveSnapshot:
         self.started_at = 0.0       # perf_counter() when the caller's snapshot began
         self.staged_at: Optional[float] = None  # perf_counter() when background staging completed
         self.fence_s = 0.0          # how long the fence (optimizer steps, wait_staged) waited for it
+        self.fence_at: Optional[float] = None  # perf_counter() of the first fence after the call (when watched)
 
 
 class _Staged:
@@ -230,12 +231,19 @@ def _take_snapshot(stager: Snapshotter, obj: Any, pickle_module: Any, pickle_pro
 # in-place change. With the knob async_write_through, large host tensors whose
 # memory sits at their record's phase in the file are not copied at all unless
 # the fence comes before the writer has sent them (fastckpt.staging.through).
+# Its default (2) chooses per save: a loop checkpoints periodically, so where
+# the saver's last background save was written before its first fence, the
+# next one writes through (no copy, no memory traffic for it); where the fence
+# came first, the next one copies in the background (a fence that has to copy
+# and to wait for writes in flight blocks the loop longer than a copy that
+# runs beside the forward and backward passes). The first save copies.
 SMALL_SYNC = 1 << 20
 
 _DONE = threading.Event()
 _DONE.set()
 _fence_lock = threading.Lock()
 _staging: List[SaveSnapshot] = []     # snapshots whose background copies are not complete
+_watching: List[SaveSnapshot] = []    # saves choosing write-through for the next: their first fence is to come
 _hook_handle: Optional[Any] = None
 
 
@@ -257,6 +265,11 @@ def wait_staged(timeout: Optional[float] = None) -> bool:
     once when nothing stages in the background; False on timeout."""
     with _fence_lock:
         pending = list(_staging)
+        if _watching:
+            now = time.perf_counter()
+            for s in _watching:
+                s.fence_at = now
+            _watching.clear()
     if not pending:
         return True
     t0 = time.perf_counter()
@@ -271,7 +284,7 @@ def wait_staged(timeout: Optional[float] = None) -> bool:
 
 
 def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    if _staging:  # a plain read: the common case (nothing staging) costs no lock
+    if _staging or _watching:  # plain reads: the common case (nothing staging) costs no lock
         wait_staged()
 
 
@@ -294,11 +307,18 @@ def _write_through(snap: SaveSnapshot) -> None:
     snap.staged = staged
 
 
-def _stage_in_background(snap: SaveSnapshot, write_through: bool = False) -> None:
+def _unwatch(snap: SaveSnapshot) -> None:
+    with _fence_lock:
+        if snap in _watching:
+            _watching.remove(snap)
+
+
+def _stage_in_background(snap: SaveSnapshot, write_through: bool = False, watch: bool = False) -> None:
     """Start the thread that completes ``snap``'s copies; the fence holds until it has, and, with
-    ``write_through``, until nothing reads the live tensors any more (see :func:`_write_through`)."""
+    ``write_through``, until nothing reads the live tensors any more (see :func:`_write_through`).
+    ``watch``: record the time of the first fence after the call in ``snap.fence_at``."""
     global _hook_handle
-    if write_through and knobs.get("async_write_through"):
+    if write_through:
         _write_through(snap)
     with _fence_lock:
         if _hook_handle is None:
@@ -307,6 +327,8 @@ def _stage_in_background(snap: SaveSnapshot, write_through: bool = False) -> Non
         snap.ready = threading.Event()
         snap.copied = threading.Event()
         _staging.append(snap)
+        if watch:
+            _watching.append(snap)
 
     def run() -> None:
         try:
@@ -380,6 +402,9 @@ class AsyncSaver:
         self._failed: List[SaveFuture] = []
         self._worker_ident: Optional[int] = None
         self._closed = False
+        # async_write_through=2: whether this saver's last background save was written before its
+        # first fence (None: none yet, and the first copies)
+        self._written_before_fence: Optional[bool] = None
         _savers.add(self)
 
     @property
@@ -493,7 +518,9 @@ class AsyncSaver:
             snap.started_at = t0
             if snap.copies is not None and snap.copies.pending:
                 # A collective write (zip_only) writes the arena copies with a writer of its own.
-                _stage_in_background(snap, write_through=not zip_only)
+                mode = 0 if zip_only else knobs.get("async_write_through")
+                _stage_in_background(snap, write_through=mode == 1 or (mode == 2 and bool(self._written_before_fence)),
+                                     watch=mode == 2)
                 fut._staged = snap.ready
         except BaseException:
             if snap is not None and snap.copies is not None:  # the staging thread did not start
@@ -599,11 +626,13 @@ class AsyncSaver:
             if through is not None:
                 through.finish()
                 snap.ready.wait()
+            self._learn(snap, through)
             staged_s = snap_s if snap.staged_at is None else snap.staged_at - snap.started_at
             fut.set_result(SaveResult(fut.path, snap.nbytes, snap_s, time.perf_counter() - t0, staged_s,
                                       snap.fence_s, through.live_bytes if through else 0,
                                       through.copied_bytes if through else 0))
         finally:
+            _unwatch(snap)
             if snap.through is not None:  # written, failed or cancelled: nothing more is sent from live memory
                 snap.through.finish()
             snap.ready.wait()  # never give the arena back while a staging thread (or the fence) copies into it
@@ -611,6 +640,20 @@ class AsyncSaver:
             if snap.copies is not None:
                 snap.copies.release(keep=self.max_in_flight)
             self._done(fut)
+
+    def _learn(self, snap: SaveSnapshot, through: Optional[Through]) -> None:
+        """async_write_through=2: note whether `snap`, written, had its data sent before its first fence
+        (written through: the fence found nothing to copy; copied: the write, its sync included,
+        ended before the fence), which decides whether this saver's next background save writes through."""
+        with _fence_lock:
+            if snap not in _watching and snap.fence_at is None:
+                return  # not watched
+            if through is not None:
+                self._written_before_fence = not through.fenced
+            else:
+                self._written_before_fence = snap.fence_at is None
+            if snap in _watching:
+                _watching.remove(snap)
 
     def _done(self, fut: SaveFuture) -> None:
         with self._cv:

@@ -76,6 +76,12 @@ class Through:
         self.live_bytes = 0                 # bytes sent straight from the live tensors
         self.copied_bytes = 0               # bytes the fence copied into the arena
 
+    @property
+    def fenced(self) -> bool:
+        """Whether the fence came before every source was sent and drained (it copied what was left,
+        if anything, and waited for the writes in flight)."""
+        return self._switched
+
     def source(self, i: int) -> _Source:
         """What the archive writer writes for source `i` (its ``write_into`` sends the bytes)."""
         view, _ = self._items[i]

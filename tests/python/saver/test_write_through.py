@@ -1,5 +1,6 @@
 """Background staging that writes the large host tensors straight from their memory until the fence
-(fastckpt.staging.through; knob async_write_through, off by default, on in these tests).
+(fastckpt.staging.through; knob async_write_through: 1 in these tests, 2 by default, which chooses
+per save from the saver's last one).
 
 A tensor whose memory sits at its record's phase in the file (page-aligned, as torch allocates
 tensors of 2 MiB and more under THP_MEM_ALLOC_ENABLE=1; here made so by the tests) is not copied
@@ -148,6 +149,70 @@ def test_the_knob_off_copies_in_the_background_as_before(tmp_path):
         res = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True).result(timeout=60)
     assert res.through_bytes == 0 and res.fence_copied_bytes == 0
     assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), sd, bitwise=True)
+
+
+def test_the_default_chooses_from_the_saver_s_last_save(tmp_path, monkeypatch):
+    """async_write_through=2 (the default): a saver's first background save copies; a save written
+    before its first fence makes the next one write through, a save whose fence came first (written
+    through or copied) makes the next one copy. Every file is the state at its call."""
+    import fastckpt.saver as saver_mod
+    held = threading.Event()
+    go = threading.Event()
+    go.set()
+    write_archive = saver_mod.write_archive
+
+    def gated(*a, **k):  # the copying writer held before it writes, while go is clear
+        held.set()
+        assert go.wait(60), "the test never let the writer go"
+        return write_archive(*a, **k)
+    monkeypatch.setattr(saver_mod, "write_archive", gated)
+    saver = AsyncSaver()
+    got, wants = [], []
+
+    def save(sd, fence_first=False):
+        wants.append(_clone(sd))
+        path = tmp_path / f"c{len(wants)}.pt"
+        if fence_first:
+            go.clear()
+            held.clear()
+        fut = saver.save(sd, path, background_staging=True)
+        if fence_first:  # the fence (an optimizer step, here wait_staged) while the write is held
+            assert held.wait(30)
+            assert fastckpt.wait_staged(timeout=60)
+            for v in (sd["a"], sd["b"], sd["odd"]):
+                v.add_(1)  # the state changes once the fence returns
+            go.set()
+        got.append(fut.result(timeout=60))
+        return got[-1]
+
+    try:
+        with knobs.override(async_write_through=2):
+            sd = _state()
+            r = save(sd)                    # the first: copies
+            assert r.through_bytes == 0 and r.fence_copied_bytes == 0
+            r = save(sd)                    # the first was written before any fence: through
+            assert r.through_bytes == _live_bytes(sd) and r.fence_copied_bytes == 0
+            r = save(sd, fence_first=True)  # through, but the fence comes first: it copies the rest
+            assert r.fence_copied_bytes > 0
+            r = save(sd, fence_first=True)  # so the next copies (and its fence comes first too)
+            assert r.through_bytes == 0 and r.fence_copied_bytes == 0
+            r = save(sd)                    # copies again, written before its fence
+            assert r.through_bytes == 0 and r.fence_copied_bytes == 0
+            r = save(sd)                    # through again
+            assert r.through_bytes == _live_bytes(sd) and r.fence_copied_bytes == 0
+    finally:
+        saver.close()
+    for i, want in enumerate(wants):
+        assert_same(fastckpt.load(tmp_path / f"c{i + 1}.pt", verify=True), want, bitwise=True)
+    assert temp_files(tmp_path) == []
+
+
+def test_the_knob_takes_0_1_or_2():
+    assert knobs.PY_NAMES["async_write_through"][1] == 2
+    for bad in (3, -1, "auto"):
+        with pytest.raises(ValueError, match="async_write_through .*from 0 to 2"):
+            with knobs.override(async_write_through=bad):
+                pass
 
 
 @pytest.mark.parametrize("err", [errno.EIO, errno.ENOSPC])
