@@ -31,6 +31,9 @@ async_write_through       FASTCKPT_ASYNC_WRITE_THROUGH       1: background stagi
                                                              was written before its first fence, else copy (2)
 snapshot_huge_pages       FASTCKPT_SNAPSHOT_HUGE_PAGES       1: snapshot arenas of 2 MiB or more on transparent huge
                                                              pages (1); 0: small pages (see docs/ENGINE.md)
+load_huge_pages           FASTCKPT_LOAD_HUGE_PAGES           1: storages of 2 MiB or more that a load returns (or
+                                                             stages for a device) on transparent huge pages (1);
+                                                             0: small pages (see docs/ENGINE.md)
 allow_foreign_owner       FASTCKPT_ALLOW_FOREIGN_OWNER       1: use checkpoint directories another user owns or can write (0)
 remote_part_size          FASTCKPT_REMOTE_PART_SIZE          bytes per part of a remote upload or ranged read (16 MiB)
 remote_parallelism        FASTCKPT_REMOTE_PARALLELISM        parts in flight per remote transfer (8): memory <= parts x part size
@@ -62,6 +65,7 @@ PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
             "async_writer_nice": ("FASTCKPT_ASYNC_WRITER_NICE", 0, 0),
             "async_write_through": ("FASTCKPT_ASYNC_WRITE_THROUGH", 2, 0),
             "snapshot_huge_pages": ("FASTCKPT_SNAPSHOT_HUGE_PAGES", 1, 0),
+            "load_huge_pages": ("FASTCKPT_LOAD_HUGE_PAGES", 1, 0),
             "allow_foreign_owner": ("FASTCKPT_ALLOW_FOREIGN_OWNER", 0, 0),
             # fastckpt.remote (object stores and shared filesystems)
             "remote_part_size": ("FASTCKPT_REMOTE_PART_SIZE", 16 << 20, 1 << 10),
