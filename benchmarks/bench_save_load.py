@@ -137,6 +137,8 @@ LABEL_TORCH_MMAP = "torch.load(mmap=True), pages touched"
 LABEL_FASTREADER = "DCP FastReader (verify on)"
 LABEL_ST_LOAD = "safetensors load_file, pages touched"
 TOUCH_LABEL = "(ref) fresh memory: empty+fill_"
+TOUCH_HUGE_LABEL = "(ref) fresh memory on huge pages: MADV_HUGEPAGE+fill_"
+REF_LABELS = (TOUCH_LABEL, TOUCH_HUGE_LABEL)
 log = be.log
 
 
@@ -558,18 +560,25 @@ class Bench:
 
     # -- reference: first touch of fresh memory (what any loader that allocates its result pays)
 
-    def _child_touch(self) -> Dict[str, Any]:
+    def _child_touch(self, huge: bool) -> Dict[str, Any]:
         base, reset_ok = reset_peak_rss()
-        t, _ = timed(lambda: torch.empty(self.payload, dtype=torch.uint8).fill_(0), None)
+        if huge:  # as fastckpt's loads allocate storages of 2 MiB or more (knob load_huge_pages)
+            from fastckpt import _C
+            fresh = lambda: _C.empty_aligned(self.payload, 4096, 0, True).fill_(0)  # noqa: E731
+        else:
+            fresh = lambda: torch.empty(self.payload, dtype=torch.uint8).fill_(0)  # noqa: E731
+        t, _ = timed(fresh, None)
         return dict(t, rss_extra=_status_kb("VmHWM") * 1024 - base, pool=0, reset_ok=reset_ok)
 
     def run_touch(self, rep: int) -> None:
-        out = run_in_child(self._child_touch, self.args.threads, self.args.child_timeout)
-        if "error" in out:
-            self.errors.append(f"first-touch reference failed: {out['error']}")
-            return
-        self.add(Rec(TOUCH_LABEL, "ref", "load", rep, self.payload, out["seconds"], self.payload / out["seconds"] / 1e9,
-                     out["cpu_s"], out["machine_cpu_s"], out["rss_extra"], 0.0))
+        for label in (REF_LABELS if rep % 2 == 0 else REF_LABELS[::-1]):
+            out = run_in_child(lambda: self._child_touch(label == TOUCH_HUGE_LABEL), self.args.threads,
+                               self.args.child_timeout)
+            if "error" in out:
+                self.errors.append(f"first-touch reference ({label}) failed: {out['error']}")
+                continue
+            self.add(Rec(label, "ref", "load", rep, self.payload, out["seconds"], self.payload / out["seconds"] / 1e9,
+                         out["cpu_s"], out["machine_cpu_s"], out["rss_extra"], 0.0))
 
     # -- fio
 
@@ -650,7 +659,7 @@ def summarize(bench: Bench) -> Tuple[Dict[str, List[Row]], Dict[str, Any]]:
                 fio_by_rep[r.rep] = max(fio_by_rep.get(r.rep, 0.0), r.gbps)
         summary[f"disk_{op}_gbps"] = disk
         summary[f"disk_{op}_point"] = max(fio_meds, key=fio_meds.get) if fio_meds else None
-        refs = [l for l in labels if l == TOUCH_LABEL]
+        refs = [l for l in labels if l in REF_LABELS]
         for l in fio_labels + [l for l in labels if not l.startswith("fio") and l not in refs] + refs:
             rs = [r for r in recs if r.label == l]
             g = [r.gbps for r in rs]
@@ -861,7 +870,8 @@ def report(bench: Bench, ctx: Dict[str, Any], skipped: Dict[str, str]) -> Dict[s
     if not a.no_touch_ref:
         print(f"- '{TOUCH_LABEL}': torch.empty(payload bytes).fill_(0) in a fresh child, once per repetition: "
               "the page-fault + zeroing rate of fresh memory, which every loader that allocates its result pays "
-              "(fio reads into one reused buffer and does not)")
+              f"(fio reads into one reused buffer and does not); '{TOUCH_HUGE_LABEL}': the same on transparent "
+              "huge pages, as fastckpt's loads allocate storages of 2 MiB or more (knob load_huge_pages)")
     print(f"- fio: {ctx.get('fio', 'not run')}" + (f", {bench.fio_size} bytes per run" if bench.fio_points else ""))
     if bench.drop_error:
         print(f"- page cache: NOT dropped ({bench.drop_error}): the loads are NOT cold")

@@ -511,8 +511,9 @@ def markdown(res: Dict[str, Any], pngs: List[str]) -> str:
              "FastReader (verify on); "
              "a lazily mapped result (mmap, safetensors) has one byte of every 4 KiB page read inside the timing, "
              "so that every loader has really read the data when the clock stops.")
-    L.append("- Loads allocate fresh memory for their result (see the '(ref) fresh memory' row: the rate at which "
-             "this machine faults in and zeroes new memory), except DCP's, which fill a state dict allocated "
+    L.append("- Loads allocate fresh memory for their result (see the '(ref) fresh memory' rows: the rate at which "
+             "this machine faults in and zeroes new memory, on small pages and on transparent huge pages, which "
+             "fastckpt's loads use for storages of 2 MiB or more), except DCP's, which fill a state dict allocated "
              "beforehand, outside the timing (as dcp.load is used); fio reads into a reused buffer.")
     sizes = [e for e in res["sizes"] if e.get("rows")]
     L += ["", "## The disk's limits (fio)", ""]
