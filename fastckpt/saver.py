@@ -166,7 +166,7 @@ class SaveSnapshot:
     whole file already serialized (``legacy``). ``copies``: the staging
     snapshot that holds the staged storages, until released."""
     __slots__ = ("data_pkl", "staged", "copies", "nbytes", "opts", "legacy", "ready", "copied", "through",
-                 "stage_error", "started_at", "staged_at", "fence_s", "fence_at")
+                 "stage_error", "started_at", "staged_at", "fence_s", "fence_at", "written_at", "sent_live")
 
     def __init__(self, data_pkl, staged, copies: Optional[Snapshot], nbytes, opts=None, legacy=None):
         self.data_pkl = data_pkl
@@ -183,6 +183,8 @@ class SaveSnapshot:
         self.staged_at: Optional[float] = None  # perf_counter() when background staging completed
         self.fence_s = 0.0          # how long the fence (optimizer steps, wait_staged) waited for it
         self.fence_at: Optional[float] = None  # perf_counter() of the first fence after the call (when watched)
+        self.written_at: Optional[float] = None  # perf_counter() when its write was over (when watched and written)
+        self.sent_live: Optional[bool] = None    # written through and wholly sent before the fence came (or not)
 
 
 class _Staged:
@@ -232,11 +234,12 @@ def _take_snapshot(stager: Snapshotter, obj: Any, pickle_module: Any, pickle_pro
 # memory sits at their record's phase in the file are not copied at all unless
 # the fence comes before the writer has sent them (fastckpt.staging.through).
 # Its default (2) chooses per save: a loop checkpoints periodically, so where
-# the saver's last background save was written before its first fence, the
-# next one writes through (no copy, no memory traffic for it); where the fence
-# came first, the next one copies in the background (a fence that has to copy
-# and to wait for writes in flight blocks the loop longer than a copy that
-# runs beside the forward and backward passes). The first save copies.
+# the saver's last background save was written before its first fence came
+# (and that fence did come: the loop went on while it was written), the next
+# one writes through (no copy, no memory traffic for it); where the fence came
+# first, or none came at all, the next one copies in the background (a fence
+# that has to copy and to wait for writes in flight blocks the loop longer than
+# a copy that runs beside the forward and backward passes). The first copies.
 SMALL_SYNC = 1 << 20
 
 _DONE = threading.Event()
@@ -402,9 +405,9 @@ class AsyncSaver:
         self._failed: List[SaveFuture] = []
         self._worker_ident: Optional[int] = None
         self._closed = False
-        # async_write_through=2: whether this saver's last background save was written before its
-        # first fence (None: none yet, and the first copies)
-        self._written_before_fence: Optional[bool] = None
+        # async_write_through=2: this saver's last background save, watched for its first fence
+        # (see _through_pays); None: none yet (the first copies)
+        self._watched: Optional[SaveSnapshot] = None
         _savers.add(self)
 
     @property
@@ -519,10 +522,14 @@ class AsyncSaver:
             if snap.copies is not None and snap.copies.pending:
                 # A collective write (zip_only) writes the arena copies with a writer of its own.
                 mode = 0 if zip_only else knobs.get("async_write_through")
-                _stage_in_background(snap, write_through=mode == 1 or (mode == 2 and bool(self._written_before_fence)),
-                                     watch=mode == 2)
+                through = mode == 1 or (mode == 2 and self._through_pays())
+                _stage_in_background(snap, write_through=through, watch=mode == 2)
+                if mode == 2:
+                    self._watched = snap
                 fut._staged = snap.ready
         except BaseException:
+            if snap is not None:
+                _unwatch(snap)
             if snap is not None and snap.copies is not None:  # the staging thread did not start
                 snap.copies.release(keep=None)
             self._done(fut)
@@ -583,6 +590,7 @@ class AsyncSaver:
         """A snapshot of :meth:`stage` that will not be written: its staging
         memory and in-flight slot are given back, its future is cancelled
         (once a background staging of it has stopped copying into that memory)."""
+        _unwatch(staged.snap)
         if staged.snap.through is not None:  # no writer will send from the live tensors
             staged.snap.through.finish()
         staged.snap.ready.wait()
@@ -632,7 +640,8 @@ class AsyncSaver:
                                       snap.fence_s, through.live_bytes if through else 0,
                                       through.copied_bytes if through else 0))
         finally:
-            _unwatch(snap)
+            if snap.written_at is None:  # not written (failed, cancelled): no fence needs to stamp it
+                _unwatch(snap)
             if snap.through is not None:  # written, failed or cancelled: nothing more is sent from live memory
                 snap.through.finish()
             snap.ready.wait()  # never give the arena back while a staging thread (or the fence) copies into it
@@ -642,18 +651,31 @@ class AsyncSaver:
             self._done(fut)
 
     def _learn(self, snap: SaveSnapshot, through: Optional[Through]) -> None:
-        """async_write_through=2: note whether `snap`, written, had its data sent before its first fence
-        (written through: the fence found nothing to copy; copied: the write, its sync included,
-        ended before the fence), which decides whether this saver's next background save writes through."""
+        """async_write_through=2: `snap` is written; note when, and whether it was sent from the live
+        tensors before the fence came. It stays watched until its first fence (if that has not come
+        yet): :meth:`_through_pays` reads both when this saver's next background save is staged."""
         with _fence_lock:
-            if snap not in _watching and snap.fence_at is None:
-                return  # not watched
-            if through is not None:
-                self._written_before_fence = not through.fenced
-            else:
-                self._written_before_fence = snap.fence_at is None
-            if snap in _watching:
-                _watching.remove(snap)
+            if snap is not self._watched:
+                return
+            snap.written_at = time.perf_counter()
+            snap.sent_live = None if through is None else not through.fenced
+
+    def _through_pays(self) -> bool:
+        """async_write_through=2: whether this saver's next background save writes through: its last
+        one was written before its first fence, and that fence came (the loop went on meanwhile). A save
+        whose fence came first, one that failed or is still being written, or one that no fence
+        followed yet (saves back to back, or no optimizer step in between) says copy."""
+        with _fence_lock:
+            last, self._watched = self._watched, None
+            if last is None:
+                return False
+            if last in _watching:
+                _watching.remove(last)
+            if last.written_at is None or last.fence_at is None:
+                return False
+            if last.sent_live is not None:  # written through: the fence found every byte sent and drained
+                return last.sent_live
+            return last.written_at <= last.fence_at  # copied: its write (its sync included) ended first
 
     def _done(self, fut: SaveFuture) -> None:
         with self._cv:

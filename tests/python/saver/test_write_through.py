@@ -153,58 +153,65 @@ def test_the_knob_off_copies_in_the_background_as_before(tmp_path):
 
 def test_the_default_chooses_from_the_saver_s_last_save(tmp_path, monkeypatch):
     """async_write_through=2 (the default): a saver's first background save copies; a save written
-    before its first fence makes the next one write through, a save whose fence came first (written
-    through or copied) makes the next one copy. Every file is the state at its call."""
+    before its first fence, when that fence came, makes the next one write through; a save whose
+    fence came first (written through or copied), or that no fence followed (saves back to back),
+    makes the next one copy. Every file is the state at its call."""
     import fastckpt.saver as saver_mod
     held = threading.Event()
     go = threading.Event()
     go.set()
     write_archive = saver_mod.write_archive
 
-    def gated(*a, **k):  # the copying writer held before it writes, while go is clear
+    def gated(*a, **k):  # the writer held before it writes, while go is clear
         held.set()
         assert go.wait(60), "the test never let the writer go"
         return write_archive(*a, **k)
     monkeypatch.setattr(saver_mod, "write_archive", gated)
     saver = AsyncSaver()
-    got, wants = [], []
+    wants = []
 
-    def save(sd, fence_first=False):
+    def save(sd, fence="after"):
+        """fence: "first" (the loop's fence while the write is held), "after" (once it is written),
+        or "none" (the next save comes with no fence in between)."""
         wants.append(_clone(sd))
         path = tmp_path / f"c{len(wants)}.pt"
-        if fence_first:
+        if fence == "first":
             go.clear()
             held.clear()
         fut = saver.save(sd, path, background_staging=True)
-        if fence_first:  # the fence (an optimizer step, here wait_staged) while the write is held
+        if fence == "first":  # the fence (an optimizer step, here wait_staged) while the write is held
             assert held.wait(30)
             assert fastckpt.wait_staged(timeout=60)
             for v in (sd["a"], sd["b"], sd["odd"]):
                 v.add_(1)  # the state changes once the fence returns
             go.set()
-        got.append(fut.result(timeout=60))
-        return got[-1]
+        res = fut.result(timeout=60)
+        if fence == "after":
+            assert fastckpt.wait_staged(timeout=60)
+        return res
+
+    def copied(r):
+        return r.through_bytes == 0 and r.fence_copied_bytes == 0
 
     try:
         with knobs.override(async_write_through=2):
             sd = _state()
-            r = save(sd)                    # the first: copies
-            assert r.through_bytes == 0 and r.fence_copied_bytes == 0
-            r = save(sd)                    # the first was written before any fence: through
+            assert copied(save(sd))                        # the first copies
+            r = save(sd)                                   # written before the fence that followed: through
             assert r.through_bytes == _live_bytes(sd) and r.fence_copied_bytes == 0
-            r = save(sd, fence_first=True)  # through, but the fence comes first: it copies the rest
-            assert r.fence_copied_bytes > 0
-            r = save(sd, fence_first=True)  # so the next copies (and its fence comes first too)
-            assert r.through_bytes == 0 and r.fence_copied_bytes == 0
-            r = save(sd)                    # copies again, written before its fence
-            assert r.through_bytes == 0 and r.fence_copied_bytes == 0
-            r = save(sd)                    # through again
-            assert r.through_bytes == _live_bytes(sd) and r.fence_copied_bytes == 0
+            assert save(sd, "first").fence_copied_bytes > 0  # through, but the fence came first: it copied
+            assert copied(save(sd, "first"))               # so this one copies (and its fence comes first too)
+            assert copied(save(sd))                        # so does this one, written before its fence
+            r = save(sd, "none")                           # through again; no fence follows it
+            assert r.through_bytes == _live_bytes(sd)
+            assert copied(save(sd))                        # no evidence that the loop leaves time: copy
+            assert save(sd).through_bytes == _live_bytes(sd)
     finally:
         saver.close()
     for i, want in enumerate(wants):
         assert_same(fastckpt.load(tmp_path / f"c{i + 1}.pt", verify=True), want, bitwise=True)
     assert temp_files(tmp_path) == []
+    assert saver_mod._watching == [] or all(s.written_at is not None for s in saver_mod._watching)
 
 
 def test_the_knob_takes_0_1_or_2():
