@@ -166,7 +166,7 @@ class SaveSnapshot:
     whole file already serialized (``legacy``). ``copies``: the staging
     snapshot that holds the staged storages, until released."""
     __slots__ = ("data_pkl", "staged", "copies", "nbytes", "opts", "legacy", "ready", "copied", "through",
-                 "stage_error", "started_at", "staged_at", "fence_s", "fence_at", "written_at", "sent_live")
+                 "stage_error", "started_at", "staged_at", "fence_s", "watch")
 
     def __init__(self, data_pkl, staged, copies: Optional[Snapshot], nbytes, opts=None, legacy=None):
         self.data_pkl = data_pkl
@@ -182,9 +182,7 @@ class SaveSnapshot:
         self.started_at = 0.0       # perf_counter() when the caller's snapshot began
         self.staged_at: Optional[float] = None  # perf_counter() when background staging completed
         self.fence_s = 0.0          # how long the fence (optimizer steps, wait_staged) waited for it
-        self.fence_at: Optional[float] = None  # perf_counter() of the first fence after the call (when watched)
-        self.written_at: Optional[float] = None  # perf_counter() when its write was over (when watched and written)
-        self.sent_live: Optional[bool] = None    # written through and wholly sent before the fence came (or not)
+        self.watch: Optional[_Watch] = None  # async_write_through=2: what this save tells about the next
 
 
 class _Staged:
@@ -246,7 +244,20 @@ _DONE = threading.Event()
 _DONE.set()
 _fence_lock = threading.Lock()
 _staging: List[SaveSnapshot] = []     # snapshots whose background copies are not complete
-_watching: List[SaveSnapshot] = []    # saves choosing write-through for the next: their first fence is to come
+
+
+class _Watch:
+    """async_write_through=2: what a saver keeps of its last background save to choose the next
+    (:meth:`AsyncSaver._through_pays`): times only, never the snapshot (whose views hold its arena)."""
+    __slots__ = ("fence_at", "written_at", "sent_live")
+
+    def __init__(self):
+        self.fence_at: Optional[float] = None    # perf_counter() of the first fence after the call
+        self.written_at: Optional[float] = None  # perf_counter() when its write was over
+        self.sent_live: Optional[bool] = None    # written through: wholly sent before the fence came (or not)
+
+
+_watching: List[_Watch] = []          # watches whose first fence is still to come
 _hook_handle: Optional[Any] = None
 
 
@@ -270,8 +281,8 @@ def wait_staged(timeout: Optional[float] = None) -> bool:
         pending = list(_staging)
         if _watching:
             now = time.perf_counter()
-            for s in _watching:
-                s.fence_at = now
+            for w in _watching:
+                w.fence_at = now
             _watching.clear()
     if not pending:
         return True
@@ -310,16 +321,20 @@ def _write_through(snap: SaveSnapshot) -> None:
     snap.staged = staged
 
 
-def _unwatch(snap: SaveSnapshot) -> None:
+def _forget(watch: Optional[_Watch]) -> None:  # under _fence_lock
+    if watch in _watching:
+        _watching.remove(watch)
+
+
+def _unwatch(watch: Optional[_Watch]) -> None:
     with _fence_lock:
-        if snap in _watching:
-            _watching.remove(snap)
+        _forget(watch)
 
 
-def _stage_in_background(snap: SaveSnapshot, write_through: bool = False, watch: bool = False) -> None:
+def _stage_in_background(snap: SaveSnapshot, write_through: bool = False) -> None:
     """Start the thread that completes ``snap``'s copies; the fence holds until it has, and, with
     ``write_through``, until nothing reads the live tensors any more (see :func:`_write_through`).
-    ``watch``: record the time of the first fence after the call in ``snap.fence_at``."""
+    ``snap.watch``, if any, gets the time of the first fence after the call."""
     global _hook_handle
     if write_through:
         _write_through(snap)
@@ -330,8 +345,8 @@ def _stage_in_background(snap: SaveSnapshot, write_through: bool = False, watch:
         snap.ready = threading.Event()
         snap.copied = threading.Event()
         _staging.append(snap)
-        if watch:
-            _watching.append(snap)
+        if snap.watch is not None:
+            _watching.append(snap.watch)
 
     def run() -> None:
         try:
@@ -405,9 +420,9 @@ class AsyncSaver:
         self._failed: List[SaveFuture] = []
         self._worker_ident: Optional[int] = None
         self._closed = False
-        # async_write_through=2: this saver's last background save, watched for its first fence
-        # (see _through_pays); None: none yet (the first copies)
-        self._watched: Optional[SaveSnapshot] = None
+        # async_write_through=2: the watch of this saver's last background save (see _through_pays);
+        # None: none yet (the first copies)
+        self._watched: Optional[_Watch] = None
         _savers.add(self)
 
     @property
@@ -523,13 +538,13 @@ class AsyncSaver:
                 # A collective write (zip_only) writes the arena copies with a writer of its own.
                 mode = 0 if zip_only else knobs.get("async_write_through")
                 through = mode == 1 or (mode == 2 and self._through_pays())
-                _stage_in_background(snap, write_through=through, watch=mode == 2)
                 if mode == 2:
-                    self._watched = snap
+                    snap.watch = self._watched = _Watch()
+                _stage_in_background(snap, write_through=through)
                 fut._staged = snap.ready
         except BaseException:
             if snap is not None:
-                _unwatch(snap)
+                _unwatch(snap.watch)
             if snap is not None and snap.copies is not None:  # the staging thread did not start
                 snap.copies.release(keep=None)
             self._done(fut)
@@ -590,7 +605,7 @@ class AsyncSaver:
         """A snapshot of :meth:`stage` that will not be written: its staging
         memory and in-flight slot are given back, its future is cancelled
         (once a background staging of it has stopped copying into that memory)."""
-        _unwatch(staged.snap)
+        _unwatch(staged.snap.watch)
         if staged.snap.through is not None:  # no writer will send from the live tensors
             staged.snap.through.finish()
         staged.snap.ready.wait()
@@ -640,8 +655,8 @@ class AsyncSaver:
                                       snap.fence_s, through.live_bytes if through else 0,
                                       through.copied_bytes if through else 0))
         finally:
-            if snap.written_at is None:  # not written (failed, cancelled): no fence needs to stamp it
-                _unwatch(snap)
+            if snap.watch is not None and snap.watch.written_at is None:  # not written (failed, cancelled):
+                _unwatch(snap.watch)                                      # no fence needs to stamp it
             if snap.through is not None:  # written, failed or cancelled: nothing more is sent from live memory
                 snap.through.finish()
             snap.ready.wait()  # never give the arena back while a staging thread (or the fence) copies into it
@@ -654,11 +669,12 @@ class AsyncSaver:
         """async_write_through=2: `snap` is written; note when, and whether it was sent from the live
         tensors before the fence came. It stays watched until its first fence (if that has not come
         yet): :meth:`_through_pays` reads both when this saver's next background save is staged."""
+        w = snap.watch
         with _fence_lock:
-            if snap is not self._watched:
+            if w is None or w is not self._watched:
                 return
-            snap.written_at = time.perf_counter()
-            snap.sent_live = None if through is None else not through.fenced
+            w.written_at = time.perf_counter()
+            w.sent_live = None if through is None else not through.fenced
 
     def _through_pays(self) -> bool:
         """async_write_through=2: whether this saver's next background save writes through: its last
@@ -669,8 +685,7 @@ class AsyncSaver:
             last, self._watched = self._watched, None
             if last is None:
                 return False
-            if last in _watching:
-                _watching.remove(last)
+            _forget(last)
             if last.written_at is None or last.fence_at is None:
                 return False
             if last.sent_live is not None:  # written through: the fence found every byte sent and drained

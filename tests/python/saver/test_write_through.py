@@ -214,6 +214,27 @@ def test_the_default_chooses_from_the_saver_s_last_save(tmp_path, monkeypatch):
     assert saver_mod._watching == [] or all(s.written_at is not None for s in saver_mod._watching)
 
 
+def test_the_choice_keeps_no_snapshot_alive(tmp_path, monkeypatch):
+    """What async_write_through=2 keeps of a written save, to decide the next, is a few times: not the
+    snapshot, whose views would keep its arena's memory alive after the saver let go of it."""
+    import gc
+    import weakref
+    from fastckpt.staging import snapshot as snapshot_mod
+    taken = []
+    take = snapshot_mod.Snapshotter.take
+    monkeypatch.setattr(snapshot_mod.Snapshotter, "take",
+                        lambda self, *a, **k: (lambda s: (taken.append(weakref.ref(s)), s)[1])(take(self, *a, **k)))
+    saver = AsyncSaver()
+    try:
+        with knobs.override(async_write_through=2):
+            saver.save(_state(), tmp_path / "c.pt", background_staging=True).result(timeout=60)
+        saver.stager.clear()  # the arena kept for reuse goes: nothing else may hold it
+        gc.collect()
+        assert taken and all(r() is None for r in taken)
+    finally:
+        saver.close()
+
+
 def test_the_knob_takes_0_1_or_2():
     assert knobs.PY_NAMES["async_write_through"][1] == 2
     for bad in (3, -1, "auto"):
