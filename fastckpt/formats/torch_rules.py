@@ -123,41 +123,34 @@ CONFIG_DEFAULTS = {"save.storage_alignment": _zip.TORCH_ALIGNMENT, "save.compute
                    "load.endianness": None}
 
 
-def _config_loaded() -> bool:
-    return _CONFIG in sys.modules
+def _setting(name: str, read: Optional[Callable[[], Any]]) -> Any:
+    """torch's setting `name` (a key of CONFIG_DEFAULTS) as `read()` gives it once torch's config
+    module is imported; its default before that, or where this torch has no such reader."""
+    if read is None or _CONFIG not in sys.modules:
+        return CONFIG_DEFAULTS[name]
+    return read()
 
 
 def storage_alignment() -> int:
     """torch's ``config.save.storage_alignment`` (64 by default): the alignment
     of a new file's records, or a multiple of it and of 4096 where large
     storages dominate (:func:`fastckpt.formats.zip.storage_alignment`)."""
-    get = getattr(ts, "_get_storage_alignment", None)
-    if get is None or not _config_loaded():
-        return CONFIG_DEFAULTS["save.storage_alignment"]
-    return max(1, int(get()))
+    return max(1, int(_setting("save.storage_alignment", getattr(ts, "_get_storage_alignment", None))))
 
 
 def compute_crc32() -> bool:
-    get = getattr(ts, "get_crc32_options", None)
-    if get is None or not _config_loaded():
-        return CONFIG_DEFAULTS["save.compute_crc32"]
-    return bool(get())
+    return bool(_setting("save.compute_crc32", getattr(ts, "get_crc32_options", None)))
 
 
 def default_mmap() -> bool:
     """torch's ``config.load.mmap``: what ``torch.load(mmap=None)`` does."""
-    if not _config_loaded():
-        return CONFIG_DEFAULTS["load.mmap"]
-    from torch.utils.serialization import config
-    return bool(config.load.mmap)
+    return bool(_setting("load.mmap", lambda: sys.modules[_CONFIG].load.mmap))
 
 
 def default_load_endianness() -> Any:
     """torch's ``config.load.endianness`` (``get_default_load_endianness()``): the byte order of a
     file without a byteorder record (None: native)."""
-    if not _config_loaded():
-        return CONFIG_DEFAULTS["load.endianness"]
-    return ts.get_default_load_endianness()
+    return _setting("load.endianness", ts.get_default_load_endianness)
 
 
 # ---------------------------------------------------------------- storages in data.pkl
