@@ -113,15 +113,16 @@ clean:
 distclean: clean
 	rm -rf $(VENV) *.egg-info
 
-# 50 torchrun jobs per manager mode (replicated/DDP, sharded/DCP) that
-# end with destroy_process_group(); 0 failures allowed (tests/python/manager/test_manager_exit.py).
 # The long variants (tests marked `long`, which make test skips): the wheel built with build isolation
 # (torch installed into a fresh environment and a full compile), the memory tier's lost node with 2 ranks
-# per node, Lightning's ddp_spawn run, ... (tests/conftest.py); about 6 minutes here.
+# per node, the kill during replication without a lost node, Lightning's ddp_spawn run (tests/conftest.py);
+# 3 minutes here (4 tests, 2026-12-06).
 .PHONY: test-long
 test-long: build
 	FASTCKPT_TEST_LONG=1 $(PY) -m pytest -q $(PYTEST_XDIST) -m long tests/python tests/powerloss $(PYTEST_ARGS)
 
+# 50 torchrun jobs per manager mode (replicated/DDP, sharded/DCP) that
+# end with destroy_process_group(); 0 failures allowed (tests/python/manager/test_manager_exit.py).
 .PHONY: test-exit-long
 test-exit-long: build
 	FASTCKPT_EXIT_RUNS=50 $(PY) -m pytest -q tests/python/manager/test_manager_exit.py $(PYTEST_ARGS)

@@ -28,7 +28,8 @@ async_write_through       FASTCKPT_ASYNC_WRITE_THROUGH       1: background stagi
                                                              straight from their memory until the fence, which copies
                                                              only what is unwritten by then; 0: copy them all; 2:
                                                              write through when the saver's last background save
-                                                             was written before its first fence, else copy (2)
+                                                             was written before its first fence and that fence
+                                                             came, else copy (2)
 snapshot_huge_pages       FASTCKPT_SNAPSHOT_HUGE_PAGES       1: snapshot arenas of 2 MiB or more on transparent huge
                                                              pages (1); 0: small pages (see docs/ENGINE.md)
 load_huge_pages           FASTCKPT_LOAD_HUGE_PAGES           1: storages of 2 MiB or more that a load returns (or
