@@ -171,6 +171,30 @@ def test_large_transfers_register_their_buffers_once(tmp_path):
     assert eng.buffers_available == 4
 
 
+def test_small_transfers_leave_their_buffers_unregistered(tmp_path):
+    # Registering faults in and pins the whole buffer: a save or load that fills less than half
+    # of one (a 1 MiB state in 8 MiB buffers) pays for its own pages only.
+    if uring_refusal():
+        pytest.skip(uring_refusal())
+    eng = _C.Engine(make_config(backend="uring", buffer_size=4 * MiB, buffer_count=4, queue_depth=4))
+    data = torch.randint(0, 256, (MiB + 100,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    for name in ("a.bin", "b.bin"):
+        w = _C.Writer(eng, str(tmp_path / name), -1)
+        w.write(data)
+        assert w.commit()["direct"]
+    out = torch.empty_like(data)
+    _C.read_ranges(eng, str(tmp_path / "a.bin"), [(out, 0)])
+    assert torch.equal(out, data) and (tmp_path / "b.bin").read_bytes() == data.numpy().tobytes()
+    assert eng.buffers_touched >= 1 and eng.buffers_registered == 0
+    assert eng.buffers_resident_bytes < 4 * MiB  # the pages the transfers used, not whole buffers
+    # A transfer that fills the buffer registers it.
+    big = torch.randint(0, 256, (8 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(4))
+    w = _C.Writer(eng, str(tmp_path / "c.bin"), -1)
+    w.write(big)
+    w.commit()
+    assert eng.buffers_registered >= 1
+
+
 def test_refused_registration_falls_back_to_plain_io(tmp_path):
     if uring_refusal():
         pytest.skip(uring_refusal())
