@@ -9,9 +9,11 @@ leaves (dtype, shape, stride and storage offset, no data; each knows its
 storage on demand, so that a caller holds at most the piece it is working on:
 
 - :class:`ZipSource`: fastckpt and stock ``torch.save`` archives. The zip
-  directory is parsed by :mod:`fastckpt.formats.zip`; ``data.pkl`` is unpickled by
-  torch's own weights-only unpickler with ``map_location="meta"`` (no code from
-  the file runs and no storage is read); storages are read through the engine.
+  directory is parsed by :mod:`fastckpt.formats.zip`; ``data.pkl`` is unpickled as
+  ``torch.load(weights_only=True, map_location="meta")`` would (no code from the file
+  runs and no storage is read): a plain state dict by CPython's C unpickler
+  (:mod:`fastckpt.torchsave.plain`, as ``fastckpt.load`` does), anything else by torch's
+  own weights-only unpickler; storages are read through the engine.
 - :class:`SafetensorsSource`: the JSON header is parsed and checked; tensor
   bytes are read through the engine.
 - :class:`ShardedSafetensorsSource`: a sharded safetensors set (its index

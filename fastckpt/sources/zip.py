@@ -11,6 +11,7 @@ import torch.serialization as ts
 from .._core import engine as _engine
 from ..formats import unpickler as _unpickle, zip as _zip
 from ..formats.torch_rules import itemsize
+from ..torchsave.plain import load_plain
 from ..torchsave.reader import Reader, Records, parse_checkpoint
 from ..errors import FormatError
 from .source import CHUNK, STORAGE_ATTR, FileSource, Storage, aligned_buffer
@@ -117,7 +118,19 @@ class ZipSource(FileSource):
 
         # the size and nesting guards of fastckpt's walk first: torch's unpickler would hash a
         # deeply nested key (a C stack overflow) or grow its stack and memo as the file says
-        _unpickle.check(self.small.get("data.pkl", b""), f"{path}: data.pkl")
+        plain: List[bool] = []
+        _unpickle.check(self.small.get("data.pkl", b""), f"{path}: data.pkl", plain=plain)
+        if plain and plain[0]:
+            # a plain state dict: the C unpickler builds the tree torch's would (as fastckpt.load
+            # does); anything it does not know, or any other error, and torch's decides below
+            try:
+                self._tree = load_plain(reader, "meta", {"encoding": "utf-8"},
+                                        meta_storage=on_storage)
+                return self._tree
+            except (FormatError, OSError):
+                raise
+            except Exception:  # noqa: BLE001 - decided again, and reported, by torch's unpickler
+                pass
         unpickler = type("_Unpickler", (_MetaUnpickler,), {"on_storage": staticmethod(on_storage)})
         module = types.SimpleNamespace(Unpickler=unpickler)
         try:

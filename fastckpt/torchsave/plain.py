@@ -1,4 +1,5 @@
-"""The weights-only load of a plain state dict with CPython's C unpickler.
+"""The weights-only load of a plain state dict with CPython's C unpickler (``fastckpt.load``,
+and the meta tree of :class:`fastckpt.sources.ZipSource` that ``load_into`` and the command read).
 
 torch's weights-only unpickler interprets every opcode in Python: for a state of many small
 tensors it is most of ``torch.load``'s time (and of ``fastckpt.load``'s). A ``data.pkl`` that the
@@ -25,7 +26,7 @@ and words any error exactly as ``torch.load`` would."""
 import io
 import pickle
 import sys
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 import torch
 import torch.serialization as ts
@@ -63,12 +64,17 @@ def _settings_allow(reader: Any, pickle_load_args: Dict[str, Any]) -> None:
         raise NotPlain("no byteorder record, and not a little-endian load")
 
 
-def load_plain(reader: Any, restore_location: Callable[[Any, str], Any], pickle_load_args: Dict[str, Any]) -> Any:
+def load_plain(reader: Any, restore_location: Any, pickle_load_args: Dict[str, Any],
+               meta_storage: Optional[Callable[[tuple, Any], None]] = None) -> Any:
     """Unpickle ``reader``'s data.pkl (a plain state dict, by the walk's verdict) as torch's
     weights-only loader would, with the C unpickler. ``reader`` is the records' reader
     (:class:`fastckpt.torchsave.reader.Reader`), ``restore_location`` the loader's
-    ``restore_location(storage, location)``. Raises :class:`NotPlain` (nothing of the user's was
-    changed: the caller loads the same records with torch's unpickler) or what a read raised."""
+    ``restore_location(storage, location)``. With ``meta_storage`` the tree is built as
+    ``torch.load(map_location="meta")`` builds it (``restore_location`` is then ``"meta"``): no
+    record is read, each storage is a meta storage of the record's size, and
+    ``meta_storage(pid, untyped)`` is called with its persistent id. Raises :class:`NotPlain`
+    (nothing of the user's was changed: the caller loads the same records with torch's
+    unpickler) or what a read or ``meta_storage`` raised."""
     _settings_allow(reader, pickle_load_args)
     from torch import _weights_only_unpickler as wo
     allowed = wo._get_allowed_globals()
@@ -94,9 +100,13 @@ def load_plain(reader: Any, restore_location: Callable[[Any, str], Any], pickle_
                 return typed
             dtype = storage_type.dtype
             nbytes = numel * element_size(dtype)
-            storage = reader.get_storage_from_record(f"data/{key}", nbytes, torch.UntypedStorage).untyped_storage()
-            typed = torch.storage.TypedStorage(wrap_storage=restore_location(storage, ts._maybe_decode_ascii(location)),
-                                               dtype=dtype, _internal=True)
+            if meta_storage is not None:  # as torch's loader makes it for map_location="meta"
+                wrap = torch.UntypedStorage(nbytes, device="meta")
+                meta_storage(pid, wrap)
+            else:
+                storage = reader.get_storage_from_record(f"data/{key}", nbytes, torch.UntypedStorage).untyped_storage()
+                wrap = restore_location(storage, ts._maybe_decode_ascii(location))
+            typed = torch.storage.TypedStorage(wrap_storage=wrap, dtype=dtype, _internal=True)
             if typed._data_ptr() != 0:
                 loaded[key] = typed
             return typed
