@@ -119,8 +119,8 @@ uint32_t crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
   return static_cast<uint32_t>(::crc32_combine(crc1, crc2, static_cast<z_off_t>(len2)));
 }
 
-void copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* len, size_t n, uint32_t* crc,
-                     unsigned threads) {
+unsigned copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* len, size_t n, uint32_t* crc,
+                         unsigned threads) {
   constexpr uint64_t kPiece = 4u << 20;  // what one thread takes at a time
   constexpr uint64_t kStep = 256u << 10;  // copied, then folded while in the cache
   struct Piece {
@@ -129,8 +129,10 @@ void copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* l
     uint32_t crc;
   };
   std::vector<Piece> pieces;
+  uint64_t total = 0;
   for (size_t i = 0; i < n; ++i) {
     crc[i] = 0;
+    total += len[i];
     for (uint64_t off = 0; off < len[i]; off += kPiece)
       pieces.push_back(Piece{i, off, len[i] - off < kPiece ? len[i] - off : kPiece, 0});
   }
@@ -151,7 +153,7 @@ void copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* l
   };
   std::vector<std::thread> helpers;
   const size_t want = threads > 1 ? threads - 1 : 0;
-  for (size_t t = 0; t < want && t + 1 < pieces.size(); ++t) {
+  for (size_t t = 0; t < want && t + 1 < pieces.size() && (t + 1) * kPiece < total; ++t) {
     try {
       helpers.emplace_back(work);
     } catch (const std::system_error&) {
@@ -161,6 +163,7 @@ void copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* l
   work();
   for (std::thread& h : helpers) h.join();
   for (const Piece& p : pieces) crc[p.range] = p.off == 0 ? p.crc : crc32_combine(crc[p.range], p.crc, p.len);
+  return static_cast<unsigned>(helpers.size());
 }
 
 const char* crc32_impl() {

@@ -131,7 +131,9 @@ TEST(copy_crc32_many_copies_every_range_and_gives_each_ones_crc, ONCE) {
       len.push_back(sizes[i]);
     }
     std::vector<uint32_t> crc(sizes.size(), 0xdeadbeef);
-    fastckpt::copy_crc32_many(dst.data(), sp.data(), len.data(), sizes.size(), crc.data(), threads);
+    const unsigned helpers =
+        fastckpt::copy_crc32_many(dst.data(), sp.data(), len.data(), sizes.size(), crc.data(), threads);
+    CHECK_EQ(helpers, threads > 1 ? threads - 1 : 0u);  // 29 MiB: work for every thread asked for
     for (size_t i = 0; i < sizes.size(); ++i) {
       const size_t at = static_cast<size_t>(dst[i] - dst_mem[i].data());
       CHECK_BYTES(dst_mem[i].substr(at, sizes[i]), src[i]);
@@ -141,4 +143,38 @@ TEST(copy_crc32_many_copies_every_range_and_gives_each_ones_crc, ONCE) {
                 "range " + std::to_string(i) + " on " + std::to_string(threads) + " threads: " + hex(crc[i]));
     }
   }
+}
+
+TEST(copy_crc32_many_starts_no_thread_for_a_small_state, ONCE) {
+  // Up to 4 MiB in all the caller copies alone, however many ranges and
+  // threads; past that, a helper for each started 4 MiB beyond the first.
+  const std::vector<size_t> sizes = {200000, 100000, 50000, 25000, (3u << 20), 7};
+  std::vector<std::string> src, dst_mem;
+  std::vector<char*> dst;
+  std::vector<const char*> sp;
+  std::vector<uint64_t> len;
+  for (size_t i = 0; i < sizes.size(); ++i) src.push_back(random_bytes(sizes[i], 120 + int(i)));
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    dst_mem.emplace_back(sizes[i], '\0');
+    dst.push_back(&dst_mem[i][0]);
+    sp.push_back(src[i].data());
+    len.push_back(sizes[i]);
+  }
+  std::vector<uint32_t> crc(sizes.size());
+  CHECK_EQ(fastckpt::copy_crc32_many(dst.data(), sp.data(), len.data(), sizes.size(), crc.data(), 8), 0u);
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    CHECK_BYTES(dst_mem[i], src[i]);
+    CHECK_EQ(crc[i], ref(0, src[i].data(), sizes[i]));
+  }
+  // 4 MiB + 1 in two ranges: one helper, though three were allowed
+  const std::vector<uint64_t> big = {(2u << 20), (2u << 20) + 1};
+  std::vector<std::string> bs = {random_bytes(big[0], 130), random_bytes(big[1], 131)};
+  std::vector<std::string> bd = {std::string(big[0], '\0'), std::string(big[1], '\0')};
+  std::vector<char*> bdp = {&bd[0][0], &bd[1][0]};
+  std::vector<const char*> bsp = {bs[0].data(), bs[1].data()};
+  std::vector<uint32_t> bc(2);
+  CHECK_EQ(fastckpt::copy_crc32_many(bdp.data(), bsp.data(), big.data(), 2, bc.data(), 4), 1u);
+  CHECK_BYTES(bd[0], bs[0]);
+  CHECK_BYTES(bd[1], bs[1]);
+  CHECK_EQ(bc[1], ref(0, bs[1].data(), big[1]));
 }
