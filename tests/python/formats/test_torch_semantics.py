@@ -390,3 +390,25 @@ print("ok")
     with zipfile.ZipFile(tmp_path / "a.pt") as z:
         assert z.read(next(n for n in z.namelist() if n.endswith(".storage_alignment"))) in (b"64", b"4096")
         assert all(i.CRC != 0 for i in z.infolist() if "/data/" in i.filename)
+
+
+def test_element_sizes_are_torchs_for_every_dtype():
+    # computed once per dtype and kept: the kept value is still torch's, and the second ask too
+    from fastckpt.formats.torch_rules import element_size, itemsize
+    dtypes = [d for d in vars(torch).values() if isinstance(d, torch.dtype)]
+    assert len(dtypes) > 20
+    for d in dtypes:
+        try:
+            want = torch.empty((), dtype=d).element_size()
+        except Exception as e:  # noqa: BLE001 - a dtype torch makes no tensor of: raised as torch raises
+            with pytest.raises(type(e)):
+                itemsize(d)
+            continue
+        assert itemsize(d) == want and itemsize(d) == want, d
+        try:
+            want = torch._utils._element_size(d)
+        except Exception as e:  # noqa: BLE001 - torch's serialization cannot size it either
+            with pytest.raises(type(e)):
+                element_size(d)
+            continue
+        assert element_size(d) == want and element_size(d) == want, d
