@@ -460,3 +460,21 @@ def test_remote_benchmark_follows_the_standalone_contract(tmp_path):
     assert sum(split) == rep["raw"]["bytes"] and len(split) == 2 and min(split) > 0
     assert all(r[1] > 0 and r[2] > 0 for r in rep["rows"]) and "moto" in rep["notes"][0]
     assert rep["errors"] == [] and rep["raw"]["bytes"] >= 32 << 20
+
+
+def test_first_load_benchmark_reports_async_saves_return_and_durable_apart(tmp_path):
+    """bench_first_load.py at one size and one process per operation: async_save has a row until its
+    future is done and one until the call returned, which cannot be the longer of the two."""
+    out = tmp_path / "first.json"
+    p = fastspawn.run([sys.executable, os.path.join(REPO, "benchmarks", "bench_first_load.py"), "--reps", "1",
+                       "--sizes", "400K", "--modes", "fastckpt.async_save,torch.save", "--dir", str(tmp_path),
+                       "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rep = _strict_json(out.read_text())
+    rows = {r[0]: r for r in rep["rows"]}
+    assert set(rows) == {"fastckpt.async_save", "fastckpt.async_save, returned", "torch.save"}
+    durable, returned = rows["fastckpt.async_save"], rows["fastckpt.async_save, returned"]
+    for col in (2, 3):  # first and second call, ms
+        assert 0 < float(returned[col]) <= float(durable[col])
+    assert returned[5].endswith("x") and returned[6] == "torch.save"
+    assert any("returned" in n for n in rep["notes"])
