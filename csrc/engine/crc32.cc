@@ -2,6 +2,7 @@
 
 #include <zlib.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <system_error>
@@ -91,7 +92,57 @@ bool fold_avx2_fits() {
 
 const bool kFoldAvx2 = fold_avx2_fits();
 constexpr uint64_t kFoldMin = 256;  // below: the build's CRC-32 (set-up costs more than it saves)
+
+// A copy with non-temporal (streaming) stores: the destination's lines are
+// written without being read first (no read-for-ownership) and without
+// evicting the caller's working set from the cache. A snapshot's arena is
+// read next by the disk, not by this CPU. 1.5 GiB into warm memory here:
+// 9.1-10.4 GB/s against memcpy's 6.8-7.2 in 256 KiB steps (glibc streams
+// only copies larger than most of the last-level cache). The caller issues
+// the store fence (stream_fence) before another thread may read the bytes.
+__attribute__((target("avx2"))) void copy_stream_avx2(char* d, const char* s, uint64_t n) {
+  const uint64_t head = std::min<uint64_t>((32 - (reinterpret_cast<uintptr_t>(d) & 31)) & 31, n);
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  n -= head;
+  uint64_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 64));
+    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 96), e);
+  }
+  std::memcpy(d + i, s + i, n - i);
+}
+
+bool stream_fits() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2");
+}
+
+const bool kStreamCopy = stream_fits();
+constexpr uint64_t kStreamMin = 4096;  // below: memcpy
 #endif
+
+// A step of copy_crc32_many's copy: streamed where the CPU can, else memcpy.
+void copy_step(char* d, const char* s, uint64_t n) {
+#ifdef FASTCKPT_CRC_FOLD_AVX2
+  if (kStreamCopy && n >= kStreamMin) return copy_stream_avx2(d, s, n);
+#endif
+  std::memcpy(d, s, n);
+}
+
+// Makes this thread's streamed stores visible in order before what it does next.
+void stream_fence() {
+#ifdef FASTCKPT_CRC_FOLD_AVX2
+  if (kStreamCopy) _mm_sfence();
+#endif
+}
 
 }  // namespace
 
@@ -145,11 +196,13 @@ unsigned copy_crc32_many(char* const* dst, const char* const* src, const uint64_
       uint32_t c = 0;
       for (uint64_t done = 0; done < p.len; done += kStep) {
         const uint64_t m = p.len - done < kStep ? p.len - done : kStep;
-        std::memcpy(d + done, s + done, m);
-        c = crc32(c, d + done, m);
+        copy_step(d + done, s + done, m);
+        c = crc32(c, s + done, m);  // the source: in the cache since the copy read it (streamed stores leave
+                                    // the destination out of it)
       }
       p.crc = c;
     }
+    stream_fence();
   };
   std::vector<std::thread> helpers;
   const size_t want = threads > 1 ? threads - 1 : 0;

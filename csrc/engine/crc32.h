@@ -17,7 +17,11 @@ uint32_t crc32(uint32_t crc, const void* data, uint64_t n);
 uint32_t crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
 // Copies n ranges (len[i] bytes from src[i] to dst[i], which must not overlap)
 // and sets crc[i] to the CRC-32 of each, in one pass over the bytes: each
-// 256 KiB step is folded into its CRC right after its copy, from the cache.
+// 256 KiB step is folded into its CRC right after its copy, from the source's
+// lines the copy just brought into the cache. Where the CPU has AVX2 the copy
+// streams (non-temporal stores: the destination, which the disk reads next,
+// neither read for ownership nor kept in the cache), each thread fencing its
+// stores before it ends.
 // Work is split into pieces of up to 4 MiB taken in turn by up to `threads`
 // threads (the caller's and threads - 1 more; 0 counts as 1), a helper for
 // each started 4 MiB beyond the first 4 MiB (starting a thread costs what

@@ -178,3 +178,25 @@ TEST(copy_crc32_many_starts_no_thread_for_a_small_state, ONCE) {
   CHECK_BYTES(bd[1], bs[1]);
   CHECK_EQ(bc[1], ref(0, bs[1].data(), big[1]));
 }
+
+TEST(copy_crc32_many_is_exact_at_every_destination_phase_and_length_around_its_steps, ONCE) {
+  // The streamed copy aligns its destination to 32 bytes, moves 128 at a
+  // time and finishes with memcpy: every phase of the destination within 64
+  // bytes and lengths around those steps (from the smallest streamed one)
+  // copy every byte, touch nothing around the range, and give zlib's CRC.
+  const std::string src = random_bytes((256u << 10) + 4096, 140);
+  for (uint64_t len : {uint64_t(4095), uint64_t(4096), uint64_t(4097), uint64_t(4096 + 31), uint64_t(4096 + 127),
+                       uint64_t(4096 + 128), uint64_t(8191), uint64_t(256u << 10), uint64_t((256u << 10) + 65)}) {
+    for (size_t phase = 0; phase < 64; phase += 7) {
+      std::string mem(len + 256, '\x33');
+      char* d = &mem[0] + 64 + phase;
+      const char* s = src.data() + (phase * 3) % 64;
+      uint32_t crc = 0;
+      CHECK_EQ(fastckpt::copy_crc32_many(&d, &s, &len, 1, &crc, 1), 0u);
+      CHECK_BYTES(mem.substr(64 + phase, len), std::string(s, len));
+      CHECK_BYTES(mem.substr(0, 64 + phase), std::string(64 + phase, '\x33'));
+      CHECK_BYTES(mem.substr(64 + phase + len), std::string(mem.size() - 64 - phase - len, '\x33'));
+      CHECK_MSG(crc == ref(0, s, len), "length " + std::to_string(len) + " at phase " + std::to_string(phase));
+    }
+  }
+}
