@@ -129,8 +129,9 @@ const bool kStreamCopy = stream_fits();
 constexpr uint64_t kStreamMin = 4096;  // below: memcpy
 #endif
 
-// A step of copy_crc32_many's copy: streamed where the CPU can, else memcpy.
-void copy_step(char* d, const char* s, uint64_t n) {
+}  // namespace
+
+void copy_streamed(char* d, const char* s, uint64_t n) {
 #ifdef FASTCKPT_CRC_FOLD_AVX2
   if (kStreamCopy && n >= kStreamMin) return copy_stream_avx2(d, s, n);
 #endif
@@ -143,8 +144,6 @@ void stream_fence() {
   if (kStreamCopy) _mm_sfence();
 #endif
 }
-
-}  // namespace
 
 uint32_t crc32(uint32_t crc, const void* data, uint64_t n) {
   const unsigned char* p = static_cast<const unsigned char*>(data);
@@ -196,7 +195,7 @@ unsigned copy_crc32_many(char* const* dst, const char* const* src, const uint64_
       uint32_t c = 0;
       for (uint64_t done = 0; done < p.len; done += kStep) {
         const uint64_t m = p.len - done < kStep ? p.len - done : kStep;
-        copy_step(d + done, s + done, m);
+        copy_streamed(d + done, s + done, m);
         c = crc32(c, s + done, m);  // the source: in the cache since the copy read it (streamed stores leave
                                     // the destination out of it)
       }

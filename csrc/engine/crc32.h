@@ -15,6 +15,13 @@ uint32_t crc32(uint32_t crc, const void* data, uint64_t n);
 // The CRC-32 of a followed by b, from crc1 = crc32(0, a), crc2 = crc32(0, b)
 // and len2 = the length of b (zlib's crc32_combine).
 uint32_t crc32_combine(uint32_t crc1, uint32_t crc2, uint64_t len2);
+// Copies n bytes from src to dst (not overlapping) as copy_crc32_many does:
+// streamed where the CPU has AVX2, else memcpy. The calling thread must call
+// stream_fence() before the destination is handed to the kernel or to another
+// thread (a staging buffer submitted for a write).
+void copy_streamed(char* dst, const char* src, uint64_t n);
+void stream_fence();
+
 // Copies n ranges (len[i] bytes from src[i] to dst[i], which must not overlap)
 // and sets crc[i] to the CRC-32 of each, in one pass over the bytes: each
 // 256 KiB step is folded into its CRC right after its copy, from the source's

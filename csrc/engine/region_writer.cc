@@ -68,6 +68,7 @@ int RegionWriter::take_buffer() {
 void RegionWriter::reap_one() { s_.bufs.put_back(static_cast<int>(s_.q->reap().tag)); }
 
 void RegionWriter::submit(int buf, uint64_t len, uint64_t off) {
+  stream_fence();  // the copy's streamed stores, before the kernel reads the buffer
   char* data = s_.engine.pool().data(buf);
   const bool aligned = s_.direct && off % s_.align == 0 && len % s_.align == 0;
   if (aligned && !probed_) {
@@ -131,8 +132,8 @@ void RegionWriter::write_at(const void* src, uint64_t n, uint64_t off, uint32_t*
       constexpr uint64_t piece = 256u << 10;
       for (uint64_t i = 0; i < k; i += piece) {
         const uint64_t m = std::min(piece, k - i);
-        std::memcpy(dst + i, p + i, m);
-        if (crc) *crc = crc32(*crc, dst + i, m);
+        copy_streamed(dst + i, p + i, m);
+        if (crc) *crc = crc32(*crc, p + i, m);  // the source's lines, cached by the copy
       }
       submit(b, k, off);
       st_.bytes += k;

@@ -90,6 +90,7 @@ void Writer::reap_one() {
 }
 
 void Writer::submit_current(uint64_t len) {
+  stream_fence();  // the copy's streamed stores, before the kernel reads the buffer
   while (s_.q->full()) reap_one();
   IoRequest r;
   r.kind = IoRequest::Write;
@@ -122,12 +123,13 @@ void Writer::put(const char* src, uint64_t n, uint32_t* crc) {
       if (k > piece) k = piece;
       char* dst = s_.engine.pool().data(cur_) + fill_;
       if (src) {
-        std::memcpy(dst, src, k);
+        copy_streamed(dst, src, k);
+        if (crc) *crc = crc32(*crc, src, k);  // the source's lines, cached by the copy
         src += k;
       } else {
         std::memset(dst, 0, k);
+        if (crc) *crc = crc32(*crc, dst, k);
       }
-      if (crc) *crc = crc32(*crc, dst, k);
       fill_ += k;
       pos_ += k;
       n -= k;
