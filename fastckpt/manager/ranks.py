@@ -21,7 +21,6 @@ business (fastckpt/manager.py); what the directory holds is fastckpt/_manager_po
 """
 
 import atexit
-import errno
 import logging
 import os
 import threading
@@ -134,19 +133,10 @@ class Ranks:
         """A barrier that also tells every rank whether any rank failed: raises
         ``err`` here, or :class:`~fastckpt.errors.RanksFailed` (an OSError and
         a RuntimeError) naming the ranks that failed (``who``: the component
-        the message starts with), or naming none when the exchange itself
-        broke (a rank died mid-way). Returns rank 0's ``payload``.
+        the message starts with). Returns rank 0's ``payload``.
         ``background``: on the group of background saves (:meth:`gather`)."""
         msg = None if err is None else describe(err)[1]
-        try:
-            got = self.gather((msg, payload), background)
-        except Exception as e:
-            if err is not None:
-                raise err
-            # A rank died (its connections reset) or did not arrive within the group's timeout:
-            # which one, no rank can tell here (the collective save's group.lost says the same).
-            raise RanksFailed(errno.EIO, f"{who}: {what} failed: a rank died or did not answer in time (the "
-                              f"ranks' exchange failed: {type(e).__name__}: {e})") from e
+        got = self.gather((msg, payload), background)
         if err is not None:
             raise err
         raise_failures([None if m is None else (None, m) for m, _ in got],
