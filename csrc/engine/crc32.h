@@ -36,7 +36,7 @@ void stream_fence();
 // a 400 KiB state's first async_save went to a helper); the pieces' CRCs are
 // joined with crc32_combine. Returns the helper threads it started.
 unsigned copy_crc32_many(char* const* dst, const char* const* src, const uint64_t* len, size_t n, uint32_t* crc,
-                     unsigned threads);
+                         unsigned threads);
 // The implementation this build links for crc32(): "isa-l" or "zlib".
 const char* crc32_impl();
 // What crc32() runs on this CPU for inputs of 256 bytes and more: "vpclmulqdq-avx2" (the

@@ -78,13 +78,19 @@ def file_shape(name: str, dtype: torch.dtype, shape: Sequence[int]) -> List[int]
     return list(shape[:-1]) + [shape[-1] * k]
 
 
-def _torch_shape(dtype: torch.dtype, shape: List[int], where: str) -> Tuple[int, ...]:
-    """The torch shape of a header entry of `dtype` and file `shape` (:func:`file_shape` undone)."""
+def _where(path: str, name: str) -> str:
+    """Where a header entry's problem is, for its error (built only then: a thousand entries would
+    spend a millisecond on it)."""
+    return f"{path}: tensor {name!r}"
+
+
+def _torch_shape(dtype: torch.dtype, shape: List[int], path: str, name: str) -> Tuple[int, ...]:
+    """The torch shape of header entry `name` of `dtype` and file `shape` (:func:`file_shape` undone)."""
     k = VALUES_PER_ELEMENT.get(dtype, 1)
     if k == 1:
         return tuple(shape)
     if not shape or shape[-1] % k:
-        raise FormatError(f"{where}: shape {shape} counts {dtype_name(dtype)} values, {k} to an element: its last "
+        raise FormatError(f"{_where(path, name)}: shape {shape} counts {dtype_name(dtype)} values, {k} to an element: its last "
                           f"dimension must be a multiple of {k}")
     return tuple(shape[:-1]) + (shape[-1] // k,)
 
@@ -175,26 +181,24 @@ def parse_header(raw: bytes, file_size: int, path: str) -> Tuple[Dict[str, str],
         raise FormatError(f"{path}: __metadata__ must map strings to strings")
     entries: List[Entry] = []
     for name, info in header.items():
-        def where() -> str:  # built only for an error (a thousand entries: a millisecond)
-            return f"{path}: tensor {name!r}"
         if not isinstance(info, dict):
-            raise FormatError(f"{where()}: header entry is not an object")
+            raise FormatError(f"{_where(path, name)}: header entry is not an object")
         dt, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if dt not in ST_DTYPES:
-            raise FormatError(f"{where()}: unknown dtype {dt!r}")
+            raise FormatError(f"{_where(path, name)}: unknown dtype {dt!r}")
         if not isinstance(shape, list) or not all(type(s) is int and s >= 0 for s in shape):
-            raise FormatError(f"{where()}: invalid shape {shape!r}")
+            raise FormatError(f"{_where(path, name)}: invalid shape {shape!r}")
         if (not isinstance(offs, list) or len(offs) != 2 or type(offs[0]) is not int or type(offs[1]) is not int
                 or not 0 <= offs[0] <= offs[1]):
-            raise FormatError(f"{where()}: invalid data_offsets {offs!r}")
+            raise FormatError(f"{_where(path, name)}: invalid data_offsets {offs!r}")
         dtype = ST_DTYPES[dt]
-        torch_shape = tuple(shape) if dtype not in VALUES_PER_ELEMENT else _torch_shape(dtype, shape, where())
+        torch_shape = _torch_shape(dtype, shape, path, name)
         want = _nbytes(dtype, torch_shape)
         if offs[1] - offs[0] != want:
-            raise FormatError(f"{where()}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, "
+            raise FormatError(f"{_where(path, name)}: data_offsets {offs} hold {offs[1] - offs[0]} bytes, "
                               f"a {dt} tensor of shape {shape} needs {want}")
         if offs[1] > buf_len:
-            raise FormatError(f"{where()}: bytes {offs[0]}..{offs[1]} of the data lie past the end of the file "
+            raise FormatError(f"{_where(path, name)}: bytes {offs[0]}..{offs[1]} of the data lie past the end of the file "
                               f"(the data has {buf_len} bytes: truncated?)")
         entries.append(Entry(name, dtype, torch_shape, offs[0], offs[1]))
     # What the reference implementation also insists on: the tensors tile the data exactly.

@@ -195,30 +195,20 @@ def v3_dtypes() -> FrozenSet[torch.dtype]:
     return frozenset(new() if new is not None else ())
 
 
-_ELEMENT_SIZE: Dict[torch.dtype, int] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def element_size(dtype: torch.dtype) -> int:
     """``torch._utils._element_size(dtype)`` (what torch's serialization divides a storage's bytes
     by, and multiplies a pickled numel by), raising as it raises, computed once per dtype (it builds
     a ``torch.finfo``)."""
-    size = _ELEMENT_SIZE.get(dtype)
-    if size is None:
-        size = _ELEMENT_SIZE[dtype] = torch._utils._element_size(dtype)
-    return size
+    return torch._utils._element_size(dtype)
 
 
-_ITEMSIZE: Dict[torch.dtype, int] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def itemsize(dtype: torch.dtype) -> int:
     """The bytes of one element of `dtype` in memory (``Tensor.element_size()``), raising as making
     a tensor of it raises, computed once per dtype (a header of a thousand tensors asked it a
     thousand times, 7 us each)."""
-    size = _ITEMSIZE.get(dtype)
-    if size is None:
-        size = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
-    return size
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def contiguous_stride(shape: Sequence[int]) -> Tuple[int, ...]:
