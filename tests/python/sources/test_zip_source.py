@@ -87,3 +87,21 @@ def test_anything_else_goes_to_torchs_unpickler(tmp_path, monkeypatch):
     assert calls == [1]
     _same_tree(tree, torch.load(path, map_location="meta"))
     assert storage_of(tree["w"]).nbytes == 64
+
+
+def test_a_plain_pickle_naming_a_missing_record_is_a_format_error_naming_the_file(tmp_path, monkeypatch):
+    # the C unpickler's path meets the damage (torch's unpickler is made to fail): the same error
+    import zipfile
+    good, bad = tmp_path / "good.pt", tmp_path / "bad.pt"
+    torch.save({"a": torch.ones(4), "b": torch.zeros(3)}, good)
+    with zipfile.ZipFile(good) as zin, zipfile.ZipFile(bad, "w", zipfile.ZIP_STORED) as zout:
+        for info in zin.infolist():
+            if not info.filename.endswith("/data/1"):
+                zout.writestr(info.filename, zin.read(info.filename))
+
+    def no_torch_unpickler(*a, **k):
+        raise AssertionError("torch's unpickler ran for a plain state dict")
+    monkeypatch.setattr(ts, "_load", no_torch_unpickler)
+    with ZipSource(str(bad)) as src:
+        with pytest.raises(fastckpt.FormatError, match=r"bad\.pt.*refers to record 'data/1', which is missing"):
+            src.tree()
