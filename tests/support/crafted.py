@@ -290,6 +290,15 @@ def status_bytes(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/status")
 
 
+def release_free_memory() -> None:
+    """Hand the C heap's free pages back to the kernel (glibc's malloc_trim), so
+    that an allocation reusing memory freed earlier faults its pages in again and
+    shows in the RSS: without it, what earlier code freed hides what is measured."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)
+    if trim:
+        trim(0)
+
+
 def hwm_resettable() -> Optional[str]:
     """None when this kernel lets a process reset its peak RSS (clear_refs 5), else why not."""
     try:
@@ -305,8 +314,6 @@ def _worker() -> None:
     """The probe's child: for each request line {"path", "verify"}, load the
     file and answer {"growth": peak RSS growth in bytes during that load,
     "error": traceback of a disallowed exception or null}."""
-    libc = ctypes.CDLL(None)
-    trim = getattr(libc, "malloc_trim", None)
     warm = os.environ["FASTCKPT_PROBE_WARM"]
     if os.environ.get("FASTCKPT_PROBE_BREAK") == "bounds":  # to show that the oracle can fail
         from fastckpt.formats import zip as z
@@ -317,8 +324,7 @@ def _worker() -> None:
     fastckpt.load(warm, verify=False)
     for line in sys.stdin:
         req = json.loads(line)
-        if trim:  # (no gc.collect(): garbage left from before only raises the baseline)
-            trim(0)
+        release_free_memory()  # (no gc.collect(): garbage left from before only raises the baseline)
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")  # VmHWM := VmRSS
         base = status_bytes("VmRSS")

@@ -5,7 +5,8 @@ data holds. Each builder returns bytes; `SIZE_ATTACKS` and `CODE_ATTACKS` name t
 
 `peak_growth(fn)` is the per-input memory oracle: the growth of the process's
 peak RSS while `fn` runs, measured for that call alone (the kernel's high-water
-mark is reset first through /proc/self/clear_refs), plus the peak of traced
+mark is reset first through /proc/self/clear_refs, after the C heap's free
+pages went back to the kernel), plus the peak of traced
 Python allocations (tracemalloc, reset per call); the larger of the two.
 """
 import os
@@ -246,6 +247,7 @@ def peak_growth(fn, *args, traced: bool = True, **kwargs):
     if traced:
         tracemalloc.reset_peak()
         base_traced = tracemalloc.get_traced_memory()[0]
+    crafted.release_free_memory()  # memory freed by earlier tests would hide this call's allocations
     _reset_hwm()
     base_rss = crafted.status_bytes("VmRSS")
     try:
