@@ -52,6 +52,12 @@ class RanksFailed(OSError, RuntimeError):
             super().__init__(code, message, filename)
         self.failures = dict(failures or {})
 
+    @property
+    def lost(self) -> bool:
+        """True when the group itself broke (a rank died or did not answer in
+        time) and no rank could say which: ``failures`` is empty."""
+        return not self.failures
+
 
 __all__ += ["RanksFailed"]
 

@@ -7,11 +7,12 @@ import os
 import shutil
 from typing import Any, Callable, Iterable, Optional, TypeVar, Union
 
-from ..manager.ranks import PeerFailed, Ranks, failure_types
+from ..errors import RanksFailed
+from ..manager.ranks import Ranks, failure_types
 from .._core.dircommit import commit_directory, fsync_tree, new_directory
 from .._core.paths import check_dcp_target
 
-__all__ = ["require", "atomic_directory", "fsync_tree", "process_ranks", "agree", "LostContact"]
+__all__ = ["require", "atomic_directory", "fsync_tree", "process_ranks", "agree"]
 
 T = TypeVar("T")
 
@@ -42,30 +43,18 @@ def process_ranks(world_size: int) -> Optional[Ranks]:
     return ranks
 
 
-class LostContact(RuntimeError):
-    """A collective of a checkpoint save or load failed: another process died or stopped answering."""
-
-
 def agree(ranks: Ranks, err: Optional[BaseException], path: str, stage: str, payload: Any = None,
           action: str = "save") -> Any:
     """Collective: every process learns whether any failed while ``stage``
     (a barrier; the wait is bounded by the process group's timeout, and a
     process that died is noticed at once on gloo). Raises ``err`` on the
-    process that failed, :class:`~fastckpt.manager.ranks.PeerFailed` (a
-    RuntimeError naming that rank and its error) on the others, and a
-    :class:`LostContact` (a RuntimeError naming ``path``) when the collective
-    itself fails (a process died or stopped answering). Returns rank 0's
-    ``payload``."""
+    process that failed, and on the others a
+    :class:`~fastckpt.errors.RanksFailed` naming ``path``: naming the rank that
+    failed and its error, or, when the collective itself failed (a process
+    died or stopped answering), saying that contact with the other processes
+    was lost (:meth:`Ranks.agree`). Returns rank 0's ``payload``."""
     what = f"{'saving' if action == 'save' else 'loading'} checkpoint directory {path!r} ({stage})"
-    try:
-        return ranks.agree(err, what, payload, who="fastckpt")
-    except BaseException as e:
-        if e is err or isinstance(e, PeerFailed):
-            raise
-        if err is not None:
-            raise err from e
-        raise LostContact(f"fastckpt: cannot {action} checkpoint directory {path!r}: lost contact with the other "
-                           f"processes while {stage} ({type(e).__name__}: {e})") from e
+    return ranks.agree(err, what, payload, who="fastckpt", path=path)
 
 
 def _naming_final(e: BaseException, tmp: str, path: str) -> BaseException:
@@ -112,10 +101,10 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
     those that exist); a barrier; rank 0 fsyncs every file and directory,
     renames, fsyncs the parent and runs ``after_commit``; a last barrier. A
     failure on any process fails the save on every process (its error there,
-    :class:`PeerFailed` naming it elsewhere): rank 0 removes the temporary
+    :class:`~fastckpt.errors.RanksFailed` naming it elsewhere): rank 0 removes the temporary
     directory, and the processes raise after a last barrier, once it is gone.
     The waits are bounded by the process group's timeout; a collective that
-    fails (a process died) raises :class:`LostContact` naming ``final``. Every
+    fails (a process died) raises a RanksFailed saying that contact was lost, naming ``final``. Every
     process must see the same filesystem at ``final``'s parent (a shared
     checkpoint filesystem): a process that does not see rank 0's temporary
     directory fails the save, saying so.
@@ -136,7 +125,8 @@ def atomic_directory(final: Union[str, os.PathLike], write: Callable[[str], T], 
         nonlocal failed_together
         try:
             return agree(ranks, err, path, stage, payload)
-        except LostContact:
+        except RanksFailed as e:
+            failed_together = e is err or not e.lost  # after a lost contact, no last barrier to wait at
             raise
         except BaseException:
             failed_together = True

@@ -32,9 +32,18 @@ the collective save runs on the writer thread: change them only between saves).
 import os
 from typing import Any, Optional
 
-from .ranks import PeerFailed, failure_types
+from .ranks import failure_types
 from ..saver import SaveFuture, SaveSnapshot
 from ..serialization import save as _save
+
+
+def commit_outcome(path: str, rank: int) -> str:
+    """What a rank knows of the checkpoint when the group breaks in the exchange
+    after the background commit of ``path``: rank 0 (which moved ``latest``
+    before it, or raised its own error) that ``latest`` names it; the others
+    cannot tell."""
+    return f"{path} was committed before that; " + (
+        "`latest` names it" if rank == 0 else "this rank cannot tell whether `latest` names it")
 
 
 class _Replay:
@@ -106,18 +115,8 @@ def async_save(mgr: Any, step: int, name: str, state: Any, background_staging: O
                 mgr._commit(name)
             except failure_types() as e:  # noqa: BLE001
                 err = e
-        try:
-            ranks.agree(err, f"committing {path} (moving `latest`)", background=True)
-        except PeerFailed:
-            raise
-        except Exception as e:  # noqa: BLE001
-            if err is not None:
-                raise err from e
-            raise RuntimeError(  # the group broke: a rank died or did not answer in time
-                f"fastckpt.CheckpointManager: the asynchronous save of {path}: a rank died or did not answer in "
-                f"time after {path} was committed ({type(e).__name__}: {e}); "
-                + ("`latest` names it" if mgr.rank == 0 else "this rank cannot tell whether `latest` names it")
-            ) from e
+        ranks.agree(err, f"committing {path} (moving `latest`)", background=True, path=path,
+                    outcome=commit_outcome(path, mgr.rank))
 
     try:
         fut = saver.submit(staged, write=write, after=commit, cancellable=False)

@@ -159,7 +159,7 @@ class CheckpointManager:
         self._lock = threading.Lock()
         self._writing: Set[str] = set()          # final names of saves in flight
         self._futures: List[concurrent.futures.Future] = []  # this manager's asynchronous saves
-        self._ranks = Ranks(process_group)       # the coordination
+        self._ranks = Ranks(process_group, str(self.directory))  # the coordination
         self.rank, self.world_size = self._ranks.rank, self._ranks.world_size
         self.collective = bool(collective) and not sharded and self.world_size > 1
         self._remote_url, self._remote = replicate_to, None  # the remote tier (fastckpt/_manager_remote.py)

@@ -21,6 +21,7 @@ business (fastckpt/manager.py); what the directory holds is fastckpt/_manager_po
 """
 
 import atexit
+import errno
 import logging
 import os
 import threading
@@ -101,10 +102,11 @@ def _dcp_reader(path: str, verify: bool, weights_only: bool) -> Any:
 class Ranks:
     """The ranks sharing a checkpoint directory: the user's process group (or
     the world when torch.distributed is initialized; one rank otherwise), and
-    what the manager runs collectively on them."""
+    what the manager runs collectively on them. ``path``: the checkpoint
+    directory, which the errors of :meth:`agree` name unless told another."""
 
-    def __init__(self, process_group: Any = None):
-        self.pg = process_group
+    def __init__(self, process_group: Any = None, path: Optional[str] = None):
+        self.pg, self.path = process_group, path
         self.dist = _dist_initialized()
         if self.dist:
             import torch.distributed as dist
@@ -129,18 +131,35 @@ class Ranks:
         return out
 
     def agree(self, err: Optional[BaseException], what: str, payload: Any = None, background: bool = False,
-              who: str = "fastckpt.CheckpointManager") -> Any:
+              who: str = "fastckpt.CheckpointManager", path: Optional[str] = None,
+              outcome: Optional[str] = None) -> Any:
         """A barrier that also tells every rank whether any rank failed: raises
         ``err`` here, or :class:`~fastckpt.errors.RanksFailed` (an OSError and
         a RuntimeError) naming the ranks that failed (``who``: the component
-        the message starts with). Returns rank 0's ``payload``.
-        ``background``: on the group of background saves (:meth:`gather`)."""
+        the message starts with; ``path``: the user's path, its ``filename``,
+        by default the directory the ranks share).
+        When the exchange itself breaks (a rank died: gloo's connection closes;
+        or did not arrive within the group's timeout), a rank with an error of
+        its own raises that, the others a RanksFailed (EIO) saying that contact
+        with the other processes was lost while ``what``, with no rank named
+        (``failures`` empty: no rank can tell which died), followed by
+        ``outcome`` (what that means for the checkpoint) when given.
+        Returns rank 0's ``payload``. ``background``: on the group of
+        background saves (:meth:`gather`)."""
         msg = None if err is None else describe(err)[1]
-        got = self.gather((msg, payload), background)
+        path = self.path if path is None else path
+        try:
+            got = self.gather((msg, payload), background)
+        except Exception as e:
+            if err is not None:
+                raise err from e
+            raise RanksFailed(errno.EIO, f"{who}: {what} failed: lost contact with the other processes (a rank "
+                              f"died or did not answer in time: {type(e).__name__}: {e})"
+                              + (f"; {outcome}" if outcome else ""), path) from e
         if err is not None:
             raise err
         raise_failures([None if m is None else (None, m) for m, _ in got],
-                       lambda r, m: f"{who}: {what} failed on rank {r}: {m}")
+                       lambda r, m: f"{who}: {what} failed on rank {r}: {m}", path)
         return got[0][1]
 
     def store(self) -> Any:

@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from fastckpt.errors import RanksFailed
 from fastckpt.manager.ranks import PeerFailed, Ranks
 from fastckpt.integrations import _common
 
@@ -112,6 +113,29 @@ def test_a_lost_peer_is_an_error_naming_the_directory(tmp_path):
     class Lost(Rank1Of2):
         def gather(self, obj, background=False):
             raise RuntimeError("Connection closed by peer")
-    with pytest.raises(_common.LostContact, match="lost contact with the other processes") as ei:
+    with pytest.raises(RanksFailed, match="lost contact with the other processes") as ei:
         _common.atomic_directory(tmp_path / "ck", fill({}), ranks=Lost())
-    assert str(tmp_path / "ck") in str(ei.value)
+    e = ei.value
+    assert str(tmp_path / "ck") in str(e) and e.filename == str(tmp_path / "ck")
+    assert e.errno == errno.EIO and e.lost and "Connection closed by peer" in str(e)
+
+
+def test_contact_lost_after_the_write_raises_at_once_without_a_last_barrier(tmp_path):
+    """Rank 0 dies while rank 1 waits at the barrier after writing: rank 1 raises that contact was
+    lost (no rank named), without waiting at the last barrier a broken group cannot pass."""
+    tmp = tmp_path / ".ck.fastckpt-tmp.rank0.dcp"
+    tmp.mkdir()
+
+    class LostAfterWrite(Rank1Of2):
+        def gather(self, obj, background=False):
+            if len(self.sent) == 1:
+                self.sent.append(obj)
+                raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Connection reset by peer")
+            return super().gather(obj, background)
+    ranks = LostAfterWrite((None, str(tmp)))
+    with pytest.raises(RanksFailed) as ei:
+        _common.atomic_directory(tmp_path / "ck", fill({"mine": b"1"}), ranks=ranks)
+    e = ei.value
+    assert e.lost and e.errno == errno.EIO and e.filename == str(tmp_path / "ck")
+    assert "(writing its files) failed: lost contact with the other processes" in str(e)
+    assert len(ranks.sent) == 2  # the temporary directory's exchange and the one that broke: no third
