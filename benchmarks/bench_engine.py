@@ -268,9 +268,9 @@ class Bench:
         sec = t1 - t0
         if not st["direct"]:
             self.notes.append(f"{item.label}: read was NOT O_DIRECT")
-        elif st["direct_requests"] != st["requests"]:
-            self.notes.append(f"{item.label}: read went through staging buffers for "
-                              f"{st['requests'] - st['direct_requests']} of {st['requests']} requests")
+        elif st["staged_bytes"]:
+            self.notes.append(f"{item.label}: read {st['staged_bytes']} of {st['bytes_read']} bytes through "
+                              "staging buffers")
         return Record("engine", item.label, "read", rep, item.backend, item.bs, item.qd, item.flush, self.size,
                       sec, self.size / sec / 1e9, c1 - c0, m1 - m0,
                       extra=dict(stats=dict(st), dev=dev_delta(d0, d1, "read")))

@@ -53,6 +53,9 @@ py::dict read_stats_dict(const ReadStats& s) {
   d["bytes_read"] = s.bytes_read;
   d["requests"] = s.requests;
   d["direct_requests"] = s.direct_requests;
+  d["vectored_requests"] = s.vectored_requests;
+  d["peak_requests"] = s.peak_requests;
+  d["staged_bytes"] = s.staged_bytes;
   d["cached_bytes"] = s.cached_bytes;
   d["prefaulted_bytes"] = s.prefaulted_bytes;
   d["seconds"] = s.seconds;

@@ -24,6 +24,10 @@ struct IoRequest {
   int64_t off = 0;
   int buf_index = -1;  // index of a registered staging buffer, or -1
   uint64_t tag = 0;
+  // A vectored read: `iovcnt` segments (their lengths add up to len) instead
+  // of buf; the array must stay valid until the request is reaped.
+  const iovec* iov = nullptr;
+  unsigned iovcnt = 0;
 };
 
 struct IoCompletion {

@@ -110,7 +110,10 @@ class ThreadBackend final : public Backend {
       int64_t res = 0;
       switch (r.kind) {
         case IoRequest::Write: res = sys::pwrite_raw(r.fd, r.buf, r.len, r.off); break;
-        case IoRequest::Read: res = sys::pread_raw(r.fd, r.buf, r.len, r.off); break;
+        case IoRequest::Read:
+          res = r.iov ? sys::preadv_raw(r.fd, r.iov, static_cast<int>(r.iovcnt), r.off)
+                      : sys::pread_raw(r.fd, r.buf, r.len, r.off);
+          break;
         case IoRequest::Fsync: res = sys::fdatasync_raw(r.fd); break;
       }
       lk.lock();

@@ -48,7 +48,7 @@ class UringBackend final : public Backend {
       sqe = io_uring_get_sqe(&ring_);
       if (!sqe) throw_io(EBUSY, "io_uring_get_sqe", "<io_uring>", req.off, req.len);
     }
-    const bool fixed = req.kind != IoRequest::Fsync && usable_fixed(req);
+    const bool fixed = req.kind != IoRequest::Fsync && !req.iov && usable_fixed(req);
     switch (req.kind) {
       case IoRequest::Write:
         if (fixed)
@@ -57,7 +57,9 @@ class UringBackend final : public Backend {
           io_uring_prep_write(sqe, req.fd, req.buf, static_cast<unsigned>(req.len), req.off);
         break;
       case IoRequest::Read:
-        if (fixed)
+        if (req.iov)
+          io_uring_prep_readv(sqe, req.fd, req.iov, req.iovcnt, req.off);
+        else if (fixed)
           io_uring_prep_read_fixed(sqe, req.fd, req.buf, static_cast<unsigned>(req.len), req.off, req.buf_index);
         else
           io_uring_prep_read(sqe, req.fd, req.buf, static_cast<unsigned>(req.len), req.off);

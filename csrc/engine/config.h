@@ -40,6 +40,16 @@ struct EngineConfig {
   // variable.
   static EngineConfig from_env(EngineConfig base);
   static EngineConfig from_env() { return from_env(EngineConfig{}); }
+  // Requests a reader keeps in flight at most (a backend's depth): queue_depth
+  // x kReadRequestsPerDepth, at most 1024. A reader's bytes in flight stay at
+  // most queue_depth x buffer_size: the extra requests are small reads (the
+  // tensors of a file of small tensors, the windows between unaligned ones),
+  // which alone would leave the device idle between them.
+  unsigned read_requests() const {
+    const uint64_t n = static_cast<uint64_t>(queue_depth) * kReadRequestsPerDepth;
+    return n < 1024 ? static_cast<unsigned>(n) : 1024u;
+  }
+  static constexpr unsigned kReadRequestsPerDepth = 8;
   // Throws UsageError when the values cannot work together.
   void validate() const;
 };

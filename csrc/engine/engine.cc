@@ -48,7 +48,7 @@ std::unique_ptr<Backend> Engine::create_backend() {
   }
   if (try_uring) {
     try {
-      return make_uring_backend(cfg_.queue_depth, pool_.get());
+      return make_uring_backend(cfg_.read_requests(), pool_.get());  // writers keep queue_depth
     } catch (const IoError& e) {
       if (cfg_.backend == BackendKind::Uring) throw;
       std::lock_guard<std::mutex> lk(mu_);
@@ -56,7 +56,7 @@ std::unique_ptr<Backend> Engine::create_backend() {
       refusal_ = e.what();
     }
   }
-  return make_thread_backend(cfg_.io_threads, cfg_.queue_depth);
+  return make_thread_backend(cfg_.io_threads, cfg_.read_requests());
 }
 
 BackendLease Engine::lease() {

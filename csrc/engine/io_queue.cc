@@ -1,5 +1,6 @@
 #include "io_queue.h"
 
+#include <algorithm>
 #include <cerrno>
 
 #include "error.h"
@@ -43,6 +44,7 @@ void IoQueue::submit(const IoRequest& req, const std::string* path, uint64_t min
   free_slots_.pop_back();
   Slot& sl = slots_[s];
   sl.req = req;
+  sl.iov.assign(req.iov, req.iov + (req.iov ? req.iovcnt : 0));
   sl.path = path;
   sl.done = 0;
   sl.min_len = min_len > req.len ? req.len : min_len;
@@ -70,6 +72,24 @@ void IoQueue::issue(int s) {
       return;
     }
     r.len = static_cast<uint64_t>(a.short_len);
+  }
+  if (!sl.iov.empty()) {  // what is left of the segments after `done` bytes, at most r.len of them
+    sl.cur.clear();
+    uint64_t skip = sl.done, room = r.len;
+    for (const iovec& v : sl.iov) {
+      if (room == 0) break;
+      if (skip >= v.iov_len) {
+        skip -= v.iov_len;
+        continue;
+      }
+      const uint64_t n = std::min<uint64_t>(v.iov_len - skip, room);
+      sl.cur.push_back(iovec{static_cast<char*>(v.iov_base) + skip, n});
+      skip = 0;
+      room -= n;
+    }
+    r.iov = sl.cur.data();
+    r.iovcnt = static_cast<unsigned>(sl.cur.size());
+    r.buf = nullptr;
   }
   try {
     be_.submit(r);
@@ -114,11 +134,12 @@ void IoQueue::fail(int s, int err) {
   Slot& sl = slots_[s];
   std::string path = *sl.path;
   IoRequest::Kind kind = sl.req.kind;
+  const char* op = sl.iov.empty() ? op_name(kind) : "preadv";
   int64_t off = sl.req.off + static_cast<int64_t>(sl.done);
   uint64_t len = sl.req.len - sl.done;
   release(s);
   drain();
-  throw_io(err, op_name(kind), path, kind == IoRequest::Fsync ? -1 : off, len);
+  throw_io(err, op, path, kind == IoRequest::Fsync ? -1 : off, len);
 }
 
 Reaped IoQueue::reap() {

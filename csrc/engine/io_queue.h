@@ -31,7 +31,8 @@ class IoQueue {
 
   // `path` names the file in errors; it must outlive the request. A read is
   // complete once min_len bytes arrived and the file ends (min_len defaults
-  // to the whole length).
+  // to the whole length). A vectored read's segments (req.iov) are copied:
+  // the caller's array need not outlive the call.
   void submit(const IoRequest& req, const std::string* path, uint64_t min_len = UINT64_MAX);
   Reaped reap();
   void drain() noexcept;
@@ -49,6 +50,8 @@ class IoQueue {
  private:
   struct Slot {
     IoRequest req;
+    std::vector<iovec> iov;  // a vectored read's segments (req.iov pointed to the caller's)
+    std::vector<iovec> cur;  // what is left of them, the array the backend reads
     const std::string* path = nullptr;
     uint64_t done = 0;
     uint64_t min_len = 0;

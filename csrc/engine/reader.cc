@@ -42,7 +42,7 @@ struct Job {
   char* direct_dst = nullptr;
   int64_t piece = -1;    // a direct job's CrcPiece, when its range wants a CRC
   size_t part_begin = 0, part_end = 0;
-  int buf = -1;
+  uint64_t buf_off = 0;  // a staged job's place in its group's staging buffer
 };
 
 // One piece (a direct job or a staged part) of a range whose CRC was asked
@@ -73,12 +73,55 @@ struct Pending {
   std::vector<char> cont;
 };
 
+// Jobs that follow each other in the file, read by one request: a vectored
+// read (preadv) into each job's destination or staging slice, so that a file
+// of small tensors, each a direct body between windows of a block or two, is
+// read in requests as large as a file of large tensors is.
+struct Group {
+  size_t begin = 0, end = 0;  // its jobs
+  uint64_t len = 0;           // bytes requested: its jobs' together
+  uint64_t staged = 0;        // bytes of staging its staged jobs take (each rounded to the slices' alignment)
+  int buf = -1;               // the staging buffer of its staged jobs, while in flight
+};
+
 // The reads planned for the pending ranges.
 struct Plan {
   std::vector<Job> jobs;
   std::vector<Part> parts;
   std::vector<CrcPiece> pieces;
+  std::vector<Group> groups;
 };
+
+constexpr size_t kMaxSegments = 256;  // a vectored read's segments at most (IOV_MAX is 1024)
+
+// Groups the planned jobs (in file order) into requests of at most `cap`
+// bytes: a job joins the group before it when it starts where that group
+// ends and the group's last job needs all its bytes (one that may stop at the
+// end of the file ends its group). A staged job takes its length rounded up
+// to `align` (the staging slices' alignment) of its group's staging.
+void group_jobs(Plan& p, uint64_t cap, uint64_t align) {
+  for (size_t i = 0; i < p.jobs.size(); ++i) {
+    const Job& j = p.jobs[i];
+    const uint64_t staged = j.direct_dst ? 0 : round_up(j.len, align);
+    if (!p.groups.empty()) {
+      Group& g = p.groups.back();
+      const Job& last = p.jobs[g.end - 1];
+      if (last.off + last.len == j.off && last.need == last.len && g.len + j.len <= cap &&
+          g.staged + staged <= cap && g.end - g.begin < kMaxSegments) {
+        g.end = i + 1;
+        g.len += j.len;
+        g.staged += staged;
+        continue;
+      }
+    }
+    Group g;
+    g.begin = i;
+    g.end = i + 1;
+    g.len = j.len;
+    g.staged = staged;
+    p.groups.push_back(g);
+  }
+}
 
 // Plans the reads: direct jobs for the aligned bodies of ranges whose
 // destination has its offset's phase (`direct`: file offsets to `a`,
@@ -202,6 +245,56 @@ void copy_out(const Job& j, const char* src, const std::vector<Part>& parts, std
   }
 }
 
+// A reader's staging: slices of the pool's buffers, taken in order, so that
+// the small windows of a file whose tensors are not aligned (a tensor's tail
+// and the next one's head: a block or two) share a buffer instead of holding
+// one each, which would bound the reads in flight by the buffers a reader may
+// hold. A buffer is reused once every read into it was reaped: the current
+// one from its start, another one by the next window that needs a buffer.
+class Slices {
+ public:
+  // Slices start at multiples of `align` (a page, or O_DIRECT's memory
+  // alignment where that is larger).
+  explicit Slices(uint64_t align = kPage) : align_(align) {}
+  uint64_t align() const { return align_; }
+
+  // {buffer, offset} of `len` bytes (at most a buffer) for a read, or buffer -1
+  // when none is to be had before a reap (HeldBuffers::try_take).
+  std::pair<int, uint64_t> take(BufferPool& pool, const IoQueue& q, size_t limit, uint64_t len) {
+    const uint64_t bs = pool.buffer_size();
+    if (cur_ >= 0 && cur_off_ + len > bs) retire();
+    if (cur_ < 0) {
+      const int b = bufs_.try_take(pool, q, limit);
+      if (b < 0) return {-1, 0};
+      if (users_.size() <= static_cast<size_t>(b)) users_.resize(static_cast<size_t>(b) + 1, 0);
+      cur_ = b;
+      cur_off_ = 0;
+    }
+    const uint64_t off = cur_off_;
+    cur_off_ += round_up(len, align_);
+    ++users_[static_cast<size_t>(cur_)];
+    return {cur_, off};
+  }
+  // A read into buffer b was reaped (its bytes copied out).
+  void done(int b) {
+    if (--users_[static_cast<size_t>(b)] > 0) return;
+    if (b == cur_) cur_off_ = 0;
+    else bufs_.put_back(b);
+  }
+  HeldBuffers& held() { return bufs_; }
+
+ private:
+  void retire() {
+    if (users_[static_cast<size_t>(cur_)] == 0) bufs_.put_back(cur_);
+    cur_ = -1;
+  }
+  uint64_t align_;
+  HeldBuffers bufs_;
+  std::vector<unsigned> users_;  // by buffer index: reads in flight into it
+  int cur_ = -1;                 // the buffer slices are taken from now
+  uint64_t cur_off_ = 0;
+};
+
 // One read_ranges call. Whatever it holds (the descriptor, a backend, staging
 // buffers, the prefault helper) is given back by cleanup(), on success and on
 // every error: in-flight requests are reaped before a buffer is freed or the
@@ -229,6 +322,8 @@ class RangeReader {
     uint64_t a = 1, mem_a = 1;
     prepare_disk(&a, &mem_a);
     plan_ = Planner(direct_, a, mem_a, pool_.buffer_size()).plan(pending);
+    slices_ = Slices(std::max<uint64_t>(kPage, mem_a));
+    group_jobs(plan_, pool_.buffer_size(), slices_.align());
     start_prefault();
     read_jobs();
     for (const CrcPiece& p : plan_.pieces) *p.out = p.first ? p.crc : crc32_combine(*p.out, p.crc, p.len);
@@ -424,56 +519,91 @@ class RangeReader {
     prefaulted_ = done;
   }
 
-  // Submits every job (up to queue_depth in flight, staged ones as staging
-  // buffers come back) and handles each completion while the others are in
-  // flight: a direct job's CRC, a staged job's copy out (and CRCs).
+  // Submits every group of jobs and handles each completion while the others
+  // are in flight: a direct job's CRC, a staged job's copy out (and CRCs). In
+  // flight: up to queue_depth x buffer_size bytes, in up to read_requests()
+  // requests (at least one), so that small reads keep the device as busy as
+  // large ones; a group with staged jobs also waits for a staging slice.
   void read_jobs() {
-    std::vector<Job>& jobs = plan_.jobs;
-    q_.reset(new IoQueue(lease_->get(), cfg_.queue_depth));
+    std::vector<Group>& groups = plan_.groups;
+    q_.reset(new IoQueue(lease_->get(), cfg_.read_requests()));
+    const uint64_t budget = static_cast<uint64_t>(cfg_.queue_depth) * pool_.buffer_size();
+    uint64_t in_flight = 0;
     size_t next = 0, finished = 0;
-    while (finished < jobs.size()) {
-      while (next < jobs.size() && !q_->full()) {
+    while (finished < groups.size()) {
+      while (next < groups.size() && !q_->full() && (q_->inflight() == 0 || in_flight + groups[next].len <= budget)) {
         if (!submit(next)) break;  // wait for one of our staging buffers to come back
+        in_flight += groups[next].len;
         ++next;
       }
+      st_.peak_requests = std::max<uint64_t>(st_.peak_requests, q_->inflight());
       Reaped r = q_->reap();
-      Job& j = jobs[r.tag];
+      Group& g = groups[r.tag];
+      in_flight -= g.len;
       st_.bytes_read += r.bytes;
-      if (j.direct_dst) {
-        if (j.piece >= 0) plan_.pieces[j.piece].crc = crc32(0, j.direct_dst, j.need);
-      } else {
-        copy_out(j, pool_.data(j.buf), plan_.parts, plan_.pieces);
-        bufs_.put_back(j.buf);
-        j.buf = -1;
+      for (size_t k = g.begin; k < g.end; ++k) {
+        Job& j = plan_.jobs[k];
+        if (j.direct_dst) {
+          if (j.piece >= 0) plan_.pieces[j.piece].crc = crc32(0, j.direct_dst, j.need);
+        } else {
+          copy_out(j, pool_.data(g.buf) + j.buf_off, plan_.parts, plan_.pieces);
+        }
       }
+      if (g.buf >= 0) slices_.done(g.buf);
+      g.buf = -1;
       ++finished;
     }
   }
 
-  // Submits job `index`; false when it needs a staging buffer and none of ours is free.
+  // Submits group `index`: one read, vectored when it has several jobs; false
+  // when it needs staging and none of ours is free.
   bool submit(size_t index) {
-    Job& j = plan_.jobs[index];
+    Group& g = plan_.groups[index];
+    std::vector<Job>& jobs = plan_.jobs;
+    uint64_t at = 0;
+    if (g.staged > 0) {
+      const std::pair<int, uint64_t> slice = slices_.take(pool_, *q_, cfg_.queue_depth, g.staged);
+      if (slice.first < 0) return false;
+      g.buf = slice.first;
+      at = slice.second;
+    }
+    iov_.clear();
+    bool direct = false;
+    for (size_t k = g.begin; k < g.end; ++k) {
+      Job& j = jobs[k];
+      if (j.direct_dst) {
+        iov_.push_back(iovec{j.direct_dst, j.len});
+        direct = true;
+        ++st_.direct_requests;
+      } else {
+        j.buf_off = at;
+        st_.staged_bytes += j.len;
+        iov_.push_back(iovec{pool_.data(g.buf) + at, j.len});
+        at += round_up(j.len, slices_.align());
+      }
+    }
+    if (direct) {
+      // These reads fault their destinations in themselves: the helper skips them.
+      size_t pf = prefault_next_.load(std::memory_order_relaxed);
+      while (pf < g.end && !prefault_next_.compare_exchange_weak(pf, g.end, std::memory_order_relaxed)) {
+      }
+    }
+    const Job& last = jobs[g.end - 1];
     IoRequest req;
     req.kind = IoRequest::Read;
     req.fd = fd_;
-    req.off = static_cast<int64_t>(j.off);
-    req.len = j.len;
+    req.off = static_cast<int64_t>(jobs[g.begin].off);
+    req.len = g.len;
     req.tag = index;
-    if (j.direct_dst) {
-      req.buf = j.direct_dst;
-      ++st_.direct_requests;
-      // This read faults its destination in itself: the helper skips it.
-      size_t pf = prefault_next_.load(std::memory_order_relaxed);
-      while (pf <= index && !prefault_next_.compare_exchange_weak(pf, index + 1, std::memory_order_relaxed)) {
-      }
+    req.buf_index = g.buf;  // (-1 without staging) a fixed buffer for a plain read; quarantined if never reaped
+    if (iov_.size() == 1) {
+      req.buf = static_cast<char*>(iov_[0].iov_base);
     } else {
-      const int b = bufs_.try_take(pool_, *q_, cfg_.queue_depth);
-      if (b < 0) return false;
-      j.buf = b;
-      req.buf = pool_.data(b);
-      req.buf_index = b;
+      req.iov = iov_.data();
+      req.iovcnt = static_cast<unsigned>(iov_.size());
+      ++st_.vectored_requests;
     }
-    q_->submit(req, &path_, j.need);
+    q_->submit(req, &path_, g.len - last.len + last.need);
     ++st_.requests;
     return true;
   }
@@ -488,7 +618,7 @@ class RangeReader {
       unreaped = q_->unreaped_buffers();
       if (q_->broken() && lease_) lease_->discard();
     }
-    bufs_.release(pool_, unreaped);
+    slices_.held().release(pool_, unreaped);
     q_.reset();
     lease_.reset();
     sys::close_quiet(fd_);
@@ -504,7 +634,8 @@ class RangeReader {
   bool direct_ = false;
   Plan plan_;
   std::unique_ptr<BackendLease> lease_;  // only when something is left for the disk
-  HeldBuffers bufs_;
+  Slices slices_;
+  std::vector<iovec> iov_;  // the request being submitted (IoQueue copies it)
   std::unique_ptr<IoQueue> q_;
   std::thread prefaulter_;
   std::atomic<bool> stop_prefault_{false};

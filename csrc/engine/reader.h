@@ -29,7 +29,10 @@ struct ReadStats {
   uint64_t bytes = 0;        // bytes delivered to the caller
   uint64_t bytes_read = 0;   // bytes read from the file (incl. alignment/coalescing)
   uint64_t requests = 0;
-  uint64_t direct_requests = 0;  // read straight into caller memory (no copy)
+  uint64_t direct_requests = 0;  // pieces read straight into caller memory (no copy)
+  uint64_t vectored_requests = 0;  // of requests, those reading several pieces (preadv)
+  uint64_t peak_requests = 0;      // requests in flight at once, at most
+  uint64_t staged_bytes = 0;       // of bytes_read, read into staging buffers and copied out
   uint64_t cached_bytes = 0;     // of bytes_read, served from the page cache (no request, no staging)
   uint64_t prefaulted_bytes = 0;  // destination bytes the prefault helper faulted in (EngineConfig::prefault)
   double seconds = 0;

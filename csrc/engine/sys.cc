@@ -76,6 +76,11 @@ int64_t pread_raw(int fd, void* buf, uint64_t len, int64_t off) noexcept {
   return r < 0 ? -errno : r;
 }
 
+int64_t preadv_raw(int fd, const struct iovec* iov, int iovcnt, int64_t off) noexcept {
+  ssize_t r = ::preadv(fd, iov, iovcnt, off);
+  return r < 0 ? -errno : r;
+}
+
 namespace {
 
 // The one loop of a whole synchronous transfer (pwrite_full, pread_full): the

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <sys/types.h>
+#include <sys/uio.h>
 
 #include <cstdint>
 #include <string>
@@ -23,6 +24,8 @@ void unlink_quiet(const std::string& path) noexcept;
 // One pwrite/pread (no loop): bytes transferred, or -errno.
 int64_t pwrite_raw(int fd, const void* buf, uint64_t len, int64_t off) noexcept;
 int64_t pread_raw(int fd, void* buf, uint64_t len, int64_t off) noexcept;
+// One preadv (no loop) into iovcnt segments: bytes transferred, or -errno.
+int64_t preadv_raw(int fd, const struct iovec* iov, int iovcnt, int64_t off) noexcept;
 // Loops until everything is transferred; throws IoError. pread_full returns
 // the number of bytes read, which is less than len only at end of file.
 void pwrite_full(int fd, const void* buf, uint64_t len, int64_t off, const std::string& path);

@@ -434,6 +434,90 @@ TEST(unaligned_ranges_into_memory_at_their_phase_read_their_bodies_directly, ALL
   CHECK_POOL_FULL(eng);
 }
 
+TEST(packed_small_ranges_are_read_by_few_vectored_requests, ALL) {
+  // A file of small tensors packed at unaligned offsets (a model's biases and
+  // norms): each range's body and the blocks it shares with its neighbours
+  // are read by one vectored request per run of up to a buffer's size, not
+  // two requests per range. Every byte and CRC as asked, nothing written
+  // around a range; the same under short reads (requeued for the rest of the
+  // segments), and an EIO there is a "preadv" IoError naming the file and an
+  // offset, every staging buffer back after each.
+  EngineConfig cfg = config();
+  TempDir dir;
+  Engine eng(cfg);
+  std::vector<size_t> lens;
+  for (size_t i = 0; i < 48; ++i) lens.push_back(std::vector<size_t>{9000, 13001, 5000, 20000, 2000, 30000}[i % 6]);
+  PackedRanges packed(1008, lens);
+  const std::string data = random_bytes(packed.end + 5000, 61);
+  const std::string path = dir.file("packed_small.bin");
+  save(eng, path, data);
+  evict(path);
+  ReadStats st = fastckpt::read_ranges(eng, path, packed.ranges);
+  CHECK_PACKED(packed, data);
+  CHECK_EQ(st.bytes, packed.end - 1008);
+  if (cfg.direct) {
+    CHECK_MSG(st.vectored_requests > 0, std::to_string(st.vectored_requests));
+    CHECK_MSG(st.direct_requests >= 40u, std::to_string(st.direct_requests));  // all but the 2000-byte ranges' bodies
+    // (before: a request per body and per window between two ranges, 90 or more)
+    CHECK_MSG(st.requests * 3 <= lens.size(), std::to_string(st.requests));
+    CHECK_MSG(st.bytes_read <= packed.end - 1008 + 2 * 4096, std::to_string(st.bytes_read));  // each block once
+  }
+  CHECK_POOL_FULL(eng);
+
+  PackedRanges again(1008, lens);
+  evict(path);
+  fault::arm(short_rule(fault::Op::Read, 1, short_unit(), 0));  // every read cut short
+  st = fastckpt::read_ranges(eng, path, again.ranges);
+  CHECK(fault::fired() > 0);
+  fault::clear();
+  CHECK_PACKED(again, data);
+  CHECK_POOL_FULL(eng);
+
+  PackedRanges failing(1008, lens);
+  evict(path);
+  fault::arm(rule(fault::Op::Read, 2, EIO));
+  IoError e = CHECK_THROWS(IoError, fastckpt::read_ranges(eng, path, failing.ranges));
+  fault::clear();
+  CHECK_EQ(e.err(), EIO);
+  CHECK_EQ(e.path(), path);
+  if (cfg.direct) {
+    CHECK_EQ(e.op(), std::string("preadv"));
+    CHECK_CONTAINS(std::string(e.what()), "preadv " + path + " off=");
+  }
+  CHECK(e.offset() >= 0 && static_cast<uint64_t>(e.offset()) < packed.end);
+  for (size_t i = 0; i < failing.ranges.size(); ++i) {
+    const size_t phase = failing.offs[i] % 4096;
+    CHECK_BYTES(failing.bufs[i]->str(0, phase), std::string(phase, '\x55'));
+    CHECK_BYTES(failing.bufs[i]->str(phase + lens[i], PackedRanges::kGuard), std::string(PackedRanges::kGuard, '\x55'));
+  }
+  CHECK_POOL_FULL(eng);
+}
+
+TEST(small_staged_windows_share_a_staging_buffer, ALL) {
+  // Windows far apart (each its own request) take slices of one staging
+  // buffer: with a single 64 KiB buffer in the pool, as many of them are in
+  // flight at once as it has page-aligned slices (16; a reader keeps up to
+  // read_requests(), 32 here), before: one, each holding the whole buffer;
+  // every byte where it belongs.
+  EngineConfig cfg = config(64u << 10, 1, 4);
+  TempDir dir;
+  Engine eng(cfg);
+  const size_t n = 3u << 20;
+  const std::string data = random_bytes(n, 62);
+  const std::string path = dir.file("far.bin");
+  save(eng, path, data);
+  evict(path);
+  std::string out(20 * 3001, '\0');
+  std::vector<ReadRange> rs;
+  for (size_t i = 0; i < 20; ++i) rs.push_back(ReadRange{&out[i * 3001], 3001, i * 150000 + 17});
+  ReadStats st = fastckpt::read_ranges(eng, path, rs);
+  for (size_t i = 0; i < 20; ++i) CHECK_BYTES(out.substr(i * 3001, 3001), data.substr(i * 150000 + 17, 3001));
+  CHECK_EQ(st.requests, 20u);
+  CHECK_MSG(st.peak_requests == std::min<uint64_t>(cfg.read_requests(), cfg.buffer_size / 4096),
+            std::to_string(st.peak_requests));
+  CHECK_POOL_FULL(eng);
+}
+
 TEST(borrowed_ranges_at_the_file_phase_are_written_straight_from_memory, ALL) {
   // Writer::append_borrowed: a range whose memory sits at its file offset's
   // phase has its aligned body written O_DIRECT straight from that memory

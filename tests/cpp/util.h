@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -383,6 +384,47 @@ struct AlignedBuf {
   char* p;
   size_t size;
 };
+
+// Ranges packed back to back at unaligned offsets, as a safetensors file's
+// tensors are, each read into memory of its own that starts at its offset's
+// phase within a page (fastckpt's host_storage), with guard bytes around it:
+// their aligned bodies are read straight in, the blocks between them staged,
+// and runs of them that follow each other in the file are read by one
+// vectored request (reader.cc, group_jobs).
+struct PackedRanges {
+  static constexpr size_t kGuard = 64;
+  PackedRanges(size_t first_off, const std::vector<size_t>& lens) {
+    size_t off = first_off;
+    for (size_t len : lens) {
+      const size_t phase = off % 4096;
+      bufs.emplace_back(new AlignedBuf(phase + len + kGuard + 4096));  // filled with 0x55
+      offs.push_back(off);
+      crcs.push_back(0);
+      off += len;
+    }
+    end = off;
+    for (size_t i = 0; i < lens.size(); ++i)
+      ranges.push_back(ReadRange{bufs[i]->p + offs[i] % 4096, lens[i], offs[i], &crcs[i]});
+  }
+  // Every range's bytes and CRC as in `data`, nothing written around them.
+  void check(const std::string& data, const char* file, int line) const {
+    for (size_t i = 0; i < ranges.size(); ++i) {
+      const size_t phase = offs[i] % 4096, len = ranges[i].len;
+      const std::string where = " (range " + std::to_string(i) + ")";
+      if (bufs[i]->str(phase, len) != data.substr(offs[i], len)) fail(file, line, "bytes differ" + where);
+      if (crcs[i] != fastckpt::crc32(0, data.data() + offs[i], len)) fail(file, line, "CRC differs" + where);
+      if (bufs[i]->str(0, phase) != std::string(phase, '\x55') ||
+          bufs[i]->str(phase + len, kGuard) != std::string(kGuard, '\x55'))
+        fail(file, line, "written outside its memory" + where);
+    }
+  }
+  std::vector<std::unique_ptr<AlignedBuf>> bufs;
+  std::vector<size_t> offs;
+  std::vector<uint32_t> crcs;
+  std::vector<ReadRange> ranges;
+  size_t end = 0;
+};
+#define CHECK_PACKED(packed, data) (packed).check((data), __FILE__, __LINE__)
 
 // Every test starts and ends with no fault armed.
 inline bool install_fault_hooks() {

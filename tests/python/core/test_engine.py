@@ -124,7 +124,7 @@ def test_read_aligned_destination_goes_direct(small_engine, tmp_path):
     buf2 = mmap.mmap(-1, n)
     drop_page_cache(tmp_path / "f.bin")  # the first read's cache miss may have started readahead
     st = _C.read_ranges(small_engine, str(tmp_path / "f.bin"), [(memoryview(buf2)[:n - 3], 0)])
-    assert st["direct_requests"] > 0 and st["requests"] > st["direct_requests"]
+    assert st["direct_requests"] > 0 and 0 < st["staged_bytes"] <= 4096, st
     assert bytes(buf2)[:n - 3] == data.numpy().tobytes()[:n - 3] and bytes(buf2)[n - 3:] == bytes(3)
 
 
