@@ -74,12 +74,14 @@ struct Pending {
 };
 
 // Jobs that follow each other in the file, read by one request: a vectored
-// read (preadv) into each job's destination or staging slice, so that a file
-// of small tensors, each a direct body between windows of a block or two, is
-// read in requests as large as a file of large tensors is.
+// read (preadv) into each job's destination or staging slice, and the gaps
+// between them (a record's header and padding) into staging too, so that a
+// file of small tensors, each a direct body between windows of a block or
+// two, is read in requests as large as a file of large tensors is.
 struct Group {
   size_t begin = 0, end = 0;  // its jobs
-  uint64_t len = 0;           // bytes requested: its jobs' together
+  size_t segments = 0;        // of the vectored read: its jobs and the gaps between them
+  uint64_t len = 0;           // bytes requested: its jobs' and gaps' together
   uint64_t staged = 0;        // bytes of staging its staged jobs take (each rounded to the slices' alignment)
   int buf = -1;               // the staging buffer of its staged jobs, while in flight
 };
@@ -96,9 +98,11 @@ constexpr size_t kMaxSegments = 256;  // a vectored read's segments at most (IOV
 
 // Groups the planned jobs (in file order) into requests of at most `cap`
 // bytes: a job joins the group before it when it starts where that group
-// ends and the group's last job needs all its bytes (one that may stop at the
-// end of the file ends its group). A staged job takes its length rounded up
-// to `align` (the staging slices' alignment) of its group's staging.
+// ends or within kCoalesceGap of it (the gap is read into staging and
+// dropped: a request beats reading a few KiB less), and the group's last job
+// needs all its bytes (one that may stop at the end of the file ends its
+// group). A staged job or gap takes its length rounded up to `align` (the
+// staging slices' alignment) of its group's staging.
 void group_jobs(Plan& p, uint64_t cap, uint64_t align) {
   for (size_t i = 0; i < p.jobs.size(); ++i) {
     const Job& j = p.jobs[i];
@@ -106,17 +110,21 @@ void group_jobs(Plan& p, uint64_t cap, uint64_t align) {
     if (!p.groups.empty()) {
       Group& g = p.groups.back();
       const Job& last = p.jobs[g.end - 1];
-      if (last.off + last.len == j.off && last.need == last.len && g.len + j.len <= cap &&
-          g.staged + staged <= cap && g.end - g.begin < kMaxSegments) {
+      const uint64_t end = last.off + last.len;
+      const uint64_t gap = j.off - end, gap_staged = round_up(gap, align);
+      if (j.off >= end && gap <= kCoalesceGap && last.need == last.len && g.len + gap + j.len <= cap &&
+          g.staged + gap_staged + staged <= cap && g.segments + (gap > 0) + 1 <= kMaxSegments) {
         g.end = i + 1;
-        g.len += j.len;
-        g.staged += staged;
+        g.segments += (gap > 0) + 1;
+        g.len += gap + j.len;
+        g.staged += gap_staged + staged;
         continue;
       }
     }
     Group g;
     g.begin = i;
     g.end = i + 1;
+    g.segments = 1;
     g.len = j.len;
     g.staged = staged;
     p.groups.push_back(g);
@@ -569,8 +577,15 @@ class RangeReader {
     }
     iov_.clear();
     bool direct = false;
+    uint64_t pos = jobs[g.begin].off;  // the file offset the next segment starts at
     for (size_t k = g.begin; k < g.end; ++k) {
       Job& j = jobs[k];
+      if (j.off > pos) {  // a gap read through: into staging, dropped
+        iov_.push_back(iovec{pool_.data(g.buf) + at, j.off - pos});
+        st_.staged_bytes += j.off - pos;
+        at += round_up(j.off - pos, slices_.align());
+      }
+      pos = j.off + j.len;
       if (j.direct_dst) {
         iov_.push_back(iovec{j.direct_dst, j.len});
         direct = true;
