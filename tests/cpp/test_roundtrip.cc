@@ -448,10 +448,8 @@ TEST(packed_small_ranges_are_read_by_few_vectored_requests, ALL) {
   std::vector<size_t> lens;
   for (size_t i = 0; i < 48; ++i) lens.push_back(std::vector<size_t>{9000, 13001, 5000, 20000, 2000, 30000}[i % 6]);
   PackedRanges packed(1008, lens);
-  const std::string data = random_bytes(packed.end + 5000, 61);
   const std::string path = dir.file("packed_small.bin");
-  save(eng, path, data);
-  evict(path);
+  const std::string data = saved_cold(eng, path, packed.end + 5000, 61);
   ReadStats st = fastckpt::read_ranges(eng, path, packed.ranges);
   CHECK_PACKED(packed, data);
   CHECK_EQ(st.bytes, packed.end - 1008);
@@ -502,11 +500,8 @@ TEST(records_between_small_gaps_are_read_through_them, ALL) {
   EngineConfig cfg = config();
   TempDir dir;
   Engine eng(cfg);
-  const size_t n = 2u << 20;
-  const std::string data = random_bytes(n, 63);
   const std::string path = dir.file("records.bin");
-  save(eng, path, data);
-  evict(path);
+  const std::string data = saved_cold(eng, path, 2u << 20, 63);
   std::vector<std::unique_ptr<AlignedBuf>> bufs;
   std::vector<ReadRange> rs;
   std::vector<uint32_t> crcs(41, 0);
@@ -542,11 +537,8 @@ TEST(small_staged_windows_share_a_staging_buffer, ALL) {
   EngineConfig cfg = config(64u << 10, 1, 4);
   TempDir dir;
   Engine eng(cfg);
-  const size_t n = 3u << 20;
-  const std::string data = random_bytes(n, 62);
   const std::string path = dir.file("far.bin");
-  save(eng, path, data);
-  evict(path);
+  const std::string data = saved_cold(eng, path, 3u << 20, 62);
   std::string out(20 * 3001, '\0');
   std::vector<ReadRange> rs;
   for (size_t i = 0; i < 20; ++i) rs.push_back(ReadRange{&out[i * 3001], 3001, i * 150000 + 17});

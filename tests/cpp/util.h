@@ -385,6 +385,15 @@ struct AlignedBuf {
   size_t size;
 };
 
+// n random bytes (seed) saved at `path` through `eng`, their pages evicted so
+// that reads go to the disk path; returns the bytes.
+inline std::string saved_cold(Engine& eng, const std::string& path, size_t n, uint64_t seed) {
+  std::string data = random_bytes(n, seed);
+  save(eng, path, data);
+  evict(path);
+  return data;
+}
+
 // Ranges packed back to back at unaligned offsets, as a safetensors file's
 // tensors are, each read into memory of its own that starts at its offset's
 // phase within a page (fastckpt's host_storage), with guard bytes around it:
