@@ -82,7 +82,7 @@ struct Group {
   size_t begin = 0, end = 0;  // its jobs
   size_t segments = 0;        // of the vectored read: its jobs and the gaps between them
   uint64_t len = 0;           // bytes requested: its jobs' and gaps' together
-  uint64_t staged = 0;        // bytes of staging its staged jobs take (each rounded to the slices' alignment)
+  uint64_t staged = 0;        // bytes of staging its staged jobs and gaps take (each rounded up to a page)
   int buf = -1;               // the staging buffer of its staged jobs, while in flight
 };
 
@@ -101,17 +101,17 @@ constexpr size_t kMaxSegments = 256;  // a vectored read's segments at most (IOV
 // ends or within kCoalesceGap of it (the gap is read into staging and
 // dropped: a request beats reading a few KiB less), and the group's last job
 // needs all its bytes (one that may stop at the end of the file ends its
-// group). A staged job or gap takes its length rounded up to `align` (the
-// staging slices' alignment) of its group's staging.
-void group_jobs(Plan& p, uint64_t cap, uint64_t align) {
+// group). A staged job or gap takes its length rounded up to a page of its
+// group's staging (the alignment of the staging slices).
+void group_jobs(Plan& p, uint64_t cap) {
   for (size_t i = 0; i < p.jobs.size(); ++i) {
     const Job& j = p.jobs[i];
-    const uint64_t staged = j.direct_dst ? 0 : round_up(j.len, align);
+    const uint64_t staged = j.direct_dst ? 0 : round_up(j.len, kPage);
     if (!p.groups.empty()) {
       Group& g = p.groups.back();
       const Job& last = p.jobs[g.end - 1];
       const uint64_t end = last.off + last.len;
-      const uint64_t gap = j.off - end, gap_staged = round_up(gap, align);
+      const uint64_t gap = j.off - end, gap_staged = round_up(gap, kPage);
       if (j.off >= end && gap <= kCoalesceGap && last.need == last.len && g.len + gap + j.len <= cap &&
           g.staged + gap_staged + staged <= cap && g.segments + (gap > 0) + 1 <= kMaxSegments) {
         g.end = i + 1;
@@ -259,13 +259,10 @@ void copy_out(const Job& j, const char* src, const std::vector<Part>& parts, std
 // one each, which would bound the reads in flight by the buffers a reader may
 // hold. A buffer is reused once every read into it was reaped: the current
 // one from its start, another one by the next window that needs a buffer.
+// Slices start on a page: O_DIRECT's memory alignment is at most that
+// wherever the reader reads O_DIRECT (BufferPool::fits_direct_io).
 class Slices {
  public:
-  // Slices start at multiples of `align` (a page, or O_DIRECT's memory
-  // alignment where that is larger).
-  explicit Slices(uint64_t align = kPage) : align_(align) {}
-  uint64_t align() const { return align_; }
-
   // {buffer, offset} of `len` bytes (at most a buffer) for a read, or buffer -1
   // when none is to be had before a reap (HeldBuffers::try_take).
   std::pair<int, uint64_t> take(BufferPool& pool, const IoQueue& q, size_t limit, uint64_t len) {
@@ -279,7 +276,7 @@ class Slices {
       cur_off_ = 0;
     }
     const uint64_t off = cur_off_;
-    cur_off_ += round_up(len, align_);
+    cur_off_ += round_up(len, kPage);
     ++users_[static_cast<size_t>(cur_)];
     return {cur_, off};
   }
@@ -296,7 +293,6 @@ class Slices {
     if (users_[static_cast<size_t>(cur_)] == 0) bufs_.put_back(cur_);
     cur_ = -1;
   }
-  uint64_t align_;
   HeldBuffers bufs_;
   std::vector<unsigned> users_;  // by buffer index: reads in flight into it
   int cur_ = -1;                 // the buffer slices are taken from now
@@ -330,8 +326,7 @@ class RangeReader {
     uint64_t a = 1, mem_a = 1;
     prepare_disk(&a, &mem_a);
     plan_ = Planner(direct_, a, mem_a, pool_.buffer_size()).plan(pending);
-    slices_ = Slices(std::max<uint64_t>(kPage, mem_a));
-    group_jobs(plan_, pool_.buffer_size(), slices_.align());
+    group_jobs(plan_, pool_.buffer_size());
     start_prefault();
     read_jobs();
     for (const CrcPiece& p : plan_.pieces) *p.out = p.first ? p.crc : crc32_combine(*p.out, p.crc, p.len);
@@ -583,7 +578,7 @@ class RangeReader {
       if (j.off > pos) {  // a gap read through: into staging, dropped
         iov_.push_back(iovec{pool_.data(g.buf) + at, j.off - pos});
         st_.staged_bytes += j.off - pos;
-        at += round_up(j.off - pos, slices_.align());
+        at += round_up(j.off - pos, kPage);
       }
       pos = j.off + j.len;
       if (j.direct_dst) {
@@ -594,7 +589,7 @@ class RangeReader {
         j.buf_off = at;
         st_.staged_bytes += j.len;
         iov_.push_back(iovec{pool_.data(g.buf) + at, j.len});
-        at += round_up(j.len, slices_.align());
+        at += round_up(j.len, kPage);
       }
     }
     if (direct) {
