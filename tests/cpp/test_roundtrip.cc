@@ -440,8 +440,9 @@ TEST(packed_small_ranges_are_read_by_few_vectored_requests, ALL) {
   // are read by one vectored request per run of up to a buffer's size, not
   // two requests per range. Every byte and CRC as asked, nothing written
   // around a range; the same under short reads (requeued for the rest of the
-  // segments), and an EIO there is a "preadv" IoError naming the file and an
-  // offset, every staging buffer back after each.
+  // segments), an EIO there is a "preadv" IoError naming the file and an
+  // offset, and the file ending mid-request a TruncatedError naming it, every
+  // staging buffer back after each.
   EngineConfig cfg = config();
   TempDir dir;
   Engine eng(cfg);
@@ -488,6 +489,18 @@ TEST(packed_small_ranges_are_read_by_few_vectored_requests, ALL) {
     CHECK_BYTES(failing.bufs[i]->str(0, phase), std::string(phase, '\x55'));
     CHECK_BYTES(failing.bufs[i]->str(phase + lens[i], PackedRanges::kGuard), std::string(PackedRanges::kGuard, '\x55'));
   }
+  CHECK_POOL_FULL(eng);
+
+  // The file ending in the middle of a vectored read (truncated after it was
+  // opened: a zero-length read) is a TruncatedError naming it.
+  PackedRanges shrunk(1008, lens);
+  evict(path);
+  fault::arm(rule(fault::Op::ReadCached, 1, EAGAIN, 0));  // whatever DONTNEED left cached: the disk path
+  fault::arm(short_rule(fault::Op::Read, 2, 0, 1));
+  TruncatedError t = CHECK_THROWS(TruncatedError, fastckpt::read_ranges(eng, path, shrunk.ranges));
+  fault::clear();
+  CHECK_EQ(t.path(), path);
+  CHECK_CONTAINS(std::string(t.what()), "truncated");
   CHECK_POOL_FULL(eng);
 }
 
