@@ -1,13 +1,14 @@
-"""The group of a collective save or load: its exchanges and their agreement.
+"""The agreement between ranks, and the group of a collective save or load.
 
-:class:`Group` wraps the process group of one collective operation: every
-exchange is an ``all_gather_object`` of (this rank's failure or None, its
-payload), so every rank learns every other rank's failure and all raise
-together. A rank that failed raises its own error; the others raise
-:class:`~fastckpt.errors.RanksFailed` naming the ranks that failed and why
-(:func:`raise_failures`, which the checkpoint manager's agreement uses too),
-or, when the collective itself broke (a rank died or timed out), a
-RanksFailed that says so and what that means for the file.
+:func:`agree` is fastckpt's one agreement: every rank gathers every rank's
+(failure or None, payload), so every rank learns every other rank's failure
+and all raise together. A rank that failed raises its own error; the others
+raise :class:`~fastckpt.errors.RanksFailed` naming the ranks that failed and
+why (:func:`raise_failures`), or, when the exchange itself broke (a rank died
+or did not arrive in time), the caller's lost-contact RanksFailed, which says
+what that means for the user's checkpoint. The collective saves and loads
+(:class:`Group`) and the checkpoint manager (fastckpt/manager/ranks.py) both
+agree through it.
 """
 
 import errno
@@ -16,7 +17,7 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 from .._core import dist_exit as _dist_exit
 from ..errors import RanksFailed
 
-__all__ = ["Group", "Outcome", "describe", "raise_failures"]
+__all__ = ["Group", "Outcome", "agree", "describe", "raise_failures"]
 
 
 Outcome = Optional[Tuple[Optional[int], str]]   # None, or a failure: (errno or None, "Type: message")
@@ -44,6 +45,33 @@ def raise_failures(outcomes: Sequence[Outcome], message: Callable[[int, str], st
     raise RanksFailed(failed[first][0] or errno.EIO, text, filename, {r: o[1] for r, o in failed.items()})
 
 
+def agree(gather: Callable[[Any], List[Any]], err: Optional[BaseException], payload: Any,
+          failed: Callable[[int, str], str], lost: Callable[[BaseException], RanksFailed],
+          filename: Optional[str]) -> List[Any]:
+    """One exchange of (this rank's failure or None, ``payload``) through
+    ``gather`` (every rank's object, in rank order; a barrier too). Returns
+    every rank's payload when no rank failed. Otherwise raises ``err`` on the
+    rank that had it, and on every other rank the :class:`RanksFailed` of
+    :func:`raise_failures` (message ``failed(r, msg)`` of the first failed
+    rank, ``filename`` the user's path). When the exchange itself breaks (a
+    rank died: the backend's connection closes; or did not arrive within the
+    group's timeout), a rank with an error of its own still raises that, chained
+    to the backend's error unless it has a cause of its own, and every other
+    rank raises ``lost(the backend's error)``: no rank can tell which died."""
+    try:
+        got = gather((None if err is None else describe(err), payload))
+    except Exception as e:
+        if err is not None:
+            if err.__cause__ is None:
+                raise err from e
+            raise err
+        raise lost(e) from e
+    if err is not None:
+        raise err
+    raise_failures([o for o, _ in got], failed, filename)
+    return [p for _, p in got]
+
+
 class Group:
     """The collectives of one save; every exchange is an all_gather_object,
     so every rank learns every other rank's failure."""
@@ -59,22 +87,17 @@ class Group:
         _dist_exit.register()  # a destroyed group that torch still references must not live into finalization
 
     def exchange(self, mine: Any, local_error: Optional[BaseException], what: str) -> List[Any]:
-        """all_gather (error description | None, mine); raises on every rank
-        when any rank failed: the local error itself on the rank that had it."""
-        out: List[Any] = [None] * self.world
-        payload = (describe(local_error) if local_error is not None else None, mine)
-        try:
-            self.gather_objects(out, payload, group=self.group)
-        except Exception as e:
-            if local_error is not None:
-                raise local_error
-            # A rank died, or did not arrive within the group's timeout.
-            raise self.lost(e, f"the group's exchange after each rank's attempt {what}", what) from e
-        if local_error is not None:
-            raise local_error
-        raise_failures([err for err, _ in out], lambda r, msg: f"cannot {self.action} {self.path!r}: rank {r} of the "
-                       f"group failed {what} ({msg}); {self._failed_outcome(what)}", self.path)
-        return [m for _, m in out]
+        """Every rank's ``mine`` (:func:`agree`); raises on every rank when any
+        rank failed: ``local_error`` itself on the rank that had it."""
+        def gather(obj: Any) -> List[Any]:
+            out: List[Any] = [None] * self.world
+            self.gather_objects(out, obj, group=self.group)
+            return out
+        return agree(gather, local_error, mine,
+                     lambda r, msg: f"cannot {self.action} {self.path!r}: rank {r} of the group failed {what} "
+                                    f"({msg}); {self._failed_outcome(what)}",
+                     lambda e: self.lost(e, f"the group's exchange after each rank's attempt {what}", what),
+                     self.path)
 
     def lost(self, e: BaseException, during: str, what: Optional[str] = None) -> RanksFailed:
         """The error for a collective that failed: a rank died, or did not

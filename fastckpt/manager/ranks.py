@@ -30,7 +30,7 @@ from datetime import timedelta
 from typing import Any, List, Optional, Tuple
 
 from .._core import dist_exit as _dist_exit
-from ..collective.group import describe, raise_failures
+from ..collective.group import agree
 from ..errors import RanksFailed
 
 log = logging.getLogger("fastckpt")
@@ -135,7 +135,8 @@ class Ranks:
               outcome: Optional[str] = None) -> Any:
         """A barrier that also tells every rank whether any rank failed: raises
         ``err`` here, or :class:`~fastckpt.errors.RanksFailed` (an OSError and
-        a RuntimeError) naming the ranks that failed (``who``: the component
+        a RuntimeError, with the first failed rank's errno, EIO where it had
+        none) naming the ranks that failed (``who``: the component
         the message starts with; ``path``: the user's path, its ``filename``,
         by default the directory the ranks share).
         When the exchange itself breaks (a rank died: gloo's connection closes;
@@ -145,22 +146,16 @@ class Ranks:
         (``failures`` empty: no rank can tell which died), followed by
         ``outcome`` (what that means for the checkpoint) when given.
         Returns rank 0's ``payload``. ``background``: on the group of
-        background saves (:meth:`gather`)."""
-        msg = None if err is None else describe(err)[1]
+        background saves (:meth:`gather`). The agreement itself is the
+        collective saves' (fastckpt/collective/group.py, ``agree``)."""
         path = self.path if path is None else path
-        try:
-            got = self.gather((msg, payload), background)
-        except Exception as e:
-            if err is not None:
-                raise err from e
-            raise RanksFailed(errno.EIO, f"{who}: {what} failed: lost contact with the other processes (a rank "
-                              f"died or did not answer in time: {type(e).__name__}: {e})"
-                              + (f"; {outcome}" if outcome else ""), path) from e
-        if err is not None:
-            raise err
-        raise_failures([None if m is None else (None, m) for m, _ in got],
-                       lambda r, m: f"{who}: {what} failed on rank {r}: {m}", path)
-        return got[0][1]
+
+        def lost(e: BaseException) -> RanksFailed:
+            return RanksFailed(errno.EIO, f"{who}: {what} failed: lost contact with the other processes (a rank "
+                               f"died or did not answer in time: {type(e).__name__}: {e})"
+                               + (f"; {outcome}" if outcome else ""), path)
+        return agree(lambda obj: self.gather(obj, background), err, payload,
+                     lambda r, m: f"{who}: {what} failed on rank {r}: {m}", lost, path)[0]
 
     def store(self) -> Any:
         """A new client of the job's key-value store (torch.distributed's default

@@ -51,13 +51,47 @@ def test_no_failure_returns_the_payloads_and_a_lost_group_is_eio():
 def test_the_managers_agreement_raises_the_same_type():
     assert _ranks.PeerFailed is RanksFailed and team.RanksFailed is RanksFailed
     r = _ranks.Ranks()
-    r.gather = lambda obj, background=False: [obj, ("OSError: [Errno 28] full", None)]
+    r.gather = lambda obj, background=False: [obj, ((errno.ENOSPC, "OSError: [Errno 28] full"), None)]
     with pytest.raises(RanksFailed, match="fastckpt: saving x failed on rank 1: OSError: \\[Errno 28\\] full") as ei:
         r.agree(None, "saving x", who="fastckpt")
-    assert ei.value.errno == errno.EIO and ei.value.failures == {1: "OSError: [Errno 28] full"}
+    # the failed rank's own errno, as the collective group's exchange gives it (one agreement)
+    assert ei.value.errno == errno.ENOSPC and ei.value.failures == {1: "OSError: [Errno 28] full"}
+    r.gather = lambda obj, background=False: [obj, ((None, "ValueError: bad"), None)]
+    with pytest.raises(RanksFailed) as ei:
+        r.agree(None, "saving x", who="fastckpt")
+    assert ei.value.errno == errno.EIO
 
 
 def test_it_pickles():
     e = RanksFailed(errno.EIO, "step 3 was not replicated", "s3://b/x", {1: "gone"})
     back = pickle.loads(pickle.dumps(e))
     assert type(back) is RanksFailed and back.errno == errno.EIO and str(back) == str(e)
+
+
+def _broken_group():
+    g = _group_of([(None, 1)])
+
+    def broken(out, payload, group=None):
+        raise RuntimeError("Connection reset by peer")
+    g.gather_objects = broken
+    return g
+
+
+def test_a_broken_exchange_raises_the_ranks_own_error_first_keeping_its_cause():
+    """One agreement (collective/group.py agree) for the group and the manager: when the exchange
+    breaks, a rank's own error comes first, chained to the backend's unless it has a cause of its own."""
+    own = OSError(errno.ENOSPC, "no space")
+    with pytest.raises(OSError) as ei:
+        _broken_group().exchange(0, own, "to write its share")
+    assert ei.value is own and "Connection reset" in str(own.__cause__)
+    inner = ValueError("the engine's")
+    caused = OSError(errno.EIO, "write failed")
+    caused.__cause__ = inner
+    with pytest.raises(OSError) as ei:
+        _broken_group().exchange(0, caused, "to write its share")
+    assert ei.value is caused and caused.__cause__ is inner
+    with pytest.raises(RanksFailed) as ei:
+        _broken_group().exchange(0, None, "to commit")
+    e = ei.value
+    assert e.lost and e.errno == errno.EIO and e.filename == "/ckpt/x.pt" and "Connection reset" in str(e)
+    assert "a rank died or did not answer in time" in str(e) and isinstance(e.__cause__, RuntimeError)

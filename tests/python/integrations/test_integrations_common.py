@@ -94,14 +94,14 @@ def test_a_process_that_does_not_see_rank_0s_temporary_directory_fails_the_save(
     with pytest.raises(FileNotFoundError, match="rank 1 does not see rank 0's temporary directory") as ei:
         _common.atomic_directory(tmp_path / "ck", fill({"x": b"1"}), ranks=ranks)
     assert str(tmp_path / "ck") in str(ei.value)
-    assert ranks.sent[1][0].startswith("FileNotFoundError")  # rank 0 was told, then the cleanup barrier
+    assert ranks.sent[1][0][1].startswith("FileNotFoundError")  # rank 0 was told, then the cleanup barrier
     assert len(ranks.sent) == 3 and os.listdir(tmp_path) == []
 
 
 def test_rank_1_writes_its_own_files_and_learns_that_rank_0s_commit_failed(tmp_path):
     tmp = tmp_path / ".ck.fastckpt-tmp.rank0.dcp"
     tmp.mkdir()  # what rank 0 made
-    ranks = Rank1Of2((None, str(tmp)), (None, None), ("OSError: [Errno 5] rename failed", None), None)
+    ranks = Rank1Of2((None, str(tmp)), (None, None), ((5, "OSError: [Errno 5] rename failed"), None), None)
     with pytest.raises(PeerFailed, match="failed on rank 0: OSError") as ei:
         _common.atomic_directory(tmp_path / "ck", fill({"mine": b"1"}), ranks=ranks, own=["mine", "absent"])
     assert str(tmp_path / "ck") in str(ei.value)

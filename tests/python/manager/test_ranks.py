@@ -49,7 +49,7 @@ def test_a_ranks_own_error_comes_first(monkeypatch):
 def test_a_failed_rank_is_named_with_the_directory_the_ranks_share(monkeypatch):
     r = _two_ranks(monkeypatch, rank=1, path="/ck")  # the manager's directory
     monkeypatch.setattr(dist_exit, "all_gather_object",
-                        lambda out, obj, group=None: out.__setitem__(slice(None), [("OSError: disk", None), obj]))
+                        lambda out, obj, group=None: out.__setitem__(slice(None), [((None, "OSError: disk"), None), obj]))
     with pytest.raises(RanksFailed) as ei:
         r.agree(None, "writing the shards of step 3")
     e = ei.value
