@@ -42,7 +42,8 @@ struct Job {
   char* direct_dst = nullptr;
   int64_t piece = -1;    // a direct job's CrcPiece, when its range wants a CRC
   size_t part_begin = 0, part_end = 0;
-  uint64_t buf_off = 0;  // a staged job's place in its group's staging buffer
+  uint64_t buf_off = 0;  // a staged job's place in its group's staging slice
+  uint64_t gap_off = 0;  // the place there of the gap read through before it, if any
 };
 
 // One piece (a direct job or a staged part) of a range whose CRC was asked
@@ -84,6 +85,7 @@ struct Group {
   uint64_t len = 0;           // bytes requested: its jobs' and gaps' together
   uint64_t staged = 0;        // bytes of staging its staged jobs and gaps take (each rounded up to a page)
   int buf = -1;               // the staging buffer of its staged jobs, while in flight
+  uint64_t base = 0;          // where its slice of that buffer starts
 };
 
 // The reads planned for the pending ranges.
@@ -101,11 +103,12 @@ constexpr size_t kMaxSegments = 256;  // a vectored read's segments at most (IOV
 // ends or within kCoalesceGap of it (the gap is read into staging and
 // dropped: a request beats reading a few KiB less), and the group's last job
 // needs all its bytes (one that may stop at the end of the file ends its
-// group). A staged job or gap takes its length rounded up to a page of its
-// group's staging (the alignment of the staging slices).
+// group). The group's staging layout is laid out here, once: a staged job or
+// gap takes its length rounded up to a page of its group's staging slice (the
+// slices' alignment), in file order (Job::buf_off, Job::gap_off).
 void group_jobs(Plan& p, uint64_t cap) {
   for (size_t i = 0; i < p.jobs.size(); ++i) {
-    const Job& j = p.jobs[i];
+    Job& j = p.jobs[i];
     const uint64_t staged = j.direct_dst ? 0 : round_up(j.len, kPage);
     if (!p.groups.empty()) {
       Group& g = p.groups.back();
@@ -117,6 +120,8 @@ void group_jobs(Plan& p, uint64_t cap) {
         g.end = i + 1;
         g.segments += (gap > 0) + 1;
         g.len += gap + j.len;
+        j.gap_off = g.staged;
+        j.buf_off = g.staged + gap_staged;
         g.staged += gap_staged + staged;
         continue;
       }
@@ -127,6 +132,7 @@ void group_jobs(Plan& p, uint64_t cap) {
     g.segments = 1;
     g.len = j.len;
     g.staged = staged;
+    j.buf_off = 0;
     p.groups.push_back(g);
   }
 }
@@ -549,7 +555,7 @@ class RangeReader {
         if (j.direct_dst) {
           if (j.piece >= 0) plan_.pieces[j.piece].crc = crc32(0, j.direct_dst, j.need);
         } else {
-          copy_out(j, pool_.data(g.buf) + j.buf_off, plan_.parts, plan_.pieces);
+          copy_out(j, pool_.data(g.buf) + g.base + j.buf_off, plan_.parts, plan_.pieces);
         }
       }
       if (g.buf >= 0) slices_.done(g.buf);
@@ -562,23 +568,23 @@ class RangeReader {
   // when it needs staging and none of ours is free.
   bool submit(size_t index) {
     Group& g = plan_.groups[index];
-    std::vector<Job>& jobs = plan_.jobs;
-    uint64_t at = 0;
+    const std::vector<Job>& jobs = plan_.jobs;
+    char* staging = nullptr;  // the group's slice (laid out by group_jobs)
     if (g.staged > 0) {
       const std::pair<int, uint64_t> slice = slices_.take(pool_, *q_, cfg_.queue_depth, g.staged);
       if (slice.first < 0) return false;
       g.buf = slice.first;
-      at = slice.second;
+      g.base = slice.second;
+      staging = pool_.data(g.buf) + g.base;
     }
     iov_.clear();
     bool direct = false;
     uint64_t pos = jobs[g.begin].off;  // the file offset the next segment starts at
     for (size_t k = g.begin; k < g.end; ++k) {
-      Job& j = jobs[k];
+      const Job& j = jobs[k];
       if (j.off > pos) {  // a gap read through: into staging, dropped
-        iov_.push_back(iovec{pool_.data(g.buf) + at, j.off - pos});
+        iov_.push_back(iovec{staging + j.gap_off, j.off - pos});
         st_.staged_bytes += j.off - pos;
-        at += round_up(j.off - pos, kPage);
       }
       pos = j.off + j.len;
       if (j.direct_dst) {
@@ -586,10 +592,8 @@ class RangeReader {
         direct = true;
         ++st_.direct_requests;
       } else {
-        j.buf_off = at;
         st_.staged_bytes += j.len;
-        iov_.push_back(iovec{pool_.data(g.buf) + at, j.len});
-        at += round_up(j.len, kPage);
+        iov_.push_back(iovec{staging + j.buf_off, j.len});
       }
     }
     if (direct) {
