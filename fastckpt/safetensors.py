@@ -51,7 +51,7 @@ from ._core.paths import check_save_target, raise_named_after_target
 from .formats import safetensors as _st
 from .formats.torch_rules import is_dtensor
 from .errors import FormatError
-from .torchsave.reader import host_storage
+from .torchsave.reader import host_block, host_storage, settle_block
 
 __all__ = ["save", "load", "save_file", "load_file", "save_model", "load_model", "save_sharded", "load_sharded",
            "safe_open"]
@@ -316,36 +316,39 @@ def _open(filename: PathLike) -> _File:
 
 
 def _read(src: _File, location: Any) -> Dict[str, torch.Tensor]:
-    """Every tensor of the open file, each in memory of its own, read in parallel by the engine: into
-    host memory, or through the staging pipeline's pinned buffers into device memory."""
+    """Every tensor of the open file, read in parallel by the engine: into host memory (one block laid
+    out as the file's data is, each tensor a storage of its own in it: :func:`host_block`), or through
+    the staging pipeline's pinned buffers into device memory of each tensor's own."""
     entries = sorted(src.entries, key=lambda e: e.begin)
     host = location == "cpu"
     staged = None if host else _staging.copier_for_location(location)
     # any other device (no staging copier for it): host memory, then .to(it); an invalid one fails here
     other = None if host or staged is not None else torch.device(location)
-    out: Dict[str, torch.Tensor] = {}
-    ranges, jobs = [], []
-    for e in entries:
-        n = e.end - e.begin
-        if staged is not None:
-            copier, dev = staged
+    fd = src.f.fileno()
+    if staged is None:
+        spans = [(e.begin, e.end, e.dtype.itemsize) for e in entries]
+        size = entries[-1].end if entries else 0  # the tensors tile the data (checked by _File)
+        whole, parts = host_block(size, src.data_start, spans)
+        if size:
+            _engine.read_ranges(src.path, [(whole, src.data_start)], fd)
+        del whole
+        storages = [p.untyped_storage() for p in settle_block(src.data_start, spans, parts)]
+    else:
+        copier, dev = staged
+        storages, jobs = [], []
+        for e in entries:
+            n = e.end - e.begin
             dst = copier.empty_device(n, dev)
             if n:
                 jobs.append(LoadJob(e.name, src.data_start + e.begin, n, dst, copier))
-            storage = dst
-        else:
-            buf = host_storage(n, src.data_start + e.begin, e.dtype.itemsize)
-            if n:
-                ranges.append((buf, src.data_start + e.begin))
-            storage = buf.untyped_storage()
-        out[e.name] = torch.empty(0, dtype=e.dtype, device=storage.device).set_(storage).view(e.shape)
-    fd = src.f.fileno()
-    if ranges:
-        _engine.read_ranges(src.path, ranges, fd)
-    if jobs:
+            storages.append(dst)
+
         def read(rs, crc):
             return _engine.read_ranges(src.path, rs, fd, crc).get("crcs")
-        load_into_device(read, jobs, False)
+        if jobs:
+            load_into_device(read, jobs, False)
+    out = {e.name: torch.empty(0, dtype=e.dtype, device=st.device).set_(st).view(e.shape)
+           for e, st in zip(entries, storages)}
     if other is not None:
         out = {k: v.to(other) for k, v in out.items()}
     return {e.name: out[e.name] for e in src.entries}  # the header's order

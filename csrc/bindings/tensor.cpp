@@ -11,6 +11,11 @@
 
 #include <sys/mman.h>
 
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "../engine/crc32.h"
@@ -41,6 +46,74 @@ Span::Span(py::handle obj, bool writable) {
   ptr_ = static_cast<char*>(view_.buf);
   len_ = static_cast<uint64_t>(view_.len);
 }
+
+
+// ------------------------------------------------------------------ arenas
+//
+// One block of host memory for the storages of the tensors that a load reads
+// from one stretch of a file, laid out as that stretch is: the engine reads
+// the stretch in large requests into memory that is contiguous and on huge
+// pages (a virtio disk takes 254 segments a request: a request into 4 KiB
+// pages carries 1 MiB, into huge pages its full 4 MiB), with one fault per
+// 2 MiB, and no tensor's bytes are copied. Each tensor still has a storage of
+// its own, of its own size (torch.save of one saves its bytes only; not
+// resizable, as torch.load's are not). Its deleter gives the whole pages that
+// lie inside its bytes back to the kernel (MADV_DONTNEED): pages no other
+// storage uses. The block is unmapped when the last of its storages, and the
+// tensor over all of it that the load reads into, is gone.
+namespace {
+
+constexpr size_t kPageSize = 4096;
+constexpr size_t kHugePage = 2u << 20;
+
+struct Arena {
+  char* map = nullptr;
+  size_t map_len = 0;
+  std::atomic<size_t> refs{1};
+
+  void unref() {
+    if (refs.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      ::munmap(map, map_len);
+      delete this;
+    }
+  }
+};
+
+struct ArenaPart {
+  Arena* arena;
+  char* begin;
+  size_t len;
+  bool give_back;  // a tensor's own bytes (not the whole block's)
+};
+
+void delete_arena_part(void* ctx) {
+  auto* part = static_cast<ArenaPart*>(ctx);
+  if (part->give_back) {
+    const uintptr_t b = reinterpret_cast<uintptr_t>(part->begin);
+    const uintptr_t lo = (b + kPageSize - 1) / kPageSize * kPageSize;
+    const uintptr_t hi = (b + part->len) / kPageSize * kPageSize;
+    if (hi > lo) (void)::madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_DONTNEED);  // advisory
+  }
+  part->arena->unref();
+  delete part;
+}
+
+// A uint8 tensor over `len` bytes at `begin` of `arena` (a reference of its own).
+at::Tensor arena_tensor(Arena* arena, char* begin, size_t len, bool give_back) {
+  if (len == 0 && give_back) {  // an empty tensor holds no part of the block
+    at::Tensor t = at::empty({0}, at::TensorOptions().dtype(at::kByte));
+    t.storage().unsafeGetStorageImpl()->set_resizable(false);
+    return t;
+  }
+  arena->refs.fetch_add(1, std::memory_order_relaxed);
+  auto* part = new ArenaPart{arena, begin, len, give_back};
+  c10::Storage storage(c10::Storage::use_byte_size_t(), len,
+                       at::DataPtr(begin, part, &delete_arena_part, at::Device(at::kCPU)), nullptr,
+                       /*resizable=*/false);
+  return at::empty({0}, at::TensorOptions().dtype(at::kByte)).set_(storage, 0, {static_cast<int64_t>(len)}, {1});
+}
+
+}  // namespace
 
 void init_tensor(py::module_& m) {
   m.def("empty_aligned", [](int64_t nbytes, int64_t alignment, int64_t phase, bool huge) {
@@ -78,6 +151,55 @@ void init_tensor(py::module_& m) {
         "multiple of `alignment` (for reads straight into it with O_DIRECT); its storage is resizable like "
         "torch.empty's. huge=True: a block of 2 MiB or more starts on a 2 MiB boundary and is advised "
         "MADV_HUGEPAGE (transparent huge pages).");
+
+  m.def("empty_arena", [](int64_t nbytes, int64_t phase, const std::vector<std::pair<int64_t, int64_t>>& spans,
+                          bool huge) {
+          // See "arenas" above. The block starts `phase` bytes past a page (past a huge
+          // page with `huge`): at the phase of the file offset it is read from, so that
+          // the engine reads its aligned body O_DIRECT straight into it.
+          if (nbytes < 0) throw py::value_error("empty_arena: negative size");
+          if (phase < 0 || phase >= static_cast<int64_t>(kPageSize))
+            throw py::value_error("empty_arena: phase must lie in [0, 4096)");
+          int64_t prev = 0;
+          for (const auto& sp : spans) {
+            if (sp.first < prev || sp.second < sp.first || sp.second > nbytes)
+              throw py::value_error("empty_arena: spans must be in order, not overlap, and lie within the block");
+            prev = sp.second;
+          }
+          const size_t align = huge ? kHugePage : kPageSize;
+          const size_t len = static_cast<size_t>(phase) + static_cast<size_t>(nbytes);
+          const size_t want = (len + kPageSize - 1) / kPageSize * kPageSize + (huge ? align : 0);
+          void* m = ::mmap(nullptr, want > 0 ? want : kPageSize, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+          if (m == MAP_FAILED) throw std::bad_alloc();
+          auto* arena = new Arena;
+          arena->map = static_cast<char*>(m);
+          arena->map_len = want > 0 ? want : kPageSize;
+          char* base = arena->map;
+          if (huge) {
+            base = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + align - 1) / align * align);
+            const size_t whole = (len + kPageSize - 1) / kPageSize * kPageSize / kHugePage * kHugePage;
+            if (whole > 0) (void)::madvise(base, whole, MADV_HUGEPAGE);  // advisory; whole huge pages only
+          }
+          char* data = base + phase;
+          py::list parts;
+          at::Tensor all;
+          try {
+            all = arena_tensor(arena, data, static_cast<size_t>(nbytes), false);
+            for (const auto& sp : spans)
+              parts.append(arena_tensor(arena, data + sp.first, static_cast<size_t>(sp.second - sp.first), true));
+          } catch (...) {
+            arena->unref();
+            throw;
+          }
+          arena->unref();  // the tensors hold it now
+          return py::make_tuple(all, parts);
+        },
+        py::arg("nbytes"), py::arg("phase"), py::arg("spans"), py::arg("huge") = true,
+        "One block of nbytes of uninitialized host memory starting `phase` bytes past a page (with huge: a "
+        "2 MiB page, advised MADV_HUGEPAGE): (a uint8 tensor over all of it, [a uint8 tensor per (begin, end) "
+        "span, each with a storage of its own, not resizable]). A span's whole pages go back to the kernel "
+        "when its storage dies; the block is unmapped when every tensor over it is gone.");
 
   m.def("copy_bytes", [](py::handle dst, py::handle src) {
           // memcpy on this thread, without the GIL: torch's copy_ of a host tensor of more than

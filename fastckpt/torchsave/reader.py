@@ -52,6 +52,40 @@ def host_storage(nbytes: int, offset: int = 0, item: int = 8) -> torch.Tensor:
     return t
 
 
+def host_block(nbytes: int, offset: int, spans: List[Tuple[int, int, int]]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Memory for the storages read from one stretch of a file: ``nbytes``
+    at file offset ``offset``, each (begin, end, item) of ``spans`` (in order,
+    relative to ``offset``, ``item`` its elements' size) a storage of its own.
+    Returns (a uint8 tensor over the stretch, for the engine to read it into
+    in one range, [a uint8 tensor per span]).
+
+    The stretch is one block laid out as the file is, at its offset's phase
+    within a page (``_C.empty_arena``): the engine reads it O_DIRECT in large
+    requests into contiguous memory, on transparent huge pages (the knob
+    load_huge_pages), with no copy; each storage gives its own pages back when
+    it dies. A span whose file offset does not keep its elements aligned (a
+    file written unaligned) is read with the rest and moved into memory of its
+    own by :func:`settle_block` (so that no tensor is misaligned)."""
+    whole, parts = _C.empty_arena(nbytes, offset % _zip.ALIGNMENT, [(b, e) for b, e, _ in spans],
+                                  huge=bool(knobs.get("load_huge_pages")))
+    return whole, parts
+
+
+def settle_block(offset: int, spans: List[Tuple[int, int, int]], parts: List[torch.Tensor]) -> List[torch.Tensor]:
+    """After the block of :func:`host_block` was read: its parts, each span
+    whose elements its file offset leaves misaligned copied into memory of its
+    own (the block's pages for it given back)."""
+    out = []
+    for (b, e, item), part in zip(spans, parts):
+        if (offset + b) % min(item, 8) != 0:
+            own = torch.empty(e - b, dtype=torch.uint8)
+            _C.copy_bytes(own, part)
+            _C.set_resizable(own, False)
+            part = own
+        out.append(part)
+    return out
+
+
 class Records(dict):
     """The storages of one archive read so far (record name -> uint8 tensor),
     and the reading of records, for fastckpt.load and for the command's

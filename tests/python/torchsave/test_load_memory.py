@@ -1,6 +1,9 @@
 """The memory a load returns (fastckpt.torchsave.reader.host_storage): storages of 2 MiB or more
 on transparent huge pages (MADV_HUGEPAGE) unless the knob load_huge_pages is 0; the tensors are
-the file's, bitwise, either way."""
+the file's, bitwise, either way. The block that the storages read from one stretch of a file share
+(host_block, fastckpt.safetensors' loads): a storage of each tensor's own, whose pages go back to
+the kernel when it dies, the block unmapped with the last."""
+import io
 import sys
 
 import pytest
@@ -10,6 +13,7 @@ import fastckpt
 from fastckpt import knobs
 import fastckpt.safetensors as fst
 import fastckpt.torchsave.reader as reader
+from crafted import status_bytes
 
 MIB = 1 << 20
 
@@ -67,3 +71,61 @@ def test_the_knob_at_0_asks_for_small_pages(tmp_path, monkeypatch):
             got = fastckpt.load(tmp_path / "c.pt")
         assert all(torch.equal(got[k], sd[k]) for k in sd)
     assert asked == [False, True]
+
+
+def _mapped(addr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= addr < hi:
+                return True
+    return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and maps")
+def test_a_blocks_storages_give_their_pages_back_and_the_block_goes_with_the_last():
+    spans = [(0, 40 * MIB + 5, 1), (40 * MIB + 5, 40 * MIB + 5, 4), (40 * MIB + 8, 64 * MIB, 4)]
+    whole, parts = reader.host_block(64 * MIB, 12345, spans)
+    addr = whole.data_ptr()
+    assert addr % 4096 == 12345 % 4096 and whole.nbytes == 64 * MIB
+    assert [p.untyped_storage().nbytes() for p in parts] == [40 * MIB + 5, 0, 24 * MIB - 8]
+    assert [p.data_ptr() - addr for p in (parts[0], parts[2])] == [0, 40 * MIB + 8]
+    whole.fill_(3)
+    del whole
+    big, empty, rest = parts
+    del parts
+    before = status_bytes("VmRSS")
+    del big  # its whole pages go back; the block stays for `rest`
+    assert status_bytes("VmRSS") < before - 38 * MIB
+    assert _mapped(addr) and int(rest.sum()) == 3 * rest.numel()
+    del rest  # the last storage over the block: unmapped; an empty tensor holds no part of it
+    assert not _mapped(addr) and empty.numel() == 0
+
+
+def test_a_blocks_storage_is_its_own_size_and_not_resizable():
+    whole, (a, b) = reader.host_block(3 * 4096, 0, [(0, 4096, 4), (4096, 3 * 4096, 8)])
+    whole.copy_(torch.arange(3 * 4096, dtype=torch.int64).to(torch.uint8))
+    del whole
+    buf = io.BytesIO()
+    torch.save(a.view(torch.float32), buf)  # one storage of the block: its own bytes only
+    assert buf.tell() < 2 * 4096
+    back = torch.load(io.BytesIO(buf.getvalue()))
+    assert torch.equal(back.view(torch.uint8), a)
+    with pytest.raises(RuntimeError):
+        b.untyped_storage().resize_(1 << 20)
+
+
+@pytest.mark.parametrize("spans", [[(0, 10, 1), (5, 20, 1)], [(10, 20, 1), (0, 5, 1)], [(0, 4097, 1)],
+                                   [(3, 2, 1)]])
+def test_a_block_refuses_spans_out_of_order_overlapping_or_outside(spans):
+    with pytest.raises(ValueError, match="spans"):
+        reader.host_block(4096, 0, spans)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
+def test_a_block_is_on_huge_pages_unless_the_knob_says_not(tmp_path):
+    for value in (1, 0):
+        with knobs.override(load_huge_pages=value):
+            whole, _ = reader.host_block(6 * MIB, 0, [])
+        assert ("hg" in _vma_flags(whole.data_ptr()).split()) == bool(value)
+        del whole
