@@ -101,9 +101,11 @@ constexpr size_t kMaxSegments = 256;  // a vectored read's segments at most (IOV
 // Groups the planned jobs (in file order) into requests of at most `cap`
 // bytes: a job joins the group before it when it starts where that group
 // ends or within kCoalesceGap of it (the gap is read into staging and
-// dropped: a request beats reading a few KiB less), and the group's last job
-// needs all its bytes (one that may stop at the end of the file ends its
-// group). The group's staging layout is laid out here, once: a staged job or
+// dropped: a request beats reading a few KiB less). A job whose bytes past
+// `need` may lie beyond the end of the file (a window rounded up to a block)
+// can still be followed: the next job's bytes must arrive, and they lie past
+// it, so the file holds all of it; only a request's last job may come up
+// short. The group's staging layout is laid out here, once: a staged job or
 // gap takes its length rounded up to a page of its group's staging slice (the
 // slices' alignment), in file order (Job::buf_off, Job::gap_off).
 void group_jobs(Plan& p, uint64_t cap) {
@@ -115,7 +117,7 @@ void group_jobs(Plan& p, uint64_t cap) {
       const Job& last = p.jobs[g.end - 1];
       const uint64_t end = last.off + last.len;
       const uint64_t gap = j.off - end, gap_staged = round_up(gap, kPage);
-      if (j.off >= end && gap <= kCoalesceGap && last.need == last.len && g.len + gap + j.len <= cap &&
+      if (j.off >= end && gap <= kCoalesceGap && j.need > 0 && g.len + gap + j.len <= cap &&
           g.staged + gap_staged + staged <= cap && g.segments + (gap > 0) + 1 <= kMaxSegments) {
         g.end = i + 1;
         g.segments += (gap > 0) + 1;

@@ -429,9 +429,7 @@ def load(f, group, map_location, weights_only: bool, pickle_module, verify: Opti
         try:
             if "cpu" not in flow.backends:
                 raise xch.cannot_carry(path, flow.backend, "CPU tensors (the result's storages stay on the host)")
-            storages.claim(flow.names)
-            for n in flow.names:
-                storages[n] = reader.host_storage(archive.records[n].size, archive.records[n].data_offset)
+            storages.update(storages.allocate(flow.names))
         except Exception as e:
             err = e
         if flow.agree((False, False, "cpu"), err) == "host":

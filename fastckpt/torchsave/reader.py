@@ -86,6 +86,56 @@ def settle_block(offset: int, spans: List[Tuple[int, int, int]], parts: List[tor
     return out
 
 
+# Records at most this far apart in the file share one block of memory (:func:`host_storages`): the
+# holes between them (a record's zip header and padding) stay in the block, unused.
+BLOCK_GAP = 64 << 10
+
+
+def host_storages(records: List[Tuple[int, int]]) -> Tuple[List[torch.Tensor], int]:
+    """Memory for storages read from records (size, data offset) of one file,
+    in the order given: records that follow each other in the file, at most
+    BLOCK_GAP apart and at offsets that keep every element aligned (8), share
+    one block laid out as the file is (:func:`host_block`: each a storage of
+    its own), so that the engine's reads of them (one per record, each with
+    its CRC) join into large requests into contiguous memory on huge pages;
+    the others get memory of their own (:func:`host_storage`). Also returns the
+    bytes of the holes the blocks hold between their records."""
+    out: List[Optional[torch.Tensor]] = [None] * len(records)
+    holes = 0
+
+    def place(run: List[int]) -> None:
+        nonlocal holes
+        if len(run) == 1:
+            size, off = records[run[0]]
+            out[run[0]] = host_storage(size, off)
+            return
+        start = records[run[0]][1]
+        end = records[run[-1]][1] + records[run[-1]][0]
+        _, parts = host_block(end - start, start, [(records[i][1] - start, records[i][1] - start + records[i][0], 8)
+                                                   for i in run])
+        for i, part in zip(run, parts):
+            out[i] = part
+        holes += (end - start) - sum(records[i][0] for i in run)
+
+    run: List[int] = []
+    for i in sorted(range(len(records)), key=lambda i: records[i][1]):
+        size, off = records[i]
+        if run:
+            last_size, last_off = records[run[-1]]
+            if size > 0 and off % 8 == 0 and last_off + last_size <= off <= last_off + last_size + BLOCK_GAP:
+                run.append(i)
+                continue
+            place(run)
+            run = []
+        if size > 0 and off % 8 == 0:
+            run = [i]
+        else:
+            out[i] = host_storage(size, off)
+    if run:
+        place(run)
+    return out, holes  # type: ignore[return-value]
+
+
 class Records(dict):
     """The storages of one archive read so far (record name -> uint8 tensor),
     and the reading of records, for fastckpt.load and for the command's
@@ -115,13 +165,27 @@ class Records(dict):
         recs = self.archive.records
         return [n for n in names if self.crcs.get(n, 0) != recs[n].crc and (self.verify or recs[n].crc != 0)]
 
-    def claim(self, names: List[str]) -> None:
-        """Account for reading records `names`, before any memory is allocated."""
-        n = sum(self.archive.records[name].size for name in names)
+    def claim(self, names: List[str], extra: int = 0) -> None:
+        """Account for reading records `names` (and `extra` bytes more), before any memory is allocated."""
+        n = sum(self.archive.records[name].size for name in names) + extra
         if self.allocated + n > self.archive.file_size:
             raise FormatError(f"{self.path}: reading records {names[:3]}... would allocate "
                               f"{self.allocated + n} bytes for a {self.archive.file_size}-byte file")
         self.allocated += n
+
+    def allocate(self, storages: List[str]) -> Dict[str, torch.Tensor]:
+        """Memory for storage records `storages` (:func:`host_storages`),
+        accounted for first (:meth:`claim`, the blocks' holes too)."""
+        recs = self.archive.records
+        self.claim(storages)
+        tensors, holes = host_storages([(recs[n].size, recs[n].data_offset) for n in storages])
+        if holes:
+            try:
+                self.claim([], holes)
+            except FormatError:
+                del tensors
+                raise
+        return dict(zip(storages, tensors))
 
     def read_into(self, items: List[Tuple[str, int, Any, bool]], fd: Optional[int] = None) -> List[Optional[int]]:
         """Fill each (record, offset in the record, destination, crc) with
@@ -153,9 +217,7 @@ class Records(dict):
         after an error). Only for pickles whose unpickling reads no storage
         bytes (:func:`unpickling_reads_no_data`)."""
         storages = [n for n in dict.fromkeys(storages) if n not in self]
-        self.claim(storages)
-        recs = self.archive.records
-        tensors = {n: host_storage(recs[n].size, recs[n].data_offset) for n in storages}
+        tensors = self.allocate(storages)
         items = [(n, 0, t, self.verify is not False) for n, t in tensors.items()]
         self.update(tensors)
         # The thread reads through a duplicate of the descriptor: the caller
@@ -214,15 +276,16 @@ class Records(dict):
         FormatError, or is appended to `bad_small` when that is given."""
         small = [n for n in dict.fromkeys(small) if n not in self.small_read]
         storages = [n for n in dict.fromkeys(storages) if n not in self]
-        self.claim(small + storages)
+        self.claim(small)
         self.small_read.update(small)
         recs = self.archive.records
         bufs = {n: bytearray(recs[n].size) for n in small}
-        # Storages big enough to be aligned in the file get page-aligned memory:
-        # the engine reads them O_DIRECT straight in (no copy out of staging),
-        # while its helper thread faults the memory in ahead of the reads
-        # (knob `prefault`). Small ones take torch's allocator, as torch.load.
-        tensors = {n: host_storage(recs[n].size, recs[n].data_offset) for n in storages}
+        # Storages get memory at their file offsets' phase, those close together in
+        # the file one block laid out as the file is (allocate): the engine reads
+        # them O_DIRECT straight in (no copy out of staging), in requests that
+        # span several, while its helper thread faults the memory in ahead of
+        # the reads (knob `prefault`).
+        tensors = self.allocate(storages)
         # The engine computes the CRC-32s while it reads (each piece as it
         # lands, in parallel with the other reads): metadata records always
         # (they are small), storages unless verify=False.

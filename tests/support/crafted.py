@@ -319,7 +319,7 @@ def _worker() -> None:
         from fastckpt.formats import zip as z
         from fastckpt import serialization as ser
         z.check_layout = lambda entries, cd_off, bad: 0
-        fastckpt.torchsave.reader.Records.claim = lambda self, names: None
+        fastckpt.torchsave.reader.Records.claim = lambda self, names, extra=0: None
     fastckpt.load(warm, verify=True)  # engine, buffers and torch's lazy state, before any baseline
     fastckpt.load(warm, verify=False)
     for line in sys.stdin:

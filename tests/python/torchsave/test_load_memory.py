@@ -55,22 +55,29 @@ def test_large_storages_come_on_huge_pages(tmp_path, fmt):
 
 def test_the_knob_at_0_asks_for_small_pages(tmp_path, monkeypatch):
     """(Memory that glibc hands out again may still carry an earlier block's advice: the
-    allocation's argument is what is checked.)"""
+    allocation's argument is what is checked, of both kinds: a storage's own memory and the
+    block that storages close together in the file share.)"""
     asked = []
-    real = reader._C.empty_aligned
+    real_aligned, real_arena = reader._C.empty_aligned, reader._C.empty_arena
 
     def empty_aligned(n, alignment=4096, phase=0, huge=False):
-        asked.append(huge)
-        return real(n, alignment, phase, huge)
+        asked.append(("own", huge))
+        return real_aligned(n, alignment, phase, huge)
+
+    def empty_arena(n, phase, spans, huge=True):
+        asked.append(("block", huge))
+        return real_arena(n, phase, spans, huge)
 
     sd = _state()
     fastckpt.save(sd, tmp_path / "c.pt")
     monkeypatch.setattr(reader._C, "empty_aligned", empty_aligned)
+    monkeypatch.setattr(reader._C, "empty_arena", empty_arena)
     for value in (0, 1):
+        asked.clear()
         with knobs.override(load_huge_pages=value):
             got = fastckpt.load(tmp_path / "c.pt")
         assert all(torch.equal(got[k], sd[k]) for k in sd)
-    assert asked == [False, True]
+        assert asked and all(huge == bool(value) for _, huge in asked), (value, asked)
 
 
 def _mapped(addr: int) -> bool:
@@ -129,3 +136,35 @@ def test_a_block_is_on_huge_pages_unless_the_knob_says_not(tmp_path):
             whole, _ = reader.host_block(6 * MIB, 0, [])
         assert ("hg" in _vma_flags(whole.data_ptr()).split()) == bool(value)
         del whole
+
+
+def test_records_close_together_share_a_block_the_others_get_their_own():
+    far_off = 4096 + 5160 + 64 * 1024 + 8  # too far from the record before it
+    recs = [(100, 4096), (5000, 4096 + 100 + 60), (0, 20000), (300, far_off),
+            (64, 200000 + 3), (4096, 300000), (8, 300000 + 4096 + 8)]
+    got, holes = reader.host_storages(recs)
+    assert [t.untyped_storage().nbytes() for t in got] == [n for n, _ in recs]
+    a, b, empty, far, odd, c, d = got
+    assert b.data_ptr() - a.data_ptr() == 160 and d.data_ptr() - c.data_ptr() == 4104  # laid out as the file
+    assert far.data_ptr() - a.data_ptr() != far_off - 4096  # memory of its own
+    assert odd.data_ptr() % 8 == 0  # a record that misaligns its elements: memory of its own
+    assert holes == 60 + 8
+
+
+def test_a_load_of_many_small_storages_reads_them_in_few_requests_into_one_block(tmp_path, monkeypatch):
+    from engines import drop_page_cache, record_reads
+    g = torch.Generator().manual_seed(2)
+    sd = {f"p{i}": torch.randn(100 + 37 * i, generator=g) for i in range(200)}
+    sd["big"] = torch.randn(3 * MIB // 4, generator=g)
+    fastckpt.save(sd, tmp_path / "many.pt")
+    drop_page_cache(tmp_path / "many.pt")
+    calls = record_reads(monkeypatch)
+    for verify in (True, False):
+        got = fastckpt.load(tmp_path / "many.pt", verify=verify)
+        assert all(torch.equal(got[k], sd[k]) for k in sd)
+        ptrs = sorted(got[k].data_ptr() for k in sd)
+        assert ptrs[-1] - ptrs[0] < (tmp_path / "many.pt").stat().st_size  # one block, as the file
+    reads = [c for c in calls if c["bytes"] > MIB]  # the storages' (not the parse's header checks)
+    assert len(reads) == 2, reads
+    if reads[0]["direct"]:  # 6 MiB in 8 MiB requests, the records' headers read through
+        assert all(c["requests"] <= 4 and c["vectored_requests"] >= 1 for c in reads), reads

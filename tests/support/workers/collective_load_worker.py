@@ -249,12 +249,12 @@ def main() -> int:
             return open_for_reading(p)
         _paths.open_for_reading = counted_open
         host = [0]
-        host_storage = fastckpt.torchsave.reader.host_storage
+        host_storages = fastckpt.torchsave.reader.host_storages
 
-        def counted_host(n, offset=0):
-            host[0] += n
-            return host_storage(n, offset)
-        fastckpt.torchsave.reader.host_storage = counted_host
+        def counted_host(records):  # the host memory of a load's storages
+            host[0] += sum(n for n, _ in records)
+            return host_storages(records)
+        fastckpt.torchsave.reader.host_storages = counted_host
 
         def reading(self, items, fd=None):
             if any(it[0].startswith("data/") for it in items):
