@@ -515,21 +515,12 @@ TEST(records_between_small_gaps_are_read_through_them, ALL) {
   Engine eng(cfg);
   const std::string path = dir.file("records.bin");
   const std::string data = saved_cold(eng, path, 2u << 20, 63);
-  std::vector<std::unique_ptr<AlignedBuf>> bufs;
-  std::vector<ReadRange> rs;
-  std::vector<uint32_t> crcs(41, 0);
-  for (size_t i = 0; i < 40; ++i) {  // 12 KiB records every 16 KiB (4 KiB gaps), 640 KiB in all
-    bufs.emplace_back(new AlignedBuf(12288 + 4096));
-    rs.push_back(ReadRange{bufs.back()->p, 12288, 4096 + i * 16384, &crcs[i]});
-  }
-  bufs.emplace_back(new AlignedBuf(12288 + 4096));  // one more, 1 MiB further: beyond any gap read through
-  rs.push_back(ReadRange{bufs.back()->p, 12288, 4096 + 40 * 16384 + (1u << 20), &crcs[40]});
-  ReadStats st = fastckpt::read_ranges(eng, path, rs);
-  for (size_t i = 0; i < rs.size(); ++i) {
-    CHECK_BYTES(bufs[i]->str(0, 12288), data.substr(rs[i].off, 12288));
-    CHECK_BYTES(bufs[i]->str(12288, 4096), std::string(4096, '\x55'));
-    CHECK(crcs[i] == fastckpt::crc32(0, data.data() + rs[i].off, 12288));
-  }
+  std::vector<size_t> at;
+  for (size_t i = 0; i < 40; ++i) at.push_back(4096 + i * 16384);  // 12 KiB records every 16 KiB (4 KiB gaps)
+  at.push_back(4096 + 40 * 16384 + (1u << 20));  // one more, 1 MiB further: beyond any gap read through
+  PackedRanges records(at, std::vector<size_t>(41, 12288));
+  ReadStats st = fastckpt::read_ranges(eng, path, records.ranges);
+  CHECK_PACKED(records, data);
   CHECK_EQ(st.bytes, 41u * 12288);
   if (cfg.direct) {
     CHECK_EQ(st.direct_requests, 41u);
@@ -553,24 +544,18 @@ TEST(records_ending_inside_a_block_still_join_one_request, ALL) {
   Engine eng(cfg);
   const std::string path = dir.file("tails.bin");
   const std::string data = saved_cold(eng, path, 2u << 20, 71);
-  std::vector<std::unique_ptr<AlignedBuf>> bufs;
-  std::vector<ReadRange> rs;
-  std::vector<uint32_t> crcs(60, 0);
-  uint64_t off = 4096;
-  for (size_t i = 0; i < 60; ++i) {
-    const uint64_t len = 100 + i * 150;
-    bufs.emplace_back(new AlignedBuf(len + 4096));
-    rs.push_back(ReadRange{bufs.back()->p, len, off, &crcs[i]});
-    off += (len + 4095) / 4096 * 4096 + 4096;  // the next record after a block of header
+  std::vector<size_t> at, lens;
+  for (size_t i = 0, off = 4096; i < 60; ++i) {
+    lens.push_back(100 + i * 150);
+    at.push_back(off);
+    off += (lens.back() + 4095) / 4096 * 4096 + 4096;  // the next record after a block of header
   }
+  PackedRanges records(at, lens);
+  const std::vector<ReadRange>& rs = records.ranges;
   ReadStats st = fastckpt::read_ranges(eng, path, rs);
-  uint64_t bytes = 0;
-  for (size_t i = 0; i < rs.size(); ++i) {
-    CHECK_BYTES(bufs[i]->str(0, rs[i].len), data.substr(rs[i].off, rs[i].len));
-    CHECK_BYTES(bufs[i]->str(rs[i].len, 4096), std::string(4096, '\x55'));
-    CHECK(crcs[i] == fastckpt::crc32(0, data.data() + rs[i].off, rs[i].len));
-    bytes += rs[i].len;
-  }
+  CHECK_PACKED(records, data);
+  size_t bytes = 0;
+  for (size_t len : lens) bytes += len;
   CHECK_EQ(st.bytes, bytes);
   // about 700 KiB in 64 KiB requests: 11 (58 when each window ended its request)
   if (cfg.direct) CHECK_MSG(st.requests <= 14u, std::to_string(st.requests));

@@ -399,21 +399,26 @@ inline std::string saved_cold(Engine& eng, const std::string& path, size_t n, ui
 // phase within a page (fastckpt's host_storage), with guard bytes around it:
 // their aligned bodies are read straight in, the blocks between them staged,
 // and runs of them that follow each other in the file are read by one
-// vectored request (reader.cc, group_jobs).
+// vectored request (reader.cc, group_jobs). Or ranges at given offsets, as
+// records between headers are.
 struct PackedRanges {
   static constexpr size_t kGuard = 64;
-  PackedRanges(size_t first_off, const std::vector<size_t>& lens) {
-    size_t off = first_off;
+  PackedRanges(size_t first_off, const std::vector<size_t>& lens) : PackedRanges(packed(first_off, lens), lens) {}
+  // Ranges of `lens` bytes at offsets `at` (in file order), each in memory of its own at its phase.
+  PackedRanges(const std::vector<size_t>& at, const std::vector<size_t>& lens) : offs(at), crcs(lens.size(), 0) {
+    for (size_t i = 0; i < lens.size(); ++i) {
+      bufs.emplace_back(new AlignedBuf(offs[i] % 4096 + lens[i] + kGuard + 4096));  // filled with 0x55
+      ranges.push_back(ReadRange{bufs[i]->p + offs[i] % 4096, lens[i], offs[i], &crcs[i]});
+    }
+    end = lens.empty() ? 0 : offs.back() + lens.back();
+  }
+  static std::vector<size_t> packed(size_t off, const std::vector<size_t>& lens) {
+    std::vector<size_t> at;
     for (size_t len : lens) {
-      const size_t phase = off % 4096;
-      bufs.emplace_back(new AlignedBuf(phase + len + kGuard + 4096));  // filled with 0x55
-      offs.push_back(off);
-      crcs.push_back(0);
+      at.push_back(off);
       off += len;
     }
-    end = off;
-    for (size_t i = 0; i < lens.size(); ++i)
-      ranges.push_back(ReadRange{bufs[i]->p + offs[i] % 4096, lens[i], offs[i], &crcs[i]});
+    return at;
   }
   // Every range's bytes and CRC as in `data`, nothing written around them.
   void check(const std::string& data, const char* file, int line) const {
