@@ -33,8 +33,9 @@ async_write_through       FASTCKPT_ASYNC_WRITE_THROUGH       1: background stagi
 snapshot_huge_pages       FASTCKPT_SNAPSHOT_HUGE_PAGES       1: snapshot arenas of 2 MiB or more on transparent huge
                                                              pages (1); 0: small pages (see docs/ENGINE.md)
 load_huge_pages           FASTCKPT_LOAD_HUGE_PAGES           1: storages of 2 MiB or more that a load returns (or
-                                                             stages for a device) on transparent huge pages (1);
-                                                             0: small pages (see docs/ENGINE.md)
+                                                             stages for a device), and the blocks that storages
+                                                             close together in the file share, on transparent huge
+                                                             pages (1); 0: small pages (see docs/ENGINE.md)
 allow_foreign_owner       FASTCKPT_ALLOW_FOREIGN_OWNER       1: use checkpoint directories another user owns or can write (0)
 remote_part_size          FASTCKPT_REMOTE_PART_SIZE          bytes per part of a remote upload or ranged read (16 MiB)
 remote_parallelism        FASTCKPT_REMOTE_PARALLELISM        parts in flight per remote transfer (8): memory <= parts x part size
