@@ -168,3 +168,37 @@ def test_a_load_of_many_small_storages_reads_them_in_few_requests_into_one_block
     assert len(reads) == 2, reads
     if reads[0]["direct"]:  # 6 MiB in 8 MiB requests, the records' headers read through
         assert all(c["requests"] <= 4 and c["vectored_requests"] >= 1 for c in reads), reads
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_a_load_that_fails_mid_read_names_the_file_and_leaves_no_block(tmp_path, monkeypatch, fmt):
+    import errno
+    import gc
+    from engines import drop_page_cache
+    from fastckpt import _C
+    g = torch.Generator().manual_seed(8)
+    sd = {f"t{i}": torch.randn(3000 + 500 * i, generator=g) for i in range(40)}
+    path = tmp_path / ("c.pt" if fmt == "torch" else "c.safetensors")
+    (fastckpt.save if fmt == "torch" else fst.save_file)(sd, path)
+    blocks = []
+    real = reader._C.empty_arena
+
+    def empty_arena(*args, **kwargs):  # the reads into the block fail (the second of them)
+        whole, parts = real(*args, **kwargs)
+        blocks.append(whole.data_ptr())
+        _C.fault_inject("read", nth=2, errno=errno.EIO)
+        return whole, parts
+    monkeypatch.setattr(reader._C, "empty_arena", empty_arena)
+    load = fastckpt.load if fmt == "torch" else fst.load_file
+    with fastckpt.knobs.override(buffer_size=64 << 10, buffer_count=4):
+        drop_page_cache(path)
+        try:
+            with pytest.raises(OSError) as ei:
+                load(path)
+        finally:
+            _C.fault_clear()
+    assert ei.value.errno == errno.EIO and str(path) in str(ei.value)
+    del ei
+    gc.collect()
+    assert blocks and not any(_mapped(b) for b in blocks)
