@@ -120,6 +120,9 @@ def test_a_blocks_storage_is_its_own_size_and_not_resizable():
     assert torch.equal(back.view(torch.uint8), a)
     with pytest.raises(RuntimeError):
         b.untyped_storage().resize_(1 << 20)
+    before = b.clone()
+    b.share_memory_()  # moved into shared memory (torch swaps the storage's memory, ours given back)
+    assert b.is_shared() and torch.equal(b, before)
 
 
 @pytest.mark.parametrize("spans", [[(0, 10, 1), (5, 20, 1)], [(10, 20, 1), (0, 5, 1)], [(0, 4097, 1)],
