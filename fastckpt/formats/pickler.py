@@ -49,25 +49,36 @@ def tensor_reduce(ref: StorageRef, untyped: bool, dtype: torch.dtype, storage_of
 _FAST_DEVICES = frozenset(["cpu", "cuda"])
 
 
-def plain_tensor_reduce(t: Any) -> Any:
+def _storage_object(t: torch.Tensor, v3: bool) -> Any:
+    """The storage object ``Tensor.__reduce_ex__`` pickles for `t`: its untyped
+    storage (v3 dtypes), else a TypedStorage of its dtype."""
+    if v3:
+        return t.untyped_storage()
+    return torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
+
+
+def plain_tensor_reduce(t: Any, storage_of: Callable[[torch.Tensor, bool], Any] = _storage_object) -> Any:
     """What ``Tensor.__reduce_ex__`` returns for `t`, computed without its
     detour (``_get_obj_state``, ``copyreg._slotnames``, ``warn_if_has_hooks``:
     half of torch.save's time for a state of many small tensors), for the
     tensors where that detour changes nothing: exactly ``torch.Tensor`` (no
     subclass), strided, on the CPU or a CUDA device, not quantized, no Python
     attributes and no backward hooks. Anything else: ``NotImplemented`` (the
-    pickler then asks the tensor, as torch.save does)."""
+    pickler then asks the tensor, as torch.save does). ``storage_of(t, v3)``:
+    what stands for the storage in the reduction (by default the storage
+    object torch pickles; :func:`pickle_with_storages` puts its persistent
+    id there at once)."""
     if type(t) is not torch.Tensor or t.layout is not torch.strided or t.is_quantized or t.is_nested \
             or t.device.type not in _FAST_DEVICES or t._backward_hooks or t.__dict__:
         return NotImplemented
     if t.dtype in v3_dtypes():
-        fn, storage = torch._utils._rebuild_tensor_v3, t.untyped_storage()
-        args: Tuple = (storage, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad,
+        fn = torch._utils._rebuild_tensor_v3
+        args: Tuple = (storage_of(t, True), t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad,
                        collections.OrderedDict(), t.dtype)
     else:
         fn = torch._utils._rebuild_tensor_v2
-        storage = torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
-        args = (storage, t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad, collections.OrderedDict())
+        args = (storage_of(t, False), t.storage_offset(), tuple(t.size()), t.stride(), t.requires_grad,
+                collections.OrderedDict())
     metadata = torch._utils.get_tensor_metadata(t)
     if metadata:
         args = args + (metadata,)
@@ -90,6 +101,27 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
     storages: List[torch.UntypedStorage] = []
     keys: Dict[int, str] = {}
     storage_dtypes: Dict[int, torch.dtype] = {}
+    locations: Dict[Any, str] = {}  # device -> location tag: every tagger torch registers looks at the device only
+
+    def storage_pid(storage: torch.UntypedStorage, storage_dtype: torch.dtype, storage_type: Any, numel: int,
+                    fake_device: Any = None) -> Tuple:
+        """torch.save's persistent id of `storage` (its bytes seen as `storage_dtype`), the storage numbered."""
+        device = storage.device
+        if device.type != "meta" and storage.data_ptr() != 0:
+            seen = storage_dtypes.setdefault(storage.data_ptr(), storage_dtype)
+            if seen != storage_dtype:
+                raise RuntimeError("Cannot save multiple tensors or storages that view the same data as different types")
+        key = keys.get(storage._cdata)
+        if key is None:
+            key = keys[storage._cdata] = str(len(storages))
+            storages.append(storage)
+        if fake_device is not None:
+            location = str(fake_device)
+        else:
+            location = locations.get(device)
+            if location is None:
+                location = locations[device] = ts.location_tag(storage)
+        return ("storage", storage_type, key, location, numel)
 
     def persistent_id(o):
         if isinstance(o, StorageRef):
@@ -97,28 +129,34 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
                 o.pid = o.pid[:2] + (str(len(storages)),) + o.pid[3:]
                 storages.append(o.payload)
             return o.pid
-        if isinstance(o, torch.storage.TypedStorage) or torch.is_storage(o):
-            if isinstance(o, torch.storage.TypedStorage):
-                storage = o._untyped_storage
-                storage_dtype = o.dtype
-                storage_type = getattr(torch, o._pickle_storage_type())
-                numel = storage.nbytes() // element_size(storage_dtype)  # o._size(), without its torch.finfo
-            else:
-                storage = o
-                storage_dtype = torch.uint8
-                storage_type = ts.normalize_storage_type(type(o))
-                numel = storage.nbytes()
-            if str(storage.device) != "meta" and storage.data_ptr() != 0:
-                seen = storage_dtypes.setdefault(storage.data_ptr(), storage_dtype)
-                if seen != storage_dtype:
-                    raise RuntimeError("Cannot save multiple tensors or storages that view the same data as different types")
-            key = keys.get(storage._cdata)
-            if key is None:
-                key = keys[storage._cdata] = str(len(storages))
-                storages.append(storage)
-            location = str(o._fake_device) if getattr(o, "_fake_device", None) is not None else ts.location_tag(storage)
-            return ("storage", storage_type, key, location, numel)
+        if isinstance(o, torch.storage.TypedStorage):
+            storage = o._untyped_storage
+            return storage_pid(storage, o.dtype, getattr(torch, o._pickle_storage_type()),
+                               storage.nbytes() // element_size(o.dtype),  # o._size(), without its torch.finfo
+                               getattr(o, "_fake_device", None))
+        if torch.is_storage(o):
+            return storage_pid(o, torch.uint8, ts.normalize_storage_type(type(o)), o.nbytes(),
+                               getattr(o, "_fake_device", None))
         return None
+
+    storage_types: Dict[torch.dtype, Any] = {}  # dtype -> torch's legacy storage class (FloatStorage, ...)
+
+    def pid_of_tensor(t: torch.Tensor, v3: bool) -> StorageRef:
+        """The persistent id of a plain tensor's storage, as persistent_id gives it for the storage object
+        torch would pickle (:func:`_storage_object`), without making that object."""
+        storage = t.untyped_storage()
+        if v3:
+            pid = storage_pid(storage, torch.uint8, torch.UntypedStorage, storage.nbytes())
+        else:
+            dtype = t.dtype
+            kind = storage_types.get(dtype)
+            if kind is None:
+                kind = storage_types[dtype] = getattr(torch, _storage_object(t, False)._pickle_storage_type())
+            pid = storage_pid(storage, dtype, kind, storage.nbytes() // element_size(dtype))
+        return StorageRef(*pid[1:])
+
+    def fast_reduce(o: Any) -> Any:
+        return plain_tensor_reduce(o, pid_of_tensor)
 
     plain = _PLAIN_TYPES
 
@@ -133,12 +171,12 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
         class Reducing(Pickler):
             def reducer_override(self, o):
                 r = reducer_override(o)
-                return plain_tensor_reduce(o) if r is NotImplemented else r
+                return fast_reduce(o) if r is NotImplemented else r
         cls = Reducing
     elif getattr(pickle_module, "Pickler", None) is pickle.Pickler:  # the C pickler, which asks reducer_override
         class Plain(Pickler):
             def reducer_override(self, o):
-                return plain_tensor_reduce(o)
+                return fast_reduce(o)
         cls = Plain
 
     buf = io.BytesIO()

@@ -73,3 +73,21 @@ def test_a_state_dict_of_many_tensors(tmp_path):
     torch.save(obj, tmp_path / "torch.pt")
     fastckpt.save(obj, tmp_path / "fast.pt")
     assert _pkl(tmp_path / "fast.pt") == _pkl(tmp_path / "torch.pt")
+
+
+def test_the_shortcut_numbers_shared_storages_once_and_refuses_two_dtypes_as_torch_does(tmp_path):
+    """The shortcut gives a plain tensor's storage its persistent id at once (no storage object made):
+    tensors sharing one storage get one key, in torch's order, across dtypes of both rebuild functions;
+    one storage viewed as two dtypes is torch's own RuntimeError."""
+    base = torch.arange(64, dtype=torch.float32)
+    obj = {"a": base[:8], "u16": torch.zeros(4, dtype=torch.uint16), "b": base[8:], "c": base.view(8, 8)[1],
+           "h": torch.ones(3, dtype=torch.float16), "scalars": [torch.tensor(float(i)) for i in range(5)]}
+    torch.save(obj, tmp_path / "torch.pt")
+    fastckpt.save(obj, tmp_path / "fast.pt")
+    assert _pkl(tmp_path / "fast.pt") == _pkl(tmp_path / "torch.pt")
+    mixed = {"f": base, "i": base.view(torch.int32)}
+    with pytest.raises(RuntimeError, match="view the same data as different types") as theirs:
+        torch.save(mixed, tmp_path / "t2.pt")
+    with pytest.raises(RuntimeError, match="view the same data as different types"):
+        fastckpt.save(mixed, tmp_path / "f2.pt")
+    assert theirs.value is not None and not (tmp_path / "f2.pt").exists()
