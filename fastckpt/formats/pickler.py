@@ -101,7 +101,6 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
     storages: List[torch.UntypedStorage] = []
     keys: Dict[int, str] = {}
     storage_dtypes: Dict[int, torch.dtype] = {}
-    locations: Dict[Any, str] = {}  # device -> location tag: every tagger torch registers looks at the device only
 
     def storage_pid(storage: torch.UntypedStorage, storage_dtype: torch.dtype, storage_type: Any, numel: int,
                     fake_device: Any = None) -> Tuple:
@@ -115,12 +114,8 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
         if key is None:
             key = keys[storage._cdata] = str(len(storages))
             storages.append(storage)
-        if fake_device is not None:
-            location = str(fake_device)
-        else:
-            location = locations.get(device)
-            if location is None:
-                location = locations[device] = ts.location_tag(storage)
+        # (each storage's own tag: a tagger registered with torch may look at more than the device)
+        location = str(fake_device) if fake_device is not None else ts.location_tag(storage)
         return ("storage", storage_type, key, location, numel)
 
     def persistent_id(o):
