@@ -11,8 +11,6 @@
 
 #include <sys/mman.h>
 
-#include <unistd.h>
-
 #include <atomic>
 #include <cstdint>
 #include <utility>

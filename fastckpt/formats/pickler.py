@@ -134,19 +134,15 @@ def pickle_with_storages(obj, pickle_module, pickle_protocol, skip_data: bool = 
                                getattr(o, "_fake_device", None))
         return None
 
-    storage_types: Dict[torch.dtype, Any] = {}  # dtype -> torch's legacy storage class (FloatStorage, ...)
-
     def pid_of_tensor(t: torch.Tensor, v3: bool) -> StorageRef:
         """The persistent id of a plain tensor's storage, as persistent_id gives it for the storage object
         torch would pickle (:func:`_storage_object`), without making that object."""
         storage = t.untyped_storage()
         if v3:
             pid = storage_pid(storage, torch.uint8, torch.UntypedStorage, storage.nbytes())
-        else:
-            dtype = t.dtype
-            kind = storage_types.get(dtype)
-            if kind is None:
-                kind = storage_types[dtype] = getattr(torch, _storage_object(t, False)._pickle_storage_type())
+        else:  # the legacy storage class (FloatStorage, ...), as TypedStorage._pickle_storage_type and storage_ref
+            dtype = t.dtype  # name it (a dtype it has none for: torch's own KeyError)
+            kind = getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
             pid = storage_pid(storage, dtype, kind, storage.nbytes() // element_size(dtype))
         return StorageRef(*pid[1:])
 

@@ -91,49 +91,54 @@ def settle_block(offset: int, spans: List[Tuple[int, int, int]], parts: List[tor
 BLOCK_GAP = 64 << 10
 
 
-def host_storages(records: List[Tuple[int, int]]) -> Tuple[List[torch.Tensor], int]:
-    """Memory for storages read from records (size, data offset) of one file,
-    in the order given: records that follow each other in the file, at most
-    BLOCK_GAP apart and at offsets that keep every element aligned (8), share
-    one block laid out as the file is (:func:`host_block`: each a storage of
-    its own), so that the engine's reads of them (one per record, each with
-    its CRC) join into large requests into contiguous memory on huge pages;
-    the others get memory of their own (:func:`host_storage`). Also returns the
-    bytes of the holes the blocks hold between their records."""
-    out: List[Optional[torch.Tensor]] = [None] * len(records)
+def block_runs(records: List[Tuple[int, int]]) -> Tuple[List[List[int]], int]:
+    """How :func:`host_storages` places records (size, data offset) of one
+    file: runs of indices, in file order, of records that follow each other at
+    most BLOCK_GAP apart at offsets that keep every element aligned (8); a run
+    of several shares one block, a run of one gets memory of its own. Also
+    returns the bytes of the holes the blocks hold between their records (to
+    be accounted for before anything is allocated)."""
+    runs: List[List[int]] = []
+    open_run = False  # the last run may take the next record
+    for i in sorted(range(len(records)), key=lambda i: records[i][1]):
+        size, off = records[i]
+        fits = size > 0 and off % 8 == 0
+        if fits and open_run:
+            last_size, last_off = records[runs[-1][-1]]
+            if last_off + last_size <= off <= last_off + last_size + BLOCK_GAP:
+                runs[-1].append(i)
+                continue
+        runs.append([i])
+        open_run = fits
     holes = 0
+    for run in runs:
+        if len(run) > 1:
+            start, (last_size, last_off) = records[run[0]][1], records[run[-1]]
+            holes += (last_off + last_size - start) - sum(records[i][0] for i in run)
+    return runs, holes
 
-    def place(run: List[int]) -> None:
-        nonlocal holes
+
+def host_storages(records: List[Tuple[int, int]], runs: List[List[int]]) -> List[torch.Tensor]:
+    """Memory for storages read from records (size, data offset) of one file,
+    in the order given, placed by ``runs`` (:func:`block_runs`): the records of
+    a run of several share one block laid out as the file is
+    (:func:`host_block`: each a storage of its own), so that the engine's
+    reads of them (one per record, each with its CRC) join into large requests
+    into contiguous memory on huge pages; the others get memory of their own
+    (:func:`host_storage`)."""
+    out: List[Optional[torch.Tensor]] = [None] * len(records)
+    for run in runs:
         if len(run) == 1:
             size, off = records[run[0]]
             out[run[0]] = host_storage(size, off)
-            return
+            continue
         start = records[run[0]][1]
         end = records[run[-1]][1] + records[run[-1]][0]
         _, parts = host_block(end - start, start, [(records[i][1] - start, records[i][1] - start + records[i][0], 8)
                                                    for i in run])
         for i, part in zip(run, parts):
             out[i] = part
-        holes += (end - start) - sum(records[i][0] for i in run)
-
-    run: List[int] = []
-    for i in sorted(range(len(records)), key=lambda i: records[i][1]):
-        size, off = records[i]
-        if run:
-            last_size, last_off = records[run[-1]]
-            if size > 0 and off % 8 == 0 and last_off + last_size <= off <= last_off + last_size + BLOCK_GAP:
-                run.append(i)
-                continue
-            place(run)
-            run = []
-        if size > 0 and off % 8 == 0:
-            run = [i]
-        else:
-            out[i] = host_storage(size, off)
-    if run:
-        place(run)
-    return out, holes  # type: ignore[return-value]
+    return out  # type: ignore[return-value]
 
 
 class Records(dict):
@@ -177,15 +182,10 @@ class Records(dict):
         """Memory for storage records `storages` (:func:`host_storages`),
         accounted for first (:meth:`claim`, the blocks' holes too)."""
         recs = self.archive.records
-        self.claim(storages)
-        tensors, holes = host_storages([(recs[n].size, recs[n].data_offset) for n in storages])
-        if holes:
-            try:
-                self.claim([], holes)
-            except FormatError:
-                del tensors
-                raise
-        return dict(zip(storages, tensors))
+        records = [(recs[n].size, recs[n].data_offset) for n in storages]
+        runs, holes = block_runs(records)
+        self.claim(storages, holes)
+        return dict(zip(storages, host_storages(records, runs)))
 
     def read_into(self, items: List[Tuple[str, int, Any, bool]], fd: Optional[int] = None) -> List[Optional[int]]:
         """Fill each (record, offset in the record, destination, crc) with

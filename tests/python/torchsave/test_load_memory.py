@@ -145,7 +145,8 @@ def test_records_close_together_share_a_block_the_others_get_their_own():
     far_off = 4096 + 5160 + 64 * 1024 + 8  # too far from the record before it
     recs = [(100, 4096), (5000, 4096 + 100 + 60), (0, 20000), (300, far_off),
             (64, 200000 + 3), (4096, 300000), (8, 300000 + 4096 + 8)]
-    got, holes = reader.host_storages(recs)
+    runs, holes = reader.block_runs(recs)
+    got = reader.host_storages(recs, runs)
     assert [t.untyped_storage().nbytes() for t in got] == [n for n, _ in recs]
     a, b, empty, far, odd, c, d = got
     assert b.data_ptr() - a.data_ptr() == 160 and d.data_ptr() - c.data_ptr() == 4104  # laid out as the file

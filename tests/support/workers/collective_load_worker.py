@@ -251,9 +251,9 @@ def main() -> int:
         host = [0]
         host_storages = fastckpt.torchsave.reader.host_storages
 
-        def counted_host(records):  # the host memory of a load's storages
+        def counted_host(records, runs):  # the host memory of a load's storages
             host[0] += sum(n for n, _ in records)
-            return host_storages(records)
+            return host_storages(records, runs)
         fastckpt.torchsave.reader.host_storages = counted_host
 
         def reading(self, items, fd=None):
