@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -268,7 +269,7 @@ void init_io(py::module_& m) {
       .def_property_readonly("backend", [](PyRegionWriter& w) { return w.get().backend_name(); });
 
   m.def("read_ranges", [](std::shared_ptr<Engine> eng, const std::string& path, py::sequence items, int fd,
-                          bool crc) {
+                          bool crc, py::sequence fill) {
           // Each item: (destination, file_offset[, want_crc]); the whole destination is filled.
           const size_t n = py::len(items);
           std::vector<Span> spans;
@@ -291,6 +292,48 @@ void init_io(py::module_& m) {
             ranges.push_back(ReadRange{spans.back().ptr(), spans.back().len(), static_cast<uint64_t>(off),
                                        want[i] ? &crcs[i] : nullptr});
           }
+          // Each fill item: (buffer, file_offset), a buffer laid out as the file is from that offset:
+          // its bytes that no item's destination covers are read too (without a CRC). An item inside
+          // it must sit where the file puts it, so that no byte is read twice.
+          std::vector<Span> blocks;
+          std::vector<ReadRange> gaps;
+          std::vector<const ReadRange*> by_dst;  // the non-empty items, by destination
+          if (py::len(fill)) {
+            for (const ReadRange& r : ranges)
+              if (r.len) by_dst.push_back(&r);
+            std::sort(by_dst.begin(), by_dst.end(),
+                      [](const ReadRange* x, const ReadRange* y) { return x->dst < y->dst; });
+          }
+          blocks.reserve(py::len(fill));
+          for (py::handle it : fill) {
+            py::tuple t = py::cast<py::tuple>(it);
+            if (t.size() != 2) throw py::value_error("read_ranges: fill items are (buffer, offset)");
+            int64_t off = t[1].cast<int64_t>();
+            if (off < 0) throw py::value_error("read_ranges: negative fill offset");
+            blocks.emplace_back(t[0], true);
+            char* lo = blocks.back().ptr();
+            char* hi = lo + blocks.back().len();
+            auto first = std::lower_bound(by_dst.begin(), by_dst.end(), lo,
+                                          [](const ReadRange* r, char* p) { return static_cast<char*>(r->dst) < p; });
+            if (first != by_dst.begin() && static_cast<char*>((*(first - 1))->dst) + (*(first - 1))->len > lo)
+              throw py::value_error("read_ranges: an item overlaps the start of a fill buffer");
+            char* at = lo;  // the buffer's bytes before this are covered
+            auto gap = [&](char* to) {
+              if (to > at)
+                gaps.push_back(ReadRange{at, static_cast<uint64_t>(to - at),
+                                         static_cast<uint64_t>(off) + static_cast<uint64_t>(at - lo), nullptr});
+            };
+            for (auto r = first; r != by_dst.end() && static_cast<char*>((*r)->dst) < hi; ++r) {
+              char* p = static_cast<char*>((*r)->dst);
+              if (p + (*r)->len > hi || static_cast<uint64_t>(p - lo) + static_cast<uint64_t>(off) != (*r)->off)
+                throw py::value_error("read_ranges: an item inside a fill buffer is not where the file puts it");
+              if (p < at) throw py::value_error("read_ranges: items inside a fill buffer overlap");
+              gap(p);
+              at = p + (*r)->len;
+            }
+            gap(hi);
+          }
+          ranges.insert(ranges.end(), gaps.begin(), gaps.end());
           py::dict d = read_stats_dict(without_gil([&] { return read_ranges(*eng, path, ranges, fd); }));
           if (any_crc) {
             py::list out(n);
@@ -300,11 +343,14 @@ void init_io(py::module_& m) {
           return d;
         },
         py::arg("engine"), py::arg("path"), py::arg("ranges"), py::arg("fd") = -1, py::arg("crc") = false,
+        py::arg("fill") = py::tuple(),
         "Fill each (destination, offset) from the file with parallel reads; with fd, from the file that open "
         "descriptor refers to (consistent with what was read through it, even if path is renamed over meanwhile). "
         "With crc=True (every item) or an item (destination, offset, True), the engine also computes the zip "
         "CRC-32 of each such destination's bytes as they land, in parallel with the reads: the returned dict's "
-        "'crcs' holds one per item (None for items that did not ask).");
+        "'crcs' holds one per item (None for items that did not ask). Each fill item (buffer, offset), a buffer "
+        "laid out as the file is from that offset, has its bytes that no item covers read in the same batch "
+        "(the items inside it must lie where the file puts them).");
 
   m.def("dio_alignment", [](const std::string& path) {
     int fd = sys::open(path, O_RDONLY);

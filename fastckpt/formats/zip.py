@@ -386,12 +386,70 @@ def check_layout(entries, cd_off: int, bad) -> int:
 
 
 
+def local_data_offset(buf, q: int, e: Entry, bad) -> int:
+    """Check record `e`'s local header, which starts at ``buf[q:]`` (its fixed
+    part and name at least), and return where its data starts in the file."""
+    if q < 0 or q + LOCAL_HEADER_SIZE > len(buf):
+        raise bad(f"entry {e.name!r}: truncated local header at offset {e.header_offset}")
+    lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = LOCAL_HEADER.unpack_from(buf, q)
+    if lsig != LOCAL_SIG:
+        raise bad(f"entry {e.name!r}: no local header at offset {e.header_offset}")
+    raw_name = e.name.encode("utf-8")
+    if lname_len != len(raw_name) or buf[q + LOCAL_HEADER_SIZE:q + LOCAL_HEADER_SIZE + lname_len] != raw_name:
+        raise bad(f"entry {e.name!r}: local header names another record")
+    return e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
+
+
+def read_local_headers(entries: List[Entry], read_many, read_at, bad) -> None:
+    """Set the ``data_offset`` of each of `entries` (in file order) from its
+    local header. The headers lie all over the file (one before each record):
+    they are read in parallel batches through ``read_many([(buffer, offset),
+    ...])`` (the engine's reads; None: one ``read_at(offset, n)`` each) rather
+    than one cold read each. Headers close to each other (records smaller than
+    _HEADER_GAP) share one read window of at most _HEADER_WINDOW bytes, parsed
+    in place: 100,000 small records are a few dozen reads, not 100,000
+    buffers. (The engine reads aligned blocks anyway, so a window reads no
+    more of the file than separate reads would.) Windows go in batches of at
+    most _HEADER_BATCH_BYTES."""
+    windows: List[Tuple[int, int, List[Entry]]] = []  # (file offset, length, entries whose headers it covers)
+    for e in entries:
+        need = e.header_offset + LOCAL_HEADER_SIZE + len(e.name.encode("utf-8"))
+        if windows:
+            w_off, w_len, w_items = windows[-1]
+            if (e.header_offset - (w_off + w_len) <= _HEADER_GAP and need - w_off <= _HEADER_WINDOW
+                    and e.header_offset >= w_off):
+                windows[-1] = (w_off, max(w_len, need - w_off), w_items)
+                w_items.append(e)
+                continue
+        windows.append((e.header_offset, need - e.header_offset, [e]))
+    first = 0
+    while first < len(windows):
+        last, total = first, 0
+        while last < len(windows) and (last == first or total + windows[last][1] <= _HEADER_BATCH_BYTES):
+            total += windows[last][1]
+            last += 1
+        batch = windows[first:last]
+        first = last
+        bufs = [bytearray(w_len) for _, w_len, _ in batch]
+        if read_many is not None:
+            read_many([(b, w_off) for b, (w_off, _, _) in zip(bufs, batch)])
+        else:
+            for b, (w_off, w_len, _) in zip(bufs, batch):
+                b[:] = read_at(w_off, w_len)
+        for buf, (w_off, _, w_items) in zip(bufs, batch):
+            for e in w_items:
+                e.data_offset = local_data_offset(buf, e.header_offset - w_off, e, bad)
+
+
 class Archive:
     """The records of a zip archive, parsed from its central directory.
 
     ``records`` maps names without the archive's top folder ("data.pkl",
     "data/0", ...) to entries whose ``data_offset`` has been read from and
-    checked against each local header.
+    checked against each local header; parsed with ``local_headers=False``,
+    an entry's ``data_offset`` is 0 until its header is read: with its data
+    (:meth:`guesses`, :meth:`settle`: a load reads each byte of the file once)
+    or on its own (:meth:`resolve`).
     """
 
     def __init__(self, path: str, prefix: str, records: Dict[str, Entry], file_size: int, data_bytes: int = -1):
@@ -402,6 +460,85 @@ class Archive:
         # sum of the records' sizes on disk: at most file_size (check_layout)
         self.data_bytes = sum(e.compressed_size for e in records.values()) if data_bytes < 0 else data_bytes
         self.stat: Optional[os.stat_result] = None  # of the file parsed, to know it again
+        self.cd_offset = file_size  # where the central directory starts (parse sets it)
+        self._next: Optional[Dict[int, int]] = None  # header offset -> where the next record (or the directory) starts
+        self._signed: Optional[bool] = True  # data descriptors with their signature (None: no descriptors)
+        self._guesses: Optional[Dict[int, int]] = None  # guesses()
+
+    def bad(self, what: str) -> FormatError:
+        return FormatError(f"{self.path}: {what}")
+
+    def guesses(self) -> Dict[int, int]:
+        """Where the data of each record whose local header was not read yet
+        starts if the file is laid out as torch.save and fastckpt write it
+        (by the record's header offset): the record's data, then its data
+        descriptor, then the next record (the descriptors' form learnt from
+        the headers :meth:`settle` checked); 0 where that leaves no room for
+        a local header (or more room than one can take). :meth:`settle`
+        checks each against the header."""
+        if self._guesses is None:
+            entries = list(self.records.values())
+            starts = [e.header_offset for e in entries] + [self.cd_offset]
+            signed = self._signed
+            narrow = 0 if signed is None else 16 if signed else 12  # the descriptor's bytes, 32-bit sizes
+            wide = 0 if signed is None else narrow + 8  # ... zip64 sizes
+            out: Dict[int, int] = {}
+            for e, nxt in zip(entries, starts[1:]):
+                if e.data_offset:
+                    continue
+                n, name = e.compressed_size, e.name
+                at = nxt - n - (wide if n >= U32_MAX or e.size >= U32_MAX else narrow)
+                least = e.header_offset + LOCAL_HEADER_SIZE + (len(name) if name.isascii() else len(name.encode("utf-8")))
+                out[e.header_offset] = at if least <= at <= least + U16_MAX else 0
+            self._guesses = out
+        return self._guesses
+
+    def settle(self, groups: List[Tuple[object, int, List[str]]], guessed: Dict[str, int]) -> List[str]:
+        """For each (buffer, file offset, names) of `groups`, a buffer of the
+        file's bytes from that offset holding the local headers of records
+        `names`: set each record's data offset from its header (checked as
+        :func:`local_data_offset` does), taking its guess out of `guessed`.
+        Returns the names of those whose data is not where it was guessed;
+        from those, learns the form of the file's data descriptors for the
+        guesses that follow (:meth:`guesses`)."""
+        unpack, recs, wrong = LOCAL_HEADER.unpack_from, self.records, []
+        for buf, base, names in groups:
+            for name in names:
+                e = recs[name]
+                q = e.header_offset - base
+                raw = e.name.encode("utf-8")
+                try:
+                    sig, _, _, _, _, _, _, _, _, name_len, extra_len = unpack(buf, q)
+                    ok = sig == LOCAL_SIG and name_len == len(raw) and \
+                        buf[q + LOCAL_HEADER_SIZE:q + LOCAL_HEADER_SIZE + name_len] == raw
+                except struct.error:
+                    ok = False
+                at = e.header_offset + LOCAL_HEADER_SIZE + name_len + extra_len if ok \
+                    else local_data_offset(buf, q, e, self.bad)
+                e.data_offset = at
+                if at != guessed.pop(name):
+                    wrong.append(name)
+                    self._learn(e)
+        return wrong
+
+    def _learn(self, e: Entry) -> None:
+        if self._next is None:
+            starts = [x.header_offset for x in self.records.values()] + [self.cd_offset]
+            self._next = dict(zip(starts, starts[1:]))
+        gap = self._next[e.header_offset] - e.data_offset - e.compressed_size
+        wide = 8 if max(e.size, e.compressed_size) >= U32_MAX else 0
+        signed = {16 + wide: True, 12 + wide: False, 0: None}.get(gap, self._signed)
+        if signed != self._signed:
+            self._signed, self._guesses = signed, None
+
+    def resolve(self, entries: List[Entry], read_many) -> None:
+        """Read the local headers of those of `entries` (in file order) whose
+        data offset is not known yet (:func:`read_local_headers`)."""
+        read_local_headers([e for e in entries if not e.data_offset], read_many, None, self.bad)
+
+    def check_layout(self) -> None:
+        """:func:`check_layout` with the data offsets known so far."""
+        self.data_bytes = check_layout(self.records.values(), self.cd_offset, self.bad)
 
     @classmethod
     def open(cls, path: str, read_many=None) -> "Archive":
@@ -412,11 +549,14 @@ class Archive:
             return cls.parse(f, os.fspath(path), read_many)
 
     @classmethod
-    def parse(cls, f, path: str, read_many=None, use_fd: bool = True) -> "Archive":
+    def parse(cls, f, path: str, read_many=None, use_fd: bool = True, local_headers: bool = True) -> "Archive":
         """Parse the archive open as binary file `f` (`path` names it in errors):
         a file, or (or with use_fd=False: any) seekable binary stream, read from
         its offset 0 with seek and read (a gzip.GzipFile's fileno() is that of
-        the compressed file, not of the bytes it reads)."""
+        the compressed file, not of the bytes it reads). With
+        ``local_headers=False``, the records' local headers are left to be read
+        with their data (see the class), except from a file small enough to
+        be read whole here."""
         try:
             fd = f.fileno() if use_fd else -1
         except (AttributeError, OSError):  # io.BytesIO: io.UnsupportedOperation
@@ -472,57 +612,13 @@ class Archive:
         tail_len = min(size, EOCD_SIZE + U16_MAX)
         tail = read_at(size - tail_len, tail_len)
         entries, cd_off, prefix = parse_directory(tail, size - tail_len, size, read_at, bad)
-        # The local headers give where each record's data starts. They lie all
-        # over the file (one before each record): read them in parallel batches
-        # through the engine rather than one cold read each. Headers close to
-        # each other (records smaller than _HEADER_GAP) share one read window of
-        # at most _HEADER_WINDOW bytes, parsed in place: 100,000 small records
-        # are a few dozen reads, not 100,000 buffers. (The engine reads aligned
-        # blocks anyway, so a window reads no more of the file than separate
-        # reads would.) Windows go in batches of at most _HEADER_BATCH_BYTES.
-        # The entries are in file order (parse_directory checked it); each
-        # window lists the entries whose local headers it covers.
-        windows: List[Tuple[int, int, List[Entry]]] = []  # (file offset, length, entries)
-        for e in entries.values():
-            need = e.header_offset + LOCAL_HEADER_SIZE + len(e.name.encode("utf-8"))
-            if windows:
-                w_off, w_len, w_items = windows[-1]
-                if (e.header_offset - (w_off + w_len) <= _HEADER_GAP and need - w_off <= _HEADER_WINDOW
-                        and e.header_offset >= w_off):
-                    windows[-1] = (w_off, max(w_len, need - w_off), w_items)
-                    w_items.append(e)
-                    continue
-            windows.append((e.header_offset, need - e.header_offset, [e]))
-        unpack_local = LOCAL_HEADER.unpack_from
-        first = 0
-        while first < len(windows):
-            last, total = first, 0
-            while last < len(windows) and (last == first or total + windows[last][1] <= _HEADER_BATCH_BYTES):
-                total += windows[last][1]
-                last += 1
-            batch = windows[first:last]
-            first = last
-            bufs = [bytearray(w_len) for _, w_len, _ in batch]
-            if read_many is not None and whole is None:
-                read_many([(b, w_off) for b, (w_off, _, _) in zip(bufs, batch)])
-            else:
-                for b, (w_off, w_len, _) in zip(bufs, batch):
-                    b[:] = read_at(w_off, w_len)
-            for buf, (w_off, _, w_items) in zip(bufs, batch):
-                for e in w_items:
-                    q = e.header_offset - w_off
-                    lsig, _, _, _, _, _, _, _, _, lname_len, lextra_len = unpack_local(buf, q)
-                    if lsig != LOCAL_SIG:
-                        raise bad(f"entry {e.name!r}: no local header at offset {e.header_offset}")
-                    raw_name = e.name.encode("utf-8")
-                    if lname_len != len(raw_name) or buf[q + LOCAL_HEADER_SIZE:q + LOCAL_HEADER_SIZE + lname_len] \
-                            != raw_name:
-                        raise bad(f"entry {e.name!r}: local header names another record")
-                    e.data_offset = e.header_offset + LOCAL_HEADER_SIZE + lname_len + lextra_len
-            del bufs, batch
-        del windows
-        # Now with each record's real data offset: in order, disjoint, before the directory.
-        data_bytes = check_layout(entries.values(), cd_off, bad)
+        if local_headers or whole is not None:
+            read_local_headers(list(entries.values()), read_many if whole is None else None, read_at, bad)
+            # Now with each record's real data offset: in order, disjoint, before the directory.
+            data_bytes = check_layout(entries.values(), cd_off, bad)
+        else:
+            data_bytes = sum(e.compressed_size for e in entries.values())
         archive = cls(path, prefix, entries, size, data_bytes)
         archive.stat = st
+        archive.cd_offset = cd_off
         return archive

@@ -91,54 +91,74 @@ def settle_block(offset: int, spans: List[Tuple[int, int, int]], parts: List[tor
 BLOCK_GAP = 64 << 10
 
 
-def block_runs(records: List[Tuple[int, int]]) -> Tuple[List[List[int]], int]:
-    """How :func:`host_storages` places records (size, data offset) of one
-    file: runs of indices, in file order, of records that follow each other at
-    most BLOCK_GAP apart at offsets that keep every element aligned (8); a run
-    of several shares one block, a run of one gets memory of its own. Also
-    returns the bytes of the holes the blocks hold between their records (to
-    be accounted for before anything is allocated)."""
+def block_runs(records: List[Tuple[int, int, int]]) -> Tuple[List[List[int]], int]:
+    """How :func:`host_storages` places records (size, data offset, start) of
+    one file (``start``: where the stretch read for the record begins: its
+    data offset, or its local header's when that is read with the data): runs
+    of indices, in file order, of records that follow each other at most
+    BLOCK_GAP apart at offsets that keep every element aligned (8); a run of
+    several shares one block, a run of one gets memory of its own. Also
+    returns the bytes of the holes the blocks hold between and before their
+    records (to be accounted for before anything is allocated)."""
     runs: List[List[int]] = []
     open_run = False  # the last run may take the next record
+    end = 0  # where the last run's last record ends
     for i in sorted(range(len(records)), key=lambda i: records[i][1]):
-        size, off = records[i]
+        size, off, start = records[i]
         fits = size > 0 and off % 8 == 0
-        if fits and open_run:
-            last_size, last_off = records[runs[-1][-1]]
-            if last_off + last_size <= off <= last_off + last_size + BLOCK_GAP:
-                runs[-1].append(i)
-                continue
-        runs.append([i])
-        open_run = fits
+        if fits and open_run and end <= start <= end + BLOCK_GAP:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+            open_run = fits
+        end = off + size
     holes = 0
     for run in runs:
         if len(run) > 1:
-            start, (last_size, last_off) = records[run[0]][1], records[run[-1]]
-            holes += (last_off + last_size - start) - sum(records[i][0] for i in run)
+            _, last_off, _ = records[run[-1]]
+            holes += (last_off + records[run[-1]][0] - records[run[0]][2]) - sum(records[i][0] for i in run)
     return runs, holes
 
 
-def host_storages(records: List[Tuple[int, int]], runs: List[List[int]]) -> List[torch.Tensor]:
-    """Memory for storages read from records (size, data offset) of one file,
-    in the order given, placed by ``runs`` (:func:`block_runs`): the records of
-    a run of several share one block laid out as the file is
-    (:func:`host_block`: each a storage of its own), so that the engine's
-    reads of them (one per record, each with its CRC) join into large requests
-    into contiguous memory on huge pages; the others get memory of their own
-    (:func:`host_storage`)."""
+def host_storages(records: List[Tuple[int, int, int]], runs: List[List[int]],
+                  blocks: Optional[list] = None) -> List[torch.Tensor]:
+    """Memory for storages read from records (size, data offset, start) of
+    one file, in the order given, placed by ``runs`` (:func:`block_runs`): the
+    records of a run of several share one block laid out as the file is from
+    the first one's start on (:func:`host_block`: each a storage of its own),
+    so that the engine's reads of them (one per record, each with its CRC)
+    join into large requests into contiguous memory on huge pages; the others
+    get memory of their own (:func:`host_storage`). Each block is appended to
+    `blocks` (if given) as (file offset, uint8 tensor over it, run)."""
     out: List[Optional[torch.Tensor]] = [None] * len(records)
     for run in runs:
         if len(run) == 1:
-            size, off = records[run[0]]
+            size, off, _ = records[run[0]]
             out[run[0]] = host_storage(size, off)
             continue
-        start = records[run[0]][1]
+        start = records[run[0]][2]
         end = records[run[-1]][1] + records[run[-1]][0]
-        _, parts = host_block(end - start, start, [(records[i][1] - start, records[i][1] - start + records[i][0], 8)
-                                                   for i in run])
+        whole, parts = host_block(end - start, start, [(records[i][1] - start, records[i][1] - start + records[i][0], 8)
+                                                       for i in run])
         for i, part in zip(run, parts):
             out[i] = part
+        if blocks is not None:
+            blocks.append((start, whole, run))
     return out  # type: ignore[return-value]
+
+
+class Heads:
+    """Local headers planned to be read with the next batch of a
+    :class:`Records`' reads: ``own``, (buffer, file offset) reads of headers
+    into buffers of their own; ``fills``, blocks (buffer, file offset) whose
+    holes the engine fills (`read_ranges`' fill); ``groups``, (buffer, file
+    offset it starts at, [records whose headers it holds]) to check after."""
+    __slots__ = ("own", "fills", "groups")
+
+    def __init__(self):
+        self.own: List[Tuple[Any, int]] = []
+        self.fills: List[Tuple[Any, int]] = []
+        self.groups: List[Tuple[Any, int, List[str]]] = []
 
 
 class Records(dict):
@@ -160,6 +180,11 @@ class Records(dict):
         self.small_read: set = set()
         self.crcs: Dict[str, int] = {}  # storage record -> CRC-32 of the bytes read (unless verify=False)
         self._pending: Optional[Tuple[threading.Thread, Dict[str, Any], List[str]]] = None  # read_behind's
+        # Records whose local header is read with their data (an archive parsed with local_headers=False):
+        # the data offset guessed, by name, until the header is checked; and the reads planned for
+        # the next batch that bring those headers.
+        self._at: Dict[str, int] = {}
+        self._heads = Heads()
 
     def bad(self, names) -> List[str]:
         """Those of storages `names` whose bytes do not match their recorded
@@ -178,16 +203,113 @@ class Records(dict):
                               f"{self.allocated + n} bytes for a {self.archive.file_size}-byte file")
         self.allocated += n
 
+    def resolve_headers(self, entries: List["_zip.Entry"], fd: Optional[int] = None) -> None:
+        """Read the local headers of `entries` on their own (and check the layout with them)."""
+        fd = self.fd if fd is None else fd
+        self.archive.resolve(sorted(entries, key=lambda e: e.header_offset),
+                             lambda ranges: _C.read_ranges(get_engine(), self.path, ranges, fd))
+        self.archive.check_layout()
+
+    def _place(self, names: List[str]) -> List[Tuple[int, int, int]]:
+        """(size, data offset, start) of records `names`, for :func:`block_runs`:
+        a record whose local header is not read yet is placed where the
+        archive guesses its data (:meth:`_zip.Archive.guesses`; kept in
+        :attr:`_at` until the header is checked), its header to be read with
+        it (start: the header's offset); where there is no guess, its header
+        is read first."""
+        recs = self.archive.records
+        guesses = None
+        out, lost = [], []
+        for n in names:
+            e = recs[n]
+            at = e.data_offset
+            if at:
+                out.append((e.size, at, at))
+                continue
+            if guesses is None:
+                guesses = self.archive.guesses()
+            g = guesses[e.header_offset]
+            if not g:
+                lost.append(e)
+            out.append((e.size, g, e.header_offset))
+        if lost:
+            self.resolve_headers(lost)
+            out = [(r[0], recs[n].data_offset, recs[n].data_offset) if not r[1] else r for n, r in zip(names, out)]
+        at_of = self._at
+        for n, (_, off, head) in zip(names, out):
+            if head < off:
+                at_of[n] = off
+        return out
+
     def allocate(self, storages: List[str]) -> Dict[str, torch.Tensor]:
         """Memory for storage records `storages` (:func:`host_storages`),
-        accounted for first (:meth:`claim`, the blocks' holes too)."""
-        recs = self.archive.records
-        records = [(recs[n].size, recs[n].data_offset) for n in storages]
+        accounted for first (:meth:`claim`, the blocks' holes and the local
+        headers read with the data too)."""
+        records = self._place(storages)
         runs, holes = block_runs(records)
-        self.claim(storages, holes)
-        return dict(zip(storages, host_storages(records, runs)))
+        heads = sum(records[run[0]][1] - records[run[0]][2] for run in runs if len(run) == 1)
+        self.claim(storages, holes + heads)
+        blocks: List[Tuple[int, torch.Tensor, List[int]]] = []
+        tensors = host_storages(records, runs, blocks)
+        # The local headers to read with the data: a block's holes (before each record: the last
+        # one's descriptor, its header) are read into the block, in the same requests (the engine
+        # fills what no record covers); a record of its own has its header read into a buffer of
+        # its own.
+        in_block = set()
+        for start, whole, run in blocks:
+            in_block.update(run)
+            names = [storages[i] for i in run if records[i][2] < records[i][1]]
+            if names:
+                mem = memoryview(whole.numpy())  # where the headers are checked
+                self._heads.fills.append((mem, start))
+                self._heads.groups.append((mem, start, names))
+        for i, n in enumerate(storages):
+            if i not in in_block:
+                self._own_head(n, records[i])
+        return dict(zip(storages, tensors))
 
-    def read_into(self, items: List[Tuple[str, int, Any, bool]], fd: Optional[int] = None) -> List[Optional[int]]:
+    def _own_head(self, name: str, record: Tuple[int, int, int]) -> None:
+        """Plan the read of record `name`'s local header, where the record is
+        placed by :meth:`_place`, into a buffer of its own."""
+        _, off, head = record
+        if head < off:
+            buf = bytearray(off - head)
+            self._heads.own.append((buf, head))
+            self._heads.groups.append((buf, head, [name]))
+
+    def take_heads(self) -> "Heads":
+        """The reads of local headers planned so far, to go with the next
+        :meth:`read_into` and :meth:`_settle` after it."""
+        heads, self._heads = self._heads, Heads()
+        return heads
+
+    def _settle(self, items: List[Tuple[str, int, Any, bool]], got: List[Optional[int]], heads: "Heads",
+                fd: Optional[int] = None) -> None:
+        """After a read of `items` with `heads` (:meth:`read_into`'s, `got`
+        its CRCs): check the local headers read with the data. Where a
+        record's data does not start where it was guessed (a file laid out
+        otherwise than torch.save and fastckpt lay it out), check the layout
+        with the headers' offsets and read that record's data again into the
+        same memory (updating `got`)."""
+        if not heads.groups:
+            return
+        at = self._at
+        wrong = self.archive.settle(heads.groups, at)
+        if wrong:
+            self.archive.check_layout()
+            index = {name: k for k, (name, *_) in enumerate(items)}
+            ks = [index[n] for n in wrong if n in index]
+            redo = [items[k] for k in ks]
+            if fd is None and self.fd < 0:  # after read_behind: the caller's descriptor is closed
+                with self.reopened():
+                    again = self.read_into(redo)
+            else:
+                again = self.read_into(redo, fd)
+            for k, crc in zip(ks, again):
+                got[k] = crc
+
+    def read_into(self, items: List[Tuple[str, int, Any, bool]], fd: Optional[int] = None,
+                  heads: Optional["Heads"] = None) -> List[Optional[int]]:
         """Fill each (record, offset in the record, destination, crc) with
         that record's bytes, in one parallel batch of engine reads (from `fd`,
         by default :attr:`fd`: the file parsed); returns per item the CRC-32 of
@@ -200,12 +322,15 @@ class Records(dict):
             if off < 0 or off + n > recs[name].size:
                 raise ValueError(f"{self.path}: read of bytes {off}..{off + n} of record {name!r} "
                                  f"({recs[name].size} bytes)")
-            ranges.append((dest, recs[name].data_offset + off, crc))
+            at = recs[name].data_offset or self._at[name]
+            ranges.append((dest, at + off, crc))
         out: List[Optional[int]] = [0 if crc else None for *_, crc in items]
         keep = [i for i, (dest, *_) in enumerate(ranges)
                 if (dest.numel() if isinstance(dest, torch.Tensor) else len(dest))]
-        if keep:
-            st = _C.read_ranges(get_engine(), self.path, [ranges[i] for i in keep], self.fd if fd is None else fd)
+        own, fills = (heads.own, heads.fills) if heads is not None else ((), ())
+        if keep or own or fills:
+            st = _C.read_ranges(get_engine(), self.path, [ranges[i] for i in keep] + [(b, at, False) for b, at in own],
+                                self.fd if fd is None else fd, **({"fill": fills} if fills else {}))
             for i, c in zip(keep, st.get("crcs") or []):
                 out[i] = c
         return out
@@ -219,6 +344,7 @@ class Records(dict):
         storages = [n for n in dict.fromkeys(storages) if n not in self]
         tensors = self.allocate(storages)
         items = [(n, 0, t, self.verify is not False) for n, t in tensors.items()]
+        heads = self.take_heads()
         self.update(tensors)
         # The thread reads through a duplicate of the descriptor: the caller
         # closes its own when the archive has been read.
@@ -227,14 +353,14 @@ class Records(dict):
 
         def run() -> None:
             try:
-                box["crcs"] = self.read_into(items, fd)
+                box["crcs"] = self.read_into(items, fd, heads)
             except BaseException as e:  # noqa: BLE001 (re-raised by wait())
                 box["error"] = e
             finally:
                 os.close(fd)
 
         t = threading.Thread(target=run, name="fastckpt-load", daemon=True)
-        self._pending = (t, box, [n for n, *_ in items])
+        self._pending = (t, box, items, heads)
         try:
             t.start()
         except BaseException:
@@ -259,15 +385,17 @@ class Records(dict):
         engine computed."""
         if self._pending is None:
             return
-        t, box, names = self._pending
+        t, box, items, heads = self._pending
         t.join()
         self._pending = None
         if "error" in box:
             if quiet:
                 return
             raise box["error"]
+        crcs = box["crcs"]
+        self._settle(items, crcs, heads)
         if self.verify is not False:
-            self.crcs.update((n, c or 0) for n, c in zip(names, box["crcs"]))
+            self.crcs.update((n, c or 0) for (n, *_), c in zip(items, crcs))
 
     def read(self, small: List[str], storages: List[str], bad_small: Optional[List[str]] = None) -> Dict[str, bytes]:
         """Read records `small` (returned as bytes, CRC-checked) and `storages`
@@ -276,10 +404,13 @@ class Records(dict):
         FormatError, or is appended to `bad_small` when that is given."""
         small = [n for n in dict.fromkeys(small) if n not in self.small_read]
         storages = [n for n in dict.fromkeys(storages) if n not in self]
-        self.claim(small)
+        placed = self._place(small)
+        self.claim(small, sum(off - head for _, off, head in placed))
         self.small_read.update(small)
         recs = self.archive.records
         bufs = {n: bytearray(recs[n].size) for n in small}
+        for n, record in zip(small, placed):
+            self._own_head(n, record)
         # Storages get memory at their file offsets' phase, those close together in
         # the file one block laid out as the file is (allocate): the engine reads
         # them O_DIRECT straight in (no copy out of staging), in requests that
@@ -291,7 +422,10 @@ class Records(dict):
         # (they are small), storages unless verify=False.
         items = [(n, 0, b, True) for n, b in bufs.items()]
         items += [(n, 0, t, self.verify is not False) for n, t in tensors.items()]
-        got = {n: crc for (n, *_), crc in zip(items, self.read_into(items)) if crc is not None}
+        heads = self.take_heads()
+        crcs = self.read_into(items, heads=heads)
+        self._settle(items, crcs, heads)
+        got = {n: crc for (n, *_), crc in zip(items, crcs) if crc is not None}
         for n in bufs:  # metadata records are always checked
             e = recs[n]
             if e.crc and got.get(n, 0) != e.crc:
@@ -391,14 +525,16 @@ class Reader:
         return self.small.get(".data/serialization_id", b"").decode("ascii", "replace")
 
 
-def parse_checkpoint(path: str, fh) -> "_zip.Archive":
+def parse_checkpoint(path: str, fh, local_headers: bool = True) -> "_zip.Archive":
     """The zip directory of the checkpoint open as `fh`, checked to be a
     torch.save archive fastckpt can read (uncompressed, with data.pkl, not
     TorchScript; records in order and disjoint, so that reading them all
     allocates at most the file's size). Reads go to that one file even if
-    `path` is replaced."""
+    `path` is replaced. ``local_headers=False``: the records' local headers
+    are read with their data (:class:`Records`), not here."""
     fd = fh.fileno()
-    archive = _zip.Archive.parse(fh, path, lambda ranges: _C.read_ranges(get_engine(), path, ranges, fd))
+    archive = _zip.Archive.parse(fh, path, lambda ranges: _C.read_ranges(get_engine(), path, ranges, fd),
+                                 local_headers=local_headers)
     recs = archive.records
     if "constants.pkl" in recs:
         raise FormatError(f"{path}: this is a TorchScript archive; load it with torch.jit.load")
@@ -475,11 +611,19 @@ def read_archive(path: str, fh, verify: Optional[bool], behind: Optional[Callabl
     background thread (:meth:`Records.read_behind`) while the caller
     unpickles; the caller must call ``storages.wait()`` before anything reads
     their bytes."""
-    archive = parse_checkpoint(path, fh)
+    # Each record's local header is read with its data, in the same requests: a cold load reads
+    # each byte of the file once (the small records first, then the storages).
+    archive = parse_checkpoint(path, fh, local_headers=False)
     recs = archive.records
     storages = Records(path, archive, fh.fileno(), verify)
     small = storages.read([n for n in SMALL_RECORDS if n in recs], [])
     wanted = referenced_storages(small["data.pkl"], recs)
+    # Records read neither now nor below (none in a file torch.save wrote) get their offsets from
+    # their headers now, while the file is open: the archive is then complete when this returns.
+    wanted_set = set(wanted)
+    rest = [e for n, e in recs.items() if not e.data_offset and n not in wanted_set]
+    if rest:
+        storages.resolve_headers(rest)
     # Below READ_BEHIND_MIN bytes the reads take less than a thread's start and the GIL's hand-offs
     # between it and the unpickler cost: read first, then unpickle.
     if behind is not None and sum(recs[n].size for n in wanted) >= READ_BEHIND_MIN and behind(small):

@@ -186,6 +186,41 @@ def test_read_ranges_returns_crc32_of_each_range(tmp_path, direct):
     assert "crcs" not in _C.read_ranges(eng, str(tmp_path / "f.bin"), mixed[1:3])
 
 
+@pytest.mark.parametrize("direct", [True, False])
+def test_read_ranges_fills_what_no_item_covers_in_a_buffer_laid_out_as_the_file(tmp_path, direct):
+    """read_ranges(..., fill=[(buffer, offset)]): the buffer's bytes that no item covers (before,
+    between and after the items inside it) are read too, in the same batch; the items' CRCs are
+    theirs alone; an item inside a fill buffer must sit where the file puts it."""
+    import zlib
+    eng = _C.Engine(make_config(direct=direct, buffer_size=256 << 10, buffer_count=4))
+    n = (2 << 20) + 777
+    data = random_bytes(n, 9)
+    raw = data.numpy().tobytes()
+    save(eng, tmp_path / "f.bin", data)
+    start = 4096 + 100
+    block = torch.full((n - start - 50,), 0xEE, dtype=torch.uint8)
+    spans = [(30, 5000), (5016, 9000), (70000, 600000), (600001, 600002)]  # holes of 16, 61000 bytes, ...
+    items = [(block[a:b], start + a, True) for a, b in spans]
+    other = torch.empty(1000, dtype=torch.uint8)  # an item outside every fill buffer
+    st = _C.read_ranges(eng, str(tmp_path / "f.bin"), items + [(other, 7)], fill=[(block, start)])
+    assert block.numpy().tobytes() == raw[start:start + block.numel()]
+    assert other.numpy().tobytes() == raw[7:1007]
+    assert st["crcs"][:len(spans)] == [zlib.crc32(raw[start + a:start + b]) for a, b in spans]
+    assert st["bytes"] <= block.numel() + 1000  # each byte once
+    # a buffer without items inside is read whole; an empty one is nothing
+    whole = torch.empty(10000, dtype=torch.uint8)
+    _C.read_ranges(eng, str(tmp_path / "f.bin"), [], fill=[(whole, 12345), (bytearray(0), 3)])
+    assert whole.numpy().tobytes() == raw[12345:22345]
+    for bad in ([(block[10:20], start + 11)],  # not where the file puts it
+                [(block[10:20], start + 10), (block[15:30], start + 15)],  # overlapping inside it
+                [(block[:10], start)]):  # reaching into it from before it
+        with pytest.raises(ValueError, match="fill buffer"):
+            _C.read_ranges(eng, str(tmp_path / "f.bin"), bad, fill=[(block[4:], start + 4)])
+    own = torch.empty(10, dtype=torch.uint8)  # memory of its own, outside the buffer: fine
+    _C.read_ranges(eng, str(tmp_path / "f.bin"), [(own, start)], fill=[(block, start)])
+    assert own.numpy().tobytes() == raw[start:start + 10]
+
+
 def test_read_past_end_is_format_error(small_engine, tmp_path):
     save(small_engine, tmp_path / "f.bin", random_bytes(1000))
     with pytest.raises(fastckpt.FormatError, match="truncated"):

@@ -205,11 +205,11 @@ def test_unreferenced_records_are_not_read(tmp_path, monkeypatch):
     reads = []
     real = _C.read_ranges
 
-    def counting(engine, p, ranges, *rest):
-        for buf, off, *_ in ranges:  # (destination, offset[, crc])
+    def counting(engine, p, ranges, *rest, **kw):
+        for buf, off, *_ in list(ranges) + list(kw.get("fill", ())):  # (destination, offset[, crc])
             n = buf.numel() if isinstance(buf, torch.Tensor) else len(buf)
             reads.append((off, off + n))
-        return real(engine, p, ranges, *rest)
+        return real(engine, p, ranges, *rest, **kw)
 
     monkeypatch.setattr(_C, "read_ranges", counting)
     out = fastckpt.load(path, verify=True)

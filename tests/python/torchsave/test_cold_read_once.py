@@ -101,3 +101,18 @@ def test_a_warm_load_reads_nothing_from_the_disk(files):
         if read == 0 or cached_bytes(pt) in (None, size + (-size) % 4096):
             break
     assert read <= SLACK, f"a load of {size} bytes in the page cache read {read} bytes from the disk"
+
+
+@pytest.mark.parametrize("writer", ["fastckpt", "torch"])
+def test_a_load_of_many_small_records_reads_each_byte_once(fs, writer):
+    """Hundreds of small storages, each with its local header: the headers are read with the
+    storages, not in a batch of their own before them (which read about a page per record again)."""
+    g = torch.Generator().manual_seed(4)
+    sd = {f"p{i}": torch.randn(200 + 29 * i, generator=g) for i in range(600)}
+    path = Path(fs.mount) / f"many-{writer}.pt"
+    (fastckpt.save if writer == "fastckpt" else torch.save)(sd, path)
+    fastckpt.load(path)  # warm: imports and first-call set-up
+    for verify in (True, False):
+        got, read = _cold_read(fs, path, lambda: fastckpt.load(path, verify=verify))
+        assert torch.equal(got["p599"], sd["p599"])
+        _check(path, read)

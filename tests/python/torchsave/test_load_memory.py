@@ -145,14 +145,32 @@ def test_records_close_together_share_a_block_the_others_get_their_own():
     far_off = 4096 + 5160 + 64 * 1024 + 8  # too far from the record before it
     recs = [(100, 4096), (5000, 4096 + 100 + 60), (0, 20000), (300, far_off),
             (64, 200000 + 3), (4096, 300000), (8, 300000 + 4096 + 8)]
+    recs = [(n, off, off) for n, off in recs]
     runs, holes = reader.block_runs(recs)
-    got = reader.host_storages(recs, runs)
-    assert [t.untyped_storage().nbytes() for t in got] == [n for n, _ in recs]
+    blocks = []
+    got = reader.host_storages(recs, runs, blocks)
+    assert [t.untyped_storage().nbytes() for t in got] == [n for n, _, _ in recs]
     a, b, empty, far, odd, c, d = got
     assert b.data_ptr() - a.data_ptr() == 160 and d.data_ptr() - c.data_ptr() == 4104  # laid out as the file
     assert far.data_ptr() - a.data_ptr() != far_off - 4096  # memory of its own
     assert odd.data_ptr() % 8 == 0  # a record that misaligns its elements: memory of its own
     assert holes == 60 + 8
+    assert [(start, run) for start, _, run in blocks] == [(4096, [0, 1]), (300000, [5, 6])]
+
+
+def test_a_block_starts_at_the_first_records_header_when_headers_are_read_with_the_data():
+    """(size, data offset, start): a record whose local header is read with its data starts its
+    stretch at the header; the block holds the header before the data, and the gap to the next
+    record's header counts from the last record's end."""
+    recs = [(100, 4096, 4000), (5000, 4096 + 100 + 60, 4096 + 100 + 16), (300, 4096 + 5160 + 70_000, 4096 + 5160 + 69_000)]
+    runs, holes = reader.block_runs(recs)
+    assert runs == [[0, 1], [2]]
+    assert holes == 96 + 60
+    blocks = []
+    a, b, far = reader.host_storages(recs, runs, blocks)
+    (start, whole, run), = blocks
+    assert start == 4000 and run == [0, 1] and whole.numel() == 4096 + 5160 - 4000
+    assert a.data_ptr() - whole.data_ptr() == 96 and b.data_ptr() - a.data_ptr() == 160
 
 
 def test_a_load_of_many_small_storages_reads_them_in_few_requests_into_one_block(tmp_path, monkeypatch):

@@ -229,12 +229,12 @@ def main() -> int:
     read = [0]
     read_into = fastckpt.torchsave.reader.Records.read_into
 
-    def counting(self, items, fd=None):
+    def counting(self, items, fd=None, heads=None):
         shares = [it for it in items if it[0].startswith("data/")]
         read[0] += sum(it[2].numel() for it in shares)
         if shares and mode == "fault" and rank == 1:
             _C.fault_inject("read", errno=errno.EIO, times=0)
-        return read_into(self, items, fd)
+        return read_into(self, items, fd, heads)
 
     fastckpt.torchsave.reader.Records.read_into = counting
     log = []
@@ -251,15 +251,15 @@ def main() -> int:
         host = [0]
         host_storages = fastckpt.torchsave.reader.host_storages
 
-        def counted_host(records, runs):  # the host memory of a load's storages
-            host[0] += sum(n for n, _ in records)
-            return host_storages(records, runs)
+        def counted_host(records, runs, *rest):  # the host memory of a load's storages
+            host[0] += sum(r[0] for r in records)
+            return host_storages(records, runs, *rest)
         fastckpt.torchsave.reader.host_storages = counted_host
 
-        def reading(self, items, fd=None):
+        def reading(self, items, fd=None, heads=None):
             if any(it[0].startswith("data/") for it in items):
                 log.append("r")
-            return counting(self, items, fd)
+            return counting(self, items, fd, heads)
         fastckpt.torchsave.reader.Records.read_into = reading
         sim, ml = sim_setup(mode, rank, log) if mode in SIM_MODES else (None, "cpu")
         if mode.startswith("nccl_"):  # the group's backend reported as NCCL's (the collectives still gloo's)
