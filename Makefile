@@ -7,7 +7,9 @@ SYS_STAMP  := build/.system-packages
 # make bench: BENCH_DIR is a directory on the disk to measure (the repository's by default; not a tmpfs).
 BENCH_DIR       ?= $(CURDIR)
 BENCH_SIZES     ?= 256M,1G,4G
-BENCH_REPS      ?= 3
+# Even: the load rows that read one saved file run in each order equally often (reversed on odd
+# repetitions); the host's cache serves a later read of the same file faster (docs/BENCHMARKS.md).
+BENCH_REPS      ?= 4
 BENCH_TUNE_SIZE ?= 1G
 BENCH_DEEPSPEED ?= yes
 BENCH_ARGS      ?=

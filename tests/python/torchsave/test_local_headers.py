@@ -81,6 +81,24 @@ def test_a_file_laid_out_otherwise_loads_bitwise(tmp_path, gap):
     _same(torch.load(path), sd)
 
 
+@pytest.mark.parametrize("gap", [0, 4096 + 5])
+def test_a_file_laid_out_otherwise_loads_bitwise_while_unpickling(tmp_path, gap):
+    """Storages of READ_BEHIND_MIN or more are read on a thread while data.pkl is unpickled; the
+    records whose headers say otherwise are read again when the load waits for that thread, from
+    the file opened again and checked to be the same one."""
+    from fastckpt.torchsave.reader import READ_BEHIND_MIN
+    g = torch.Generator().manual_seed(12)
+    sd = {f"w{i}": torch.randn(READ_BEHIND_MIN // 4 // 6 + i, generator=g) for i in range(8)}
+    sd.update(_state(30))
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    path = tmp_path / "zb.pt"
+    path.write_bytes(_rewritten(buf.getvalue(), gap))
+    for verify in (True, False):
+        drop_page_cache(path)
+        _same(fastckpt.load(path, verify=verify), sd)
+
+
 def test_an_unreferenced_records_header_is_checked_too(tmp_path):
     """A record data.pkl does not refer to is not read, but its local header is checked, as every
     record's is."""
