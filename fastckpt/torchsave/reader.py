@@ -4,6 +4,7 @@ during the reads), on a background thread while torch unpickles where that is
 safe, within the file's size."""
 
 import contextlib
+import ctypes
 import os
 import pickle
 import threading
@@ -152,13 +153,22 @@ class Heads:
     :class:`Records`' reads: ``own``, (buffer, file offset) reads of headers
     into buffers of their own; ``fills``, blocks (buffer, file offset) whose
     holes the engine fills (`read_ranges`' fill); ``groups``, (buffer, file
-    offset it starts at, [records whose headers it holds]) to check after."""
-    __slots__ = ("own", "fills", "groups")
+    offset it starts at, [records whose headers it holds]) to check after;
+    ``blocks``, the tensors those buffers view."""
+    __slots__ = ("own", "fills", "groups", "blocks")
 
     def __init__(self):
         self.own: List[Tuple[Any, int]] = []
         self.fills: List[Tuple[Any, int]] = []
         self.groups: List[Tuple[Any, int, List[str]]] = []
+        self.blocks: List[torch.Tensor] = []  # the tensors under the views of fills and groups
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable memoryview of CPU tensor `t`'s bytes, which does not keep
+    `t` alive (the caller does). Not ``t.numpy()``: a process's first use of
+    numpy faults its code in, megabytes read from the disk after a cache drop."""
+    return memoryview((ctypes.c_ubyte * t.numel()).from_address(t.data_ptr())).cast("B")
 
 
 class Records(dict):
@@ -260,7 +270,8 @@ class Records(dict):
             in_block.update(run)
             names = [storages[i] for i in run if records[i][2] < records[i][1]]
             if names:
-                mem = memoryview(whole.numpy())  # where the headers are checked
+                mem = byte_view(whole)  # where the engine fills the holes and the headers are checked
+                self._heads.blocks.append(whole)  # alive while the view is used
                 self._heads.fills.append((mem, start))
                 self._heads.groups.append((mem, start, names))
         for i, n in enumerate(storages):
