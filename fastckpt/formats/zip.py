@@ -468,6 +468,21 @@ class Archive:
     def bad(self, what: str) -> FormatError:
         return FormatError(f"{self.path}: {what}")
 
+    def _following(self) -> Dict[int, int]:
+        """Header offset -> where the next record (or the central directory) starts."""
+        if self._next is None:
+            starts = [e.header_offset for e in self.records.values()] + [self.cd_offset]
+            self._next = dict(zip(starts, starts[1:]))
+        return self._next
+
+    @staticmethod
+    def _descriptor(e: Entry, signed: Optional[bool]) -> int:
+        """The bytes of record `e`'s data descriptor in the form `signed` (with
+        its signature, without, None: no descriptors)."""
+        if signed is None:
+            return 0
+        return (16 if signed else 12) + (8 if max(e.size, e.compressed_size) >= U32_MAX else 0)
+
     def guesses(self) -> Dict[int, int]:
         """Where the data of each record whose local header was not read yet
         starts if the file is laid out as torch.save and fastckpt write it
@@ -477,18 +492,12 @@ class Archive:
         a local header (or more room than one can take). :meth:`settle`
         checks each against the header."""
         if self._guesses is None:
-            entries = list(self.records.values())
-            starts = [e.header_offset for e in entries] + [self.cd_offset]
-            signed = self._signed
-            narrow = 0 if signed is None else 16 if signed else 12  # the descriptor's bytes, 32-bit sizes
-            wide = 0 if signed is None else narrow + 8  # ... zip64 sizes
-            out: Dict[int, int] = {}
-            for e, nxt in zip(entries, starts[1:]):
+            following, signed, out = self._following(), self._signed, {}
+            for e in self.records.values():
                 if e.data_offset:
                     continue
-                n, name = e.compressed_size, e.name
-                at = nxt - n - (wide if n >= U32_MAX or e.size >= U32_MAX else narrow)
-                least = e.header_offset + LOCAL_HEADER_SIZE + (len(name) if name.isascii() else len(name.encode("utf-8")))
+                at = following[e.header_offset] - e.compressed_size - self._descriptor(e, signed)
+                least = e.header_offset + LOCAL_HEADER_SIZE + len(e.name.encode("utf-8"))
                 out[e.header_offset] = at if least <= at <= least + U16_MAX else 0
             self._guesses = out
         return self._guesses
@@ -496,40 +505,24 @@ class Archive:
     def settle(self, groups: List[Tuple[object, int, List[str]]], guessed: Dict[str, int]) -> List[str]:
         """For each (buffer, file offset, names) of `groups`, a buffer of the
         file's bytes from that offset holding the local headers of records
-        `names`: set each record's data offset from its header (checked as
-        :func:`local_data_offset` does), taking its guess out of `guessed`.
+        `names`: set each record's data offset from its header (checked:
+        :func:`local_data_offset`), taking its guess out of `guessed`.
         Returns the names of those whose data is not where it was guessed;
         from those, learns the form of the file's data descriptors for the
         guesses that follow (:meth:`guesses`)."""
-        unpack, recs, wrong = LOCAL_HEADER.unpack_from, self.records, []
+        recs, wrong = self.records, []
         for buf, base, names in groups:
             for name in names:
                 e = recs[name]
-                q = e.header_offset - base
-                raw = e.name.encode("utf-8")
-                try:
-                    sig, _, _, _, _, _, _, _, _, name_len, extra_len = unpack(buf, q)
-                    ok = sig == LOCAL_SIG and name_len == len(raw) and \
-                        buf[q + LOCAL_HEADER_SIZE:q + LOCAL_HEADER_SIZE + name_len] == raw
-                except struct.error:
-                    ok = False
-                at = e.header_offset + LOCAL_HEADER_SIZE + name_len + extra_len if ok \
-                    else local_data_offset(buf, q, e, self.bad)
-                e.data_offset = at
-                if at != guessed.pop(name):
+                e.data_offset = local_data_offset(buf, e.header_offset - base, e, self.bad)
+                if e.data_offset != guessed.pop(name):
                     wrong.append(name)
-                    self._learn(e)
+                    gap = self._following()[e.header_offset] - e.data_offset - e.compressed_size
+                    for signed in (True, False, None):
+                        if gap == self._descriptor(e, signed) and signed != self._signed:
+                            self._signed, self._guesses = signed, None
+                            break
         return wrong
-
-    def _learn(self, e: Entry) -> None:
-        if self._next is None:
-            starts = [x.header_offset for x in self.records.values()] + [self.cd_offset]
-            self._next = dict(zip(starts, starts[1:]))
-        gap = self._next[e.header_offset] - e.data_offset - e.compressed_size
-        wide = 8 if max(e.size, e.compressed_size) >= U32_MAX else 0
-        signed = {16 + wide: True, 12 + wide: False, 0: None}.get(gap, self._signed)
-        if signed != self._signed:
-            self._signed, self._guesses = signed, None
 
     def resolve(self, entries: List[Entry], read_many) -> None:
         """Read the local headers of those of `entries` (in file order) whose
@@ -612,12 +605,11 @@ class Archive:
         tail_len = min(size, EOCD_SIZE + U16_MAX)
         tail = read_at(size - tail_len, tail_len)
         entries, cd_off, prefix = parse_directory(tail, size - tail_len, size, read_at, bad)
+        data_bytes = -1  # the sum of the records' sizes (Archive)
         if local_headers or whole is not None:
             read_local_headers(list(entries.values()), read_many if whole is None else None, read_at, bad)
             # Now with each record's real data offset: in order, disjoint, before the directory.
             data_bytes = check_layout(entries.values(), cd_off, bad)
-        else:
-            data_bytes = sum(e.compressed_size for e in entries.values())
         archive = cls(path, prefix, entries, size, data_bytes)
         archive.stat = st
         archive.cd_offset = cd_off

@@ -116,8 +116,8 @@ def block_runs(records: List[Tuple[int, int, int]]) -> Tuple[List[List[int]], in
     holes = 0
     for run in runs:
         if len(run) > 1:
-            _, last_off, _ = records[run[-1]]
-            holes += (last_off + records[run[-1]][0] - records[run[0]][2]) - sum(records[i][0] for i in run)
+            last_size, last_off, _ = records[run[-1]]
+            holes += (last_off + last_size - records[run[0]][2]) - sum(records[i][0] for i in run)
     return runs, holes
 
 
@@ -189,7 +189,8 @@ class Records(dict):
         self.allocated = 0  # bytes of records read so far, small ones included
         self.small_read: set = set()
         self.crcs: Dict[str, int] = {}  # storage record -> CRC-32 of the bytes read (unless verify=False)
-        self._pending: Optional[Tuple[threading.Thread, Dict[str, Any], List[str]]] = None  # read_behind's
+        self._pending: Optional[Tuple[threading.Thread, Dict[str, Any], List[Tuple[str, int, Any, bool]],
+                                      "Heads"]] = None  # read_behind's: thread, outcome, items, headers
         # Records whose local header is read with their data (an archive parsed with local_headers=False):
         # the data offset guessed, by name, until the header is checked; and the reads planned for
         # the next batch that bring those headers.
@@ -213,9 +214,9 @@ class Records(dict):
                               f"{self.allocated + n} bytes for a {self.archive.file_size}-byte file")
         self.allocated += n
 
-    def resolve_headers(self, entries: List["_zip.Entry"], fd: Optional[int] = None) -> None:
+    def resolve_headers(self, entries: List["_zip.Entry"]) -> None:
         """Read the local headers of `entries` on their own (and check the layout with them)."""
-        fd = self.fd if fd is None else fd
+        fd = self.fd
         self.archive.resolve(sorted(entries, key=lambda e: e.header_offset),
                              lambda ranges: _C.read_ranges(get_engine(), self.path, ranges, fd))
         self.archive.check_layout()
@@ -294,8 +295,7 @@ class Records(dict):
         heads, self._heads = self._heads, Heads()
         return heads
 
-    def _settle(self, items: List[Tuple[str, int, Any, bool]], got: List[Optional[int]], heads: "Heads",
-                fd: Optional[int] = None) -> None:
+    def _settle(self, items: List[Tuple[str, int, Any, bool]], got: List[Optional[int]], heads: "Heads") -> None:
         """After a read of `items` with `heads` (:meth:`read_into`'s, `got`
         its CRCs): check the local headers read with the data. Where a
         record's data does not start where it was guessed (a file laid out
@@ -311,11 +311,11 @@ class Records(dict):
             index = {name: k for k, (name, *_) in enumerate(items)}
             ks = [index[n] for n in wrong if n in index]
             redo = [items[k] for k in ks]
-            if fd is None and self.fd < 0:  # after read_behind: the caller's descriptor is closed
+            if self.fd < 0:  # after read_behind: the caller's descriptor is closed
                 with self.reopened():
                     again = self.read_into(redo)
             else:
-                again = self.read_into(redo, fd)
+                again = self.read_into(redo)
             for k, crc in zip(ks, again):
                 got[k] = crc
 
@@ -341,7 +341,7 @@ class Records(dict):
         own, fills = (heads.own, heads.fills) if heads is not None else ((), ())
         if keep or own or fills:
             st = _C.read_ranges(get_engine(), self.path, [ranges[i] for i in keep] + [(b, at, False) for b, at in own],
-                                self.fd if fd is None else fd, **({"fill": fills} if fills else {}))
+                                self.fd if fd is None else fd, fill=fills)
             for i, c in zip(keep, st.get("crcs") or []):
                 out[i] = c
         return out

@@ -82,11 +82,12 @@ class Counter:
         self.n = 0
         self.real = _C.read_ranges
 
-    def __call__(self, eng, path, ranges, *a):
+    def __call__(self, eng, path, ranges, *a, **kw):
         for r in ranges:
             d = r[0]
             self.n += d.numel() * d.element_size() if isinstance(d, torch.Tensor) else len(d)
-        return self.real(eng, path, ranges, *a)
+        assert not kw.get("fill"), "a load_into source planned fill buffers: count their holes too"
+        return self.real(eng, path, ranges, *a, **kw)
 
 
 def rchar() -> int:
