@@ -19,6 +19,8 @@ process, no peers):
   fence (the next ``optimizer.step()``), as the knob ``async_write_through`` chooses: by default
   per save, from whether the last one was written before its fence; ``(background-copy)`` and
   ``(background-through)`` pin the knob to 0 (always copy) and 1 (always write through);
+  ``(background-split)`` copies, the call itself ``--caller-copy`` percent of the bytes (the knob
+  ``async_caller_copy``), the staging thread the rest;
 * ``memory.snapshot``: ``CheckpointManager(memory=MemoryTier(keep=2, replicas=0)).snapshot(step)``:
   the state copied into host memory (a tmpfs), its CRC-32 and commit record in the background
   ("durable" here: committed in host memory, which survives the process but not the node; a
@@ -93,7 +95,7 @@ from fastckpt._core.units import human  # noqa: E402  (the package's one size fo
 
 MiB, GiB = 1 << 20, 1 << 30
 BACKGROUND = ("fastckpt.async_save(background)", "fastckpt.async_save(background-copy)",
-              "fastckpt.async_save(background-through)")
+              "fastckpt.async_save(background-through)", "fastckpt.async_save(background-split)")
 MODES = ("none", "torch.save", "fastckpt.save", "fastckpt.async_save") + BACKGROUND + \
     ("memory.snapshot", "dcp.async_save", "torch_checkpointing")
 WARMUPS = 2
@@ -263,6 +265,8 @@ LABEL = {"memory.snapshot": "memory tier snapshot", "torch.save": "torch.save + 
                                                  "(knob async_write_through=0)",
          "fastckpt.async_save(background-through)": "fastckpt.async_save, background staging, written from the "
                                                     "tensors until the fence (knob async_write_through=1)",
+         "fastckpt.async_save(background-split)": "fastckpt.async_save, background staging, a share copied by the "
+                                                  "call, the rest by the staging thread (knob async_caller_copy)",
          "dcp.async_save": "dcp.async_save (FileSystemWriter)", "torch_checkpointing": "torch_checkpointing async"}
 
 
@@ -322,6 +326,9 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     ap.add_argument("--quick", action="store_true", help="a small state, a check that it runs (under a minute)")
     ap.add_argument("--json", help="report.py's standalone JSON; the chart goes beside it (<name>.png)")
+    ap.add_argument("--caller-copy", type=int, default=40,
+                    help="(background-split): the knob async_caller_copy, the percent of the large tensors' bytes "
+                         "the call copies before it returns (default 40)")
     ap.add_argument("--default-alloc", action="store_true",
                     help="torch's default allocation (64-byte aligned) instead of THP_MEM_ALLOC_ENABLE=1 (page-aligned "
                          "tensors of 2 MiB and more, the default here): background staging then copies every tensor")
@@ -333,6 +340,12 @@ def main(argv=None) -> int:
     every = args.every or (4 if q else 5)
     reps = args.reps or 1
     modes = [m for m in MODES if m in args.only.split(",")]
+    if not 0 <= args.caller_copy <= 100:
+        ap.error("--caller-copy is a percent, 0 to 100")
+    MODE_CLASSES["fastckpt.async_save(background-split)"].caller_copy = args.caller_copy
+    LABEL["fastckpt.async_save(background-split)"] = (
+        f"fastckpt.async_save, background staging, {args.caller_copy}% of the bytes copied by the call, the rest by "
+        "the staging thread (knob async_caller_copy)")
     if "none" not in modes:
         modes.insert(0, "none")  # the reference step
     if args.threads:

@@ -151,6 +151,7 @@ class FastAsyncBackground(FastAsync):
     optimizer.step(), so its wait counts as blocked time; staged = when the copies were complete."""
     staged_later = True
     write_through: Optional[int] = None  # the knob's value for this mode (None: its default)
+    caller_copy: Optional[int] = None    # the knob async_caller_copy for this mode (None: its default)
 
     @staticmethod
     def guard():
@@ -159,6 +160,8 @@ class FastAsyncBackground(FastAsync):
 
     def call(self, i, state, c):
         knob = {} if self.write_through is None else {"async_write_through": self.write_through}
+        if self.caller_copy is not None:
+            knob["async_caller_copy"] = self.caller_copy
         with fastckpt.knobs.override(**knob):
             c.future = fastckpt.async_save(state, os.path.join(self.work, "ckpt.pt"), background_staging=True)
 
@@ -173,6 +176,14 @@ class FastAsyncBackgroundCopy(FastAsyncBackground):
     """As FastAsyncBackground, with the knob async_write_through=0: every large tensor copied by the
     staging thread."""
     write_through = 0
+
+
+class FastAsyncBackgroundSplit(FastAsyncBackground):
+    """As FastAsyncBackgroundCopy, with the knob async_caller_copy (bench_training.py --caller-copy,
+    40 by default): the call copies that share of the large tensors' bytes before it returns, the
+    staging thread the rest beside the loop's next forward and backward."""
+    write_through = 0
+    caller_copy = 40
 
 
 class FastAsyncBackgroundThrough(FastAsyncBackground):
@@ -274,5 +285,6 @@ MODE_CLASSES = {"torch.save": TorchSave, "fastckpt.save": FastSave, "fastckpt.as
                 "fastckpt.async_save(background)": FastAsyncBackground,
                 "fastckpt.async_save(background-copy)": FastAsyncBackgroundCopy,
                 "fastckpt.async_save(background-through)": FastAsyncBackgroundThrough,
+                "fastckpt.async_save(background-split)": FastAsyncBackgroundSplit,
                 "memory.snapshot": MemorySnapshot, "dcp.async_save": DcpAsync,
                 "torch_checkpointing": TorchCheckpointing}

@@ -30,6 +30,9 @@ async_write_through       FASTCKPT_ASYNC_WRITE_THROUGH       1: background stagi
                                                              write through when the saver's last background save
                                                              was written before its first fence and that fence
                                                              came, else copy (2)
+async_caller_copy         FASTCKPT_ASYNC_CALLER_COPY         percent, 0-100: of the large host tensors that background
+                                                             staging copies, the share the caller copies before
+                                                             returning (the staging thread copies the rest) (0)
 snapshot_huge_pages       FASTCKPT_SNAPSHOT_HUGE_PAGES       1: snapshot arenas of 2 MiB or more on transparent huge
                                                              pages (1); 0: small pages (see docs/ENGINE.md)
 load_huge_pages           FASTCKPT_LOAD_HUGE_PAGES           1: storages of 2 MiB or more that a load returns (or
@@ -66,6 +69,7 @@ PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
             "async_background_staging": ("FASTCKPT_ASYNC_BACKGROUND_STAGING", 0, 0),
             "async_writer_nice": ("FASTCKPT_ASYNC_WRITER_NICE", 0, 0),
             "async_write_through": ("FASTCKPT_ASYNC_WRITE_THROUGH", 2, 0),
+            "async_caller_copy": ("FASTCKPT_ASYNC_CALLER_COPY", 0, 0),
             "snapshot_huge_pages": ("FASTCKPT_SNAPSHOT_HUGE_PAGES", 1, 0),
             "load_huge_pages": ("FASTCKPT_LOAD_HUGE_PAGES", 1, 0),
             "allow_foreign_owner": ("FASTCKPT_ALLOW_FOREIGN_OWNER", 0, 0),
@@ -77,7 +81,7 @@ PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
             "remote_peer_timeout": ("FASTCKPT_REMOTE_PEER_TIMEOUT", 120, 1)}
 
 # Largest allowed values, where there is one.
-_PY_HIGH = {"async_write_through": 2}
+_PY_HIGH = {"async_write_through": 2, "async_caller_copy": 100}
 
 _lock = threading.Lock()
 _overrides: Dict[str, object] = {}

@@ -540,6 +540,9 @@ class AsyncSaver:
                 through = mode == 1 or (mode == 2 and self._through_pays())
                 if mode == 2:
                     snap.watch = self._watched = _Watch()
+                share = knobs.get("async_caller_copy")
+                if share and not through:  # a share of the copy here, the rest beside the loop
+                    snap.copies.copy_share(share / 100)
                 _stage_in_background(snap, write_through=through)
                 fut._staged = snap.ready
         except BaseException:

@@ -205,6 +205,20 @@ class Snapshot:
         pending, self.pending = self.pending, []
         copy_with_crcs(pending, self.crcs)
 
+    def copy_share(self, share: float) -> int:
+        """Copy now, as :meth:`complete` does, the first of the pending sources
+        that together make up at most ``share`` (0 to 1) of their bytes; the
+        others stay pending. Returns the bytes copied. Raises what a copy
+        raised (as :meth:`complete`)."""
+        budget = share * sum(nbytes_of(src) for _, _, src in self.pending)
+        n = done = 0
+        while n < len(self.pending) and done + nbytes_of(self.pending[n][2]) <= budget:
+            done += nbytes_of(self.pending[n][2])
+            n += 1
+        now, self.pending = self.pending[:n], self.pending[n:]
+        copy_with_crcs(now, self.crcs)
+        return done
+
     def release(self, keep: Optional[int] = 1) -> bool:
         """Give the arena back for reuse (see :meth:`Snapshotter.release`);
         returns whether this call did (False when released already)."""

@@ -14,6 +14,8 @@ MODES = ["none", "torch.save + fsync", "fastckpt.save", "fastckpt.async_save",
          "written before its fence, else copied)",
          "fastckpt.async_save, background staging, every tensor copied (knob async_write_through=0)",
          "fastckpt.async_save, background staging, written from the tensors until the fence (knob async_write_through=1)",
+         "fastckpt.async_save, background staging, 40% of the bytes copied by the call, the rest by the staging thread "
+         "(knob async_caller_copy)",
          "memory tier snapshot",
          "dcp.async_save (FileSystemWriter)", "torch_checkpointing async"]
 TARGETS = ["fastckpt.async_save blocked <= 5% of time-to-durable",
@@ -24,10 +26,13 @@ TARGETS = ["fastckpt.async_save blocked <= 5% of time-to-durable",
            "fastckpt.async_save(background-copy) blocked <= 1.2x a plain copy of the state into warm memory",
            "fastckpt.async_save(background-through) blocked <= 5% of time-to-durable",
            "fastckpt.async_save(background-through) blocked <= 1.2x a plain copy of the state into warm memory",
+           "fastckpt.async_save(background-split) blocked <= 5% of time-to-durable",
+           "fastckpt.async_save(background-split) blocked <= 1.2x a plain copy of the state into warm memory",
            "fastckpt.async_save interference window <= 1.1",
            "fastckpt.async_save(background) interference window <= 1.1",
            "fastckpt.async_save(background-copy) interference window <= 1.1",
            "fastckpt.async_save(background-through) interference window <= 1.1",
+           "fastckpt.async_save(background-split) interference window <= 1.1",
            "memory.snapshot interference window <= 1.1"]
 
 
@@ -69,9 +74,9 @@ def test_stall_benchmark_follows_the_standalone_contract(tmp_path):
         assert rows[sync]["interference window"] == "-"
     assert float(rows["fastckpt.async_save"]["blocked ms (steady)"]) < float(rows["fastckpt.async_save"]["durable ms"])
     assert [t["target"] for t in rep["targets"]] == TARGETS
-    for t in rep["targets"][:8]:
+    for t in rep["targets"][:10]:
         assert isinstance(t["measured"], float) and t["measured"] > 0 and isinstance(t["met"], bool), t
-    for t in rep["targets"][8:]:  # no step may overlap a write this small: then not judged
+    for t in rep["targets"][10:]:  # no step may overlap a write this small: then not judged
         assert (t["measured"] is None and t["met"] is None) or (t["measured"] > 0 and isinstance(t["met"], bool)), t
     # Page-aligned tensors (the benchmark runs torch under THP_MEM_ALLOC_ENABLE=1): with the knob on,
     # background staging hands them to the writer (sent before the fence, or copied by it: steps this short
@@ -84,7 +89,7 @@ def test_stall_benchmark_follows_the_standalone_contract(tmp_path):
             sent, fenced = (int(x.split("%")[0].split()[-1]) for x in n.split(", ")[:2])
             pct[n.split(":")[0]] = (sent, fenced)
     assert sum(pct["fastckpt.async_save(background-through)"]) > 0, pct
-    assert pct["fastckpt.async_save(background-copy)"] == (0, 0), pct
+    assert pct["fastckpt.async_save(background-copy)"] == pct["fastckpt.async_save(background-split)"] == (0, 0), pct
     assert "fastckpt.async_save(background)" in pct, pct
     assert rep["images"] == ["stall.png"]
     assert (tmp_path / "stall.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -199,3 +199,81 @@ def test_the_writer_thread_takes_the_nice_value_of_its_knob(tmp_path, nice):
     assert seen == [max(caller, nice)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == caller  # the caller's own is unchanged
     assert_same(fastckpt.load(tmp_path / "c.pt"), _state())
+
+
+# -- async_caller_copy: a share of the background copy done by the call itself
+
+def _four():
+    g = torch.Generator().manual_seed(4)
+    return {f"w{i}": torch.randn(BIG, generator=g) for i in range(4)}  # 3 MiB each: all copied in the background
+
+
+@pytest.mark.parametrize("share, by_call", [(50, 2), (49, 1), (100, 4), (0, 0)])
+def test_the_call_copies_its_share_before_returning(tmp_path, monkeypatch, share, by_call):
+    """async_caller_copy: the call copies the first large tensors that make up at most that percent
+    of their bytes; the staging thread (held at its gate here) copies the others. Those the call
+    copied may change at once: the file has them as they were at the call."""
+    sd = _four()
+    want = {k: v.clone() for k, v in sd.items()}
+    gate = Gate(monkeypatch)
+    with knobs.override(async_caller_copy=share):
+        fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
+    for k in list(sd)[:by_call]:
+        sd[k].add_(1)  # copied by the call: no fence needed
+    assert gate.entered.wait(30) and not fut.staged  # the staging thread still runs, for the rest (if any)
+    gate.open()
+    assert fastckpt.wait_staged(timeout=60)
+    for k in list(sd)[by_call:]:
+        sd[k].add_(1)
+    fut.result(timeout=60)
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), want)
+    assert temp_files(tmp_path) == []
+
+
+def test_copy_share_takes_whole_sources_in_order_up_to_the_share():
+    from fastckpt.staging.snapshot import Snapshotter
+    sizes = [3 << 20, 1 << 20, 4 << 20, 2 << 20]  # 10 MiB
+    srcs = [torch.full((n // 4,), float(i)) for i, n in enumerate(sizes)]
+    stager = Snapshotter()
+    for share, copied in [(0.0, 0), (0.3, 3 << 20), (0.39, 3 << 20), (0.45, 4 << 20), (0.85, 8 << 20), (1.0, 10 << 20)]:
+        snap = stager.take(srcs, defer_over=0)
+        assert len(snap.pending) == 4
+        assert snap.copy_share(share) == copied
+        done = [i for i in range(4) if i not in {j for j, _, _ in snap.pending}]
+        assert sum(sizes[i] for i in done) == copied and done == list(range(len(done)))
+        for i in done:  # copied, with its CRC
+            assert torch.equal(snap.views[i], srcs[i]) and snap.crcs[i] is not None
+        snap.complete()
+        assert all(torch.equal(v, s) for v, s in zip(snap.views, srcs)) and None not in snap.crcs
+        snap.release()
+
+
+def test_a_failed_copy_by_the_call_raises_and_leaves_nothing_held(tmp_path, monkeypatch):
+    from fastckpt.staging import snapshot as snapshot_mod
+    saver = AsyncSaver()
+    fds = fd_count()
+    real = snapshot_mod.copy_with_crcs
+
+    def failing(jobs, crcs):
+        if jobs and threading.current_thread() is threading.main_thread():
+            raise OSError(errno.EFAULT, "copy went wrong")
+        return real(jobs, crcs)
+
+    monkeypatch.setattr(snapshot_mod, "copy_with_crcs", failing)
+    with knobs.override(async_caller_copy=50), pytest.raises(OSError, match="copy went wrong"):
+        saver.save(_four(), tmp_path / "c.pt", background_staging=True)
+    assert fastckpt.wait_staged(timeout=0) and saver.pending() == [] and saver.stager.free_bytes > 0
+    assert not (tmp_path / "c.pt").exists() and temp_files(tmp_path) == []
+    monkeypatch.undo()
+    with knobs.override(async_caller_copy=50):
+        saver.save(_four(), tmp_path / "c.pt", background_staging=True).result(timeout=60)
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), _four())
+    saver.close()
+    assert fd_count() == fds
+
+
+@pytest.mark.parametrize("bad", [-1, 101, 2.5, "x"])
+def test_the_caller_share_is_a_percent(bad):
+    with pytest.raises(ValueError, match="async_caller_copy"):
+        with knobs.override(async_caller_copy=bad):
+            knobs.get("async_caller_copy")
