@@ -265,8 +265,6 @@ LABEL = {"memory.snapshot": "memory tier snapshot", "torch.save": "torch.save + 
                                                  "(knob async_write_through=0)",
          "fastckpt.async_save(background-through)": "fastckpt.async_save, background staging, written from the "
                                                     "tensors until the fence (knob async_write_through=1)",
-         "fastckpt.async_save(background-split)": "fastckpt.async_save, background staging, a share copied by the "
-                                                  "call, the rest by the staging thread (knob async_caller_copy)",
          "dcp.async_save": "dcp.async_save (FileSystemWriter)", "torch_checkpointing": "torch_checkpointing async"}
 
 
@@ -326,9 +324,10 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=",".join(MODES), help=f"comma-separated subset of {','.join(MODES)}")
     ap.add_argument("--quick", action="store_true", help="a small state, a check that it runs (under a minute)")
     ap.add_argument("--json", help="report.py's standalone JSON; the chart goes beside it (<name>.png)")
-    ap.add_argument("--caller-copy", type=int, default=40,
+    split = MODE_CLASSES["fastckpt.async_save(background-split)"]
+    ap.add_argument("--caller-copy", type=int, default=split.caller_copy,
                     help="(background-split): the knob async_caller_copy, the percent of the large tensors' bytes "
-                         "the call copies before it returns (default 40)")
+                         f"the call copies before it returns (default {split.caller_copy})")
     ap.add_argument("--default-alloc", action="store_true",
                     help="torch's default allocation (64-byte aligned) instead of THP_MEM_ALLOC_ENABLE=1 (page-aligned "
                          "tensors of 2 MiB and more, the default here): background staging then copies every tensor")
@@ -342,8 +341,8 @@ def main(argv=None) -> int:
     modes = [m for m in MODES if m in args.only.split(",")]
     if not 0 <= args.caller_copy <= 100:
         ap.error("--caller-copy is a percent, 0 to 100")
-    MODE_CLASSES["fastckpt.async_save(background-split)"].caller_copy = args.caller_copy
-    LABEL["fastckpt.async_save(background-split)"] = (
+    split.caller_copy = args.caller_copy
+    LABEL["fastckpt.async_save(background-split)"] = (  # the share in the label: set here, with the option
         f"fastckpt.async_save, background staging, {args.caller_copy}% of the bytes copied by the call, the rest by "
         "the staging thread (knob async_caller_copy)")
     if "none" not in modes:

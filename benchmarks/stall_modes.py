@@ -180,8 +180,8 @@ class FastAsyncBackgroundCopy(FastAsyncBackground):
 
 class FastAsyncBackgroundSplit(FastAsyncBackground):
     """As FastAsyncBackgroundCopy, with the knob async_caller_copy (bench_training.py --caller-copy,
-    40 by default): the call copies that share of the large tensors' bytes before it returns, the
-    staging thread the rest beside the loop's next forward and backward."""
+    whose default this is): the call copies that percent of the large tensors' bytes before it
+    returns, the staging thread the rest beside the loop's next forward and backward."""
     write_through = 0
     caller_copy = 40
 
