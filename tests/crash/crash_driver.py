@@ -413,7 +413,8 @@ def _child_save(kind, directory, gen, plan, conn, rank, port, memory_dir) -> Non
             conn.send("started")
             if kind == "async_save":  # background staging in odd generations and under the "staging" plan;
                 background = gen % 2 == 1 or "staging:" in os.environ.get(ENV, "")  # written straight from
-                with fastckpt.knobs.override(async_write_through=int(gen % 4 == 1)):  # the tensors in 1 of 2
+                with fastckpt.knobs.override(async_write_through=int(gen % 4 == 1),  # the tensors in 1 of 2,
+                                             async_caller_copy=50 * (gen % 4 == 3)):  # half copied by the call in the other
                     fastckpt.async_save(state, path, background_staging=background).result()
             else:
                 fastckpt.save(state, path)
