@@ -90,6 +90,12 @@ def crc32(data, crc: int = 0) -> int:
     return _C.crc32(data, crc)
 
 
+def copy_crc32_many(dsts, srcs, threads: int = 1) -> list:
+    """Copy each bytes-like object or contiguous CPU tensor of ``srcs`` into the one of ``dsts`` of the same
+    size and return the CRC-32 of each, taken during the copy (one pass over memory; no GIL)."""
+    return _C.copy_crc32_many(dsts, srcs, threads)
+
+
 def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
     """The CRC-32 of two pieces laid end to end, from theirs (zlib's crc32_combine)."""
     return _C.crc32_combine(crc1, crc2, len2)

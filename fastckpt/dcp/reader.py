@@ -5,12 +5,20 @@ It loads any checkpoint in the stock filesystem layout (written by
 that the rank's load plan touches, it reads, with parallel ``read_ranges``
 calls of the engine:
 
-1. the end of every tensor record (its zip central directory),
-2. the record's ``data.pkl`` and the local header of its storage record,
+1. the first and the last 4 KiB of every tensor record (its ``data.pkl``,
+   the local header of its storage record, its zip central directory), and
+   the whole of a record of at most 16 KiB (a bias, a norm's weight, a step
+   count: its data comes from this read, copied with its CRC-32 taken in the
+   same pass);
+2. what the first read did not hold (a ``data.pkl`` longer than its head, a
+   central directory longer than its tail), which the usual archives never need;
 3. only the bytes of the storage that the plan asks for (the byte span of
    the requested hyper-rectangle), straight into the destination tensor when
    it is a contiguous CPU tensor laid out like the stored one, else into a
    buffer that is then copied (and cast) into the destination.
+
+The layout ``data.pkl`` describes is kept by its bytes (``parse_pickle``'s
+results: a model's tensors repeat a few dtypes and shapes).
 
 A record read whole is checked against the CRC-32 of its zip entry
 (``verify=True``, the default): the engine computes the CRC-32 while it reads

@@ -32,6 +32,12 @@ __all__ = ["Req", "Blob", "Copy", "FileJob", "check_value", "item_name", "MAX_SM
 log = logging.getLogger("fastckpt")
 
 MAX_SMALL_SPAN = 1 << 20  # data.pkl and byteorder records are expected to be small
+# The first round reads each record's first HEAD_READ bytes with its last TAIL_READ: its zip directory,
+# data.pkl, byteorder and the storage's local header are there in the archives torch.save and
+# FastWriter write (anything beyond is read in a second round). A record of at most WHOLE_READ bytes
+# is read whole, its data with it.
+HEAD_READ = 4096
+WHOLE_READ = 16384
 
 
 def item_name(index: MetadataIndex) -> str:
@@ -59,6 +65,7 @@ class Blob:
     data_rel: int = 0               # record-relative offset of the storage bytes
     slow: Optional[str] = None      # why the fast path was abandoned (then read whole, torch.load)
     whole: Optional[bytearray] = None
+    head: Optional[bytearray] = None  # the record's first bytes (all of them for a small record), read first
 
 
 @dataclass
@@ -69,6 +76,7 @@ class Copy:
     nbytes: int
     after: Any = None               # after(crc), run after the read (CRC check, copy into target)
     crc: bool = False               # the engine computes the CRC-32 of the bytes read (passed to after)
+    src: Any = None                 # the bytes, when the first round read them already (a small record)
 
 
 def refusal_reason(e: BaseException) -> str:
@@ -200,7 +208,8 @@ class FileJob:
             else:
                 log.debug("fastckpt.dcp: %s: read whole (%s)", b.where, b.slow)
                 b.whole = bytearray(b.length)
-                copies.append(Copy(b.whole, b.offset, b.length, after=self._after_slow_blob(b)))
+                held = b.head if b.head is not None and len(b.head) == b.length else None
+                copies.append(Copy(b.whole, b.offset, b.length, after=self._after_slow_blob(b), src=held))
                 self.stats["slow"] += len(b.reqs)
         self.stats["bytes_requested"] += sum(c.nbytes for c in copies)
         self._read_data(copies)
@@ -208,15 +217,23 @@ class FileJob:
     # -- rounds 1 and 2: zip structures and data.pkl
 
     def _locate(self, blobs: List[Blob]) -> None:
-        tails = []
+        # round 1: each record's head and tail in one read (a small record whole)
+        first, tails = [], []
         for b in blobs:
-            n = min(b.length, _blob.TAIL_READ)
-            tails.append(bytearray(n))
-        self._read([(t, b.offset + b.length - len(t)) for b, t in zip(blobs, tails)])
+            if b.length <= max(WHOLE_READ, HEAD_READ + _blob.TAIL_READ):
+                b.head = bytearray(b.length)
+                first.append((b.head, b.offset))
+                tails.append((b.head, 0))
+                continue
+            b.head = bytearray(HEAD_READ)
+            t = bytearray(_blob.TAIL_READ)
+            first += [(b.head, b.offset), (t, b.offset + b.length - len(t))]
+            tails.append((t, b.length - len(t)))
+        self._read(first)
         more = []
-        for b, t in zip(blobs, tails):
+        for b, (t, at) in zip(blobs, tails):
             try:
-                b.index = _blob.parse_tail(bytes(t), b.length - len(t), b.length, b.where)
+                b.index = _blob.parse_tail(bytes(t), at, b.length, b.where)
             except _blob.NeedMore as m:
                 more.append((b, m.start))
         if more:
@@ -228,8 +245,8 @@ class FileJob:
                 except _blob.NeedMore:
                     raise FormatError(f"{b.where}: corrupt zip end records") from None
 
-        # data.pkl, byteorder and the storage record's local header
-        plan = []  # (blob, what, buffer)
+        # data.pkl, byteorder and the storage record's local header: from the head, else round 2
+        plan = []  # (blob, what, entry, bytes from the entry's local header on)
         for b in blobs:
             ents = b.index.entries
             pkl = ents.get("data.pkl")
@@ -249,11 +266,20 @@ class FileJob:
                 if span > e.size + MAX_SMALL_SPAN:
                     b.slow = f"unusual padding around {e.name}"
                     break
-                plan.append((b, what, e, bytearray(span)))
+                plan.append([b, what, e, span])
             else:
-                plan.append((b, "storage", b.storage, bytearray(_blob.LOCAL_HEADER_SIZE)))
+                plan.append([b, "storage", b.storage, _blob.LOCAL_HEADER_SIZE])
         plan = [p for p in plan if p[0].slow is None]
-        self._read([(buf, b.offset + e.rel_offset) for b, _, e, buf in plan])
+        missing = []
+        for p in plan:
+            b, _, e, n = p
+            if e.rel_offset + n <= len(b.head):
+                p[3] = bytes(b.head[e.rel_offset:e.rel_offset + n])
+            else:
+                p[3] = bytearray(n)
+                missing.append((p[3], b.offset + e.rel_offset))
+        if missing:
+            self._read(missing)
         got: Dict[int, Dict[str, bytes]] = {}
         for b, what, e, buf in plan:
             if b.slow is not None:
@@ -334,13 +360,17 @@ class FileJob:
         crc = b.storage.crc
         dense = span == numel * isz and all(
             s == c for n, s, c in zip(lens, lay.stride, contiguous_stride(lens)) if n > 1)
+        held = None
+        if len(b.head) == b.length:  # the first round read the whole record: no read again
+            rel = file_off - b.offset
+            held = memoryview(b.head)[rel:rel + span]
         if (dense and target.device.type == "cpu" and target.is_contiguous() and target.dtype == lay.dtype):
             dest = target.reshape(-1).view(torch.uint8)
 
             def after(got: Optional[int]) -> None:
                 if check:
                     self._check(b, got, crc)
-            return Copy(dest, file_off, span, after, crc=check)
+            return Copy(dest, file_off, span, after, crc=check, src=held)
         buf = torch.empty(span, dtype=torch.uint8)
 
         def after(got: Optional[int]) -> None:
@@ -348,7 +378,7 @@ class FileJob:
                 self._check(b, got, crc)
             src = torch.empty(0, dtype=lay.dtype).set_(buf.untyped_storage(), 0, lens, lay.stride)
             target.copy_(src)
-        return Copy(buf, file_off, span, after, crc=check)
+        return Copy(buf, file_off, span, after, crc=check, src=held)
 
     def _check(self, b: Blob, got: Optional[int], crc: int) -> None:
         """`got`: the CRC-32 the engine computed while reading the record."""
@@ -412,8 +442,14 @@ class FileJob:
         """One parallel read of every copy; the engine computes the CRC-32s
         asked for while the reads are in flight, so that checking a record is
         a comparison afterwards, not a pass over its bytes."""
-        copies.sort(key=lambda c: c.offset)
+        held = [c for c in copies if c.src is not None]
+        copies = sorted((c for c in copies if c.src is None), key=lambda c: c.offset)
         crcs = self._read([(c.dest, c.offset, c.crc) for c in copies])
+        # bytes the first round read (small records): copied, each one's CRC-32 taken during its copy
+        got = _engine.copy_crc32_many([c.dest for c in held], [c.src for c in held]) if held else []
+        for c, crc in zip(held, got):
+            if c.after:
+                c.after(crc if c.crc else None)
         for c, crc in zip(copies, crcs):
             if c.after:
                 c.after(crc)

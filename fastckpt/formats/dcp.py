@@ -280,7 +280,7 @@ class _ParsedStorage:
     numel: int
 
 
-@dataclass
+@dataclass(frozen=True)
 class TensorLayout:
     """What ``data.pkl`` says about the tensor: element type, shape and where
     its elements lie in storage record ``data/<key>`` (``nbytes`` long)."""
@@ -370,6 +370,10 @@ def parse_pickle(data: bytes, where: str = "data.pkl") -> TensorLayout:
         fastckpt.FormatError: a damaged pickle, or one crafted to allocate far
             more than its size (huge memo indices, counted sizes, nesting).
     """
+    data = bytes(data)
+    hit = _layouts.get(data)
+    if hit is not None:
+        return hit
     try:
         obj = _unpickle.loads(data, where, _layout_class, persistent_load=_layout_persistent,
                               passthrough=(Unsupported,))
@@ -377,4 +381,14 @@ def parse_pickle(data: bytes, where: str = "data.pkl") -> TensorLayout:
         raise Unsupported(str(e)) from None
     if not isinstance(obj, TensorLayout):
         raise Unsupported(f"data.pkl holds a {type(obj).__name__}, not a tensor")
+    if len(_layouts) < _LAYOUTS_MAX and len(data) <= _LAYOUT_KEY_MAX:
+        _layouts[data] = obj
     return obj
+
+
+# parse_pickle's results by the pickle's bytes (a pure function of them: the tensors of a model
+# repeat a few dtypes and shapes, and a data.pkl holds nothing else): only what parsed, so that a
+# refusal always names the caller's file. TensorLayout is frozen: a caller cannot change a hit.
+_layouts: Dict[bytes, TensorLayout] = {}
+_LAYOUTS_MAX = 1024
+_LAYOUT_KEY_MAX = 1024

@@ -5,6 +5,7 @@ Multi-process tests start ranks of tests/support/workers/dcp_dist_worker.py
 process without a process group.
 """
 
+import dataclasses
 import errno
 import io
 import os
@@ -32,6 +33,7 @@ import fastckpt  # noqa: E402
 from fastckpt import FormatError, _C  # noqa: E402
 from fastckpt.dcp import FastReader, FastWriter  # noqa: E402
 from fastckpt.formats import dcp as _blob  # noqa: E402
+from fastckpt.dcp import records  # noqa: E402
 
 from dcp_calls import dcp_unwrapped  # noqa: E402
 from leaks import fd_count, temp_files, temps_of  # noqa: E402
@@ -315,6 +317,34 @@ def test_reads_only_the_needed_bytes(tmp_path):
     st = r.last_read_stats
     assert st["bytes_requested"] == 256 * 1024 * 4 and st["bytes_read"] < 1.1 * 1024 * 1024 + 64 * 1024, st
     assert st["verified"] == 0  # a partial read cannot be checked against the record's CRC
+
+
+def test_small_records_are_read_once(tmp_path):
+    """A record of up to WHOLE_READ bytes is read whole in the first round, its zip structures and
+    its data together: every byte of such a checkpoint is read once, and the data of a large record
+    once more than its first and last bytes (the head and tail of the first round)."""
+    g = torch.Generator().manual_seed(5)
+
+    def roundtrip(name, sd):
+        dcp.save(sd, storage_writer=FastWriter(tmp_path / name))
+        r = FastReader(tmp_path / name)
+        tgt = {k: torch.zeros_like(v) for k, v in sd.items()}
+        dcp.load(tgt, storage_reader=r)
+        assert all(torch.equal(tgt[k], sd[k]) for k in sd)
+        md = FastReader(tmp_path / name).read_metadata()
+        st = r.last_read_stats
+        assert st["verified"] == len(sd), st
+        return st, {k.fqn: v.length for k, v in md.storage_data.items()}
+
+    small = {f"bias{i}": torch.randn(37 + 50 * i, generator=g) for i in range(40)}
+    small["step"] = torch.tensor(7.0)
+    st, lengths = roundtrip("small", small)
+    assert max(lengths.values()) <= records.WHOLE_READ
+    total = sum(lengths.values())  # the engine reads whole pages at the ends of an O_DIRECT range
+    assert total <= st["bytes_read"] <= total + 2 * 4096, st
+
+    st, lengths = roundtrip("big", {"w": torch.randn(512, 1024, generator=g), "b": torch.randn(1024, generator=g)})
+    assert st["bytes_read"] <= lengths["b"] + lengths["w"] + records.HEAD_READ + _blob.TAIL_READ, st
 
 
 def test_checkpoint_id(tmp_path):
@@ -709,6 +739,30 @@ def test_random_corruption_never_crashes(small_ckpt, seed):
             continue
         assert torch.equal(tgt["a"], sd["a"]) and torch.equal(tgt["b"], sd["b"]), pos
     p.write_bytes(good)
+
+
+def test_parse_pickle_keeps_what_parsed_by_its_bytes(monkeypatch):
+    """parse_pickle's results are kept by the pickle's bytes (a pure function of them): a repeated
+    data.pkl is not unpickled again and its layout cannot be changed by a caller; a refusal is not
+    kept (each is decided again, raising with its own message); the table stays bounded."""
+    monkeypatch.setattr(_blob, "_layouts", {})
+    pkl = _blob.tensor_pickle(torch.bfloat16, (4, 6))
+    first = _blob.parse_pickle(pkl, "a")
+    calls = []
+    real = _blob._unpickle.loads
+    monkeypatch.setattr(_blob._unpickle, "loads", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = _blob.parse_pickle(bytearray(pkl), "b")
+    assert again == first and again.size == (4, 6) and again.dtype == torch.bfloat16 and calls == []
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        again.size = (1,)
+    bad = pkl.replace(b"_rebuild_tensor_v2", b"_rebuild_tensor_v9")
+    for where in ("first.distcp", "second.distcp"):
+        with pytest.raises(_blob.Unsupported, match="_rebuild_tensor_v9"):
+            _blob.parse_pickle(bad, where)
+    assert len(calls) == 2 and list(_blob._layouts) == [pkl]
+    for n in range(_blob._LAYOUTS_MAX + 10):
+        _blob.parse_pickle(_blob.tensor_pickle(torch.float32, (n + 1,)))
+    assert len(_blob._layouts) == _blob._LAYOUTS_MAX
 
 
 def test_fuzz_zip_parser():
