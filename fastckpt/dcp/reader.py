@@ -46,6 +46,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .._core import dist_exit as _dist_exit
+from .._core.gcpause import gc_paused
 from .._core.dircommit import resolve
 from ..formats import unpickler as _unpickle
 from .._core.owner import check_directory_owner
@@ -119,6 +120,10 @@ class FastReader(StorageReader):
         self.load_id = str(uuid.uuid4())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with gc_paused():  # thousands of metadata objects, all kept (fastckpt._core.gcpause)
+            return self._read_metadata(*args, **kwargs)
+
+    def _read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         name = METADATA if rank is None else f"__{rank}{METADATA}"
         root = resolve(self.path)  # or the complete copy an interrupted directory commit left aside
@@ -157,6 +162,10 @@ class FastReader(StorageReader):
         return os.path.isdir(checkpoint_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
+        with gc_paused():  # a few objects per record, all kept until the load ends
+            return self._read_data(plan, planner)
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future:
         t0 = time.perf_counter()
         per_file: Dict[str, List[Req]] = {}
         for req in plan.items:

@@ -7,6 +7,7 @@ process without a process group.
 
 import dataclasses
 import errno
+import gc
 import io
 import os
 import pickle
@@ -345,6 +346,23 @@ def test_small_records_are_read_once(tmp_path):
 
     st, lengths = roundtrip("big", {"w": torch.randn(512, 1024, generator=g), "b": torch.randn(1024, generator=g)})
     assert st["bytes_read"] <= lengths["b"] + lengths["w"] + records.HEAD_READ + _blob.TAIL_READ, st
+
+
+def test_fastreader_reads_with_the_collector_paused(tmp_path, monkeypatch):
+    """The metadata read and the data read run with the collector paused (fastckpt._core.gcpause)."""
+    if not gc.isenabled():
+        pytest.skip("the collector is off in this process")
+    sd = {"w": torch.randn(64, 64), "b": torch.randn(64)}
+    dcp.save(sd, storage_writer=FastWriter(tmp_path))
+    seen = []
+    run = records.FileJob.run
+    monkeypatch.setattr(records.FileJob, "run", lambda self: seen.append(gc.isenabled()) or run(self))
+    md = FastReader(tmp_path).read_metadata()
+    assert gc.isenabled() and md.storage_data
+    tgt = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(tgt, storage_reader=FastReader(tmp_path))
+    assert seen == [False] and gc.isenabled()
+    assert all(torch.equal(tgt[k], sd[k]) for k in sd)
 
 
 def test_checkpoint_id(tmp_path):
