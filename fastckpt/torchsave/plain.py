@@ -64,6 +64,52 @@ def _settings_allow(reader: Any, pickle_load_args: Dict[str, Any]) -> None:
         raise NotPlain("no byteorder record, and not a little-endian load")
 
 
+class _Unpickler(pickle.Unpickler):
+    """load_plain's unpickler. A class of the module, its state on the instance: a class made per
+    call, its methods closing over the reader and the storages, would be a reference cycle
+    (class, methods, cells) holding the loaded tensors' memory after the caller dropped them,
+    until Python's cyclic collector next ran."""
+
+    def __init__(self, file: Any, allowed: Dict[str, Any], reader: Any, restore_location: Any,
+                 meta_storage: Optional[Callable[[tuple, Any], None]], **pickle_load_args: Any):
+        super().__init__(file, **pickle_load_args)
+        self._allowed = allowed
+        self._reader = reader
+        self._restore_location = restore_location
+        self._meta_storage = meta_storage
+        self._loaded: Dict[str, Any] = {}
+
+    def find_class(self, module, name):
+        full = f"{module}.{name}"
+        obj = self._allowed.get(full)
+        if obj is None or not (full in PLAIN_CALLS or (module == "torch" and (
+                isinstance(obj, torch.dtype) or _is_storage_type(obj)))):
+            raise NotPlain(full)
+        return obj
+
+    def persistent_load(self, pid):
+        if type(pid) is not tuple or len(pid) != 5 or ts._maybe_decode_ascii(pid[0]) != "storage":
+            raise NotPlain("a persistent id that is not a storage")
+        _, storage_type, key, location, numel = pid
+        if not _is_storage_type(storage_type) or type(key) is not str or type(numel) is not int:
+            raise NotPlain("an unusual storage id")
+        typed = self._loaded.get(key)
+        if typed is not None:
+            return typed
+        dtype = storage_type.dtype
+        nbytes = numel * element_size(dtype)
+        if self._meta_storage is not None:  # as torch's loader makes it for map_location="meta"
+            wrap = torch.UntypedStorage(nbytes, device="meta")
+            self._meta_storage(pid, wrap)
+        else:
+            storage = self._reader.get_storage_from_record(f"data/{key}", nbytes, torch.UntypedStorage).untyped_storage()
+            wrap = self._restore_location(storage, ts._maybe_decode_ascii(location))
+        typed = torch.storage.TypedStorage(wrap_storage=wrap, dtype=dtype, _internal=True)
+        if typed._data_ptr() != 0:
+            self._loaded[key] = typed
+        return typed
+
+
 def load_plain(reader: Any, restore_location: Any, pickle_load_args: Dict[str, Any],
                meta_storage: Optional[Callable[[tuple, Any], None]] = None) -> Any:
     """Unpickle ``reader``'s data.pkl (a plain state dict, by the walk's verdict) as torch's
@@ -77,43 +123,11 @@ def load_plain(reader: Any, restore_location: Any, pickle_load_args: Dict[str, A
     unpickler) or what a read or ``meta_storage`` raised."""
     _settings_allow(reader, pickle_load_args)
     from torch import _weights_only_unpickler as wo
-    allowed = wo._get_allowed_globals()
-    loaded: Dict[str, Any] = {}
-
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, module, name):
-            full = f"{module}.{name}"
-            obj = allowed.get(full)
-            if obj is None or not (full in PLAIN_CALLS or (module == "torch" and (
-                    isinstance(obj, torch.dtype) or _is_storage_type(obj)))):
-                raise NotPlain(full)
-            return obj
-
-        def persistent_load(self, pid):
-            if type(pid) is not tuple or len(pid) != 5 or ts._maybe_decode_ascii(pid[0]) != "storage":
-                raise NotPlain("a persistent id that is not a storage")
-            _, storage_type, key, location, numel = pid
-            if not _is_storage_type(storage_type) or type(key) is not str or type(numel) is not int:
-                raise NotPlain("an unusual storage id")
-            typed = loaded.get(key)
-            if typed is not None:
-                return typed
-            dtype = storage_type.dtype
-            nbytes = numel * element_size(dtype)
-            if meta_storage is not None:  # as torch's loader makes it for map_location="meta"
-                wrap = torch.UntypedStorage(nbytes, device="meta")
-                meta_storage(pid, wrap)
-            else:
-                storage = reader.get_storage_from_record(f"data/{key}", nbytes, torch.UntypedStorage).untyped_storage()
-                wrap = restore_location(storage, ts._maybe_decode_ascii(location))
-            typed = torch.storage.TypedStorage(wrap_storage=wrap, dtype=dtype, _internal=True)
-            if typed._data_ptr() != 0:
-                loaded[key] = typed
-            return typed
-
+    unpickler = _Unpickler(io.BytesIO(reader.get_record("data.pkl")), wo._get_allowed_globals(), reader,
+                           restore_location, meta_storage, **pickle_load_args)
     ts._serialization_tls.map_location = restore_location  # as torch's loader sets it while unpickling
     try:
-        result = Unpickler(io.BytesIO(reader.get_record("data.pkl")), **pickle_load_args).load()
+        result = unpickler.load()
     finally:
         ts._serialization_tls.map_location = None
     torch._utils._validate_loaded_sparse_tensors()
