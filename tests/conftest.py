@@ -80,6 +80,26 @@ def _skip_long(items) -> set:
     return skipped
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadgroup with the groups decided here, from the node ids. xdist's own grouping reads
+    an "@group" suffix that its worker-side hook appends to each node id from the xdist_group
+    marker; pytest 9 derives node ids from another field, the suffix never reaches the scheduler,
+    and every test became a unit of its own: a grouped module's expensive fixture (a crash driver's
+    run, a FUSE mount, a two-rank save) was built again on each worker that got one of its tests."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadGroupScheduling
+
+    class Scheduling(LoadGroupScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            mod = _module(nodeid)
+            return "group:" + mod if mod in GROUPED else super()._split_scope(nodeid)
+    return Scheduling(config, log)
+
+
+# tryfirst: the xdist_group markers are on the items before xdist's worker-side hook reads them
+# (where the node-id suffix still works, pytest < 9; the scheduler above groups in every case).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(session, config, items):
     skipped = _skip_long(items)
     if not _distributed(config):

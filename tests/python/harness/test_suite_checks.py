@@ -46,3 +46,31 @@ def test_a_fastckpt_setting_left_in_the_environment_fails_and_other_changes_are_
     assert "left fastckpt settings in the process environment: FASTCKPT_PROBE_LEFT='1' (was None)" in r.stdout, \
         r.stdout
     assert "2 passed, 1 error" in r.stdout, r.stdout  # test_a passed, its teardown failed; test_b passed
+
+
+def test_a_grouped_module_runs_on_one_worker_and_builds_its_fixture_once(tmp_path):
+    """The tests of a module in tests/conftest.py's GROUPED share one xdist worker under `make test`'s
+    --dist loadgroup, so that its module-scoped fixture is built once (with pytest 9 xdist's own
+    marker-based grouping groups nothing: tests/conftest.py schedules the groups itself)."""
+    pytest.importorskip("xdist")
+    mod = tmp_path / "tests" / "python" / "crash" / "test_crash_short.py"  # a GROUPED module's path
+    mod.parent.mkdir(parents=True)
+    log = tmp_path / "log"
+    mod.write_text("import os, pytest\n"
+                   "@pytest.fixture(scope='module')\n"
+                   "def built():\n"
+                   f"    open({str(log)!r}, 'a').write('fixture\\n')\n"
+                   + "".join(f"def test_{i}(built):\n"
+                             f"    open({str(log)!r}, 'a').write('test ' + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
+                             for i in range(12)))
+    (tmp_path / "test_other.py").write_text("".join(f"def test_{i}():\n    pass\n" for i in range(12)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
+    env.pop("FASTCKPT_TEST_DURATIONS_OUT", None)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                        "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder", "--rootdir", str(tmp_path),
+                        str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = log.read_text().splitlines()
+    assert lines.count("fixture") == 1, lines
+    workers = {ln.split()[1] for ln in lines if ln.startswith("test ")}
+    assert len([ln for ln in lines if ln.startswith("test ")]) == 12 and len(workers) == 1, lines
