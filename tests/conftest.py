@@ -39,6 +39,7 @@ RECORD_MIN_S, DEFAULT_S = 1.0, 0.3
 # Modules whose module-scoped fixtures are worth building once: their tests share one worker.
 GROUPED = {
     "tests/powerloss/test_powerloss.py",
+    "tests/python/cli/test_convert_ranks.py",
     "tests/python/collective/test_collective_load_device.py",
     "tests/python/crash/test_crash_short.py",
     "tests/python/dcp/test_dcp.py",
@@ -46,6 +47,7 @@ GROUPED = {
     "tests/python/formats/test_hostile.py",
     "tests/python/formats/test_zip_bounds.py",
     "tests/python/manager/test_ddp_resume.py",
+    "tests/python/memory/test_memory_nodes.py",
     "tests/python/torchsave/test_cold_read_once.py",
     "tests/python/torchsave/test_fuzz_load.py",
 }
