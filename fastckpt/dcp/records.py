@@ -35,9 +35,11 @@ MAX_SMALL_SPAN = 1 << 20  # data.pkl and byteorder records are expected to be sm
 # The first round reads each record's first HEAD_READ bytes with its last TAIL_READ: its zip directory,
 # data.pkl, byteorder and the storage's local header are there in the archives torch.save and
 # FastWriter write (anything beyond is read in a second round). A record of at most WHOLE_READ bytes
-# is read whole, its data with it.
+# is read whole, its data with it: up to there the engine's reads go through the gap between a head
+# and a tail anyway (read_ranges coalesces ranges less than 64 KiB apart, csrc/engine/reader.cc).
 HEAD_READ = 4096
-WHOLE_READ = 16384
+COALESCED_GAP = 64 << 10
+WHOLE_READ = HEAD_READ + 4096 + COALESCED_GAP
 
 
 def item_name(index: MetadataIndex) -> str:
@@ -220,7 +222,7 @@ class FileJob:
         # round 1: each record's head and tail in one read (a small record whole)
         first, tails = [], []
         for b in blobs:
-            if b.length <= max(WHOLE_READ, HEAD_READ + _blob.TAIL_READ):
+            if b.length <= max(WHOLE_READ, HEAD_READ + _blob.TAIL_READ + COALESCED_GAP):
                 b.head = bytearray(b.length)
                 first.append((b.head, b.offset))
                 tails.append((b.head, 0))

@@ -759,6 +759,36 @@ def test_random_corruption_never_crashes(small_ckpt, seed):
     p.write_bytes(good)
 
 
+def test_a_small_record_the_fast_path_leaves_is_loaded_from_the_first_read(tmp_path, monkeypatch):
+    """A record the fast parser leaves to torch.load (here every data.pkl is reported unsupported)
+    is loaded whole as before; a small one from the bytes of the first read, not read again, and
+    still checked against its CRC-32 (a flipped data byte is a FormatError naming the tensor)."""
+    g = torch.Generator().manual_seed(9)
+    sd = {"b": torch.randn(300, generator=g), "w": torch.randn(512, 256, generator=g)}
+    dcp.save(sd, storage_writer=FastWriter(tmp_path))
+
+    def unsupported(data, where="data.pkl"):
+        raise _blob.Unsupported("left to torch.load by this test")
+    monkeypatch.setattr(_blob, "parse_pickle", unsupported)
+    r = FastReader(tmp_path)
+    tgt = {k: torch.zeros_like(v) for k, v in sd.items()}
+    dcp.load(tgt, storage_reader=r)
+    assert all(torch.equal(tgt[k], sd[k]) for k in sd)
+    st = r.last_read_stats
+    md = FastReader(tmp_path).read_metadata()
+    info = {k.fqn: v for k, v in md.storage_data.items()}
+    assert st["slow"] == 2 and st["verified"] == 2, st
+    assert info["b"].length <= records.WHOLE_READ < info["w"].length
+    # b read once (first round), w: its head and tail, then whole
+    assert st["bytes_read"] <= info["b"].length + info["w"].length + records.HEAD_READ + _blob.TAIL_READ + 2 * 4096, st
+    p = tmp_path / info["b"].relative_path
+    data = bytearray(p.read_bytes())
+    data[info["b"].offset + info["b"].length - 1000] ^= 0x08  # in b's tensor bytes
+    p.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match=r"\(b .*checksum mismatch"):
+        dcp_unwrapped(dcp.load, {k: torch.zeros_like(v) for k, v in sd.items()}, storage_reader=FastReader(tmp_path))
+
+
 def test_parse_pickle_keeps_what_parsed_by_its_bytes(monkeypatch):
     """parse_pickle's results are kept by the pickle's bytes (a pure function of them): a repeated
     data.pkl is not unpickled again and its layout cannot be changed by a caller; a refusal is not
