@@ -7,9 +7,10 @@ calls of the engine:
 
 1. the first and the last 4 KiB of every tensor record (its ``data.pkl``,
    the local header of its storage record, its zip central directory), and
-   the whole of a record of at most 16 KiB (a bias, a norm's weight, a step
-   count: its data comes from this read, copied with its CRC-32 taken in the
-   same pass);
+   the whole of a record of at most 72 KiB (a bias, a norm's weight, a step
+   count; the engine reads through a gap of less than 64 KiB between a head
+   and a tail anyway): its data comes from this read, copied with its CRC-32
+   taken in the same pass;
 2. what the first read did not hold (a ``data.pkl`` longer than its head, a
    central directory longer than its tail), which the usual archives never need;
 3. only the bytes of the storage that the plan asks for (the byte span of
