@@ -6,9 +6,12 @@ counting still frees everything at once; cycles made meanwhile wait for the next
 
 Process-wide, as the collector is: paused by the first of any number of concurrent callers, and
 switched back on by the last one only if it was on when the first one came (a program that keeps
-it off keeps it off)."""
+it off keeps it off). A child forked while another thread was inside starts afresh: the collector
+as it was before the pause, a new lock, no caller inside (the one that would have switched the
+collector back on does not exist there)."""
 
 import gc
+import os
 import threading
 from contextlib import contextmanager
 from typing import Iterator
@@ -35,3 +38,15 @@ def gc_paused() -> Iterator[None]:
             _depth -= 1
             if _depth == 0 and _was_enabled:
                 gc.enable()
+
+
+def _after_fork_in_child() -> None:
+    global _lock, _depth
+    _lock = threading.Lock()
+    if _depth and _was_enabled:
+        gc.enable()
+    _depth = 0
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
