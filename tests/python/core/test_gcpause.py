@@ -35,15 +35,20 @@ def test_a_program_that_keeps_it_off_keeps_it_off(gc_state):
     assert not gc.isenabled()
 
 
-def test_concurrent_callers_restore_it_when_the_last_leaves(gc_state):
-    gc.enable()
+def _another_caller():
+    """A thread that enters gc_paused() once started, and stays inside until `leave` is set."""
     inside, leave = threading.Event(), threading.Event()
 
     def other():
         with gc_paused():
             inside.set()
             leave.wait(10)
-    t = threading.Thread(target=other)
+    return threading.Thread(target=other), inside, leave
+
+
+def test_concurrent_callers_restore_it_when_the_last_leaves(gc_state):
+    gc.enable()
+    t, inside, leave = _another_caller()
     with gc_paused():
         t.start()
         assert inside.wait(10)
@@ -58,13 +63,7 @@ def test_a_child_forked_while_another_thread_is_inside_gets_the_collector_back(g
     """The thread that would switch the collector back on does not exist in a forked child: the
     child has it on again (as before the pause), and the pause works there (a new lock)."""
     gc.enable()
-    inside, leave = threading.Event(), threading.Event()
-
-    def other():
-        with gc_paused():
-            inside.set()
-            leave.wait(10)
-    t = threading.Thread(target=other)
+    t, inside, leave = _another_caller()
     t.start()
     assert inside.wait(10) and not gc.isenabled()
     pid = os.fork()
