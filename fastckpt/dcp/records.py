@@ -39,7 +39,7 @@ MAX_SMALL_SPAN = 1 << 20  # data.pkl and byteorder records are expected to be sm
 # and a tail anyway (read_ranges coalesces ranges less than 64 KiB apart, csrc/engine/reader.cc).
 HEAD_READ = 4096
 COALESCED_GAP = 64 << 10
-WHOLE_READ = HEAD_READ + 4096 + COALESCED_GAP
+WHOLE_READ = HEAD_READ + _blob.TAIL_READ + COALESCED_GAP
 
 
 def item_name(index: MetadataIndex) -> str:
@@ -68,6 +68,11 @@ class Blob:
     slow: Optional[str] = None      # why the fast path was abandoned (then read whole, torch.load)
     whole: Optional[bytearray] = None
     head: Optional[bytearray] = None  # the record's first bytes (all of them for a small record), read first
+
+    @property
+    def held_whole(self) -> bool:
+        """The first round read the whole record (its data is in ``head``)."""
+        return self.head is not None and len(self.head) == self.length
 
 
 @dataclass
@@ -210,8 +215,8 @@ class FileJob:
             else:
                 log.debug("fastckpt.dcp: %s: read whole (%s)", b.where, b.slow)
                 b.whole = bytearray(b.length)
-                held = b.head if b.head is not None and len(b.head) == b.length else None
-                copies.append(Copy(b.whole, b.offset, b.length, after=self._after_slow_blob(b), src=held))
+                copies.append(Copy(b.whole, b.offset, b.length, after=self._after_slow_blob(b),
+                                   src=b.head if b.held_whole else None))
                 self.stats["slow"] += len(b.reqs)
         self.stats["bytes_requested"] += sum(c.nbytes for c in copies)
         self._read_data(copies)
@@ -222,7 +227,7 @@ class FileJob:
         # round 1: each record's head and tail in one read (a small record whole)
         first, tails = [], []
         for b in blobs:
-            if b.length <= max(WHOLE_READ, HEAD_READ + _blob.TAIL_READ + COALESCED_GAP):
+            if b.length <= WHOLE_READ:
                 b.head = bytearray(b.length)
                 first.append((b.head, b.offset))
                 tails.append((b.head, 0))
@@ -363,7 +368,7 @@ class FileJob:
         dense = span == numel * isz and all(
             s == c for n, s, c in zip(lens, lay.stride, contiguous_stride(lens)) if n > 1)
         held = None
-        if len(b.head) == b.length:  # the first round read the whole record: no read again
+        if b.held_whole:  # no read again
             rel = file_off - b.offset
             held = memoryview(b.head)[rel:rel + span]
         if (dense and target.device.type == "cpu" and target.is_contiguous() and target.dtype == lay.dtype):

@@ -388,7 +388,7 @@ def parse_pickle(data: bytes, where: str = "data.pkl") -> TensorLayout:
 
 # parse_pickle's results by the pickle's bytes (a pure function of them: the tensors of a model
 # repeat a few dtypes and shapes, and a data.pkl holds nothing else): only what parsed, so that a
-# refusal always names the caller's file. TensorLayout is frozen: a caller cannot change a hit.
+# refusal is decided again each time. TensorLayout is frozen: a caller cannot change a hit.
 _layouts: Dict[bytes, TensorLayout] = {}
 _LAYOUTS_MAX = 1024
 _LAYOUT_KEY_MAX = 1024
