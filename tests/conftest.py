@@ -20,6 +20,7 @@ other branch of a fault, a slower launcher); ``make test`` skips it with the rea
 At the end of a run, the run fails if it left something of fastckpt's in /dev/shm (shared memory
 that outlives the tests takes the machine's memory until a reboot).
 """
+import gc
 import json
 import os
 import sys
@@ -124,6 +125,17 @@ def pytest_collection_modifyitems(session, config, items):
         cost[u] = cost.get(u, 0.0) + own
     # Stable: the tests of a group keep their order; equal costs keep pytest's.
     items.sort(key=lambda it: -cost[unit[it.nodeid]])
+
+
+def pytest_collection_finish(session):
+    """What exists once the tests are collected (torch's, pytest's and the test modules' 280,000 or
+    so objects) goes to the collector's permanent generation: a full collection then walks only what
+    the tests made since, in microseconds instead of 0.15 s here (0.3 s with both CPUs busy). The
+    leak checks (tests/support/leaks.py) collect before each count of descriptors, twice per fault
+    test, and the collector's own full passes run the whole suite long. Those objects live for the
+    whole run anyway; a later object is collected as before."""
+    gc.collect()
+    gc.freeze()
 
 
 # ---------------------------------------------------------------- recording durations
