@@ -66,16 +66,42 @@ def killed_run(mem, ckpt, nproc=1, *extra):
     assert all("OK" not in r.stdout for r in res)
 
 
+@pytest.fixture(scope="module")
+def after_a_kill(tmp_path_factory):
+    """The state after one killed run of 2 nodes x 1 rank (killed_run), which three scenarios start
+    from: the run happens once, and each test gets its memory directories and checkpoint directory
+    back as the kill left them, at the same paths (the memory tier's namespace is the checkpoint
+    directory's), whatever the test before changed or added there."""
+    base = tmp_path_factory.mktemp("killed")
+    mem = [Path("/dev/shm") / f"fastckpt-test-{os.getpid()}-{base.name}-node{i}" for i in range(2)]
+    ckpt, kept = base / "ckpt", base / "kept"
+    live = [*mem, ckpt]
+    saved = [kept / f"mem{i}" for i in range(2)] + [kept / "ckpt"]
+
+    def get():
+        if not kept.exists():
+            killed_run(mem, ckpt)
+            for src, dst in zip(live, saved):
+                shutil.copytree(src, dst, symlinks=True)
+        else:
+            for src, dst in zip(saved, live):
+                shutil.rmtree(dst, ignore_errors=True)
+                shutil.copytree(src, dst, symlinks=True)
+        return mem, ckpt
+    yield get
+    for d in mem:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def finish(mem, ckpt, tmp_path, nproc=1, *extra):
     res = run(mem, ckpt, "--out", tmp_path / "final.pt", *extra, nproc=nproc)
     assert all(r.returncode == 0 for r in res), report(res)
     return res, torch.load(tmp_path / "final.pt")
 
 
-def test_a_job_killed_on_every_rank_resumes_from_its_own_memory(tmp_path, nodes, reference):
-    mem = nodes(2)
-    killed_run(mem, tmp_path / "ckpt")
-    res, final = finish(mem, tmp_path / "ckpt", tmp_path)
+def test_a_job_killed_on_every_rank_resumes_from_its_own_memory(tmp_path, after_a_kill, reference):
+    mem, ckpt = after_a_kill()
+    res, final = finish(mem, ckpt, tmp_path)
     lines = restored(res)
     assert len(lines) == 2 and all(ln.startswith(f"RESTORED {KILL} ") for ln in lines), lines
     for i, ln in enumerate(sorted(lines, key=lambda s: "node1" in s)):
@@ -85,20 +111,22 @@ def test_a_job_killed_on_every_rank_resumes_from_its_own_memory(tmp_path, nodes,
 
 # 2 ranks per node: the long tier (test_replicas.py checks every placement's plan in make test)
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=pytest.mark.long)])
-def test_a_lost_node_restores_from_its_peers_replicas(tmp_path, nodes, reference, nproc):
-    mem = nodes(2)
-    killed_run(mem, tmp_path / "ckpt", nproc=nproc)
+def test_a_lost_node_restores_from_its_peers_replicas(tmp_path, nodes, after_a_kill, reference, nproc):
+    if nproc == 1:
+        mem, ckpt = after_a_kill()
+    else:
+        mem, ckpt = nodes(2), tmp_path / "ckpt"
+        killed_run(mem, ckpt, nproc=nproc)
     shutil.rmtree(mem[1])  # node 1 replaced: its memory is empty
-    res, final = finish(mem, tmp_path / "ckpt", tmp_path, nproc=nproc)
+    res, final = finish(mem, ckpt, tmp_path, nproc=nproc)
     lines = restored(res)
     assert len(lines) == 2 * nproc and all(ln.startswith(f"RESTORED {KILL} ") for ln in lines), lines
     assert_same(final, reference(nproc), bitwise=True)
     assert not any("WARNING" in r.stdout for r in res)
 
 
-def test_a_damaged_replica_is_not_used(tmp_path, nodes, reference):
-    mem = nodes(2)
-    killed_run(mem, tmp_path / "ckpt")
+def test_a_damaged_replica_is_not_used(tmp_path, after_a_kill, reference):
+    mem, ckpt = after_a_kill()
     shutil.rmtree(mem[1])
     flipped = 0
     for commit in mem[0].glob("*/replica1/slot*.commit"):  # every replica of rank 1: one flipped byte each
@@ -109,9 +137,9 @@ def test_a_damaged_replica_is_not_used(tmp_path, nodes, reference):
         p.write_bytes(b)
         flipped += 1
     assert flipped == 2
-    res, final = finish(mem, tmp_path / "ckpt", tmp_path)
+    res, final = finish(mem, ckpt, tmp_path)
     lines = restored(res)
-    assert len(lines) == 2 and all(ln.startswith("RESTORED 4 ") and str(tmp_path / "ckpt") in ln for ln in lines), lines
+    assert len(lines) == 2 and all(ln.startswith("RESTORED 4 ") and str(ckpt) in ln for ln in lines), lines
     out = "".join(r.stdout + r.stderr for r in res)
     assert "damaged" in out and "WARNING" in out  # said, on the ranks and in the log
     assert_same(final, reference(1), bitwise=True)
