@@ -268,6 +268,7 @@ void init_io(py::module_& m) {
       .def_property_readonly("direct", [](PyRegionWriter& w) { return w.get().direct(); })
       .def_property_readonly("backend", [](PyRegionWriter& w) { return w.get().backend_name(); });
 
+  m.attr("READ_COALESCE_GAP") = py::int_(kCoalesceGap);
   m.def("read_ranges", [](std::shared_ptr<Engine> eng, const std::string& path, py::sequence items, int fd,
                           bool crc, py::sequence fill) {
           // Each item: (destination, file_offset[, want_crc]); the whole destination is filled.

@@ -58,7 +58,6 @@ struct CrcPiece {
 
 constexpr uint64_t kPrefaultMin = 16u << 20;   // destination bytes of a read_ranges call worth a prefault thread
 constexpr uint64_t kPrefaultPart = 64u << 10;  // staged parts smaller than this are left to the copy
-constexpr uint64_t kCoalesceGap = 64u << 10;  // read through gaps up to this size
 // A staged part is copied out and checksummed in pieces this big, so that the
 // CRC reads what the copy just wrote while it is still in the cache.
 constexpr uint64_t kCrcPiece = 256u << 10;

@@ -25,6 +25,10 @@ struct ReadRange {
   uint32_t* crc = nullptr;
 };
 
+// read_ranges reads through a gap of up to this many bytes between two ranges
+// it reads from the disk (one request instead of two; the gap goes to staging).
+constexpr uint64_t kCoalesceGap = 64u << 10;
+
 struct ReadStats {
   uint64_t bytes = 0;        // bytes delivered to the caller
   uint64_t bytes_read = 0;   // bytes read from the file (incl. alignment/coalescing)

@@ -68,6 +68,11 @@ def fsync_dir(path) -> None:
     _C.fsync_dir(os.fspath(path))
 
 
+# read_ranges reads through a gap of up to this many bytes between two ranges it reads from the disk
+# (csrc/engine/reader.h, kCoalesceGap).
+READ_COALESCE_GAP: int = _C.READ_COALESCE_GAP
+
+
 def read_ranges(path: str, ranges, fd: int = -1, crc: bool = False, engine: "_C.Engine" = None) -> dict:
     """Fill each (destination, file offset[, crc]) of ``ranges`` from ``path``
     (or from the open descriptor ``fd``) in one parallel batch of engine reads;

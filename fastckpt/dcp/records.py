@@ -36,10 +36,9 @@ MAX_SMALL_SPAN = 1 << 20  # data.pkl and byteorder records are expected to be sm
 # data.pkl, byteorder and the storage's local header are there in the archives torch.save and
 # FastWriter write (anything beyond is read in a second round). A record of at most WHOLE_READ bytes
 # is read whole, its data with it: up to there the engine's reads go through the gap between a head
-# and a tail anyway (read_ranges coalesces ranges less than 64 KiB apart, csrc/engine/reader.cc).
+# and a tail anyway (read_ranges coalesces ranges up to READ_COALESCE_GAP apart).
 HEAD_READ = 4096
-COALESCED_GAP = 64 << 10
-WHOLE_READ = HEAD_READ + _blob.TAIL_READ + COALESCED_GAP
+WHOLE_READ = HEAD_READ + _blob.TAIL_READ + _engine.READ_COALESCE_GAP
 
 
 def item_name(index: MetadataIndex) -> str:
