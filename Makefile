@@ -54,9 +54,6 @@ test-cpp: $(SYS_STAMP)
 test-python: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q --durations=25 $(PYTEST_XDIST) tests/python tests/powerloss tests/third_party $(PYTEST_ARGS)
-	# Lightning's tests again with the asynchronous plugin as the default (a few seconds; a durations file
-	# asked of the run above is not overwritten by this one)
-	FASTCKPT_THIRD_PARTY=async FASTCKPT_TEST_DURATIONS_OUT= $(PY) -m pytest -q -p no:cacheprovider tests/third_party/lightning $(PYTEST_ARGS)
 
 # Refresh tests/durations.json (the expected time of each test that takes a second or more, which
 # tests/conftest.py uses to start the longest tests first): the whole suite, as make test runs it.
