@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+import fastspawn
+
 TESTS = Path(__file__).resolve().parents[2]
 
 
@@ -16,9 +18,9 @@ def _pytest(tmp_path, body: str) -> subprocess.CompletedProcess:
     (tmp_path / "test_probe.py").write_text(body)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
     env.pop("FASTCKPT_TEST_DURATIONS_OUT", None)  # `make test-durations`: the probe's run records nothing
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
-                           "-p", "python.conftest", "--rootdir", str(tmp_path), str(tmp_path)],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    return fastspawn.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                         "-p", "python.conftest", "--rootdir", str(tmp_path), str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm on this machine")
@@ -66,9 +68,9 @@ def test_a_grouped_module_runs_on_one_worker_and_builds_its_fixture_once(tmp_pat
     (tmp_path / "test_other.py").write_text("".join(f"def test_{i}():\n    pass\n" for i in range(12)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
     env.pop("FASTCKPT_TEST_DURATIONS_OUT", None)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
-                        "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder", "--rootdir", str(tmp_path),
-                        str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    r = fastspawn.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
+                       "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder", "--rootdir", str(tmp_path),
+                       str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = log.read_text().splitlines()
     assert lines.count("fixture") == 1, lines

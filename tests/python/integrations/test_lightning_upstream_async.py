@@ -6,11 +6,11 @@ separate step after the run kept one CPU idle for its 30-40 s). The main run cov
 the default mode (``FastCheckpointIO``)."""
 import os
 import re
-import subprocess
 import sys
 
 import pytest
 
+import fastspawn
 from paths import ROOT
 
 pytest.importorskip("lightning", reason="lightning is not installed (pip install 'fastckpt-io[lightning]')")
@@ -23,7 +23,7 @@ def test_lightnings_own_tests_pass_with_the_async_plugin_swapped_in(tmp_path):
     env.pop("FASTCKPT_TEST_DURATIONS_OUT", None)  # `make test-durations`: this inner run records nothing
     env.pop("PYTEST_XDIST_WORKER", None)
     env.pop("PYTEST_XDIST_WORKER_COUNT", None)
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
+    p = fastspawn.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp",
                         str(tmp_path / "basetemp"), str(FOLDER)],
                        capture_output=True, text=True, timeout=900, cwd=ROOT, env=env)
     out = p.stdout + p.stderr
