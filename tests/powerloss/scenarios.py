@@ -56,11 +56,21 @@ def same(got, want) -> bool:
     return True
 
 
-def _identify(obj, p) -> object:
+def make_staged_state(v: int, p: dict) -> dict:
+    """Three tensors of p["numel"] float32 each (large enough for background staging to copy them
+    after async_save returns: more than 1 MiB) with the small ones of each part."""
+    out = {}
+    for part in ("a", "b", "c"):
+        out.update(make_state(v, p["numel"], part))
+    return out
+
+
+def _identify(obj, p, make=None) -> object:
     v = obj.get("version") if isinstance(obj, dict) else None
     if not isinstance(v, int):
         return f"torn: no version in {type(obj).__name__}"
-    return v if same(obj, make_state(v, p["numel"])) else f"torn: differs from version {v}"
+    want = make(v, p) if make is not None else make_state(v, p["numel"])
+    return v if same(obj, want) else f"torn: differs from version {v}"
 
 
 # ---------------------------------------------------------------- probes (in the checker)
@@ -69,6 +79,15 @@ def probe_file(path: str, p: dict) -> object:
         return "absent"
     try:
         return _identify(fastckpt.load(path, weights_only=True), p)
+    except Exception as e:  # noqa: BLE001 - any failure to load is a torn checkpoint
+        return f"torn: {type(e).__name__}: {str(e)[:160]}"
+
+
+def probe_staged_file(path: str, p: dict) -> object:
+    if not os.path.lexists(path):
+        return "absent"
+    try:
+        return _identify(fastckpt.load(path, weights_only=True), p, make_staged_state)
     except Exception as e:  # noqa: BLE001 - any failure to load is a torn checkpoint
         return f"torn: {type(e).__name__}: {str(e)[:160]}"
 
@@ -172,6 +191,7 @@ def probe_sharded_st(d: str, p: dict) -> object:
 CHECKS = {
     "save": [("ck.pt", "ck.pt", "ck.pt", probe_file)],
     "async_save": [(k, k, k, probe_file) for k in ("a.pt", "b.pt", "c.pt")],
+    "async_staged": [("s.pt", "s.pt", "s.pt", probe_staged_file)],
     "manager": [("latest", "latest", "m", probe_latest), ("load_latest", "latest", "m", probe_load_latest)],
     "dcp": [("dcp", "dcp", "d", probe_dcp)],
     "manager_sharded": [("latest", "latest", "s", probe_latest_dir)],
@@ -214,6 +234,22 @@ def run_async_save(mnt, p):
         mark(mnt, "end", "b.pt", v)
         fc.result()
         mark(mnt, "end", "c.pt", v)
+
+
+def run_async_staged(mnt, p):
+    """async_save with background staging: it returns before the large tensors are copied, and the
+    knobs in the environment say who copies them (p["mode"] "split": the caller a share, the staging
+    thread the rest) or whether they are written straight from their memory ("through"). Each
+    save's result must show that mode, so that the run cannot pass without exercising it."""
+    path = os.path.join(mnt, "s.pt")
+    for v in range(1, p["saves"] + 1):
+        mark(mnt, "begin", "s.pt", v)
+        res = fastckpt.async_save(make_staged_state(v, p), path, background_staging=True).result()
+        mark(mnt, "end", "s.pt", v)
+        if p["mode"] == "through":
+            assert res.through_bytes > 0, res
+        else:
+            assert res.through_bytes == 0 and fastckpt.knobs.get("async_caller_copy") > 0, res
 
 
 def run_manager(mnt, p):
@@ -446,7 +482,7 @@ def run_resave(mnt, p):
             mark(mnt, "end", "cv", v)
 
 
-RUN = {"save": run_save, "resave": run_resave, "async_save": run_async_save, "manager": run_manager, "dcp": run_dcp,
+RUN = {"save": run_save, "resave": run_resave, "async_save": run_async_save, "async_staged": run_async_staged, "manager": run_manager, "dcp": run_dcp,
        "dcp_rank": run_dcp_rank, "manager_sharded": run_manager_sharded,
        "manager_sharded_rank": run_manager_sharded_rank, "collective": run_collective,
        "collective_rank": run_collective_rank, "full": run_full, "full_rank": run_full_rank, "manager_collective": run_manager_collective,

@@ -2,7 +2,9 @@
 
 A SIGKILL keeps the page cache, so only a simulated power cut can tell whether fdatasync and the
 directory fsync happen. Save kinds (scenarios.py): ``fastckpt.save``; ``fastckpt.async_save`` (two
-in flight at once too); ``CheckpointManager`` save and async_save with its ``latest`` update and
+in flight at once too; and with background staging, where it returns before the large tensors are
+copied: the caller copying a share and the staging thread the rest, or the tensors written straight
+from their memory); ``CheckpointManager`` save and async_save with its ``latest`` update and
 retention, replicated and sharded (world size 2); DCP ``FastWriter`` at world size 2 (gloo, two
 processes; ``dcp.save`` and ``dcp.async_save``); the collective ``fastckpt.save(obj, path, group=pg)``
 at world size 3 (three processes writing their shares of one temporary file through the mount,
@@ -86,6 +88,23 @@ def test_power_cut_leaves_old_or_new(scenario, config, tmp_path):
     # not vacuous: the states seen include no checkpoint yet and the final one
     for check, seen in rep.seen.items():
         assert "absent" in seen and max(v for v in seen if isinstance(v, int)) >= PARAMS["saves"], (check, seen)
+
+
+# async_save with background staging (it returns before the large tensors are copied): the caller
+# copying a share and the staging thread the rest, or the tensors written straight from their memory
+# (torch's large allocations 2 MiB-aligned, so that they can be)
+STAGED = {"split": {"FASTCKPT_ASYNC_WRITE_THROUGH": "0", "FASTCKPT_ASYNC_CALLER_COPY": "50"},
+          "through": {"FASTCKPT_ASYNC_WRITE_THROUGH": "1", "THP_MEM_ALLOC_ENABLE": "1"}}
+
+
+@pytest.mark.parametrize("mode", list(STAGED))
+def test_power_cut_during_background_staged_async_saves(mode, tmp_path):
+    params = {"numel": 1 << 19, "saves": 2, "mode": mode}  # three 2 MiB tensors per checkpoint
+    rep = harness.run("async_staged", params, str(tmp_path), env=STAGED[mode])
+    REPORTS.append(f"{rep.line()} [background staging, {mode}]")
+    assert rep.violation_count == 0, "\n".join(rep.violations)
+    for check, seen in rep.seen.items():
+        assert "absent" in seen and max(v for v in seen if isinstance(v, int)) >= params["saves"], (check, seen)
 
 
 @pytest.mark.parametrize("scenario", ["dcp", "resave"])
