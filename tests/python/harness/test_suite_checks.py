@@ -14,9 +14,16 @@ import fastspawn
 TESTS = Path(__file__).resolve().parents[2]
 
 
-def _pytest(tmp_path, body: str) -> subprocess.CompletedProcess:
+def _pytest(tmp_path, body: str, shm_only: str = "") -> subprocess.CompletedProcess:
+    """A pytest run of `body` with the suite's conftests. Its /dev/shm check counts only the names
+    starting with `shm_only` (none without it): the other worker's tests make and remove names
+    there meanwhile."""
     (tmp_path / "test_probe.py").write_text(body)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
+    if shm_only:
+        env["FASTCKPT_TEST_SHM_ONLY"] = shm_only
+    else:
+        env["FASTCKPT_TEST_NESTED_RUN"] = "1"
     env.pop("FASTCKPT_TEST_DURATIONS_OUT", None)  # `make test-durations`: the probe's run records nothing
     return fastspawn.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                          "-p", "python.conftest", "--rootdir", str(tmp_path), str(tmp_path)],
@@ -27,14 +34,14 @@ def _pytest(tmp_path, body: str) -> subprocess.CompletedProcess:
 def test_a_run_that_leaves_shared_memory_fails(tmp_path):
     name = f"fastckpt-probe-{uuid.uuid4().hex[:8]}"
     try:
-        r = _pytest(tmp_path, f"def test_leaves():\n    open('/dev/shm/{name}', 'w').write('x')\n")
+        r = _pytest(tmp_path, f"def test_leaves():\n    open('/dev/shm/{name}', 'w').write('x')\n", shm_only=name)
         assert r.returncode == 1, r.stdout + r.stderr
         assert f"left shared memory behind in /dev/shm: {name}" in r.stdout, r.stdout
     finally:
         if os.path.exists(f"/dev/shm/{name}"):
             os.unlink(f"/dev/shm/{name}")
     r = _pytest(tmp_path, f"import os\ndef test_cleans():\n    open('/dev/shm/{name}', 'w').write('x')\n"
-                          f"    os.unlink('/dev/shm/{name}')\n")
+                          f"    os.unlink('/dev/shm/{name}')\n", shm_only=name)
     assert r.returncode == 0, r.stdout + r.stderr
 
 
@@ -66,7 +73,8 @@ def test_a_grouped_module_runs_on_one_worker_and_builds_its_fixture_once(tmp_pat
                              f"    open({str(log)!r}, 'a').write('test ' + os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n"
                              for i in range(12)))
     (tmp_path / "test_other.py").write_text("".join(f"def test_{i}():\n    pass\n" for i in range(12)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]),
+               FASTCKPT_TEST_NESTED_RUN="1")  # as _pytest: /dev/shm is the outer run's to check
     env.pop("FASTCKPT_TEST_DURATIONS_OUT", None)
     r = fastspawn.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest",
                        "-n", "2", "--dist", "loadgroup", "--no-loadscope-reorder", "--rootdir", str(tmp_path),
