@@ -57,7 +57,7 @@ from ..formats import torch_rules as _torch_rules
 from ..formats.torch_rules import contiguous_stride, is_dtensor, itemsize, storage_ref
 from . import stage as _collective_stage
 from .group import Group
-from .save import Runs, _digest, _write_share, write_records
+from .save import Runs, _digest, _write_share, open_temporary, write_records
 
 _BLOCK = 4096
 
@@ -330,7 +330,7 @@ class SharedFile:
         tmp = self.g.exchange(tmp, err, "to prepare its shards and the temporary file")[0]
         try:
             if self.writer is None:
-                self.writer = _engine.region_file(self.path, tmp)
+                self.writer = open_temporary(self.g, self.path, tmp, 0)
         except Exception as e:
             err = e
         self._open_error = err

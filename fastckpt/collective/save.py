@@ -336,7 +336,7 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
                            if len(copies.ranks) > 1 else [])
         try:
             if writer is None:
-                writer = _engine.region_file(path, tmp)
+                writer = open_temporary(g, path, tmp, copies.ranks[0])
             crcs = _write_share(writer, src, _share_ranges(plan, shares[copies.local]))
             if not copies.lead:
                 writer.finish()
@@ -384,6 +384,19 @@ def save(obj: Any, f, group, pickle_module, pickle_protocol: int, byteorder: boo
         if isinstance(e, OSError):
             _paths.raise_named_after_target(e, path)
         raise
+
+
+def open_temporary(g: Group, path: str, tmp: str, creator: int):
+    """A RegionWriter on the temporary file `tmp` of a save of `path` that rank `creator` created.
+    Every rank learned its name in an exchange, and only its creator removes it, when it gives up:
+    gone, the group broke before this rank opened it (a rank died or did not answer; a failure
+    reported by a rank needs this rank in the exchange), and without this rank's part nothing can
+    have been committed: that is the error, as the group's other ranks raise it."""
+    try:
+        return _engine.region_file(path, tmp)
+    except FileNotFoundError as e:
+        raise g.lost(e, f"opening the temporary file {tmp!r}, which rank {creator} had created and has "
+                        "removed since") from e
 
 
 def _write_share(writer, src: "_collective_stage.Storages", ranges) -> List[int]:

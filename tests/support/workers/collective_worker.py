@@ -9,7 +9,8 @@ one value of a large storage, in / outside a sampled block), differ_pickle
 (rank 1 adds a key), settings (torch_settings), fault (rank 1's engine writes fail with EIO), kill
 (rank 1 SIGKILLs itself after writing its share, before the collective that
 reports it), kill0 (the same on rank 0, the temporary file's creator),
-rename_fault (rank 1's renames fail with EIO), kill_commit (rank 1 SIGKILLs
+kill_late_open (as kill, world 3: rank 2 opens the temporary file only once rank 0 has given up
+and removed it, and prints "TEMP GONE" when it saw that), rename_fault (rank 1's renames fail with EIO), kill_commit (rank 1 SIGKILLs
 itself entering the exchange "to commit": in a shared save while rank 0
 commits; with placement="node" when the renames' outcomes are gathered, its own
 node's rename done), fault_dirsync (rank 0's directory fsync after its rename
@@ -173,7 +174,21 @@ def main() -> int:
         kwargs["placement"] = placement
         import fastckpt._core.engine as _engine_mod
         _engine_mod._C = _CountingC(_C, regions)  # the engine handle makes every RegionWriter
-    if (rank == 1 and mode in ("kill", "kill_commit")) or (rank == 0 and mode == "kill0"):
+    if rank == 2 and mode == "kill_late_open":
+        import time
+        import fastckpt._core.engine as _engine_mod
+        region_file = _engine_mod.region_file
+
+        def late(target, tmp="", *a, **k):
+            if tmp:  # opening the creator's temporary file: wait until rank 0 has removed it
+                deadline = time.monotonic() + 120
+                while os.path.exists(tmp) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if not os.path.exists(tmp):
+                    print("TEMP GONE", flush=True)
+            return region_file(target, tmp, *a, **k)
+        _engine_mod.region_file = late
+    if (rank == 1 and mode in ("kill", "kill_commit", "kill_late_open")) or (rank == 0 and mode == "kill0"):
         exchange = _collective.Group.exchange
         stage = "to commit" if mode == "kill_commit" else "to write its share"
 
