@@ -74,22 +74,18 @@ def _identify(obj, p, make=None) -> object:
 
 
 # ---------------------------------------------------------------- probes (in the checker)
-def probe_file(path: str, p: dict) -> object:
+def probe_file(path: str, p: dict, make=None) -> object:
+    """A checkpoint file, compared with what make(version, p) built (make_state by default)."""
     if not os.path.lexists(path):
         return "absent"
     try:
-        return _identify(fastckpt.load(path, weights_only=True), p)
+        return _identify(fastckpt.load(path, weights_only=True), p, make)
     except Exception as e:  # noqa: BLE001 - any failure to load is a torn checkpoint
         return f"torn: {type(e).__name__}: {str(e)[:160]}"
 
 
 def probe_staged_file(path: str, p: dict) -> object:
-    if not os.path.lexists(path):
-        return "absent"
-    try:
-        return _identify(fastckpt.load(path, weights_only=True), p, make_staged_state)
-    except Exception as e:  # noqa: BLE001 - any failure to load is a torn checkpoint
-        return f"torn: {type(e).__name__}: {str(e)[:160]}"
+    return probe_file(path, p, make_staged_state)
 
 
 def probe_latest(mdir: str, p: dict, probe=None, missing: str = "missing") -> object:
