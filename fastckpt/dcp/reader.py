@@ -8,7 +8,7 @@ calls of the engine:
 1. the first and the last 4 KiB of every tensor record (its ``data.pkl``,
    the local header of its storage record, its zip central directory), and
    the whole of a record of at most 72 KiB (a bias, a norm's weight, a step
-   count; the engine reads through a gap of less than 64 KiB between a head
+   count; the engine reads through a gap of up to 64 KiB between a head
    and a tail anyway): its data comes from this read, copied with its CRC-32
    taken in the same pass;
 2. what the first read did not hold (a ``data.pkl`` longer than its head, a
