@@ -336,14 +336,22 @@ def _stage_in_background(snap: SaveSnapshot, write_through: bool = False) -> Non
     ``write_through``, until nothing reads the live tensors any more (see :func:`_write_through`).
     ``snap.watch``, if any, gets the time of the first fence after the call."""
     global _hook_handle
+    # The events first: the sources that _write_through makes wait on snap.copied, which until here
+    # is the set placeholder of a snapshot copied before the call (a source made before this line
+    # would send the arena's bytes before the staging thread has copied them).
+    snap.ready = threading.Event()
+    snap.copied = threading.Event()
     if write_through:
-        _write_through(snap)
+        try:
+            _write_through(snap)
+        except BaseException:
+            snap.copied.set()
+            snap.ready.set()
+            raise
     with _fence_lock:
         if _hook_handle is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook
             _hook_handle = register_optimizer_step_pre_hook(_before_optimizer_step)
-        snap.ready = threading.Event()
-        snap.copied = threading.Event()
         _staging.append(snap)
         if snap.watch is not None:
             _watching.append(snap.watch)

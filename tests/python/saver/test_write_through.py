@@ -27,7 +27,7 @@ from fastckpt._core.atomic import AtomicFile
 from fastckpt.saver import AsyncSaver, SMALL_SYNC
 
 from leaks import fd_count, temp_files
-from staging_gate import SendGate, step_waits_for
+from staging_gate import Gate, SendGate, step_waits_for
 from states import align_module, assert_same, page_aligned
 
 MIB = 1 << 20
@@ -70,6 +70,28 @@ def test_a_write_that_ends_before_the_fence_copies_nothing(tmp_path, monkeypatch
     fastckpt.save(want, tmp_path / "s.pt")
     fastckpt.async_save(_clone(want), tmp_path / "a.pt", background_staging=True).result(timeout=60)
     assert (tmp_path / "a.pt").read_bytes() == (tmp_path / "s.pt").read_bytes()
+
+
+@pytest.mark.parametrize("staged", ["a", "b"])
+def test_a_source_the_staging_thread_copies_is_written_only_once_copied(tmp_path, monkeypatch, staged):
+    """One large tensor off its record's phase (copied by the staging thread), the other written
+    through: the writer must wait for that copy, whichever comes first in the file. It did not (the
+    wait was on an event already set, made before the staging thread's): the file held the arena's
+    bytes (zeros) for that tensor, with their CRC, so it even verified."""
+    sd = _state(4)
+    sd[staged] = page_aligned(sd[staged], 64)  # off the phase: the staging thread copies it
+    want = _clone(sd)
+    gate = Gate(monkeypatch)  # the staging thread's copies wait here
+    fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
+    assert gate.entered.wait(30)
+    with pytest.raises(TimeoutError):  # the source not yet copied holds the writer
+        fut.result(timeout=0.5)
+    assert not fut.staged
+    gate.open()
+    res = fut.result(timeout=60)
+    live = "b" if staged == "a" else "a"
+    assert res.through_bytes == sd[live].numel() * sd[live].element_size()  # "odd" is off its phase too
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), want, bitwise=True)
 
 
 def test_the_fence_copies_the_rest_and_waits_for_the_writes_in_flight(tmp_path, monkeypatch):
