@@ -648,6 +648,10 @@ class AsyncSaver:
                     write_archive(fut.path, snap.data_pkl, snap.staged, borrowed=copies is not None,
                                   crcs=copies.crcs if copies is not None else None, **snap.opts)
                 snap.staged = snap.legacy = None
+                through = snap.through
+                if through is not None:  # a fence may still be copying into the arena: wait for it
+                    through.finish()
+                    snap.ready.wait()
                 if snap.copies is not None:  # none for skip_data and the legacy format
                     snap.copies.release(keep=self.max_in_flight)
                 if after is not None:
@@ -656,10 +660,6 @@ class AsyncSaver:
                 self.note_failure(fut, e)
                 fut.set_exception(e)
                 return
-            through = snap.through
-            if through is not None:
-                through.finish()
-                snap.ready.wait()
             self._learn(snap, through)
             staged_s = snap_s if snap.staged_at is None else snap.staged_at - snap.started_at
             fut.set_result(SaveResult(fut.path, snap.nbytes, snap_s, time.perf_counter() - t0, staged_s,

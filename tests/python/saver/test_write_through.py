@@ -17,6 +17,7 @@ import errno
 import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -25,6 +26,7 @@ import fastckpt
 from fastckpt import _C, knobs
 from fastckpt._core.atomic import AtomicFile
 from fastckpt.saver import AsyncSaver, SMALL_SYNC
+from fastckpt.staging import snapshot as snapshot_mod, through as through_mod
 
 from leaks import fd_count, temp_files
 from staging_gate import Gate, SendGate, step_waits_for
@@ -120,6 +122,51 @@ def test_the_fence_copies_the_rest_and_waits_for_the_writes_in_flight(tmp_path, 
     assert res.fence_copied_bytes > 0 and res.fence_seconds > 0
     assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), want, bitwise=True)
     assert temp_files(tmp_path) == []
+
+
+def test_the_arena_is_not_given_back_while_the_fence_copies_into_it(tmp_path, monkeypatch):
+    """The fence comes while the writer's last piece of live memory is in flight: it copies that
+    source into the arena while the writer completes the file. The arena must not go back to the
+    pool (where another save may take it and have its bytes overwritten) before that copy ends; the
+    save's success path gave it back as soon as the file was committed."""
+    sd = _state()
+    want = _clone(sd)
+    gate = SendGate(monkeypatch, after=(sd["a"].nbytes + sd["b"].nbytes) // (256 << 10))  # the last piece
+    gate.watch([sd["a"], sd["b"]])
+    copying, go = threading.Event(), threading.Event()
+    copy = through_mod.copy_with_crcs
+
+    def held_copy(todo, crcs):  # the fence's copy, held until the test lets it go
+        copying.set()
+        assert go.wait(60), "the test never let the fence's copy go"
+        copy(todo, crcs)
+        copying.clear()
+
+    monkeypatch.setattr(through_mod, "copy_with_crcs", held_copy)
+    given_back = []  # whether the fence was copying, at each release of the arena
+    release = snapshot_mod.Snapshot.release
+    monkeypatch.setattr(snapshot_mod.Snapshot, "release",
+                        lambda snap, keep=1: (given_back.append(copying.is_set()), release(snap, keep))[1])
+    committed = threading.Event()
+    commit = AtomicFile.commit
+    monkeypatch.setattr(AtomicFile, "commit", lambda f: (commit(f), committed.set())[0])
+    fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
+    assert gate.entered.wait(30)
+    fence = threading.Thread(target=fastckpt.wait_staged)
+    fence.start()
+    assert copying.wait(30)
+    gate.open()
+    assert committed.wait(30)  # the file is complete while the fence still copies
+    deadline = time.monotonic() + 1.0
+    while not given_back and time.monotonic() < deadline:  # time for a premature release to show
+        time.sleep(0.01)
+    assert given_back == [], "the arena was given back while the fence copied into it"
+    go.set()
+    fence.join(30)
+    res = fut.result(timeout=60)
+    assert given_back and not any(given_back)
+    assert res.fence_copied_bytes == sd["b"].nbytes
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), want, bitwise=True)
 
 
 def test_the_optimizer_step_is_the_fence(tmp_path, monkeypatch):
