@@ -235,15 +235,23 @@ def run_async_save(mnt, p):
 def run_async_staged(mnt, p):
     """async_save with background staging: it returns before the large tensors are copied, and the
     knobs in the environment say who copies them (p["mode"] "split": the caller a share, the staging
-    thread the rest) or whether they are written straight from their memory ("through"). Each
+    thread the rest) or whether they are written straight from their memory ("through"; "mixed":
+    one of the three off its page phase, so the staging thread copies it, the others sent live). Each
     save's result must show that mode, so that the run cannot pass without exercising it."""
     path = os.path.join(mnt, "s.pt")
     for v in range(1, p["saves"] + 1):
         mark(mnt, "begin", "s.pt", v)
-        res = fastckpt.async_save(make_staged_state(v, p), path, background_staging=True).result()
+        sd = make_staged_state(v, p)
+        if p["mode"] == "mixed":  # "wa" (first in the file) 64 bytes past a page: the staging thread copies it, the others go live
+            w = sd["wa"]
+            sd["wa"] = fastckpt._C.empty_aligned(w.nbytes, 4096, 64).view(w.dtype).copy_(w)
+            assert sd["wa"].untyped_storage().data_ptr() % 4096 == 64
+        res = fastckpt.async_save(sd, path, background_staging=True).result()
         mark(mnt, "end", "s.pt", v)
         if p["mode"] == "through":
             assert res.through_bytes > 0, res
+        elif p["mode"] == "mixed":
+            assert 0 < res.through_bytes <= 2 * sd["wa"].nbytes, res
         else:
             assert res.through_bytes == 0 and fastckpt.knobs.get("async_caller_copy") > 0, res
 

@@ -97,9 +97,11 @@ def _old_or_new(rep, saves: int) -> None:
 
 # async_save with background staging (it returns before the large tensors are copied): the caller
 # copying a share and the staging thread the rest, or the tensors written straight from their memory
-# (torch's large allocations 2 MiB-aligned, so that they can be)
+# (torch's large allocations 2 MiB-aligned, so that they can be), or both: one tensor copied by the
+# staging thread, the others sent live
 STAGED = {"split": {"FASTCKPT_ASYNC_WRITE_THROUGH": "0", "FASTCKPT_ASYNC_CALLER_COPY": "50"},
-          "through": {"FASTCKPT_ASYNC_WRITE_THROUGH": "1", "THP_MEM_ALLOC_ENABLE": "1"}}
+          "through": {"FASTCKPT_ASYNC_WRITE_THROUGH": "1", "THP_MEM_ALLOC_ENABLE": "1"},
+          "mixed": {"FASTCKPT_ASYNC_WRITE_THROUGH": "1", "THP_MEM_ALLOC_ENABLE": "1"}}
 
 
 @pytest.mark.parametrize("mode", list(STAGED))
