@@ -52,7 +52,10 @@ step) over the wall time of the timed loop (end wait included): what blocking ta
 a background write still counts as useful (that is the interference window's part). CPU-s of the
 background writer: the process's CPU time (all threads, and child processes) over the timed loop,
 less the training threads' (the main thread and torch's intra-op pool), per checkpoint. Modes run
-in the order given, reversed on odd repetitions; figures are medians over checkpoints and
+in the order given, reversed on odd repetitions; after its timed loop each mode takes one more checkpoint
+(untimed, the next optimizer step right after the call, as in the loop), reads it back with its own
+loader and compares it with a copy of the state at the call ("read back": bitwise, or the differences
+in the errors); figures are medians over checkpoints and
 repetitions. Reference, measured before each mode: a plain copy of every tensor of the state into
 preallocated, already-touched memory (``copy_``).
 
@@ -67,6 +70,7 @@ Examples::
 
 import argparse
 import contextlib
+import copy
 import gc
 import os
 import shutil
@@ -90,7 +94,7 @@ sys.path.insert(0, REPO_ROOT)
 import fastckpt  # noqa: E402
 from benchmarks.harness import emit_standalone, fmt_opt, median, parse_size, warm_copy_seconds  # noqa: E402
 from benchmarks.stall_modes import MODE_CLASSES, CpuMeter, FastAsync, MemorySnapshot, Mode, perf  # noqa: E402
-from benchmarks.workload import iter_tensors  # noqa: E402
+from benchmarks.workload import compare, iter_tensors  # noqa: E402
 from fastckpt._core.units import human  # noqa: E402  (the package's one size formatter)
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -199,6 +203,8 @@ def run_mode(tr: Trainer, name: str, steps: int, every: int, parent: str, traini
         out["busy_steps"] = [s for (_, s), b in zip(steps_t, busy) if b]
         out["step_busy"] = busy
         out["quiet_step_s"] = median([s for (_, s), b in zip(steps_t, busy) if not b])
+        if mode is not None:
+            out["check"] = check_one(tr, mode, steps)
         if isinstance(mode, FastAsync):
             res = [c.future.result() for c in ckpts]
             out["snapshot_seconds"] = [r.snapshot_seconds for r in res]
@@ -217,12 +223,28 @@ def run_mode(tr: Trainer, name: str, steps: int, every: int, parent: str, traini
         out["cleanup_s"] = perf() - t0
 
 
+def check_one(tr: Trainer, mode: Mode, steps: int) -> List[str]:
+    """Untimed, after the loop: one more checkpoint as the loop takes them (the next step, whose optimizer
+    step changes the state in place, right after the call), read back with the method's own loader and
+    compared with a copy of the state taken at the call. Returns the differences (at most 5)."""
+    i = steps + WARMUPS + 1
+    state = tr.state(i)
+    want = copy.deepcopy(state)
+    c = mode.checkpoint(i, state)
+    tr.step(mode.guard)
+    mode.wait(c)
+    got = mode.read(i, want)
+    return compare(want, got)
+
+
 # ------------------------------------------------------------------------------------------ the report
 
 def summarize(results: Dict[str, List[Dict[str, Any]]], modes: List[str], errors: List[str]) -> Dict[str, Any]:
     ok = {m: [r for r in results[m] if "error" not in r] for m in modes}
     for m in modes:
         errors += [f"{m}: {r['error']}" for r in results[m] if "error" in r]
+        errors += [f"{m}: the checkpoint read back differs from the state at its call: {'; '.join(r['check'])}"
+                   for r in ok[m] if r.get("check")]
 
     def all_of(m, k):
         return [x for r in ok[m] for x in (r.get(k) or [])]
@@ -253,6 +275,7 @@ def summarize(results: Dict[str, List[Dict[str, Any]]], modes: List[str], errors
             "copy_ms": (med(m, "copy_s") or 0) * 1e3,
             "snapshot_ms": median(all_of(m, "snapshot_seconds")) * 1e3 if all_of(m, "snapshot_seconds") else None,
             "write_ms": median(all_of(m, "write_seconds")) * 1e3 if all_of(m, "write_seconds") else None,
+            "check": None if m == "none" else "DIFFERS" if any(r.get("check") for r in ok[m]) else "bitwise",
         }
     return per
 
@@ -380,7 +403,8 @@ def main(argv=None) -> int:
     copies = [r["copy_s"] for rs in results.values() for r in rs if "copy_s" in r]
     copy_s = median(copies) if copies else float("nan")
     cols = ["mode", "step ms", "blocked ms (steady)", "blocked % of durable", "staged ms", "durable ms",
-            "interference window", "first-save blocked ms", "goodput", "background CPU-s per checkpoint"]
+            "interference window", "first-save blocked ms", "goodput", "background CPU-s per checkpoint",
+            "read back"]
     rows = []
     for m in modes:
         if m not in per:
@@ -391,7 +415,8 @@ def main(argv=None) -> int:
         inter = fmt_opt(p["interference"], ".2f") + (f" ({p['busy_n']} steps)" if p["interference"] else "")
         rows.append([label, f"{p['step_ms']:.1f}", fmt_opt(p["blocked_ms"], ".1f"), fmt_opt(p["blocked_pct"], ".1f"),
                      fmt_opt(p["staged_ms"], ".1f"), fmt_opt(p["durable_ms"], ".1f"), inter,
-                     fmt_opt(p["first_ms"], ".1f"), fmt_opt(p["goodput"], ".3f"), fmt_opt(p["bg_cpu_s"], ".2f")])
+                     fmt_opt(p["first_ms"], ".1f"), fmt_opt(p["goodput"], ".3f"), fmt_opt(p["bg_cpu_s"], ".2f"),
+                     p["check"] or "-"])
     targets = []
     a = per.get("fastckpt.async_save")
     for m in ("fastckpt.async_save",) + BACKGROUND:
@@ -448,6 +473,10 @@ def main(argv=None) -> int:
     if "dcp.async_save" in modes:
         notes.append("dcp.async_save: FileSystemWriter stages (copies the state into new CPU memory) inside the "
                      "call, so staged = the call's return; sync_files=True fsyncs each file")
+    notes.append("read back: after each mode's timed loop, one more checkpoint taken as the loop takes them (the "
+                 "next optimizer step right after the call), read with the method's own loader and compared with "
+                 "a copy of the state at the call ('bitwise': every tensor torch.equal, dtype and shape, every other "
+                 "value equal; a difference is listed in the errors)")
     notes.append(f"blocked: the call + later waits because of it (lock waits, the wait before the next checkpoint "
                  f"or at the end); interference window: median step starting during a background write / median "
                  f"of the mode's other steps ('-': no step overlapped a write); goodput: the steps' time (waits "

@@ -114,6 +114,11 @@ class Mode:
             c.future.result()
         c.done.wait()
 
+    def read(self, i: int, like: Dict[str, Any]) -> Any:
+        """The state checkpoint `i` holds, read back with the method's own loader (`like`: the state
+        saved, for loaders that fill a state of that structure)."""
+        return fastckpt.load(os.path.join(self.work, "ckpt.pt"))
+
     def close(self) -> None:
         pass
 
@@ -124,6 +129,9 @@ class TorchSave(Mode):
         torch.save(state, path)
         fsync_path(path)
         fsync_dir(self.work)
+
+    def read(self, i, like):
+        return torch.load(os.path.join(self.work, "ckpt.pt"), weights_only=True)
 
 
 class FastSave(Mode):
@@ -227,6 +235,12 @@ class MemorySnapshot(Mode):
         c.call_end = c.staged
         return c
 
+    def read(self, i, like):
+        got = self.mgr.load_latest()  # from the memory tier: its newest committed snapshot
+        if got is None or got.step != i:
+            raise RuntimeError(f"the memory tier restored step {got and got.step}, not the snapshot of step {i}")
+        return got.state
+
     def persist(self, state) -> None:
         """Once per run, after the timed loop: the newest snapshot written to disk from memory."""
         t0 = perf()
@@ -257,6 +271,13 @@ class DcpAsync(Mode):
         c.future = got
         got.add_done_callback(c.mark_durable)
 
+    def read(self, i, like):
+        from benchmarks.workload import map_tensors
+        into = map_tensors(like, torch.zeros_like)  # filled in place by dcp.load: zeros until then
+        self.dcp.load(into, storage_reader=self.dcp.FileSystemReader(os.path.join(self.work, f"dcp_{i:08d}")),
+                      no_dist=True)
+        return into
+
 
 class TorchCheckpointing(Mode):
     durable_note = "written, not fsynced"
@@ -276,6 +297,12 @@ class TorchCheckpointing(Mode):
         c.future = self.mgr.save(os.path.join(self.work, f"tc_{i:08d}"), state)
         self.mgr._staging_future.add_done_callback(c.mark_staged)  # its staging future (save returns the write's)
         c.future.add_done_callback(c.mark_durable)
+
+    def read(self, i, like):
+        from benchmarks.workload import map_tensors
+        into = map_tensors(like, torch.zeros_like)  # its load fills the items of `into`: zeros until then
+        got = self.mgr.load(os.path.join(self.work, f"tc_{i:08d}"), into=into)
+        return {k: got[k] for k in like}
 
     def close(self):
         self.mgr.close()

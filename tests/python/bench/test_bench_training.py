@@ -1,5 +1,6 @@
 """benchmarks/bench_training.py (the stall benchmark) at a tiny size follows report.py's STANDALONE contract:
-a row per mode with positive figures, its targets, a PNG chart, and nothing left behind in --dir or /dev/shm."""
+a row per mode with positive figures, each mode's checkpoint read back bitwise, its targets, a PNG chart, and nothing
+left behind in --dir or /dev/shm."""
 import glob
 import json
 import os
@@ -69,6 +70,7 @@ def test_stall_benchmark_follows_the_standalone_contract(tmp_path):
         assert blocked > 0 and staged > 0 and durable >= staged, (name, r)
         assert float(r["first-save blocked ms"]) > 0, (name, r)
         assert float(r["background CPU-s per checkpoint"]) >= 0, (name, r)
+        assert r["read back"] == "bitwise", (name, r)  # its last checkpoint, read back with its own loader
     for sync in ("torch.save + fsync", "fastckpt.save"):  # blocked until durable: the whole save
         assert 99.0 <= float(rows[sync]["blocked % of durable"]) <= 101.0, rows[sync]
         assert rows[sync]["interference window"] == "-"
