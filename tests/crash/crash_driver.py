@@ -5,7 +5,9 @@ check that nothing is lost (README "Guarantees").
     python tests/crash/crash_driver.py --kills 300 --seed 7    # every kind
 
 Kinds: ``save`` (fastckpt.save), ``async_save`` (fastckpt.async_save; odd generations and the
-``staging`` plan, which slows the staging thread's copy down, with background_staging=True),
+``staging`` plan, which slows the staging thread's copy down, with background_staging=True; in the
+write-through ones, one large tensor sent from its memory and the one before it copied by the
+staging thread),
 ``manager`` (CheckpointManager, replicated single-file mode), ``dcp2``
 (dcp.save with FastWriter, world size 2), ``sharded2`` (CheckpointManager in
 sharded mode, world size 2: a DCP directory per step, written under a
@@ -160,9 +162,14 @@ def make_state(gen: int, rank: int = 0):
     from fastckpt import _C
     g = torch.Generator().manual_seed(1000 * gen + rank)
     big = torch.randn(3 << 17, generator=g)
+    w = torch.randn(256, 1024, generator=g)
+    lag = torch.randn(5 << 16, generator=g)
     return {
         "gen": gen,
-        "w": torch.randn(256, 1024, generator=g),           # 1 MiB: 16 writes of 64 KiB
+        "w": w,                                             # 1 MiB: 16 writes of 64 KiB
+        # 1.25 MiB, over SMALL_SYNC but 64 bytes past a page boundary: background staging's thread
+        # copies it, also where the writer sends "big" (after it in the file) from its memory
+        "lag": _C.empty_aligned(lag.numel() * 4, 4096, 64).view(torch.float32).copy_(lag),
         # 1.5 MiB: over async_save's SMALL_SYNC, and on a page boundary (as torch allocates large tensors
         # under THP_MEM_ALLOC_ENABLE=1), so background staging writes it straight from its memory
         "big": _C.empty_aligned(big.numel() * 4, 4096).view(torch.float32).copy_(big),
@@ -415,7 +422,9 @@ def _child_save(kind, directory, gen, plan, conn, rank, port, memory_dir) -> Non
                 background = gen % 2 == 1 or "staging:" in os.environ.get(ENV, "")  # written straight from
                 with fastckpt.knobs.override(async_write_through=int(gen % 4 == 1),  # the tensors in 1 of 2,
                                              async_caller_copy=50 * (gen % 4 == 3)):  # half copied by the call in the other
-                    fastckpt.async_save(state, path, background_staging=background).result()
+                    res = fastckpt.async_save(state, path, background_staging=background).result()
+                if background and gen % 4 == 1:  # the mix: "big" sent from its memory, "lag" copied (no fence here)
+                    assert res.through_bytes == state["big"].nbytes, res
             else:
                 fastckpt.save(state, path)
         conn.send("saved")
