@@ -20,6 +20,7 @@ import torch
 
 import fastckpt
 from benchmarks.harness import fsync_dir, fsync_path
+from benchmarks.workload import map_tensors
 
 perf = time.perf_counter
 
@@ -272,7 +273,6 @@ class DcpAsync(Mode):
         got.add_done_callback(c.mark_durable)
 
     def read(self, i, like):
-        from benchmarks.workload import map_tensors
         into = map_tensors(like, torch.zeros_like)  # filled in place by dcp.load: zeros until then
         self.dcp.load(into, storage_reader=self.dcp.FileSystemReader(os.path.join(self.work, f"dcp_{i:08d}")),
                       no_dist=True)
@@ -299,7 +299,6 @@ class TorchCheckpointing(Mode):
         c.future.add_done_callback(c.mark_durable)
 
     def read(self, i, like):
-        from benchmarks.workload import map_tensors
         into = map_tensors(like, torch.zeros_like)  # its load fills the items of `into`: zeros until then
         got = self.mgr.load(os.path.join(self.work, f"tc_{i:08d}"), into=into)
         return {k: got[k] for k in like}

@@ -159,7 +159,7 @@ BREAK_ENV = "FASTCKPT_CRASH_BREAK"
 def make_state(gen: int, rank: int = 0):
     """The checkpoint content of generation ``gen``: deterministic, different per gen."""
     import torch
-    from fastckpt import _C
+    from states import page_aligned
     g = torch.Generator().manual_seed(1000 * gen + rank)
     big = torch.randn(3 << 17, generator=g)
     w = torch.randn(256, 1024, generator=g)
@@ -169,10 +169,10 @@ def make_state(gen: int, rank: int = 0):
         "w": w,                                             # 1 MiB: 16 writes of 64 KiB
         # 1.25 MiB, over SMALL_SYNC but 64 bytes past a page boundary: background staging's thread
         # copies it, also where the writer sends "big" (after it in the file) from its memory
-        "lag": _C.empty_aligned(lag.numel() * 4, 4096, 64).view(torch.float32).copy_(lag),
+        "lag": page_aligned(lag, 64),
         # 1.5 MiB: over async_save's SMALL_SYNC, and on a page boundary (as torch allocates large tensors
         # under THP_MEM_ALLOC_ENABLE=1), so background staging writes it straight from its memory
-        "big": _C.empty_aligned(big.numel() * 4, 4096).view(torch.float32).copy_(big),
+        "big": page_aligned(big),
         "b": torch.randint(0, 1 << 30, (4099,), generator=g, dtype=torch.int64),
         "h": torch.randn(777, generator=g).to(torch.bfloat16),
         "meta": {"name": f"gen{gen}", "lr": 0.1 * gen},

@@ -14,6 +14,7 @@ The writer is held at a gate after a chosen piece of live memory (SendGate), so 
 write ends" does not depend on timing."""
 
 import errno
+import itertools
 import os
 import sys
 import threading
@@ -104,7 +105,6 @@ def test_every_mix_of_staged_and_live_sources_writes_the_state_at_the_call(tmp_p
     while the write runs; the caller changes every tensor right after the fence. The staging thread
     starts at once or 50 ms late (a loaded machine). The file is the state at the call, bitwise,
     whichever source was sent how."""
-    import itertools
     if staging == "late":
         complete = snapshot_mod.Snapshot.complete
         monkeypatch.setattr(snapshot_mod.Snapshot, "complete", lambda snap: (time.sleep(0.05), complete(snap))[1])
