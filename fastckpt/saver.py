@@ -342,12 +342,7 @@ def _stage_in_background(snap: SaveSnapshot, write_through: bool = False) -> Non
     snap.ready = threading.Event()
     snap.copied = threading.Event()
     if write_through:
-        try:
-            _write_through(snap)
-        except BaseException:
-            snap.copied.set()
-            snap.ready.set()
-            raise
+        _write_through(snap)
     with _fence_lock:
         if _hook_handle is None:
             from torch.optim.optimizer import register_optimizer_step_pre_hook

@@ -133,6 +133,27 @@ def test_every_mix_of_staged_and_live_sources_writes_the_state_at_the_call(tmp_p
         path.unlink()
 
 
+def test_a_failure_handing_sources_to_the_writer_fails_the_call_and_leaves_no_fence_waiting(tmp_path, monkeypatch):
+    """_write_through raising (here: the hand-over cannot be made) fails async_save itself, names no
+    partial file, and leaves nothing for the fence or the next save to wait on."""
+    import fastckpt.saver as saver_mod
+
+    def broken(*a, **k):
+        raise MemoryError("injected: no hand-over")
+
+    monkeypatch.setattr(saver_mod, "Through", broken)
+    sd = _state()
+    with pytest.raises(MemoryError, match="injected"):
+        fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
+    assert fastckpt.wait_staged(timeout=5)
+    assert not (tmp_path / "c.pt").exists() and temp_files(tmp_path) == []
+    monkeypatch.undo()
+    with knobs.override(async_write_through=1):
+        res = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True).result(timeout=60)
+    assert res.through_bytes > 0
+    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), sd, bitwise=True)
+
+
 def test_the_fence_copies_the_rest_and_waits_for_the_writes_in_flight(tmp_path, monkeypatch):
     sd = _state()
     want = _clone(sd)
