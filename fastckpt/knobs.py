@@ -35,10 +35,12 @@ async_caller_copy         FASTCKPT_ASYNC_CALLER_COPY         percent, 0-100: of 
                                                              returning (the staging thread copies the rest) (0)
 snapshot_huge_pages       FASTCKPT_SNAPSHOT_HUGE_PAGES       1: snapshot arenas of 2 MiB or more on transparent huge
                                                              pages (1); 0: small pages (see docs/ENGINE.md)
-load_huge_pages           FASTCKPT_LOAD_HUGE_PAGES           1: storages of 2 MiB or more that a load returns (or
+load_huge_pages           FASTCKPT_LOAD_HUGE_PAGES           storages of 2 MiB or more that a load returns (or
                                                              stages for a device), and the blocks that storages
-                                                             close together in the file share, on transparent huge
-                                                             pages (1); 0: small pages (see docs/ENGINE.md)
+                                                             close together in the file share: 1 on transparent
+                                                             huge pages, 0 on small pages, 2 on huge pages unless
+                                                             this process measured their first touch slower than
+                                                             small pages' (2; see docs/ENGINE.md)
 allow_foreign_owner       FASTCKPT_ALLOW_FOREIGN_OWNER       1: use checkpoint directories another user owns or can write (0)
 remote_part_size          FASTCKPT_REMOTE_PART_SIZE          bytes per part of a remote upload or ranged read (16 MiB)
 remote_parallelism        FASTCKPT_REMOTE_PARALLELISM        parts in flight per remote transfer (8): memory <= parts x part size
@@ -71,7 +73,7 @@ PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
             "async_write_through": ("FASTCKPT_ASYNC_WRITE_THROUGH", 2, 0),
             "async_caller_copy": ("FASTCKPT_ASYNC_CALLER_COPY", 0, 0),
             "snapshot_huge_pages": ("FASTCKPT_SNAPSHOT_HUGE_PAGES", 1, 0),
-            "load_huge_pages": ("FASTCKPT_LOAD_HUGE_PAGES", 1, 0),
+            "load_huge_pages": ("FASTCKPT_LOAD_HUGE_PAGES", 2, 0),
             "allow_foreign_owner": ("FASTCKPT_ALLOW_FOREIGN_OWNER", 0, 0),
             # fastckpt.remote (object stores and shared filesystems)
             "remote_part_size": ("FASTCKPT_REMOTE_PART_SIZE", 16 << 20, 1 << 10),
@@ -81,7 +83,7 @@ PY_NAMES = {"async_max_in_flight": ("FASTCKPT_ASYNC_MAX_IN_FLIGHT", 1, 1),
             "remote_peer_timeout": ("FASTCKPT_REMOTE_PEER_TIMEOUT", 120, 1)}
 
 # Largest allowed values, where there is one.
-_PY_HIGH = {"async_write_through": 2, "async_caller_copy": 100}
+_PY_HIGH = {"async_write_through": 2, "async_caller_copy": 100, "load_huge_pages": 2}
 
 _lock = threading.Lock()
 _overrides: Dict[str, object] = {}

@@ -51,7 +51,7 @@ from ._core.paths import check_save_target, raise_named_after_target
 from .formats import safetensors as _st
 from .formats.torch_rules import is_dtensor
 from .errors import FormatError
-from .torchsave.reader import host_block, host_storage, settle_block
+from .torchsave.reader import host_block, host_storage, huge_pages, judge_huge_pages, settle_block
 
 __all__ = ["save", "load", "save_file", "load_file", "save_model", "load_model", "save_sharded", "load_sharded",
            "safe_open"]
@@ -268,9 +268,10 @@ def load(data: bytes) -> Dict[str, torch.Tensor]:
     import numpy as np  # a dependency of fastckpt's; imported here, off `import fastckpt`'s path
     start = 8 + n
     out: Dict[str, torch.Tensor] = {}
+    huge = huge_pages()  # decided once for all the tensors
     for e in entries:
         k = e.end - e.begin
-        buf = host_storage(k)
+        buf = host_storage(k, huge=huge)
         if k:  # one copy, from the caller's bytes (read-only) straight into the tensor's own memory
             buf.numpy()[:] = np.frombuffer(mv, dtype=np.uint8, count=k, offset=start + e.begin)
         out[e.name] = torch.empty(0, dtype=e.dtype).set_(buf.untyped_storage()).view(e.shape)
@@ -328,9 +329,10 @@ def _read(src: _File, location: Any) -> Dict[str, torch.Tensor]:
     if staged is None:
         spans = [(e.begin, e.end, e.dtype.itemsize) for e in entries]
         size = entries[-1].end if entries else 0  # the tensors tile the data (checked by _File)
-        whole, parts = host_block(size, src.data_start, spans)
+        huge = huge_pages()
+        whole, parts = host_block(size, src.data_start, spans, huge=huge)
         if size:
-            _engine.read_ranges(src.path, [(whole, src.data_start)], fd)
+            _engine.read_ranges(src.path, [(whole, src.data_start)], fd, fresh_huge=judge_huge_pages(huge))
         del whole
         storages = [p.untyped_storage() for p in settle_block(src.data_start, spans, parts)]
     else:

@@ -59,6 +59,7 @@ py::dict read_stats_dict(const ReadStats& s) {
   d["staged_bytes"] = s.staged_bytes;
   d["cached_bytes"] = s.cached_bytes;
   d["prefaulted_bytes"] = s.prefaulted_bytes;
+  d["small_paged_bytes"] = s.small_paged_bytes;
   d["seconds"] = s.seconds;
   d["direct"] = s.direct;
   d["backend"] = s.backend;
@@ -270,7 +271,7 @@ void init_io(py::module_& m) {
 
   m.attr("READ_COALESCE_GAP") = py::int_(kCoalesceGap);
   m.def("read_ranges", [](std::shared_ptr<Engine> eng, const std::string& path, py::sequence items, int fd,
-                          bool crc, py::sequence fill) {
+                          bool crc, py::sequence fill, bool fresh_huge) {
           // Each item: (destination, file_offset[, want_crc]); the whole destination is filled.
           const size_t n = py::len(items);
           std::vector<Span> spans;
@@ -335,7 +336,7 @@ void init_io(py::module_& m) {
             gap(hi);
           }
           ranges.insert(ranges.end(), gaps.begin(), gaps.end());
-          py::dict d = read_stats_dict(without_gil([&] { return read_ranges(*eng, path, ranges, fd); }));
+          py::dict d = read_stats_dict(without_gil([&] { return read_ranges(*eng, path, ranges, fd, fresh_huge); }));
           if (any_crc) {
             py::list out(n);
             for (size_t i = 0; i < n; ++i) out[i] = want[i] ? py::object(py::int_(crcs[i])) : py::object(py::none());
@@ -344,14 +345,17 @@ void init_io(py::module_& m) {
           return d;
         },
         py::arg("engine"), py::arg("path"), py::arg("ranges"), py::arg("fd") = -1, py::arg("crc") = false,
-        py::arg("fill") = py::tuple(),
+        py::arg("fill") = py::tuple(), py::arg("fresh_huge") = false,
         "Fill each (destination, offset) from the file with parallel reads; with fd, from the file that open "
         "descriptor refers to (consistent with what was read through it, even if path is renamed over meanwhile). "
         "With crc=True (every item) or an item (destination, offset, True), the engine also computes the zip "
         "CRC-32 of each such destination's bytes as they land, in parallel with the reads: the returned dict's "
         "'crcs' holds one per item (None for items that did not ask). Each fill item (buffer, offset), a buffer "
         "laid out as the file is from that offset, has its bytes that no item covers read in the same batch "
-        "(the items inside it must lie where the file puts them).");
+        "(the items inside it must lie where the file puts them). fresh_huge=True: the destinations were "
+        "allocated for this read on huge pages and nothing else maps them; where huge pages fault in slowly "
+        "here, those not yet reached are advised small pages (the dict's 'small_paged_bytes') and the process "
+        "remembers it (huge_pages_pay).");
 
   m.def("dio_alignment", [](const std::string& path) {
     int fd = sys::open(path, O_RDONLY);

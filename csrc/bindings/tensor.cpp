@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../engine/crc32.h"
+#include "../engine/first_touch.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -114,6 +115,22 @@ at::Tensor arena_tensor(Arena* arena, char* begin, size_t len, bool give_back) {
 }  // namespace
 
 void init_tensor(py::module_& m) {
+  m.def("huge_pages_pay", &prefer_huge_pages,
+        "Whether memory about to be touched for the first time should be on transparent huge pages: yes "
+        "unless a read of this process found them faulting in slower than small pages in the last minute "
+        "(engine/first_touch.h).");
+  m.def("huge_pages_verdict", []() {
+          const HugeVerdict v = huge_pages_verdict();
+          py::dict d;
+          d["huge"] = v.huge;
+          d["slow_seen"] = v.slow_seen;
+          d["bytes"] = v.bytes;
+          d["cpu_s"] = v.cpu_s;
+          d["age_s"] = v.age_s;
+          return d;
+        },
+        "The process's huge-page verdict (huge_pages_pay) and the window of faults behind it.");
+
   m.def("empty_aligned", [](int64_t nbytes, int64_t alignment, int64_t phase, bool huge) {
           // A uint8 CPU tensor whose data starts `phase` bytes past a multiple
           // of `alignment` (torch's allocator gives 64): at phase 0 the engine

@@ -2,6 +2,7 @@
 #include <string>
 
 #include "../engine/fault.h"
+#include "../engine/first_touch.h"
 #include "bindings.h"
 
 namespace fastckpt {
@@ -25,6 +26,10 @@ void init_testing(py::module_& m) {
         "Test-only: make occurrences nth..nth+times-1 of op fail with errno, come back short, or stall.");
   m.def("fault_clear", &fault::clear);
   m.def("fault_fired", &fault::fired);
+  m.def("note_slow_huge_pages", &note_slow_huge_pages, py::arg("bytes"), py::arg("cpu_s"),
+        "Test-only: record a window of huge-page faults as found slow (as the prefault helper does).");
+  m.def("reset_huge_pages_verdict", &reset_huge_pages_verdict,
+        "Test-only: forget the huge-page verdict (the next large enough call measures).");
 }
 
 }  // namespace bindings

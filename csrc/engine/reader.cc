@@ -13,6 +13,7 @@
 
 #include "crc32.h"
 #include "error.h"
+#include "first_touch.h"
 #include "held_buffers.h"
 #include "io_queue.h"
 #include "sys.h"
@@ -312,8 +313,8 @@ class Slices {
 // descriptor closed.
 class RangeReader {
  public:
-  RangeReader(Engine& engine, const std::string& path)
-      : engine_(engine), cfg_(engine.config()), pool_(engine.pool()), path_(path) {}
+  RangeReader(Engine& engine, const std::string& path, bool fresh_huge)
+      : engine_(engine), cfg_(engine.config()), pool_(engine.pool()), path_(path), fresh_huge_(fresh_huge) {}
   ~RangeReader() { cleanup(); }
   RangeReader(const RangeReader&) = delete;
   RangeReader& operator=(const RangeReader&) = delete;
@@ -505,15 +506,24 @@ class RangeReader {
     }
   }
 
-  // The helper thread's loop (start_prefault).
+  // The helper thread's loop (start_prefault). With fresh_huge_, it judges
+  // the huge pages it faults in, window by window of kHugeJudgeBytes (its own
+  // CPU time: the faults' cost, whatever else the machine runs), and at the
+  // first window slower than kSlowHugeBps advises every destination it has
+  // not reached small pages (small_pages_from).
   void prefault() {
     const std::vector<Job>& jobs = plan_.jobs;
     const std::vector<Part>& parts = plan_.parts;
     uint64_t done = 0;
+    bool judge = fresh_huge_;
+    const double slow_bps = judge ? slow_huge_bps() : 0;
+    uint64_t window = 0;
+    double window_cpu = judge ? sys::thread_cpu_seconds() : 0;
     for (;;) {
       const size_t i = prefault_next_.fetch_add(1);
       if (i >= jobs.size() || stop_prefault_.load(std::memory_order_relaxed)) break;
       const Job& j = jobs[i];
+      const uint64_t before = done;
       if (j.direct_dst) {
         if (sys::populate_write_raw(j.direct_dst, j.len) < 0) break;  // unsupported: stop
         done += j.len;
@@ -525,8 +535,36 @@ class RangeReader {
         if (ok) done += parts[p].len;
       }
       if (!ok) break;
+      window += done - before;
+      if (judge && window >= kHugeJudgeBytes) {
+        const double cpu = sys::thread_cpu_seconds() - window_cpu;
+        if (cpu > 0 && static_cast<double>(window) / cpu < slow_bps) {
+          note_slow_huge_pages(window, cpu);
+          small_paged_ = small_pages_from(i + 1);
+          judge = false;
+        } else {
+          window = 0;
+          window_cpu = sys::thread_cpu_seconds();
+        }
+      }
     }
     prefaulted_ = done;
+  }
+
+  // Advises the destinations of jobs [from, end) small pages (those a read
+  // has faulted in meanwhile keep theirs). Returns their bytes.
+  uint64_t small_pages_from(size_t from) {
+    const std::vector<Job>& jobs = plan_.jobs;
+    const std::vector<Part>& parts = plan_.parts;
+    uint64_t n = 0;
+    for (size_t k = from; k < jobs.size(); ++k) {
+      const Job& j = jobs[k];
+      if (j.direct_dst && sys::advise_small_pages_raw(j.direct_dst, j.len) == 0) n += j.len;
+      for (size_t p = j.part_begin; p < j.part_end; ++p)
+        if (parts[p].len >= kPrefaultPart && sys::advise_small_pages_raw(parts[p].dst, parts[p].len) == 0)
+          n += parts[p].len;
+    }
+    return n;
   }
 
   // Submits every group of jobs and handles each completion while the others
@@ -627,6 +665,7 @@ class RangeReader {
     stop_prefault_ = true;
     if (prefaulter_.joinable()) prefaulter_.join();
     st_.prefaulted_bytes = prefaulted_;
+    st_.small_paged_bytes = small_paged_;
     std::vector<int> unreaped;
     if (q_) {
       q_->drain();
@@ -659,13 +698,15 @@ class RangeReader {
   // two never fault the same destination.
   std::atomic<size_t> prefault_next_{0};
   uint64_t prefaulted_ = 0;  // written by the helper, read after it is joined
+  uint64_t small_paged_ = 0;  // likewise
+  const bool fresh_huge_;
 };
 
 }  // namespace
 
 ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector<ReadRange>& ranges,
-                      int same_file_fd) {
-  RangeReader reader(engine, path);
+                      int same_file_fd, bool fresh_huge) {
+  RangeReader reader(engine, path, fresh_huge);
   return reader.run(ranges, same_file_fd);
 }
 

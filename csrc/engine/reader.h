@@ -39,6 +39,9 @@ struct ReadStats {
   uint64_t staged_bytes = 0;       // of bytes_read, read into staging buffers and copied out
   uint64_t cached_bytes = 0;     // of bytes_read, served from the page cache (no request, no staging)
   uint64_t prefaulted_bytes = 0;  // destination bytes the prefault helper faulted in (EngineConfig::prefault)
+  // With fresh_huge: destination bytes the helper advised small pages after
+  // it found huge pages faulting in slowly (first_touch.h).
+  uint64_t small_paged_bytes = 0;
   double seconds = 0;
   bool direct = false;
   std::string backend;
@@ -56,7 +59,12 @@ struct ReadStats {
 // file read is the one that descriptor refers to, even if `path` has been
 // renamed over since (it is reopened through /proc/self/fd); `path` still names
 // it in errors.
+// `fresh_huge`: the destinations are memory the caller allocated for this
+// read, advised huge pages, untouched and mapped by nothing else. The
+// prefault helper then judges the huge pages it faults in, and where they come
+// slower than small pages would (first_touch.h) it advises the destinations
+// it has not reached small pages and records that verdict for the process.
 ReadStats read_ranges(Engine& engine, const std::string& path, const std::vector<ReadRange>& ranges,
-                      int same_file_fd = -1);
+                      int same_file_fd = -1, bool fresh_huge = false);
 
 }  // namespace fastckpt

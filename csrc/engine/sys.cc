@@ -9,6 +9,7 @@
 #include <sys/uio.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
+#include <time.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -158,6 +159,20 @@ int populate_write_raw(void* p, uint64_t len) noexcept {
     r = ::madvise(reinterpret_cast<void*>(a), e - a, MADV_POPULATE_WRITE);
   } while (r < 0 && errno == EINTR);
   return r < 0 ? -errno : 0;
+}
+
+int advise_small_pages_raw(void* p, uint64_t len) noexcept {
+  const uintptr_t page = 4096;
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + len) & ~(page - 1);
+  if (e <= a) return 0;
+  return ::madvise(reinterpret_cast<void*>(a), e - a, MADV_NOHUGEPAGE) < 0 ? -errno : 0;
+}
+
+double thread_cpu_seconds() noexcept {
+  struct timespec ts;
+  if (::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) != 0) return 0;
+  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) * 1e-9;
 }
 
 int64_t pread_cached(int fd, void* buf, uint64_t len, int64_t off, const std::string& path) {

@@ -69,6 +69,13 @@ int64_t cached_pages_raw(int fd, uint64_t off, uint64_t len) noexcept;
 // fault it in page by page. Advisory: 0 or -errno (EINVAL on kernels before
 // 5.14); a real problem with the memory surfaces in the read itself.
 int populate_write_raw(void* p, uint64_t len) noexcept;
+// Advises [p, p+len) (the whole pages inside it) small pages from now on
+// (madvise MADV_NOHUGEPAGE): pages already faulted in stay as they are.
+// Advisory: 0 or -errno.
+int advise_small_pages_raw(void* p, uint64_t len) noexcept;
+// CPU time of the calling thread, in seconds (CLOCK_THREAD_CPUTIME_ID; 0 if
+// the clock is refused).
+double thread_cpu_seconds() noexcept;
 // Clears or sets O_DIRECT on an open descriptor.
 void set_direct(int fd, bool on, const std::string& path);
 

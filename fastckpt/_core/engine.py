@@ -73,13 +73,15 @@ def fsync_dir(path) -> None:
 READ_COALESCE_GAP: int = _C.READ_COALESCE_GAP
 
 
-def read_ranges(path: str, ranges, fd: int = -1, crc: bool = False, engine: "_C.Engine" = None) -> dict:
+def read_ranges(path: str, ranges, fd: int = -1, crc: bool = False, engine: "_C.Engine" = None,
+                fresh_huge: bool = False) -> dict:
     """Fill each (destination, file offset[, crc]) of ``ranges`` from ``path``
     (or from the open descriptor ``fd``) in one parallel batch of engine reads;
     returns the engine's statistics, with each range's CRC-32 under ``"crcs"``
     where one was asked for (computed during the reads). ``engine``: default, the
-    current knobs' one."""
-    return _C.read_ranges(engine or get_engine(), path, ranges, fd, crc)
+    current knobs' one. ``fresh_huge``: the destinations were allocated for
+    this read on huge pages (``_C.read_ranges``)."""
+    return _C.read_ranges(engine or get_engine(), path, ranges, fd, crc, (), fresh_huge)
 
 
 def region_file(target: str, tmp: str = "", create: bool = False, size: int = 0) -> "_C.RegionWriter":

@@ -28,7 +28,29 @@ SMALL_RECORDS = ("data.pkl", ".format_version", ".storage_alignment", "byteorder
                   ".data/serialization_id")
 
 
-def host_storage(nbytes: int, offset: int = 0, item: int = 8) -> torch.Tensor:
+def huge_pages() -> bool:
+    """Whether the storages of 2 MiB or more that a load allocates go on
+    transparent huge pages (the knob load_huge_pages): 1 yes, 0 no, 2
+    (default) yes unless a read of this process found them faulting in slower
+    than small pages would in the last minute (``_C.huge_pages_pay``: on a VM
+    whose host reclaims the guest's free 2 MiB blocks a huge page can fault in
+    several times slower than small ones; elsewhere it is faster). A read of
+    memory allocated on huge pages (``fresh_huge``) judges them as it faults
+    them in, and moves the rest of its destinations to small pages where they
+    are slow (:func:`judge_huge_pages`)."""
+    knob = knobs.get("load_huge_pages")
+    return knob == 1 or (knob == 2 and _C.huge_pages_pay())
+
+
+def judge_huge_pages(huge: bool) -> bool:
+    """Whether a read into storages allocated as :func:`huge_pages` said
+    (``huge``) may judge the huge pages it faults in and move the rest to small
+    pages (``_C.read_ranges``' ``fresh_huge``): with the knob load_huge_pages
+    at 2 only; at 1 they stay on huge pages whatever they cost."""
+    return huge and knobs.get("load_huge_pages") == 2
+
+
+def host_storage(nbytes: int, offset: int = 0, item: int = 8, huge: Optional[bool] = None) -> torch.Tensor:
     """Memory for a storage of `nbytes` read from a file at `offset`: from
     _zip.DIRECT_MIN bytes on, at the offset's phase within a 4 KiB page where
     that phase keeps elements of `item` bytes aligned (a torch record's dtype is
@@ -40,20 +62,22 @@ def host_storage(nbytes: int, offset: int = 0, item: int = 8) -> torch.Tensor:
     whose tensor reaches past its record is then torch's error (a FormatError
     here), never a reallocation of memory that a read still in flight
     (:meth:`Records.read_behind`) fills, nor a tensor holding bytes no record
-    had."""
+    had. ``huge``: whether on transparent huge pages from 2 MiB on, as
+    decided for the load (None: :func:`huge_pages`)."""
     if nbytes >= _zip.DIRECT_MIN:
         phase = offset % _zip.ALIGNMENT
-        # On transparent huge pages from 2 MiB on (the knob load_huge_pages): faulting in fresh memory
-        # is most of a cold load's CPU, and a 2 MiB page costs one fault instead of 512.
+        # Faulting in fresh memory is most of a cold load's CPU: where huge pages fault in faster,
+        # a 2 MiB page costs one fault instead of 512.
         t = _C.empty_aligned(nbytes, _zip.ALIGNMENT, phase if phase % min(item, 8) == 0 else 0,
-                             huge=bool(knobs.get("load_huge_pages")))
+                             huge=huge_pages() if huge is None else huge)
     else:
         t = torch.empty(nbytes, dtype=torch.uint8)
     _C.set_resizable(t, False)
     return t
 
 
-def host_block(nbytes: int, offset: int, spans: List[Tuple[int, int, int]]) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+def host_block(nbytes: int, offset: int, spans: List[Tuple[int, int, int]],
+               huge: Optional[bool] = None) -> Tuple[torch.Tensor, List[torch.Tensor]]:
     """Memory for the storages read from one stretch of a file: ``nbytes``
     at file offset ``offset``, each (begin, end, item) of ``spans`` (in order,
     relative to ``offset``, ``item`` its elements' size) a storage of its own.
@@ -62,13 +86,14 @@ def host_block(nbytes: int, offset: int, spans: List[Tuple[int, int, int]]) -> T
 
     The stretch is one block laid out as the file is, at its offset's phase
     within a page (``_C.empty_arena``): the engine reads it O_DIRECT in large
-    requests into contiguous memory, on transparent huge pages (the knob
-    load_huge_pages), with no copy; each storage gives its own pages back when
+    requests into contiguous memory, on transparent huge pages where they pay
+    (:func:`huge_pages`), with no copy; each storage gives its own pages back when
     it dies. A span whose file offset does not keep its elements aligned (a
     file written unaligned) is read with the rest and moved into memory of its
-    own by :func:`settle_block` (so that no tensor is misaligned)."""
+    own by :func:`settle_block` (so that no tensor is misaligned). ``huge``:
+    as :func:`host_storage`'s."""
     whole, parts = _C.empty_arena(nbytes, offset % _zip.ALIGNMENT, [(b, e) for b, e, _ in spans],
-                                  huge=bool(knobs.get("load_huge_pages")))
+                                  huge=huge_pages() if huge is None else huge)
     return whole, parts
 
 
@@ -122,7 +147,7 @@ def block_runs(records: List[Tuple[int, int, int]]) -> Tuple[List[List[int]], in
 
 
 def host_storages(records: List[Tuple[int, int, int]], runs: List[List[int]],
-                  blocks: Optional[list] = None) -> List[torch.Tensor]:
+                  blocks: Optional[list] = None, huge: Optional[bool] = None) -> List[torch.Tensor]:
     """Memory for storages read from records (size, data offset, start) of
     one file, in the order given, placed by ``runs`` (:func:`block_runs`): the
     records of a run of several share one block laid out as the file is from
@@ -130,17 +155,19 @@ def host_storages(records: List[Tuple[int, int, int]], runs: List[List[int]],
     so that the engine's reads of them (one per record, each with its CRC)
     join into large requests into contiguous memory on huge pages; the others
     get memory of their own (:func:`host_storage`). Each block is appended to
-    `blocks` (if given) as (file offset, uint8 tensor over it, run)."""
+    `blocks` (if given) as (file offset, uint8 tensor over it, run).
+    ``huge``: as :func:`host_storage`'s, for all of them."""
     out: List[Optional[torch.Tensor]] = [None] * len(records)
+    huge = huge_pages() if huge is None else huge  # decided once for the load
     for run in runs:
         if len(run) == 1:
             size, off, _ = records[run[0]]
-            out[run[0]] = host_storage(size, off)
+            out[run[0]] = host_storage(size, off, huge=huge)
             continue
         start = records[run[0]][2]
         end = records[run[-1]][1] + records[run[-1]][0]
         whole, parts = host_block(end - start, start, [(records[i][1] - start, records[i][1] - start + records[i][0], 8)
-                                                       for i in run])
+                                                       for i in run], huge=huge)
         for i, part in zip(run, parts):
             out[i] = part
         if blocks is not None:
@@ -189,6 +216,7 @@ class Records(dict):
         self.allocated = 0  # bytes of records read so far, small ones included
         self.small_read: set = set()
         self.crcs: Dict[str, int] = {}  # storage record -> CRC-32 of the bytes read (unless verify=False)
+        self.fresh_huge = False  # the last allocate()'s storages may move to small pages (read_into's)
         self._pending: Optional[Tuple[threading.Thread, Dict[str, Any], List[Tuple[str, int, Any, bool]],
                                       "Heads"]] = None  # read_behind's: thread, outcome, items, headers
         # Records whose local header is read with their data (an archive parsed with local_headers=False):
@@ -261,7 +289,9 @@ class Records(dict):
         heads = sum(records[run[0]][1] - records[run[0]][2] for run in runs if len(run) == 1)
         self.claim(storages, holes + heads)
         blocks: List[Tuple[int, torch.Tensor, List[int]]] = []
-        tensors = host_storages(records, runs, blocks)
+        huge = huge_pages()
+        self.fresh_huge = judge_huge_pages(huge)  # what the reads into them are told (read_into's)
+        tensors = host_storages(records, runs, blocks, huge)
         # The local headers to read with the data: a block's holes (before each record: the last
         # one's descriptor, its header) are read into the block, in the same requests (the engine
         # fills what no record covers); a record of its own has its header read into a buffer of
@@ -320,12 +350,14 @@ class Records(dict):
                 got[k] = crc
 
     def read_into(self, items: List[Tuple[str, int, Any, bool]], fd: Optional[int] = None,
-                  heads: Optional["Heads"] = None) -> List[Optional[int]]:
+                  heads: Optional["Heads"] = None, fresh_huge: bool = False) -> List[Optional[int]]:
         """Fill each (record, offset in the record, destination, crc) with
         that record's bytes, in one parallel batch of engine reads (from `fd`,
         by default :attr:`fd`: the file parsed); returns per item the CRC-32 of
         the bytes read when `crc` (computed by the engine during the reads),
-        else None. A destination must lie inside its record."""
+        else None. A destination must lie inside its record. ``fresh_huge``:
+        the destinations were just allocated on huge pages (:meth:`allocate`;
+        ``_C.read_ranges``)."""
         recs = self.archive.records
         ranges = []
         for name, off, dest, crc in items:
@@ -341,7 +373,7 @@ class Records(dict):
         own, fills = (heads.own, heads.fills) if heads is not None else ((), ())
         if keep or own or fills:
             st = _C.read_ranges(get_engine(), self.path, [ranges[i] for i in keep] + [(b, at, False) for b, at in own],
-                                self.fd if fd is None else fd, fill=fills)
+                                self.fd if fd is None else fd, fill=fills, fresh_huge=fresh_huge)
             for i, c in zip(keep, st.get("crcs") or []):
                 out[i] = c
         return out
@@ -364,7 +396,7 @@ class Records(dict):
 
         def run() -> None:
             try:
-                box["crcs"] = self.read_into(items, fd, heads)
+                box["crcs"] = self.read_into(items, fd, heads, self.fresh_huge)
             except BaseException as e:  # noqa: BLE001 (re-raised by wait())
                 box["error"] = e
             finally:
@@ -434,7 +466,7 @@ class Records(dict):
         items = [(n, 0, b, True) for n, b in bufs.items()]
         items += [(n, 0, t, self.verify is not False) for n, t in tensors.items()]
         heads = self.take_heads()
-        crcs = self.read_into(items, heads=heads)
+        crcs = self.read_into(items, heads=heads, fresh_huge=self.fresh_huge)
         self._settle(items, crcs, heads)
         got = {n: crc for (n, *_), crc in zip(items, crcs) if crc is not None}
         for n in bufs:  # metadata records are always checked

@@ -8,6 +8,7 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include "first_touch.h"
 #include "util.h"
 
 using namespace fct;
@@ -224,6 +225,56 @@ TEST(prefaulted_destinations_read_the_same_bytes_and_fail_cleanly, ALL) {
     ::munmap(mem, n + shift);
     CHECK_POOL_FULL(eng);
   }
+}
+
+// Reads into destinations allocated for them on huge pages (fresh_huge) judge
+// the huge pages the prefault helper faults in: where they come slower than
+// the threshold, the destinations it has not reached are advised small pages
+// and the process remembers it; the bytes are the file's either way. The
+// threshold is set by the test-only FASTCKPT_TEST_SLOW_HUGE_BPS: 1e18 makes
+// every window slow, 0 none.
+TEST(slow_huge_pages_move_the_rest_of_a_fresh_read_to_small_pages, ALL) {
+  TempDir dir;
+  const std::string path = dir.file("h.bin");
+  const size_t n = 48u << 20;  // several judging windows (16 MiB) past the first reads
+  const std::string data = random_bytes(n, 41);
+  write_file_plain(path, data);
+  struct Case {
+    const char* bps;
+    bool fresh_huge;
+    bool slow;
+  };
+  for (const Case& c : {Case{"1e18", true, true}, Case{"0", true, false}, Case{"1e18", false, false}}) {
+    ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", c.bps, 1);
+    fastckpt::reset_huge_pages_verdict();
+    EngineConfig cfg = config(1u << 20, 4, 4);
+    Engine eng(cfg);
+    evict(path);
+    const size_t huge = 2u << 20;
+    void* mem = ::mmap(nullptr, n + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(mem != MAP_FAILED);
+    char* dst = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(mem) + huge - 1) / huge * huge);
+    (void)::madvise(dst, n, MADV_HUGEPAGE);
+    uint32_t crc = 0;
+    ReadStats st = fastckpt::read_ranges(eng, path, {{dst, n, 0, &crc}}, -1, c.fresh_huge);
+    CHECK_BYTES(std::string(dst, n), data);
+    CHECK_EQ(crc, zcrc(data, 0, n));
+    const fastckpt::HugeVerdict v = fastckpt::huge_pages_verdict();
+    CHECK_EQ(v.slow_seen, c.slow);
+    CHECK_EQ(fastckpt::prefer_huge_pages(), !c.slow);
+    if (c.slow) {
+      CHECK(v.bytes >= fastckpt::kHugeJudgeBytes);
+      // after the first window, what the helper had not reached: most of the rest
+      CHECK_MSG(st.small_paged_bytes > 0 && st.small_paged_bytes <= n - fastckpt::kHugeJudgeBytes,
+                std::to_string(st.small_paged_bytes));
+    } else {
+      CHECK_EQ(st.small_paged_bytes, 0u);
+    }
+    ::munmap(mem, n + huge);
+    CHECK_POOL_FULL(eng);
+  }
+  ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
+  fastckpt::reset_huge_pages_verdict();
 }
 
 // A file of which nothing is cached goes straight to the disk path: no

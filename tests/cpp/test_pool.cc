@@ -8,6 +8,7 @@
 #include <sys/mman.h>
 
 #include "buffer_pool.h"
+#include "first_touch.h"
 #include "util.h"
 
 using namespace fct;
@@ -254,6 +255,34 @@ TEST(thread_backend_starts_workers_as_requests_need_them, ONCE) {
   CHECK(be->threads_started() >= 1 && be->threads_started() <= 4);
   be.reset();
   ::close(fd);
+}
+
+// ------------------------------------------------------------ huge pages: the process's verdict
+
+TEST(huge_pages_are_preferred_until_a_read_finds_them_slow, ONCE) {
+  fastckpt::reset_huge_pages_verdict();
+  CHECK(fastckpt::prefer_huge_pages());
+  CHECK_EQ(fastckpt::huge_pages_verdict().slow_seen, false);
+  fastckpt::note_slow_huge_pages(16 * MiB, 0.1);
+  CHECK_EQ(fastckpt::prefer_huge_pages(), false);
+  const fastckpt::HugeVerdict v = fastckpt::huge_pages_verdict();
+  CHECK(v.slow_seen);
+  CHECK_EQ(v.huge, false);
+  CHECK_EQ(v.bytes, 16 * MiB);
+  CHECK_EQ(v.cpu_s, 0.1);
+  CHECK(v.age_s >= 0 && v.age_s < fastckpt::kVerdictTtlS);
+  fastckpt::reset_huge_pages_verdict();
+  CHECK(fastckpt::prefer_huge_pages());
+}
+
+TEST(the_slow_threshold_is_the_constant_unless_a_test_sets_it, ONCE) {
+  ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
+  CHECK_EQ(fastckpt::slow_huge_bps(), fastckpt::kSlowHugeBps);
+  ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "1e18", 1);
+  CHECK_EQ(fastckpt::slow_huge_bps(), 1e18);
+  ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "fast", 1);  // not a number: the constant
+  CHECK_EQ(fastckpt::slow_huge_bps(), fastckpt::kSlowHugeBps);
+  ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
 }
 
 FCT_MAIN()

@@ -425,8 +425,8 @@ def test_load_and_verify_read_records_through_one_reader(tmp_path, capsys, monke
     seen = []
     real = fastckpt.torchsave.reader.Records.read_into
     monkeypatch.setattr(fastckpt.torchsave.reader.Records, "read_into",
-                        lambda self, items, fd=None, heads=None: seen.extend(n for n, *_ in items)
-                        or real(self, items, fd, heads))
+                        lambda self, items, *rest, **kw: seen.extend(n for n, *_ in items)
+                        or real(self, items, *rest, **kw))
     fastckpt.load(p)
     assert "data.pkl" in seen and any(n.startswith("data/") for n in seen)
     seen.clear()

@@ -1,6 +1,7 @@
 """The memory a load returns (fastckpt.torchsave.reader.host_storage): storages of 2 MiB or more
-on transparent huge pages (MADV_HUGEPAGE) unless the knob load_huge_pages is 0; the tensors are
-the file's, bitwise, either way. The block that the storages read from one stretch of a file share
+on transparent huge pages (MADV_HUGEPAGE) with the knob load_huge_pages at 1, on small pages at 0,
+and at 2 (the default) as the process's measurement of first-touch speed decides (_C.huge_pages_pay);
+the tensors are the file's, bitwise, either way. The block that the storages read from one stretch of a file share
 (host_block, fastckpt.safetensors' loads): a storage of each tensor's own, whose pages go back to
 the kernel when it dies, the block unmapped with the last."""
 import io
@@ -41,22 +42,29 @@ def _state():
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
 def test_large_storages_come_on_huge_pages(tmp_path, fmt):
     sd = _state()
-    if fmt == "torch":
-        fastckpt.save(sd, tmp_path / "c.pt")
-        got = fastckpt.load(tmp_path / "c.pt")
-    else:
-        fst.save_file(sd, tmp_path / "c.safetensors")
-        got = fst.load_file(tmp_path / "c.safetensors")
+    with knobs.override(load_huge_pages=1):
+        if fmt == "torch":
+            fastckpt.save(sd, tmp_path / "c.pt")
+            got = fastckpt.load(tmp_path / "c.pt")
+        else:
+            fst.save_file(sd, tmp_path / "c.safetensors")
+            got = fst.load_file(tmp_path / "c.safetensors")
     assert all(torch.equal(got[k], sd[k]) for k in sd)
     start = got["big"].untyped_storage().data_ptr()
     # the advice covers the whole 2 MiB pages of the block: its first one holds the data's start
     assert "hg" in _vma_flags(start).split(), _vma_flags(start)
 
 
-def test_the_knob_at_0_asks_for_small_pages(tmp_path, monkeypatch):
-    """(Memory that glibc hands out again may still carry an earlier block's advice: the
-    allocation's argument is what is checked, of both kinds: a storage's own memory and the
-    block that storages close together in the file share.)"""
+@pytest.fixture
+def verdict():
+    """The process's huge-page verdict, forgotten before and after the test."""
+    fastckpt._C.reset_huge_pages_verdict()
+    yield fastckpt._C
+    fastckpt._C.reset_huge_pages_verdict()
+
+
+def _asking(monkeypatch):
+    """Records what each allocation of a load's memory asked for: ("own" or "block", huge)."""
     asked = []
     real_aligned, real_arena = reader._C.empty_aligned, reader._C.empty_arena
 
@@ -68,16 +76,76 @@ def test_the_knob_at_0_asks_for_small_pages(tmp_path, monkeypatch):
         asked.append(("block", huge))
         return real_arena(n, phase, spans, huge)
 
-    sd = _state()
-    fastckpt.save(sd, tmp_path / "c.pt")
     monkeypatch.setattr(reader._C, "empty_aligned", empty_aligned)
     monkeypatch.setattr(reader._C, "empty_arena", empty_arena)
-    for value in (0, 1):
+    return asked
+
+
+def _saved(tmp_path, fmt, sd):
+    path = tmp_path / "c"
+    fastckpt.save(sd, path) if fmt == "torch" else fst.save_file(sd, path)
+    return {"torch": lambda: fastckpt.load(path), "safetensors": lambda: fst.load_file(path),
+            "safetensors bytes": lambda: fst.load(path.read_bytes())}[fmt]
+
+
+FORMATS = ["torch", "safetensors", "safetensors bytes"]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_knob_at_0_or_1_asks_for_small_or_huge_pages_whatever_was_found(tmp_path, monkeypatch, verdict, fmt):
+    """(Memory that glibc hands out again may still carry an earlier block's advice: the
+    allocation's argument is what is checked, of both kinds: a storage's own memory and the
+    block that storages close together in the file share.)"""
+    sd = _state()
+    load = _saved(tmp_path, fmt, sd)
+    asked = _asking(monkeypatch)
+    for slow in (True, False):  # either verdict: the knob decides
+        verdict.reset_huge_pages_verdict()
+        if slow:
+            verdict.note_slow_huge_pages(16 * MIB, 0.1)
+        for value in (0, 1):
+            asked.clear()
+            with knobs.override(load_huge_pages=value):
+                got = load()
+            assert all(torch.equal(got[k], sd[k]) for k in sd)
+            assert asked and all(huge == bool(value) for _, huge in asked), (value, asked)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_default_asks_for_huge_pages_until_a_read_found_them_slow(tmp_path, monkeypatch, verdict, fmt):
+    """Every storage of one load alike."""
+    assert knobs.get("load_huge_pages") == 2
+    sd = _state()
+    load = _saved(tmp_path, fmt, sd)
+    asked = _asking(monkeypatch)
+    for slow in (False, True):
+        if slow:
+            verdict.note_slow_huge_pages(16 * MIB, 0.1)
         asked.clear()
-        with knobs.override(load_huge_pages=value):
-            got = fastckpt.load(tmp_path / "c.pt")
+        got = load()
         assert all(torch.equal(got[k], sd[k]) for k in sd)
-        assert asked and all(huge == bool(value) for _, huge in asked), (value, asked)
+        assert asked and all(huge == (not slow) for _, huge in asked), (slow, asked)
+
+
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+@pytest.mark.parametrize("knob", [2, 1])
+def test_a_load_that_finds_huge_pages_slow_reads_on_and_the_next_load_asks_for_small_ones(
+        tmp_path, monkeypatch, verdict, fmt, knob):
+    """With the default knob, the read into a load's fresh storages judges the huge pages it
+    faults in (FASTCKPT_TEST_SLOW_HUGE_BPS=1e18: every window slow): the load returns the
+    file's bytes, the verdict is recorded and the next load asks for small pages. At 1 the
+    pages stay huge and nothing is judged."""
+    monkeypatch.setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "1e18")
+    # 160 MiB: past the first queue_depth reads (8 x 8 MiB), the helper faults in several windows
+    sd = {f"w{i}": torch.full((8 * MIB // 4,), float(i)) for i in range(20)}
+    load = _saved(tmp_path, fmt, sd)
+    with knobs.override(load_huge_pages=knob):
+        got = load()
+        assert all(torch.equal(got[k], sd[k]) for k in sd)
+        assert verdict.huge_pages_verdict()["slow_seen"] == (knob == 2)
+        asked = _asking(monkeypatch)
+        load()
+    assert asked and all(huge == (knob == 1) for _, huge in asked), (knob, asked)
 
 
 def _mapped(addr: int) -> bool:
@@ -133,7 +201,8 @@ def test_a_block_refuses_spans_out_of_order_overlapping_or_outside(spans):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/smaps")
-def test_a_block_is_on_huge_pages_unless_the_knob_says_not(tmp_path):
+def test_a_block_is_on_huge_pages_unless_the_knob_says_not(tmp_path, verdict):
+    verdict.note_slow_huge_pages(16 * MIB, 0.1)  # the knob at 1 wins over a verdict against huge pages
     for value in (1, 0):
         with knobs.override(load_huge_pages=value):
             whole, _ = reader.host_block(6 * MIB, 0, [])

@@ -229,12 +229,12 @@ def main() -> int:
     read = [0]
     read_into = fastckpt.torchsave.reader.Records.read_into
 
-    def counting(self, items, fd=None, heads=None):
+    def counting(self, items, fd=None, heads=None, fresh_huge=False):
         shares = [it for it in items if it[0].startswith("data/")]
         read[0] += sum(it[2].numel() for it in shares)
         if shares and mode == "fault" and rank == 1:
             _C.fault_inject("read", errno=errno.EIO, times=0)
-        return read_into(self, items, fd, heads)
+        return read_into(self, items, fd, heads, fresh_huge)
 
     fastckpt.torchsave.reader.Records.read_into = counting
     log = []
@@ -256,10 +256,10 @@ def main() -> int:
             return host_storages(records, runs, *rest)
         fastckpt.torchsave.reader.host_storages = counted_host
 
-        def reading(self, items, fd=None, heads=None):
+        def reading(self, items, fd=None, heads=None, fresh_huge=False):
             if any(it[0].startswith("data/") for it in items):
                 log.append("r")
-            return counting(self, items, fd, heads)
+            return counting(self, items, fd, heads, fresh_huge)
         fastckpt.torchsave.reader.Records.read_into = reading
         sim, ml = sim_setup(mode, rank, log) if mode in SIM_MODES else (None, "cpu")
         if mode.startswith("nccl_"):  # the group's backend reported as NCCL's (the collectives still gloo's)

@@ -1,0 +1,73 @@
+#include "first_touch.h"
+
+#include <chrono>
+#include <cstdlib>
+#include <mutex>
+
+namespace fastckpt {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct State {
+  std::mutex mu;
+  bool slow_seen = false;
+  uint64_t bytes = 0;
+  double cpu_s = 0;
+  Clock::time_point at;
+};
+
+State& state() {
+  static State s;
+  return s;
+}
+
+double age_locked(const State& st) { return std::chrono::duration<double>(Clock::now() - st.at).count(); }
+
+}  // namespace
+
+double slow_huge_bps() {
+  const char* v = std::getenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
+  if (v == nullptr || *v == 0) return kSlowHugeBps;
+  char* end = nullptr;
+  const double x = std::strtod(v, &end);
+  return end != v && *end == 0 && x >= 0 ? x : kSlowHugeBps;
+}
+
+bool prefer_huge_pages() {
+  State& st = state();
+  std::lock_guard<std::mutex> lk(st.mu);
+  return !st.slow_seen || age_locked(st) >= kVerdictTtlS;
+}
+
+HugeVerdict huge_pages_verdict() {
+  State& st = state();
+  std::lock_guard<std::mutex> lk(st.mu);
+  HugeVerdict v;
+  v.slow_seen = st.slow_seen;
+  v.bytes = st.bytes;
+  v.cpu_s = st.cpu_s;
+  v.age_s = st.slow_seen ? age_locked(st) : 0.0;
+  v.huge = !st.slow_seen || v.age_s >= kVerdictTtlS;
+  return v;
+}
+
+void note_slow_huge_pages(uint64_t bytes, double cpu_s) {
+  State& st = state();
+  std::lock_guard<std::mutex> lk(st.mu);
+  st.slow_seen = true;
+  st.bytes = bytes;
+  st.cpu_s = cpu_s;
+  st.at = Clock::now();
+}
+
+void reset_huge_pages_verdict() {
+  State& st = state();
+  std::lock_guard<std::mutex> lk(st.mu);
+  st.slow_seen = false;
+  st.bytes = 0;
+  st.cpu_s = 0;
+}
+
+}  // namespace fastckpt
