@@ -452,6 +452,7 @@ class Bench:
         self.drop_ok = 0
         self.dev: Optional[str] = None
         self.verified_once: Dict[str, bool] = {}
+        self.huge_slow: Dict[str, List[int]] = {}  # fastckpt load label -> [loads that found huge pages slow, loads]
         self.method_info: Dict[str, Any] = {}
         unit = math.lcm(MiB, *(fp.bs for fp in fio_points))  # fio moves whole blocks only
         self.fio_size = -(-self.payload // unit) * unit
@@ -507,8 +508,10 @@ class Bench:
         hwm = _status_kb("VmHWM") * 1024
         diffs = compare(self.sd, res[0])
         m.close()
+        fc = sys.modules.get("fastckpt._C")  # whose reads found huge pages slow (knob load_huge_pages)
         return dict(t, rss_extra=hwm - base, pool=pool, reset_ok=reset_ok, drop_error=drop_err,
-                    dev=be.dev_delta(d0, d1, "read"), verified=not diffs, diffs=diffs)
+                    dev=be.dev_delta(d0, d1, "read"), verified=not diffs, diffs=diffs,
+                    huge_slow=fc.huge_pages_verdict()["slow_seen"] if fc is not None else None)
 
     def _record(self, m: Method, op: str, rep: int, out: Dict[str, Any], label: Optional[str] = None,
                 key: Optional[str] = None) -> bool:
@@ -531,6 +534,10 @@ class Bench:
         if out.get("info"):
             self.method_info[m.label] = out["info"]
             self.notes += out["info"].get("notes", [])
+        if op == "load" and key.startswith("fastckpt") and out.get("huge_slow") is not None:
+            seen = self.huge_slow.setdefault(label, [0, 0])
+            seen[0] += bool(out["huge_slow"])
+            seen[1] += 1
         if "verified" in out:
             self.verified_once[label] = self.verified_once.get(label, True) and out["verified"]
             if not out["verified"]:
@@ -871,7 +878,12 @@ def report(bench: Bench, ctx: Dict[str, Any], skipped: Dict[str, str]) -> Dict[s
         print(f"- '{TOUCH_LABEL}': torch.empty(payload bytes).fill_(0) in a fresh child, once per repetition: "
               "the page-fault + zeroing rate of fresh memory, which every loader that allocates its result pays "
               f"(fio reads into one reused buffer and does not); '{TOUCH_HUGE_LABEL}': the same on transparent "
-              "huge pages, as fastckpt's loads allocate storages of 2 MiB or more (knob load_huge_pages)")
+              "huge pages, as fastckpt's loads allocate storages of 2 MiB or more unless their reads find huge "
+              "pages faulting in slowly (knob load_huge_pages, default 2)")
+    if bench.huge_slow:
+        print("- fastckpt loads whose reads found huge pages faulting in slowly and moved the rest of the load "
+              "to small pages (docs/ENGINE.md, 'Huge or small pages for a load'): "
+              + "; ".join(f"{k} {n} of {m}" for k, (n, m) in bench.huge_slow.items()))
     print(f"- fio: {ctx.get('fio', 'not run')}" + (f", {bench.fio_size} bytes per run" if bench.fio_points else ""))
     if bench.drop_error:
         print(f"- page cache: NOT dropped ({bench.drop_error}): the loads are NOT cold")

@@ -7,6 +7,7 @@ read_bytes would also count the code pages this process faults in again after an
 the whole page cache. The kernel's read_ahead_kb is whatever the machine has."""
 import os
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -85,10 +86,25 @@ def test_load_into(files, which):
     _check(path, read)
 
 
+def _page_cache_drops() -> Optional[int]:
+    """How many times the whole page cache was dropped since boot (/proc/vmstat drop_pagecache:
+    `echo 1|3 > /proc/sys/vm/drop_caches`, which the benchmarks' tests run), or None."""
+    try:
+        with open("/proc/vmstat") as f:
+            for line in f:
+                if line.startswith("drop_pagecache "):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def test_a_warm_load_reads_nothing_from_the_disk(files):
     sd, pt, _, fs = files
     size = os.path.getsize(pt)
-    for _ in range(3):
+    clean = 0  # tries that no drop of the whole page cache overlapped
+    for _ in range(20):
+        drops = _page_cache_drops()
         with open(pt, "rb") as f:  # into the page cache
             while f.read(8 << 20):
                 pass
@@ -97,10 +113,19 @@ def test_a_warm_load_reads_nothing_from_the_disk(files):
         read = fs.read_bytes() - before
         assert torch.equal(got["layer3.weight"], sd["layer3.weight"])
         # A concurrent drop_caches (another test's) evicts the file between the read and the load,
-        # and the load then rightly reads it: the load's O_DIRECT reads leave the file uncached.
-        if read == 0 or cached_bytes(pt) in (None, size + (-size) % 4096):
+        # and the load then rightly reads it: such a try does not count. Where the kernel does not
+        # count the drops, the file wholly cached after the load says none came.
+        if drops is not None:
+            overlapped = _page_cache_drops() != drops
+        else:
+            overlapped = cached_bytes(pt) not in (None, size + (-size) % 4096)
+        if not overlapped:
+            clean += 1
+            assert read <= SLACK, f"a load of {size} bytes in the page cache read {read} bytes from the disk"
+        if clean == 2:
             break
-    assert read <= SLACK, f"a load of {size} bytes in the page cache read {read} bytes from the disk"
+    if not clean:
+        pytest.skip("another process dropped the whole page cache during each of 20 tries")
 
 
 @pytest.mark.parametrize("writer", ["fastckpt", "torch"])
