@@ -59,6 +59,9 @@ struct CrcPiece {
 
 constexpr uint64_t kPrefaultMin = 16u << 20;   // destination bytes of a read_ranges call worth a prefault thread
 constexpr uint64_t kPrefaultPart = 64u << 10;  // staged parts smaller than this are left to the copy
+// fresh_huge reads of at least this many destination bytes judge their first
+// kHugeJudgeBytes before the first read (judge_first).
+constexpr uint64_t kJudgeFirstMin = 64u << 20;
 // A staged part is copied out and checksummed in pieces this big, so that the
 // CRC reads what the copy just wrote while it is still in the cache.
 constexpr uint64_t kCrcPiece = 256u << 10;
@@ -496,7 +499,9 @@ class RangeReader {
       for (size_t p = j.part_begin; p < j.part_end; ++p)
         if (parts[p].len >= kPrefaultPart) fault_bytes += parts[p].len;
     }
-    prefault_next_ = std::min<size_t>(jobs.size(), cfg_.queue_depth);
+    size_t first = 0;  // jobs faulted in here, before the first read
+    if (fresh_huge_ && cfg_.prefault && fault_bytes >= kJudgeFirstMin) first = judge_first();
+    prefault_next_ = std::max(first, std::min<size_t>(jobs.size(), cfg_.queue_depth));
     if (!cfg_.prefault || fault_bytes < kPrefaultMin || prefault_next_ >= jobs.size()) return;
     try {
       prefaulter_ = std::thread([this]() { prefault(); });
@@ -506,6 +511,50 @@ class RangeReader {
     }
   }
 
+  // Faults in the destinations of job `i` (prefault): the bytes, or -1 where
+  // the kernel refuses (MADV_POPULATE_WRITE before 5.14).
+  int64_t populate(size_t i) const {
+    const Job& j = plan_.jobs[i];
+    const std::vector<Part>& parts = plan_.parts;
+    int64_t done = 0;
+    if (j.direct_dst) {
+      if (sys::populate_write_raw(j.direct_dst, j.len) < 0) return -1;
+      done += static_cast<int64_t>(j.len);
+    }
+    for (size_t p = j.part_begin; p < j.part_end; ++p) {
+      if (parts[p].len < kPrefaultPart) continue;
+      if (sys::populate_write_raw(parts[p].dst, parts[p].len) < 0) return -1;
+      done += static_cast<int64_t>(parts[p].len);
+    }
+    return done;
+  }
+
+  // With fresh_huge_ and a large read: the first kHugeJudgeBytes of
+  // destinations faulted in by the calling thread before any read, timed, so
+  // that where huge pages are slow the rest is advised small pages before a
+  // read faults any of it (the helper's windows judge the rest later: the
+  // first free huge pages are often ones given back moments before, still
+  // backed). Returns the jobs it faulted in.
+  size_t judge_first() {
+    const double cpu0 = sys::thread_cpu_seconds();
+    uint64_t window = 0;
+    size_t k = 0;
+    while (k < plan_.jobs.size() && window < kHugeJudgeBytes) {
+      const int64_t n = populate(k);
+      if (n < 0) return k;  // unsupported: the reads fault their pages themselves
+      window += static_cast<uint64_t>(n);
+      ++k;
+    }
+    const double cpu = sys::thread_cpu_seconds() - cpu0;
+    if (window >= kHugeJudgeBytes && cpu > 0 && static_cast<double>(window) / cpu < slow_huge_bps()) {
+      note_slow_huge_pages(window, cpu);
+      small_paged_ = small_pages_from(k);
+      judged_slow_ = true;
+    }
+    prefaulted_ = window;
+    return k;
+  }
+
   // The helper thread's loop (start_prefault). With fresh_huge_, it judges
   // the huge pages it faults in, window by window of kHugeJudgeBytes (its own
   // CPU time: the faults' cost, whatever else the machine runs), and at the
@@ -513,29 +562,18 @@ class RangeReader {
   // not reached small pages (small_pages_from).
   void prefault() {
     const std::vector<Job>& jobs = plan_.jobs;
-    const std::vector<Part>& parts = plan_.parts;
     uint64_t done = 0;
-    bool judge = fresh_huge_;
+    bool judge = fresh_huge_ && !judged_slow_;
     const double slow_bps = judge ? slow_huge_bps() : 0;
     uint64_t window = 0;
     double window_cpu = judge ? sys::thread_cpu_seconds() : 0;
     for (;;) {
       const size_t i = prefault_next_.fetch_add(1);
       if (i >= jobs.size() || stop_prefault_.load(std::memory_order_relaxed)) break;
-      const Job& j = jobs[i];
-      const uint64_t before = done;
-      if (j.direct_dst) {
-        if (sys::populate_write_raw(j.direct_dst, j.len) < 0) break;  // unsupported: stop
-        done += j.len;
-      }
-      bool ok = true;
-      for (size_t p = j.part_begin; ok && p < j.part_end; ++p) {
-        if (parts[p].len < kPrefaultPart) continue;
-        ok = sys::populate_write_raw(parts[p].dst, parts[p].len) >= 0;
-        if (ok) done += parts[p].len;
-      }
-      if (!ok) break;
-      window += done - before;
+      const int64_t n = populate(i);
+      if (n < 0) break;  // unsupported: stop
+      done += static_cast<uint64_t>(n);
+      window += static_cast<uint64_t>(n);
       if (judge && window >= kHugeJudgeBytes) {
         const double cpu = sys::thread_cpu_seconds() - window_cpu;
         if (cpu > 0 && static_cast<double>(window) / cpu < slow_bps) {
@@ -548,7 +586,7 @@ class RangeReader {
         }
       }
     }
-    prefaulted_ = done;
+    prefaulted_ += done;
   }
 
   // Advises the destinations of jobs [from, end) small pages (those a read
@@ -699,6 +737,7 @@ class RangeReader {
   std::atomic<size_t> prefault_next_{0};
   uint64_t prefaulted_ = 0;  // written by the helper, read after it is joined
   uint64_t small_paged_ = 0;  // likewise
+  bool judged_slow_ = false;  // judge_first found huge pages slow
   const bool fresh_huge_;
 };
 

@@ -277,6 +277,39 @@ TEST(slow_huge_pages_move_the_rest_of_a_fresh_read_to_small_pages, ALL) {
   fastckpt::reset_huge_pages_verdict();
 }
 
+// A large fresh read judges its first destinations before any read: where
+// huge pages are slow, everything after that first window is advised small
+// pages before a read faults it.
+TEST(a_large_fresh_read_judges_its_first_window_before_reading, ALL) {
+  TempDir dir;
+  const std::string path = dir.file("f.bin");
+  const size_t n = 80u << 20;  // at least the 64 MiB that judge_first wants
+  const std::string data = random_bytes(n, 43);
+  write_file_plain(path, data);
+  ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "1e18", 1);
+  fastckpt::reset_huge_pages_verdict();
+  Engine eng(config(1u << 20, 4, 4));
+  evict(path);
+  const size_t huge = 2u << 20;
+  void* mem = ::mmap(nullptr, n + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  CHECK(mem != MAP_FAILED);
+  char* dst = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(mem) + huge - 1) / huge * huge);
+  (void)::madvise(dst, n, MADV_HUGEPAGE);
+  uint32_t crc = 0;
+  ReadStats st = fastckpt::read_ranges(eng, path, {{dst, n, 0, &crc}}, -1, true);
+  CHECK_BYTES(std::string(dst, n), data);
+  CHECK_EQ(crc, zcrc(data, 0, n));
+  const fastckpt::HugeVerdict v = fastckpt::huge_pages_verdict();
+  CHECK(v.slow_seen);
+  CHECK(v.bytes >= fastckpt::kHugeJudgeBytes);
+  // the first window, then everything after it advised small pages: nothing left to judge
+  CHECK_MSG(v.bytes + st.small_paged_bytes == n, std::to_string(v.bytes) + " + " + std::to_string(st.small_paged_bytes));
+  ::munmap(mem, n + huge);
+  CHECK_POOL_FULL(eng);
+  ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
+  fastckpt::reset_huge_pages_verdict();
+}
+
 // A file of which nothing is cached goes straight to the disk path: no
 // RWF_NOWAIT try, whose miss would start the kernel's readahead (up to
 // read_ahead_kb of the file read into the page cache for nothing).
