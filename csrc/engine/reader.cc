@@ -60,8 +60,8 @@ struct CrcPiece {
 constexpr uint64_t kPrefaultMin = 16u << 20;   // destination bytes of a read_ranges call worth a prefault thread
 constexpr uint64_t kPrefaultPart = 64u << 10;  // staged parts smaller than this are left to the copy
 // fresh_huge reads of at least this many destination bytes judge their first
-// kHugeJudgeBytes before the first read (judge_first).
-constexpr uint64_t kJudgeFirstMin = 64u << 20;
+// kHugeJudgeBytes before anything is read (judge_first).
+constexpr uint64_t kJudgeFirstMin = 32u << 20;
 // A staged part is copied out and checksummed in pieces this big, so that the
 // CRC reads what the copy just wrote while it is still in the cache.
 constexpr uint64_t kCrcPiece = 256u << 10;
@@ -326,6 +326,7 @@ class RangeReader {
     const double t0 = now_seconds();
     open_file(same_file_fd);
     Pending pending = check_and_sort(ranges);
+    if (fresh_huge_ && cfg_.prefault && st_.bytes >= kJudgeFirstMin) judge_first(pending);
     read_cached(pending);
     if (pending.ranges.empty()) {
       cleanup();
@@ -499,9 +500,7 @@ class RangeReader {
       for (size_t p = j.part_begin; p < j.part_end; ++p)
         if (parts[p].len >= kPrefaultPart) fault_bytes += parts[p].len;
     }
-    size_t first = 0;  // jobs faulted in here, before the first read
-    if (fresh_huge_ && cfg_.prefault && fault_bytes >= kJudgeFirstMin) first = judge_first();
-    prefault_next_ = std::max(first, std::min<size_t>(jobs.size(), cfg_.queue_depth));
+    prefault_next_ = std::min<size_t>(jobs.size(), cfg_.queue_depth);
     if (!cfg_.prefault || fault_bytes < kPrefaultMin || prefault_next_ >= jobs.size()) return;
     try {
       prefaulter_ = std::thread([this]() { prefault(); });
@@ -529,30 +528,38 @@ class RangeReader {
     return done;
   }
 
-  // With fresh_huge_ and a large read: the first kHugeJudgeBytes of
-  // destinations faulted in by the calling thread before any read, timed, so
-  // that where huge pages are slow the rest is advised small pages before a
-  // read faults any of it (the helper's windows judge the rest later: the
-  // first free huge pages are often ones given back moments before, still
-  // backed). Returns the jobs it faulted in.
-  size_t judge_first() {
+  // With fresh_huge_ and a large read: the first kHugeJudgeBytes of the
+  // destinations (in file order) faulted in by the calling thread before
+  // anything is read, from the page cache or the disk, timed; where huge pages
+  // are slow, every destination byte after that window is advised small pages
+  // before a copy or a read faults it. (The helper's windows judge the rest
+  // of a disk read later: the first free huge pages are often ones given back
+  // moments before, still backed.)
+  void judge_first(const Pending& p) {
     const double cpu0 = sys::thread_cpu_seconds();
     uint64_t window = 0;
-    size_t k = 0;
-    while (k < plan_.jobs.size() && window < kHugeJudgeBytes) {
-      const int64_t n = populate(k);
-      if (n < 0) return k;  // unsupported: the reads fault their pages themselves
-      window += static_cast<uint64_t>(n);
-      ++k;
+    size_t i = 0;      // the first range not wholly in the window
+    uint64_t in = 0;   // of it, the bytes in the window
+    while (i < p.ranges.size() && window < kHugeJudgeBytes) {
+      const ReadRange& r = p.ranges[i];
+      in = std::min<uint64_t>(r.len, kHugeJudgeBytes - window);
+      if (sys::populate_write_raw(r.dst, in) < 0) return;  // unsupported: the reads fault their pages themselves
+      window += in;
+      if (in < r.len) break;  // the window ends inside this range
+      ++i;
+      in = 0;
     }
     const double cpu = sys::thread_cpu_seconds() - cpu0;
-    if (window >= kHugeJudgeBytes && cpu > 0 && static_cast<double>(window) / cpu < slow_huge_bps()) {
-      note_slow_huge_pages(window, cpu);
-      small_paged_ = small_pages_from(k);
-      judged_slow_ = true;
-    }
     prefaulted_ = window;
-    return k;
+    if (window < kHugeJudgeBytes || cpu <= 0 || static_cast<double>(window) / cpu >= slow_huge_bps()) return;
+    note_slow_huge_pages(window, cpu);
+    judged_slow_ = true;
+    for (size_t k = i; k < p.ranges.size(); ++k) {
+      const ReadRange& r = p.ranges[k];
+      const uint64_t skip = k == i ? in : 0;  // the part of range i already faulted in
+      if (skip < r.len && sys::advise_small_pages_raw(static_cast<char*>(r.dst) + skip, r.len - skip) == 0)
+        small_paged_ += r.len - skip;
+    }
   }
 
   // The helper thread's loop (start_prefault). With fresh_huge_, it judges
@@ -578,7 +585,7 @@ class RangeReader {
         const double cpu = sys::thread_cpu_seconds() - window_cpu;
         if (cpu > 0 && static_cast<double>(window) / cpu < slow_bps) {
           note_slow_huge_pages(window, cpu);
-          small_paged_ = small_pages_from(i + 1);
+          small_paged_ += small_pages_from(i + 1);
           judge = false;
         } else {
           window = 0;

@@ -277,19 +277,29 @@ TEST(slow_huge_pages_move_the_rest_of_a_fresh_read_to_small_pages, ALL) {
   fastckpt::reset_huge_pages_verdict();
 }
 
-// A large fresh read judges its first destinations before any read: where
-// huge pages are slow, everything after that first window is advised small
-// pages before a read faults it.
+// A large fresh read judges its first destinations before anything is read,
+// from the disk or from the page cache (where no prefault helper runs):
+// where huge pages are slow, everything after that first window is advised
+// small pages before a read or a copy faults it.
 TEST(a_large_fresh_read_judges_its_first_window_before_reading, ALL) {
   TempDir dir;
   const std::string path = dir.file("f.bin");
-  const size_t n = 80u << 20;  // at least the 64 MiB that judge_first wants
+  const size_t n = 40u << 20;  // at least the 32 MiB that judge_first wants
   const std::string data = random_bytes(n, 43);
   write_file_plain(path, data);
   ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "1e18", 1);
+  for (bool cached : {false, true}) {
   fastckpt::reset_huge_pages_verdict();
   Engine eng(config(1u << 20, 4, 4));
-  evict(path);
+  if (cached) {
+    std::string back(n, '\0');
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    CHECK(fd >= 0);
+    CHECK_EQ(::pread(fd, &back[0], n, 0), static_cast<ssize_t>(n));  // into the page cache
+    ::close(fd);
+  } else {
+    evict(path);
+  }
   const size_t huge = 2u << 20;
   void* mem = ::mmap(nullptr, n + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   CHECK(mem != MAP_FAILED);
@@ -304,8 +314,10 @@ TEST(a_large_fresh_read_judges_its_first_window_before_reading, ALL) {
   CHECK(v.bytes >= fastckpt::kHugeJudgeBytes);
   // the first window, then everything after it advised small pages: nothing left to judge
   CHECK_MSG(v.bytes + st.small_paged_bytes == n, std::to_string(v.bytes) + " + " + std::to_string(st.small_paged_bytes));
+  if (cached && st.cached_bytes == n) CHECK_EQ(st.backend, std::string("page cache"));  // no helper ran
   ::munmap(mem, n + huge);
   CHECK_POOL_FULL(eng);
+  }
   ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
   fastckpt::reset_huge_pages_verdict();
 }
