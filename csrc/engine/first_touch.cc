@@ -27,12 +27,18 @@ double age_locked(const State& st) { return std::chrono::duration<double>(Clock:
 
 }  // namespace
 
-double slow_huge_bps() {
+double slow_huge_bps(unsigned window) {
   const char* v = std::getenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
   if (v == nullptr || *v == 0) return kSlowHugeBps;
-  char* end = nullptr;
-  const double x = std::strtod(v, &end);
-  return end != v && *end == 0 && x >= 0 ? x : kSlowHugeBps;
+  double x = kSlowHugeBps;
+  for (unsigned i = 0;; ++i) {
+    char* end = nullptr;
+    const double y = std::strtod(v, &end);
+    if (end == v || y < 0 || (*end != 0 && *end != ',')) return kSlowHugeBps;  // not a list of numbers
+    x = y;
+    if (i == window || *end == 0) return x;
+    v = end + 1;
+  }
 }
 
 bool prefer_huge_pages() {

@@ -30,9 +30,11 @@ namespace fastckpt {
 constexpr double kSlowHugeBps = 1.5e9;
 // The helper judges huge pages over windows of at least this many bytes.
 constexpr uint64_t kHugeJudgeBytes = 16u << 20;
-// kSlowHugeBps, or the test-only FASTCKPT_TEST_SLOW_HUGE_BPS (a number of
-// bytes per CPU-second: 1e18 makes every window slow, 0 none).
-double slow_huge_bps();
+// The threshold for the `window`-th window a read judges (0: the first):
+// kSlowHugeBps, or the test-only FASTCKPT_TEST_SLOW_HUGE_BPS, bytes per
+// CPU-second, one number for every window (1e18 makes every window slow, 0
+// none) or a comma-separated list, one per window, the last for the rest.
+double slow_huge_bps(unsigned window = 0);
 // A verdict against huge pages stands this long; then loads try them again.
 constexpr double kVerdictTtlS = 60.0;
 

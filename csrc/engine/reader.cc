@@ -326,7 +326,10 @@ class RangeReader {
     const double t0 = now_seconds();
     open_file(same_file_fd);
     Pending pending = check_and_sort(ranges);
-    if (fresh_huge_ && cfg_.prefault && st_.bytes >= kJudgeFirstMin) judge_first(pending);
+    if (fresh_huge_ && cfg_.prefault && st_.bytes >= kJudgeFirstMin) {
+      judge_first(pending);
+      judging_cached_ = !judged_slow_;
+    }
     read_cached(pending);
     if (pending.ranges.empty()) {
       cleanup();
@@ -404,6 +407,11 @@ class RangeReader {
     for (; first_left < p.ranges.size(); ++first_left) {
       ReadRange& r = p.ranges[first_left];
       const uint64_t got = read_cached_prefix(r);
+      if (advise_rest_) {  // a window of this range's copies found huge pages slow: the ranges after it too
+        advise_rest_ = false;
+        for (size_t k = first_left + 1; k < p.ranges.size(); ++k)
+          if (sys::advise_small_pages_raw(p.ranges[k].dst, p.ranges[k].len) == 0) small_paged_ += p.ranges[k].len;
+      }
       if (got == 0) break;
       st_.cached_bytes += got;
       if (got < r.len) {
@@ -443,6 +451,7 @@ class RangeReader {
       const uint64_t want = r.len - got < step ? r.len - got : step;
       if (!wholly_cached(r.off + got, want)) break;
       char* at = static_cast<char*>(r.dst) + got;
+      if (judging_cached_) judge_cached(r, got, want);
       const int64_t k = sys::pread_cached(fd_, at, want, static_cast<int64_t>(r.off + got), path_);
       if (k <= 0) break;  // not cached, or RWF_NOWAIT refused (-1): the normal path
       if (r.crc) crc = crc32(crc, at, static_cast<uint64_t>(k));
@@ -451,6 +460,37 @@ class RangeReader {
     }
     if (got > 0 && r.crc) *r.crc = crc;
     return got;
+  }
+
+  // The page-cache phase's windows (with fresh_huge_, after judge_first found
+  // nothing slow): the step of `want` bytes at `got` into r faulted in before
+  // its copy, timed, window by window of kHugeJudgeBytes as the prefault
+  // helper does for the disk phase; where a window is slow, the rest of r and
+  // every range after it (read_cached) are advised small pages.
+  void judge_cached(const ReadRange& r, uint64_t got, uint64_t want) {
+    if (judged_ahead_ > 0) {  // judge_first's window: judged already
+      judged_ahead_ -= std::min(judged_ahead_, want);
+      return;
+    }
+    const double cpu0 = sys::thread_cpu_seconds();
+    if (sys::populate_write_raw(static_cast<char*>(r.dst) + got, want) < 0) {
+      judging_cached_ = false;  // unsupported: the copies fault their pages themselves
+      return;
+    }
+    cached_cpu_ += sys::thread_cpu_seconds() - cpu0;
+    cached_window_ += want;
+    if (cached_window_ < kHugeJudgeBytes) return;
+    if (cached_cpu_ > 0 && static_cast<double>(cached_window_) / cached_cpu_ < slow_huge_bps(windows_judged_++)) {
+      note_slow_huge_pages(cached_window_, cached_cpu_);
+      judged_slow_ = true;
+      judging_cached_ = false;
+      const uint64_t done = got + want;
+      if (done < r.len && sys::advise_small_pages_raw(static_cast<char*>(r.dst) + done, r.len - done) == 0)
+        small_paged_ += r.len - done;
+      advise_rest_ = true;
+    }
+    cached_window_ = 0;
+    cached_cpu_ = 0;
   }
 
   // O_DIRECT back on (the cache phase turned it off) where the file allows
@@ -500,7 +540,15 @@ class RangeReader {
       for (size_t p = j.part_begin; p < j.part_end; ++p)
         if (parts[p].len >= kPrefaultPart) fault_bytes += parts[p].len;
     }
-    prefault_next_ = std::min<size_t>(jobs.size(), cfg_.queue_depth);
+    // The jobs inside judge_first's window that the page-cache phase did not
+    // read: faulted in already, the helper starts after them.
+    size_t first = 0;
+    for (uint64_t left = judged_ahead_; first < jobs.size() && left > 0; ++first) {
+      const uint64_t n = job_bytes(jobs[first]);
+      if (n > left) break;
+      left -= n;
+    }
+    prefault_next_ = std::max(first, std::min<size_t>(jobs.size(), cfg_.queue_depth));
     if (!cfg_.prefault || fault_bytes < kPrefaultMin || prefault_next_ >= jobs.size()) return;
     try {
       prefaulter_ = std::thread([this]() { prefault(); });
@@ -508,6 +556,13 @@ class RangeReader {
       // No thread to be had (a process at its thread limit): the reads fault
       // their pages themselves, as with prefault off.
     }
+  }
+
+  // The destination bytes of a job (a direct read's, or its staged parts').
+  uint64_t job_bytes(const Job& j) const {
+    uint64_t n = j.direct_dst ? j.len : 0;
+    for (size_t p = j.part_begin; p < j.part_end; ++p) n += plan_.parts[p].len;
+    return n;
   }
 
   // Faults in the destinations of job `i` (prefault): the bytes, or -1 where
@@ -551,7 +606,9 @@ class RangeReader {
     }
     const double cpu = sys::thread_cpu_seconds() - cpu0;
     prefaulted_ = window;
-    if (window < kHugeJudgeBytes || cpu <= 0 || static_cast<double>(window) / cpu >= slow_huge_bps()) return;
+    judged_ahead_ = window;  // faulted in: the later windows start after it
+    if (window < kHugeJudgeBytes) return;
+    if (cpu <= 0 || static_cast<double>(window) / cpu >= slow_huge_bps(windows_judged_++)) return;
     note_slow_huge_pages(window, cpu);
     judged_slow_ = true;
     for (size_t k = i; k < p.ranges.size(); ++k) {
@@ -571,7 +628,7 @@ class RangeReader {
     const std::vector<Job>& jobs = plan_.jobs;
     uint64_t done = 0;
     bool judge = fresh_huge_ && !judged_slow_;
-    const double slow_bps = judge ? slow_huge_bps() : 0;
+    unsigned nth = windows_judged_;  // the windows judged before the disk phase
     uint64_t window = 0;
     double window_cpu = judge ? sys::thread_cpu_seconds() : 0;
     for (;;) {
@@ -583,7 +640,7 @@ class RangeReader {
       window += static_cast<uint64_t>(n);
       if (judge && window >= kHugeJudgeBytes) {
         const double cpu = sys::thread_cpu_seconds() - window_cpu;
-        if (cpu > 0 && static_cast<double>(window) / cpu < slow_bps) {
+        if (cpu > 0 && static_cast<double>(window) / cpu < slow_huge_bps(nth++)) {
           note_slow_huge_pages(window, cpu);
           small_paged_ += small_pages_from(i + 1);
           judge = false;
@@ -744,7 +801,14 @@ class RangeReader {
   std::atomic<size_t> prefault_next_{0};
   uint64_t prefaulted_ = 0;  // written by the helper, read after it is joined
   uint64_t small_paged_ = 0;  // likewise
-  bool judged_slow_ = false;  // judge_first found huge pages slow
+  bool judged_slow_ = false;  // judge_first or the page-cache phase found huge pages slow
+  // The page-cache phase's judging (judge_cached).
+  bool judging_cached_ = false;
+  bool advise_rest_ = false;
+  uint64_t cached_window_ = 0;
+  double cached_cpu_ = 0;
+  unsigned windows_judged_ = 0;  // by judge_first and judge_cached (the helper counts on from it)
+  uint64_t judged_ahead_ = 0;     // of judge_first's window, the bytes no phase has read yet
   const bool fresh_huge_;
 };
 

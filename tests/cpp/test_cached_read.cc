@@ -322,6 +322,61 @@ TEST(a_large_fresh_read_judges_its_first_window_before_reading, ALL) {
   fastckpt::reset_huge_pages_verdict();
 }
 
+// Where the first window is fast and a later one slow (the first free huge
+// pages were still backed), the later window moves the rest: judged in the
+// page-cache phase for a cached file (no prefault helper runs there), by the
+// helper for a disk read.
+TEST(a_later_slow_window_moves_the_rest_of_a_fresh_read_to_small_pages, ALL) {
+  TempDir dir;
+  const std::string path = dir.file("w.bin");
+  const size_t n = 72u << 20;
+  const std::string data = random_bytes(n, 47);
+  write_file_plain(path, data);
+  ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "0,1e18", 1);  // the first window fast, the others slow
+  for (bool cached : {true, false}) {
+    fastckpt::reset_huge_pages_verdict();
+    Engine eng(config(1u << 20, 4, 4));
+    if (cached) {
+      std::string back(n, '\0');
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      CHECK(fd >= 0);
+      CHECK_EQ(::pread(fd, &back[0], n, 0), static_cast<ssize_t>(n));
+      ::close(fd);
+    } else {
+      evict(path);
+    }
+    const size_t huge = 2u << 20;
+    void* mem = ::mmap(nullptr, n + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    CHECK(mem != MAP_FAILED);
+    char* dst = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(mem) + huge - 1) / huge * huge);
+    (void)::madvise(dst, n, MADV_HUGEPAGE);
+    uint32_t crc = 0;
+    ReadStats st = fastckpt::read_ranges(eng, path, {{dst, n, 0, &crc}}, -1, true);
+    CHECK_BYTES(std::string(dst, n), data);
+    CHECK_EQ(crc, zcrc(data, 0, n));
+    // The helper is best effort: on a loaded machine a disk read can finish before it has faulted a
+    // second window in; then there is nothing to judge (the page-cache phase judges in the caller's
+    // thread: always).
+    if (!cached && st.prefaulted_bytes < 2 * fastckpt::kHugeJudgeBytes) {
+      CHECK_EQ(st.small_paged_bytes, 0u);
+      ::munmap(mem, n + huge);
+      continue;
+    }
+    CHECK_MSG(fastckpt::huge_pages_verdict().slow_seen,
+              std::string(cached ? "cached" : "disk") + ": cached " + std::to_string(st.cached_bytes) +
+                  ", prefaulted " + std::to_string(st.prefaulted_bytes) + ", direct requests " +
+                  std::to_string(st.direct_requests) + ", requests " + std::to_string(st.requests));
+    // after the first window (16 MiB, fast) and the second (slow): the rest, or what the helper had not reached
+    CHECK_MSG(st.small_paged_bytes > 0 && st.small_paged_bytes <= n - 2 * fastckpt::kHugeJudgeBytes,
+              std::to_string(st.small_paged_bytes));
+    if (cached && st.cached_bytes == n) CHECK_EQ(st.small_paged_bytes, n - 2 * fastckpt::kHugeJudgeBytes);
+    ::munmap(mem, n + huge);
+    CHECK_POOL_FULL(eng);
+  }
+  ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
+  fastckpt::reset_huge_pages_verdict();
+}
+
 // A file of which nothing is cached goes straight to the disk path: no
 // RWF_NOWAIT try, whose miss would start the kernel's readahead (up to
 // read_ahead_kb of the file read into the page cache for nothing).

@@ -280,8 +280,15 @@ TEST(the_slow_threshold_is_the_constant_unless_a_test_sets_it, ONCE) {
   CHECK_EQ(fastckpt::slow_huge_bps(), fastckpt::kSlowHugeBps);
   ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "1e18", 1);
   CHECK_EQ(fastckpt::slow_huge_bps(), 1e18);
+  CHECK_EQ(fastckpt::slow_huge_bps(5), 1e18);  // one number: every window
+  ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "0,1e18", 1);  // a list: one per window, the last for the rest
+  CHECK_EQ(fastckpt::slow_huge_bps(0), 0.0);
+  CHECK_EQ(fastckpt::slow_huge_bps(1), 1e18);
+  CHECK_EQ(fastckpt::slow_huge_bps(7), 1e18);
   ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "fast", 1);  // not a number: the constant
   CHECK_EQ(fastckpt::slow_huge_bps(), fastckpt::kSlowHugeBps);
+  ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "0,x", 1);
+  CHECK_EQ(fastckpt::slow_huge_bps(1), fastckpt::kSlowHugeBps);
   ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
 }
 
