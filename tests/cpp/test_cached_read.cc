@@ -227,6 +227,36 @@ TEST(prefaulted_destinations_read_the_same_bytes_and_fail_cleanly, ALL) {
   }
 }
 
+// Reads all of `path` (which holds `data`) into fresh memory on huge pages,
+// 2 MiB-aligned and advised MADV_HUGEPAGE as a load's own storages are, with
+// read_ranges' fresh_huge as given, the file put in the page cache first
+// (`cached`) or evicted; checks the bytes and the CRC, gives the memory back
+// and returns the read's statistics.
+ReadStats fresh_huge_read(Engine& eng, const std::string& path, const std::string& data, bool cached,
+                          bool fresh_huge = true) {
+  const size_t n = data.size();
+  if (cached) {
+    std::string back(n, '\0');
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    CHECK(fd >= 0);
+    CHECK_EQ(::pread(fd, &back[0], n, 0), static_cast<ssize_t>(n));  // into the page cache
+    ::close(fd);
+  } else {
+    evict(path);
+  }
+  const size_t huge = 2u << 20;
+  void* mem = ::mmap(nullptr, n + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  CHECK(mem != MAP_FAILED);
+  char* dst = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(mem) + huge - 1) / huge * huge);
+  (void)::madvise(dst, n, MADV_HUGEPAGE);
+  uint32_t crc = 0;
+  ReadStats st = fastckpt::read_ranges(eng, path, {{dst, n, 0, &crc}}, -1, fresh_huge);
+  CHECK_BYTES(std::string(dst, n), data);
+  CHECK_EQ(crc, zcrc(data, 0, n));
+  ::munmap(mem, n + huge);
+  return st;
+}
+
 // Reads into destinations allocated for them on huge pages (fresh_huge) judge
 // the huge pages the prefault helper faults in: where they come slower than
 // the threshold, the destinations it has not reached are advised small pages
@@ -247,18 +277,8 @@ TEST(slow_huge_pages_move_the_rest_of_a_fresh_read_to_small_pages, ALL) {
   for (const Case& c : {Case{"1e18", true, true}, Case{"0", true, false}, Case{"1e18", false, false}}) {
     ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", c.bps, 1);
     fastckpt::reset_huge_pages_verdict();
-    EngineConfig cfg = config(1u << 20, 4, 4);
-    Engine eng(cfg);
-    evict(path);
-    const size_t huge = 2u << 20;
-    void* mem = ::mmap(nullptr, n + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    CHECK(mem != MAP_FAILED);
-    char* dst = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(mem) + huge - 1) / huge * huge);
-    (void)::madvise(dst, n, MADV_HUGEPAGE);
-    uint32_t crc = 0;
-    ReadStats st = fastckpt::read_ranges(eng, path, {{dst, n, 0, &crc}}, -1, c.fresh_huge);
-    CHECK_BYTES(std::string(dst, n), data);
-    CHECK_EQ(crc, zcrc(data, 0, n));
+    Engine eng(config(1u << 20, 4, 4));
+    const ReadStats st = fresh_huge_read(eng, path, data, false, c.fresh_huge);
     const fastckpt::HugeVerdict v = fastckpt::huge_pages_verdict();
     CHECK_EQ(v.slow_seen, c.slow);
     CHECK_EQ(fastckpt::prefer_huge_pages(), !c.slow);
@@ -270,7 +290,6 @@ TEST(slow_huge_pages_move_the_rest_of_a_fresh_read_to_small_pages, ALL) {
     } else {
       CHECK_EQ(st.small_paged_bytes, 0u);
     }
-    ::munmap(mem, n + huge);
     CHECK_POOL_FULL(eng);
   }
   ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
@@ -289,34 +308,17 @@ TEST(a_large_fresh_read_judges_its_first_window_before_reading, ALL) {
   write_file_plain(path, data);
   ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "1e18", 1);
   for (bool cached : {false, true}) {
-  fastckpt::reset_huge_pages_verdict();
-  Engine eng(config(1u << 20, 4, 4));
-  if (cached) {
-    std::string back(n, '\0');
-    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    CHECK(fd >= 0);
-    CHECK_EQ(::pread(fd, &back[0], n, 0), static_cast<ssize_t>(n));  // into the page cache
-    ::close(fd);
-  } else {
-    evict(path);
-  }
-  const size_t huge = 2u << 20;
-  void* mem = ::mmap(nullptr, n + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  CHECK(mem != MAP_FAILED);
-  char* dst = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(mem) + huge - 1) / huge * huge);
-  (void)::madvise(dst, n, MADV_HUGEPAGE);
-  uint32_t crc = 0;
-  ReadStats st = fastckpt::read_ranges(eng, path, {{dst, n, 0, &crc}}, -1, true);
-  CHECK_BYTES(std::string(dst, n), data);
-  CHECK_EQ(crc, zcrc(data, 0, n));
-  const fastckpt::HugeVerdict v = fastckpt::huge_pages_verdict();
-  CHECK(v.slow_seen);
-  CHECK(v.bytes >= fastckpt::kHugeJudgeBytes);
-  // the first window, then everything after it advised small pages: nothing left to judge
-  CHECK_MSG(v.bytes + st.small_paged_bytes == n, std::to_string(v.bytes) + " + " + std::to_string(st.small_paged_bytes));
-  if (cached && st.cached_bytes == n) CHECK_EQ(st.backend, std::string("page cache"));  // no helper ran
-  ::munmap(mem, n + huge);
-  CHECK_POOL_FULL(eng);
+    fastckpt::reset_huge_pages_verdict();
+    Engine eng(config(1u << 20, 4, 4));
+    const ReadStats st = fresh_huge_read(eng, path, data, cached);
+    const fastckpt::HugeVerdict v = fastckpt::huge_pages_verdict();
+    CHECK(v.slow_seen);
+    CHECK(v.bytes >= fastckpt::kHugeJudgeBytes);
+    // the first window, then everything after it advised small pages: nothing left to judge
+    CHECK_MSG(v.bytes + st.small_paged_bytes == n,
+              std::to_string(v.bytes) + " + " + std::to_string(st.small_paged_bytes));
+    if (cached && st.cached_bytes == n) CHECK_EQ(st.backend, std::string("page cache"));  // no helper ran
+    CHECK_POOL_FULL(eng);
   }
   ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
   fastckpt::reset_huge_pages_verdict();
@@ -336,30 +338,12 @@ TEST(a_later_slow_window_moves_the_rest_of_a_fresh_read_to_small_pages, ALL) {
   for (bool cached : {true, false}) {
     fastckpt::reset_huge_pages_verdict();
     Engine eng(config(1u << 20, 4, 4));
-    if (cached) {
-      std::string back(n, '\0');
-      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-      CHECK(fd >= 0);
-      CHECK_EQ(::pread(fd, &back[0], n, 0), static_cast<ssize_t>(n));
-      ::close(fd);
-    } else {
-      evict(path);
-    }
-    const size_t huge = 2u << 20;
-    void* mem = ::mmap(nullptr, n + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    CHECK(mem != MAP_FAILED);
-    char* dst = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(mem) + huge - 1) / huge * huge);
-    (void)::madvise(dst, n, MADV_HUGEPAGE);
-    uint32_t crc = 0;
-    ReadStats st = fastckpt::read_ranges(eng, path, {{dst, n, 0, &crc}}, -1, true);
-    CHECK_BYTES(std::string(dst, n), data);
-    CHECK_EQ(crc, zcrc(data, 0, n));
+    const ReadStats st = fresh_huge_read(eng, path, data, cached);
     // The helper is best effort: on a loaded machine a disk read can finish before it has faulted a
     // second window in; then there is nothing to judge (the page-cache phase judges in the caller's
     // thread: always).
     if (!cached && st.prefaulted_bytes < 2 * fastckpt::kHugeJudgeBytes) {
       CHECK_EQ(st.small_paged_bytes, 0u);
-      ::munmap(mem, n + huge);
       continue;
     }
     CHECK_MSG(fastckpt::huge_pages_verdict().slow_seen,
@@ -370,7 +354,6 @@ TEST(a_later_slow_window_moves_the_rest_of_a_fresh_read_to_small_pages, ALL) {
     CHECK_MSG(st.small_paged_bytes > 0 && st.small_paged_bytes <= n - 2 * fastckpt::kHugeJudgeBytes,
               std::to_string(st.small_paged_bytes));
     if (cached && st.cached_bytes == n) CHECK_EQ(st.small_paged_bytes, n - 2 * fastckpt::kHugeJudgeBytes);
-    ::munmap(mem, n + huge);
     CHECK_POOL_FULL(eng);
   }
   ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
