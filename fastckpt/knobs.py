@@ -39,8 +39,8 @@ load_huge_pages           FASTCKPT_LOAD_HUGE_PAGES           storages of 2 MiB o
                                                              stages for a device), and the blocks that storages
                                                              close together in the file share: 1 on transparent
                                                              huge pages, 0 on small pages, 2 on huge pages unless
-                                                             this process measured their first touch slower than
-                                                             small pages' (2; see docs/ENGINE.md)
+                                                             this process's reads found them faulting in slowly
+                                                             in the last minute (2; see docs/ENGINE.md)
 allow_foreign_owner       FASTCKPT_ALLOW_FOREIGN_OWNER       1: use checkpoint directories another user owns or can write (0)
 remote_part_size          FASTCKPT_REMOTE_PART_SIZE          bytes per part of a remote upload or ranged read (16 MiB)
 remote_parallelism        FASTCKPT_REMOTE_PARALLELISM        parts in flight per remote transfer (8): memory <= parts x part size
