@@ -310,7 +310,7 @@ def _write_through(snap: SaveSnapshot) -> None:
     items = [job for job in copies.pending if eligible(job[1], job[2])]
     if not items:
         return
-    snap.through = Through(copies, items)
+    snap.through = Through(items)
     through = {i for i, _, _ in items}
     copies.pending = [job for job in copies.pending if job[0] not in through]
     staged = list(snap.staged)

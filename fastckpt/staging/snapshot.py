@@ -95,7 +95,8 @@ def fusable(dst: torch.Tensor, src: torch.Tensor) -> bool:
             and dst.is_contiguous() and src.is_contiguous() and not src.is_conj() and not src.is_neg())
 
 
-def copy_with_crcs(jobs: Sequence[Tuple[int, torch.Tensor, torch.Tensor]], crcs: List[Optional[int]]) -> None:
+def copy_with_crcs(jobs: Sequence[Tuple[int, torch.Tensor, torch.Tensor]],
+                   crcs: Union[List[Optional[int]], Dict[int, int]]) -> None:
     """Copy each (source index, arena view, host source): the byte copies in one call that also
     takes each one's zip CRC-32 (``_C.copy_crc32_many``: 256 KiB copied, then folded from the cache,
     on as many threads as torch's intra-op pool has, no GIL; the CRC costs what the engine's CRC

@@ -6,10 +6,12 @@ tensors are copied, and they must not change until the *fence*: the next ``optim
 the phase of its record in the file (page-aligned: torch allocates tensors of 2 MiB and more so
 under ``THP_MEM_ALLOC_ENABLE=1``) need not be copied at all while the loop's forward and backward
 passes leave it unchanged: the writer thread sends it to the disk from where it lies (O_DIRECT,
-lent to the engine) and takes its CRC-32 on the way. Only what is still unwritten when the fence
-comes is copied, by the fence, into the snapshot's arena (with its CRC-32, as every snapshot copy);
-the fence then waits until no write in flight reads the live memory, and the writer goes on from
-the arena. A checkpoint whose write ends before the fence copies nothing.
+lent to the engine) and takes its CRC-32 on the way. Only what the writer has not taken when the
+fence comes is copied, by the fence, into the snapshot's arena (with its CRC-32, as every snapshot
+copy): the sources it has not started and the rest of the one it is sending, from the first piece
+not yet handed to a write. The fence then waits until no write in flight reads the live memory, and
+the writer goes on from the arena, joining the CRC-32 of the pieces it sent with the fence's CRC-32
+of the rest (``crc32_combine``). A checkpoint whose write ends before the fence copies nothing.
 
 :class:`Through` is that hand-over for one snapshot. The writer sends each such source with
 :meth:`Through.source`'s ``write_into(sink)`` (in pieces of :data:`PIECE` bytes; before each one
@@ -20,11 +22,12 @@ writer's live requests drained, or the writer stopped.
 """
 
 import threading
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from .snapshot import Snapshot, copy_with_crcs, flat, fusable, nbytes_of
+from .. import _C
+from .snapshot import copy_with_crcs, flat, fusable, nbytes_of
 from .device import ALIGN as PAGE
 
 __all__ = ["Through", "Waited", "eligible", "PIECE"]
@@ -59,12 +62,13 @@ class _Source:
 
 class Through:
     """The hand-over of one snapshot's `items` between the writer thread and the fence (see the
-    module's docstring). ``crcs`` is the snapshot's list: the fence records its copies' CRCs there."""
+    module's docstring)."""
 
-    def __init__(self, snap: Snapshot, items: Sequence[Item]):
+    def __init__(self, items: Sequence[Item]):
         self._cv = threading.Condition()
         self._items = {i: (view, src) for i, view, src in items}
-        self._crcs = snap.crcs
+        self._taken: Dict[int, int] = {}    # source -> bytes the writer has handed to writes
+        self._rest_crcs: Dict[int, int] = {}  # source -> CRC-32 of the part the fence copied
         self._left = set(self._items)       # sources not yet wholly sent
         self._switched = False              # the fence came: from here the writer sends arena copies only
         self._copied = threading.Event()    # the fence's copies are made (or failed)
@@ -97,28 +101,28 @@ class Through:
             k = min(PIECE, n - off)
             with self._cv:
                 go = not self._switched
-                if go:
+                if go:  # taken: the fence copies only what follows this piece
                     self._lent = True
+                    self._taken[i] = off + k
             if go:
                 crc = sink.write_crc(live[off:off + k], crc, borrow=True)
                 off += k
                 self.live_bytes += k
                 continue
-            # The fence came: it copies every source not wholly sent (this one with it). Once no
-            # write reads the live memory any more, the rest goes from the arena.
+            # The fence came: it copied this source from `off` on (every piece before it was handed
+            # to a write). Once no write reads the live memory any more, the rest goes from the arena.
             self._release(sink)
             self._copied.wait()
             if self._copy_error is not None:
                 raise self._copy_error
-            known = self._crcs[i]
-            if known is None or not getattr(sink, "checksums", True):
+            rest = self._rest_crcs.get(i)
+            if rest is None or not getattr(sink, "checksums", True):
                 crc = sink.write_crc(copy[off:], crc, borrow=True)
             else:
-                # The fence took the CRC-32 of the whole source with its copy, from the same bytes as
-                # the pieces already sent (nothing changes them before the fence): no second pass
-                # over memory here.
+                # The fence took the CRC-32 of the rest with its copy: joined to the pieces' CRC-32,
+                # no second pass over memory here.
                 sink.write(copy[off:], borrow=True)
-                crc = known
+                crc = rest if off == 0 else _C.crc32_combine(crc, rest, n - off)
             off = n
         with self._cv:
             self._left.discard(i)
@@ -171,8 +175,8 @@ class Through:
     # -- the fence's side
 
     def fence(self) -> None:
-        """Copy what the writer has not sent into the arena, then wait until no write reads the
-        live tensors; returns at once when that is so already. A failed copy is raised to the
+        """Copy what the writer has not handed to a write into the arena, then wait until no write
+        reads the live tensors; returns at once when that is so already. A failed copy is raised to the
         writer (the save fails); the fence itself returns, as the state may change either way."""
         with self._cv:
             if self.done.is_set() or self._switched:
@@ -181,11 +185,16 @@ class Through:
             else:
                 self._switched = first = True
                 self._fencing = True
-                todo = [(i, *self._items[i]) for i in sorted(self._left)]
+                todo = []  # each source from its first byte not taken by the writer (final: it sees the switch)
+                for i in sorted(self._left):
+                    view, src = self._items[i]
+                    at = self._taken.get(i, 0)
+                    if at < view.numel() * view.element_size():
+                        todo.append((i, flat(view)[at:], flat(src)[at:]))
         if first:
             try:
-                copy_with_crcs(todo, self._crcs)
-                self.copied_bytes = sum(v.numel() * v.element_size() for _, v, _ in todo)
+                copy_with_crcs(todo, self._rest_crcs)
+                self.copied_bytes = sum(v.numel() for _, v, _ in todo)
             except BaseException as e:  # noqa: BLE001 - the writer raises it: that save fails
                 self._copy_error = e
             finally:

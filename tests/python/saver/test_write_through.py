@@ -127,8 +127,8 @@ def test_every_mix_of_staged_and_live_sources_writes_the_state_at_the_call(tmp_p
             assert res.through_bytes == live and res.fence_copied_bytes == 0, on
         for n in on:
             sd[n].mul_(-2).add_(3)
-        res = fut.result(timeout=60)
-        assert res.through_bytes + res.fence_copied_bytes <= live, on
+        res = fut.result(timeout=60)  # each byte sent from live memory or copied by the fence, once
+        assert res.through_bytes + res.fence_copied_bytes == live, (on, res)
         assert_same(fastckpt.load(path, verify=True), want, bitwise=True)
         path.unlink()
 
@@ -178,23 +178,38 @@ def test_the_fence_copies_the_rest_and_waits_for_the_writes_in_flight(tmp_path, 
     res = fut.result(timeout=60)
     assert 0 < res.through_bytes < _live_bytes(sd)
     assert res.fence_copied_bytes > 0 and res.fence_seconds > 0
+    assert res.through_bytes + res.fence_copied_bytes == _live_bytes(sd)  # no byte both sent and copied
     assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), want, bitwise=True)
     assert temp_files(tmp_path) == []
 
 
 def test_the_arena_is_not_given_back_while_the_fence_copies_into_it(tmp_path, monkeypatch):
-    """The fence comes while the writer's last piece of live memory is in flight: it copies that
-    source into the arena while the writer completes the file. The arena must not go back to the
-    pool (where another save may take it and have its bytes overwritten) before that copy ends; the
-    save's success path gave it back as soon as the file was committed."""
+    """The fence comes while a piece of `b` is in flight and copies the rest of `b` into the arena;
+    that write then fails (EIO), so the writer stops without waiting for the copy. The arena must not
+    go back to the pool (where another save may take it and have its bytes overwritten) before the
+    fence's copy ends; the failure path gave it back as soon as the writer had stopped. The save
+    fails naming the path, and leaves no file and no temporary."""
     sd = _state()
-    want = _clone(sd)
-    gate = SendGate(monkeypatch, after=(sd["a"].nbytes + sd["b"].nbytes) // (256 << 10))  # the last piece
+    piece = 256 << 10
+    after = sd["a"].nbytes // piece + 1  # the first piece of `b`: the rest of it is the fence's to copy
+    gate = SendGate(monkeypatch, after=after, piece=piece)
     gate.watch([sd["a"], sd["b"]])
+    gated = AtomicFile.write_crc
+
+    def failing(f, t, crc, borrow=False):  # the gated piece's write fails once the gate opens
+        out = gated(f, t, crc, borrow)
+        if gate.go.is_set() and gate.sent == after and not failing.done:
+            failing.done = True
+            raise OSError(errno.EIO, "injected: the gated piece's write failed")
+        return out
+    failing.done = False
+    monkeypatch.setattr(AtomicFile, "write_crc", failing)
     copying, go = threading.Event(), threading.Event()
     copy = through_mod.copy_with_crcs
+    copied = []
 
     def held_copy(todo, crcs):  # the fence's copy, held until the test lets it go
+        copied.append(sum(v.numel() for _, v, _ in todo))
         copying.set()
         assert go.wait(60), "the test never let the fence's copy go"
         copy(todo, crcs)
@@ -205,26 +220,28 @@ def test_the_arena_is_not_given_back_while_the_fence_copies_into_it(tmp_path, mo
     release = snapshot_mod.Snapshot.release
     monkeypatch.setattr(snapshot_mod.Snapshot, "release",
                         lambda snap, keep=1: (given_back.append(copying.is_set()), release(snap, keep))[1])
-    committed = threading.Event()
-    commit = AtomicFile.commit
-    monkeypatch.setattr(AtomicFile, "commit", lambda f: (commit(f), committed.set())[0])
-    fut = fastckpt.async_save(sd, tmp_path / "c.pt", background_staging=True)
+    path = tmp_path / "c.pt"
+    fut = fastckpt.async_save(sd, path, background_staging=True)
     assert gate.entered.wait(30)
     fence = threading.Thread(target=fastckpt.wait_staged)
     fence.start()
     assert copying.wait(30)
+    assert copied == [sd["b"].nbytes - piece]  # only what no write had taken
     gate.open()
-    assert committed.wait(30)  # the file is complete while the fence still copies
+    with pytest.raises(OSError) as err:  # the writer stops while the fence still copies
+        fut.result(timeout=30)
+    assert err.value.errno == errno.EIO and str(path) in str(err.value)
     deadline = time.monotonic() + 1.0
     while not given_back and time.monotonic() < deadline:  # time for a premature release to show
         time.sleep(0.01)
     assert given_back == [], "the arena was given back while the fence copied into it"
     go.set()
     fence.join(30)
-    res = fut.result(timeout=60)
+    deadline = time.monotonic() + 30
+    while not given_back and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert given_back and not any(given_back)
-    assert res.fence_copied_bytes == sd["b"].nbytes
-    assert_same(fastckpt.load(tmp_path / "c.pt", verify=True), want, bitwise=True)
+    assert not path.exists() and temp_files(tmp_path) == []
 
 
 def test_the_optimizer_step_is_the_fence(tmp_path, monkeypatch):

@@ -53,7 +53,7 @@ def test_the_fence_does_not_wait_for_a_staged_source_the_writer_waits_for():
     c = page_aligned(torch.randn(MIB // 2, generator=g))          # sent live, or copied by the fence
     snap, live, rest = _snapshot([a.untyped_storage(), odd.untyped_storage(), c.untyped_storage()])
     assert [j[0] for j in live] == [0, 2] and [j[0] for j in rest] == [1]
-    h = Through(snap, live)
+    h = Through(live)
     snap.pending = rest  # as the saver hands them out: the staging thread copies the others only
     waiting = threading.Event()
 
@@ -88,4 +88,57 @@ def test_the_fence_does_not_wait_for_a_staged_source_the_writer_waits_for():
     want = b"".join(x.numpy().tobytes() for x in (a, odd, -c))
     assert bytes(sink.data) == want
     assert h.copied_bytes == c.numel() * 4 and h.live_bytes >= a.numel() * 4
+    snap.release()
+
+
+def test_a_fence_in_the_middle_of_a_source_copies_only_the_pieces_not_yet_handed_to_a_write():
+    """A source of several pieces: the fence comes while the writer's second piece is in flight. It
+    copies from the third piece on (not the two already taken), waits for the write in flight, and
+    the writer sends the rest from the arena; the CRC it returns is the whole source's, joined from
+    the pieces it sent and the fence's CRC of the rest. A change after the fence is in no byte."""
+    import zlib
+
+    from fastckpt.staging.through import PIECE
+
+    g = torch.Generator().manual_seed(1)
+    big = page_aligned(torch.randn((2 * PIECE + 3 * MIB + 4096) // 4, generator=g))
+    want = big.numpy().tobytes()
+    snap, live, rest = _snapshot([big.untyped_storage()])
+    assert [j[0] for j in live] == [0] and rest == []
+    h = Through(live)
+    snap.pending = []
+
+    in_second, go_on = threading.Event(), threading.Event()
+
+    class Slow(Sink):
+        def write_crc(self, t, crc, borrow=False):
+            if len(self.calls) == 1:  # the second piece: in flight until the fence has copied
+                in_second.set()
+                assert go_on.wait(10)
+            return super().write_crc(t, crc, borrow)
+
+    sink = Slow()
+    got = {}
+    t = threading.Thread(target=lambda: (got.setdefault("crc", h.source(0).write_into(sink)), h.finish()))
+    t.start()
+    assert in_second.wait(10)
+    f = threading.Thread(target=h.fence)
+    f.start()
+    deadline = threading.Event()
+    while not h.fenced and not deadline.wait(0.01):
+        pass
+    assert h.fenced
+    f.join(0.3)
+    assert f.is_alive(), "the fence returned while a write from the live memory was in flight"
+    go_on.set()
+    f.join(10)
+    assert not f.is_alive() and h.done.is_set()
+    big.mul_(-1)  # after the fence: none of this reaches the file
+    t.join(10)
+    assert h.copied_bytes == len(want) - 2 * PIECE
+    assert h.live_bytes == 2 * PIECE
+    assert [c for c in sink.calls if c[0] != "drain"] == [("write_crc", PIECE), ("write_crc", PIECE),
+                                                         ("write", len(want) - 2 * PIECE)]
+    assert bytes(sink.data) == want
+    assert got["crc"] == zlib.crc32(want)
     snap.release()
