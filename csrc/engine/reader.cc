@@ -468,10 +468,9 @@ class RangeReader {
   // helper does for the disk phase; where a window is slow, the rest of r and
   // every range after it (read_cached) are advised small pages.
   void judge_cached(const ReadRange& r, uint64_t got, uint64_t want) {
-    if (judged_ahead_ > 0) {  // judge_first's window: judged already
-      judged_ahead_ -= std::min(judged_ahead_, want);
-      return;
-    }
+    const bool judged = cached_seen_ < judged_window_;  // inside judge_first's window: judged already
+    cached_seen_ += want;
+    if (judged) return;
     const double cpu0 = sys::thread_cpu_seconds();
     if (sys::populate_write_raw(static_cast<char*>(r.dst) + got, want) < 0) {
       judging_cached_ = false;  // unsupported: the copies fault their pages themselves
@@ -541,9 +540,11 @@ class RangeReader {
         if (parts[p].len >= kPrefaultPart) fault_bytes += parts[p].len;
     }
     // The jobs inside judge_first's window that the page-cache phase did not
-    // read: faulted in already, the helper starts after them.
+    // read (it read the first cached_bytes of the same ranges, in the same
+    // order): faulted in already, the helper starts after them.
     size_t first = 0;
-    for (uint64_t left = judged_ahead_; first < jobs.size() && left > 0; ++first) {
+    const uint64_t ahead = judged_window_ > st_.cached_bytes ? judged_window_ - st_.cached_bytes : 0;
+    for (uint64_t left = ahead; first < jobs.size() && left > 0; ++first) {
       const uint64_t n = job_bytes(jobs[first]);
       if (n > left) break;
       left -= n;
@@ -606,7 +607,7 @@ class RangeReader {
     }
     const double cpu = sys::thread_cpu_seconds() - cpu0;
     prefaulted_ = window;
-    judged_ahead_ = window;  // faulted in: the later windows start after it
+    judged_window_ = window;  // faulted in: the later windows start after it
     if (window < kHugeJudgeBytes) return;
     if (cpu <= 0 || static_cast<double>(window) / cpu >= slow_huge_bps(windows_judged_++)) return;
     note_slow_huge_pages(window, cpu);
@@ -808,7 +809,8 @@ class RangeReader {
   uint64_t cached_window_ = 0;
   double cached_cpu_ = 0;
   unsigned windows_judged_ = 0;  // by judge_first and judge_cached (the helper counts on from it)
-  uint64_t judged_ahead_ = 0;     // of judge_first's window, the bytes no phase has read yet
+  uint64_t judged_window_ = 0;    // the destination bytes judge_first faulted in (file order)
+  uint64_t cached_seen_ = 0;      // the bytes judge_cached has seen
   const bool fresh_huge_;
 };
 
