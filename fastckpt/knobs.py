@@ -38,9 +38,10 @@ snapshot_huge_pages       FASTCKPT_SNAPSHOT_HUGE_PAGES       1: snapshot arenas 
 load_huge_pages           FASTCKPT_LOAD_HUGE_PAGES           storages of 2 MiB or more that a load returns (or
                                                              stages for a device), and the blocks that storages
                                                              close together in the file share: 1 on transparent
-                                                             huge pages, 0 on small pages, 2 on huge pages unless
-                                                             this process's reads found them faulting in slowly
-                                                             in the last minute (2; see docs/ENGINE.md)
+                                                             huge pages, 0 on small pages, 2 on huge pages for a
+                                                             load of 32 MiB or more unless this process's reads
+                                                             found them faulting in slowly in the last minute
+                                                             (2; see docs/ENGINE.md)
 allow_foreign_owner       FASTCKPT_ALLOW_FOREIGN_OWNER       1: use checkpoint directories another user owns or can write (0)
 remote_part_size          FASTCKPT_REMOTE_PART_SIZE          bytes per part of a remote upload or ranged read (16 MiB)
 remote_parallelism        FASTCKPT_REMOTE_PARALLELISM        parts in flight per remote transfer (8): memory <= parts x part size

@@ -268,7 +268,7 @@ def load(data: bytes) -> Dict[str, torch.Tensor]:
     import numpy as np  # a dependency of fastckpt's; imported here, off `import fastckpt`'s path
     start = 8 + n
     out: Dict[str, torch.Tensor] = {}
-    huge = huge_pages()  # decided once for all the tensors
+    huge = huge_pages(sum(e.end - e.begin for e in entries))  # decided once for all the tensors
     for e in entries:
         k = e.end - e.begin
         buf = host_storage(k, huge=huge)
@@ -329,7 +329,7 @@ def _read(src: _File, location: Any) -> Dict[str, torch.Tensor]:
     if staged is None:
         spans = [(e.begin, e.end, e.dtype.itemsize) for e in entries]
         size = entries[-1].end if entries else 0  # the tensors tile the data (checked by _File)
-        huge = huge_pages()
+        huge = huge_pages(size)
         whole, parts = host_block(size, src.data_start, spans, huge=huge)
         if size:
             _engine.read_ranges(src.path, [(whole, src.data_start)], fd, fresh_huge=judge_huge_pages(huge))

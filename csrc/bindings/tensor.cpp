@@ -115,10 +115,11 @@ at::Tensor arena_tensor(Arena* arena, char* begin, size_t len, bool give_back) {
 }  // namespace
 
 void init_tensor(py::module_& m) {
-  m.def("huge_pages_pay", &prefer_huge_pages,
-        "Whether memory about to be touched for the first time should be on transparent huge pages: yes "
-        "unless a read of this process found them faulting in slower than small pages in the last minute "
-        "(engine/first_touch.h).");
+  m.def("huge_pages_pay", &huge_pages_pay, py::arg("nbytes"),
+        "Whether a load of nbytes should put its memory on transparent huge pages: yes from HUGE_JUDGE_MIN "
+        "bytes on (a read judges those) unless a read of this process found them faulting in slower than "
+        "small pages in the last minute (engine/first_touch.h).");
+  m.attr("HUGE_JUDGE_MIN") = py::int_(kHugeJudgeMin);
   m.def("huge_pages_verdict", []() {
           const HugeVerdict v = huge_pages_verdict();
           py::dict d;

@@ -41,11 +41,24 @@ double slow_huge_bps(unsigned window) {
   }
 }
 
+HugeWindow::State HugeWindow::add(uint64_t bytes, double cpu_s) {
+  bytes_ += bytes;
+  cpu_s_ += cpu_s > 0 ? cpu_s : 0;
+  const double span = static_cast<double>(bytes_ > kHugeJudgeBytes ? bytes_ : kHugeJudgeBytes);
+  if (bps_ > 0 && cpu_s_ > span / bps_) {  // the window's rate, over at least kHugeJudgeBytes, is below the threshold
+    note_slow_huge_pages(bytes_, cpu_s_);
+    return kSlow;
+  }
+  return bytes_ >= kHugeJudgeBytes ? kFast : kOpen;
+}
+
 bool prefer_huge_pages() {
   State& st = state();
   std::lock_guard<std::mutex> lk(st.mu);
   return !st.slow_seen || age_locked(st) >= kVerdictTtlS;
 }
+
+bool huge_pages_pay(uint64_t bytes) { return bytes >= kHugeJudgeMin && prefer_huge_pages(); }
 
 HugeVerdict huge_pages_verdict() {
   State& st = state();

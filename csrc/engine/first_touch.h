@@ -28,13 +28,43 @@ namespace fastckpt {
 // faulting thread) lose to small pages, which fault in at 2.5-3.5 GB/s on the
 // machines measured (first touch, fresh memory).
 constexpr double kSlowHugeBps = 1.5e9;
-// The helper judges huge pages over windows of at least this many bytes.
+// Reads judge huge pages over windows of at least this many bytes.
 constexpr uint64_t kHugeJudgeBytes = 16u << 20;
 // The threshold for the `window`-th window a read judges (0: the first):
 // kSlowHugeBps, or the test-only FASTCKPT_TEST_SLOW_HUGE_BPS, bytes per
 // CPU-second, one number for every window (1e18 makes every window slow, 0
 // none) or a comma-separated list, one per window, the last for the rest.
 double slow_huge_bps(unsigned window = 0);
+// A read judges its first window before reading (judge_first) from this
+// many destination bytes on; loads under it go on small pages under the
+// default (huge_pages_pay): nothing would judge them, and here one huge page
+// can take 30-90 ms to fault in (measured, fresh process), more than a
+// 64 MiB torch.load takes, against a few ms that huge pages could save them.
+constexpr uint64_t kHugeJudgeMin = 32u << 20;
+// judge_first faults its window in steps of one huge page.
+constexpr uint64_t kHugeJudgeStep = 2u << 20;
+
+// One judging window of huge-page faults (the `nth` a read judges), fed step
+// by step with the bytes faulted in and the faulting thread's CPU time for
+// them. Slow as soon as that time exceeds what the whole window may cost at
+// the threshold: its rate can then only end below it, so the verdict is the
+// full window's, without faulting the rest of it in at the slow rate (16 MiB
+// at the 0.1 GB/s measured here is 160 ms; the budget at 1.5 GB/s is 11 ms).
+// Fast once it holds kHugeJudgeBytes within the budget. A slow window records
+// the verdict (note_slow_huge_pages).
+class HugeWindow {
+ public:
+  enum State { kOpen, kFast, kSlow };
+  explicit HugeWindow(unsigned nth) : bps_(slow_huge_bps(nth)) {}
+  State add(uint64_t bytes, double cpu_s);
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  double bps_;
+  uint64_t bytes_ = 0;
+  double cpu_s_ = 0;
+};
+
 // A verdict against huge pages stands this long; then loads try them again.
 constexpr double kVerdictTtlS = 60.0;
 
@@ -49,6 +79,9 @@ struct HugeVerdict {
 // Huge pages unless a read of this process found them slow less than
 // kVerdictTtlS seconds ago. Thread-safe.
 bool prefer_huge_pages();
+// Whether a load of `bytes` should allocate its memory on huge pages:
+// prefer_huge_pages(), and at least kHugeJudgeMin bytes.
+bool huge_pages_pay(uint64_t bytes);
 HugeVerdict huge_pages_verdict();
 // Records a window of huge-page faults found slow (the prefault helper).
 void note_slow_huge_pages(uint64_t bytes, double cpu_s);

@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <system_error>
 #include <thread>
 
@@ -59,9 +60,6 @@ struct CrcPiece {
 
 constexpr uint64_t kPrefaultMin = 16u << 20;   // destination bytes of a read_ranges call worth a prefault thread
 constexpr uint64_t kPrefaultPart = 64u << 10;  // staged parts smaller than this are left to the copy
-// fresh_huge reads of at least this many destination bytes judge their first
-// kHugeJudgeBytes before anything is read (judge_first).
-constexpr uint64_t kJudgeFirstMin = 32u << 20;
 // A staged part is copied out and checksummed in pieces this big, so that the
 // CRC reads what the copy just wrote while it is still in the cache.
 constexpr uint64_t kCrcPiece = 256u << 10;
@@ -326,7 +324,7 @@ class RangeReader {
     const double t0 = now_seconds();
     open_file(same_file_fd);
     Pending pending = check_and_sort(ranges);
-    if (fresh_huge_ && cfg_.prefault && st_.bytes >= kJudgeFirstMin) {
+    if (fresh_huge_ && cfg_.prefault && st_.bytes >= kHugeJudgeMin) {
       judge_first(pending);
       judging_cached_ = !judged_slow_;
     }
@@ -476,11 +474,11 @@ class RangeReader {
       judging_cached_ = false;  // unsupported: the copies fault their pages themselves
       return;
     }
-    cached_cpu_ += sys::thread_cpu_seconds() - cpu0;
-    cached_window_ += want;
-    if (cached_window_ < kHugeJudgeBytes) return;
-    if (cached_cpu_ > 0 && static_cast<double>(cached_window_) / cached_cpu_ < slow_huge_bps(windows_judged_++)) {
-      note_slow_huge_pages(cached_window_, cached_cpu_);
+    if (!cached_win_) cached_win_.emplace(windows_judged_++);
+    const HugeWindow::State w = cached_win_->add(want, sys::thread_cpu_seconds() - cpu0);
+    if (w == HugeWindow::kOpen) return;
+    cached_win_.reset();
+    if (w == HugeWindow::kSlow) {
       judged_slow_ = true;
       judging_cached_ = false;
       const uint64_t done = got + want;
@@ -488,8 +486,6 @@ class RangeReader {
         small_paged_ += r.len - done;
       advise_rest_ = true;
     }
-    cached_window_ = 0;
-    cached_cpu_ = 0;
   }
 
   // O_DIRECT back on (the cache phase turned it off) where the file allows
@@ -586,31 +582,33 @@ class RangeReader {
 
   // With fresh_huge_ and a large read: the first kHugeJudgeBytes of the
   // destinations (in file order) faulted in by the calling thread before
-  // anything is read, from the page cache or the disk, timed; where huge pages
+  // anything is read, from the page cache or the disk, timed, a huge page at a
+  // time (a HugeWindow ends at the step that spends its budget); where huge pages
   // are slow, every destination byte after that window is advised small pages
   // before a copy or a read faults it. (The helper's windows judge the rest
   // of a disk read later: the first free huge pages are often ones given back
   // moments before, still backed.)
   void judge_first(const Pending& p) {
-    const double cpu0 = sys::thread_cpu_seconds();
-    uint64_t window = 0;
+    HugeWindow win(windows_judged_++);
+    HugeWindow::State w = HugeWindow::kOpen;
     size_t i = 0;      // the first range not wholly in the window
     uint64_t in = 0;   // of it, the bytes in the window
-    while (i < p.ranges.size() && window < kHugeJudgeBytes) {
+    while (i < p.ranges.size() && w == HugeWindow::kOpen) {
+      // In steps of a huge page: a slow window ends at the step that spends its budget.
       const ReadRange& r = p.ranges[i];
-      in = std::min<uint64_t>(r.len, kHugeJudgeBytes - window);
-      if (sys::populate_write_raw(r.dst, in) < 0) return;  // unsupported: the reads fault their pages themselves
-      window += in;
-      if (in < r.len) break;  // the window ends inside this range
-      ++i;
-      in = 0;
+      const uint64_t step = std::min<uint64_t>({r.len - in, kHugeJudgeStep, kHugeJudgeBytes - win.bytes()});
+      const double cpu0 = sys::thread_cpu_seconds();
+      if (sys::populate_write_raw(static_cast<char*>(r.dst) + in, step) < 0) break;  // unsupported: the reads fault their pages
+      w = win.add(step, sys::thread_cpu_seconds() - cpu0);
+      in += step;
+      if (in == r.len) {
+        ++i;
+        in = 0;
+      }
     }
-    const double cpu = sys::thread_cpu_seconds() - cpu0;
-    prefaulted_ = window;
-    judged_window_ = window;  // faulted in: the later windows start after it
-    if (window < kHugeJudgeBytes) return;
-    if (cpu <= 0 || static_cast<double>(window) / cpu >= slow_huge_bps(windows_judged_++)) return;
-    note_slow_huge_pages(window, cpu);
+    prefaulted_ = win.bytes();
+    judged_window_ = win.bytes();  // faulted in: the later windows start after it
+    if (w != HugeWindow::kSlow) return;
     judged_slow_ = true;
     for (size_t k = i; k < p.ranges.size(); ++k) {
       const ReadRange& r = p.ranges[k];
@@ -622,33 +620,30 @@ class RangeReader {
 
   // The helper thread's loop (start_prefault). With fresh_huge_, it judges
   // the huge pages it faults in, window by window of kHugeJudgeBytes (its own
-  // CPU time: the faults' cost, whatever else the machine runs), and at the
-  // first window slower than kSlowHugeBps advises every destination it has
+  // CPU time: the faults' cost, whatever else the machine runs; a HugeWindow
+  // per window), and at the first slow one advises every destination it has
   // not reached small pages (small_pages_from).
   void prefault() {
     const std::vector<Job>& jobs = plan_.jobs;
     uint64_t done = 0;
     bool judge = fresh_huge_ && !judged_slow_;
     unsigned nth = windows_judged_;  // the windows judged before the disk phase
-    uint64_t window = 0;
-    double window_cpu = judge ? sys::thread_cpu_seconds() : 0;
+    std::optional<HugeWindow> win;
     for (;;) {
       const size_t i = prefault_next_.fetch_add(1);
       if (i >= jobs.size() || stop_prefault_.load(std::memory_order_relaxed)) break;
+      const double cpu0 = judge ? sys::thread_cpu_seconds() : 0;
       const int64_t n = populate(i);
       if (n < 0) break;  // unsupported: stop
       done += static_cast<uint64_t>(n);
-      window += static_cast<uint64_t>(n);
-      if (judge && window >= kHugeJudgeBytes) {
-        const double cpu = sys::thread_cpu_seconds() - window_cpu;
-        if (cpu > 0 && static_cast<double>(window) / cpu < slow_huge_bps(nth++)) {
-          note_slow_huge_pages(window, cpu);
-          small_paged_ += small_pages_from(i + 1);
-          judge = false;
-        } else {
-          window = 0;
-          window_cpu = sys::thread_cpu_seconds();
-        }
+      if (!judge) continue;
+      if (!win) win.emplace(nth++);
+      const HugeWindow::State w = win->add(static_cast<uint64_t>(n), sys::thread_cpu_seconds() - cpu0);
+      if (w == HugeWindow::kOpen) continue;
+      win.reset();
+      if (w == HugeWindow::kSlow) {
+        small_paged_ += small_pages_from(i + 1);
+        judge = false;
       }
     }
     prefaulted_ += done;
@@ -806,8 +801,7 @@ class RangeReader {
   // The page-cache phase's judging (judge_cached).
   bool judging_cached_ = false;
   bool advise_rest_ = false;
-  uint64_t cached_window_ = 0;
-  double cached_cpu_ = 0;
+  std::optional<HugeWindow> cached_win_;  // the page-cache phase's open window
   unsigned windows_judged_ = 0;  // by judge_first and judge_cached (the helper counts on from it)
   uint64_t judged_window_ = 0;    // the destination bytes judge_first faulted in (file order)
   uint64_t cached_seen_ = 0;      // the bytes judge_cached has seen

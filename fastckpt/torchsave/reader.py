@@ -28,18 +28,20 @@ SMALL_RECORDS = ("data.pkl", ".format_version", ".storage_alignment", "byteorder
                   ".data/serialization_id")
 
 
-def huge_pages() -> bool:
-    """Whether the storages of 2 MiB or more that a load allocates go on
-    transparent huge pages (the knob load_huge_pages): 1 yes, 0 no, 2
-    (default) yes unless a read of this process found them faulting in slower
-    than small pages would in the last minute (``_C.huge_pages_pay``: on a VM
-    whose host reclaims the guest's free 2 MiB blocks a huge page can fault in
-    several times slower than small ones; elsewhere it is faster). A read of
-    memory allocated on huge pages (``fresh_huge``) judges them as it faults
-    them in, and moves the rest of its destinations to small pages where they
-    are slow (:func:`judge_huge_pages`)."""
+def huge_pages(nbytes: int) -> bool:
+    """Whether the storages of 2 MiB or more that a load of `nbytes` allocates
+    go on transparent huge pages (the knob load_huge_pages): 1 yes, 0 no, 2
+    (default) yes for a load of ``_C.HUGE_JUDGE_MIN`` (32 MiB) or more unless a
+    read of this process found them faulting in slower than small pages would
+    in the last minute (``_C.huge_pages_pay``: on a VM whose host reclaims the
+    guest's free 2 MiB blocks a huge page can fault in several times slower
+    than small ones; elsewhere it is faster). A read of memory allocated on
+    huge pages (``fresh_huge``) judges them as it faults them in, and moves the
+    rest of its destinations to small pages where they are slow
+    (:func:`judge_huge_pages`); a smaller load is not judged, and one huge page
+    can cost it more than small pages save."""
     knob = knobs.get("load_huge_pages")
-    return knob == 1 or (knob == 2 and _C.huge_pages_pay())
+    return knob == 1 or (knob == 2 and _C.huge_pages_pay(nbytes))
 
 
 def judge_huge_pages(huge: bool) -> bool:
@@ -69,7 +71,7 @@ def host_storage(nbytes: int, offset: int = 0, item: int = 8, huge: Optional[boo
         # Faulting in fresh memory is most of a cold load's CPU: where huge pages fault in faster,
         # a 2 MiB page costs one fault instead of 512.
         t = _C.empty_aligned(nbytes, _zip.ALIGNMENT, phase if phase % min(item, 8) == 0 else 0,
-                             huge=huge_pages() if huge is None else huge)
+                             huge=huge_pages(nbytes) if huge is None else huge)
     else:
         t = torch.empty(nbytes, dtype=torch.uint8)
     _C.set_resizable(t, False)
@@ -93,7 +95,7 @@ def host_block(nbytes: int, offset: int, spans: List[Tuple[int, int, int]],
     own by :func:`settle_block` (so that no tensor is misaligned). ``huge``:
     as :func:`host_storage`'s."""
     whole, parts = _C.empty_arena(nbytes, offset % _zip.ALIGNMENT, [(b, e) for b, e, _ in spans],
-                                  huge=huge_pages() if huge is None else huge)
+                                  huge=huge_pages(nbytes) if huge is None else huge)
     return whole, parts
 
 
@@ -158,7 +160,8 @@ def host_storages(records: List[Tuple[int, int, int]], runs: List[List[int]],
     `blocks` (if given) as (file offset, uint8 tensor over it, run).
     ``huge``: as :func:`host_storage`'s, for all of them."""
     out: List[Optional[torch.Tensor]] = [None] * len(records)
-    huge = huge_pages() if huge is None else huge  # decided once for the load
+    if huge is None:  # decided once for the load
+        huge = huge_pages(sum(size for size, _, _ in records))
     for run in runs:
         if len(run) == 1:
             size, off, _ = records[run[0]]
@@ -289,7 +292,7 @@ class Records(dict):
         heads = sum(records[run[0]][1] - records[run[0]][2] for run in runs if len(run) == 1)
         self.claim(storages, holes + heads)
         blocks: List[Tuple[int, torch.Tensor, List[int]]] = []
-        huge = huge_pages()
+        huge = huge_pages(sum(size for size, _, _ in records))
         self.fresh_huge = judge_huge_pages(huge)  # what the reads into them are told (read_into's)
         tensors = host_storages(records, runs, blocks, huge)
         # The local headers to read with the data: a block's holes (before each record: the last

@@ -283,10 +283,9 @@ TEST(slow_huge_pages_move_the_rest_of_a_fresh_read_to_small_pages, ALL) {
     CHECK_EQ(v.slow_seen, c.slow);
     CHECK_EQ(fastckpt::prefer_huge_pages(), !c.slow);
     if (c.slow) {
-      CHECK(v.bytes >= fastckpt::kHugeJudgeBytes);
-      // after the first window, what the helper had not reached: most of the rest
-      CHECK_MSG(st.small_paged_bytes > 0 && st.small_paged_bytes <= n - fastckpt::kHugeJudgeBytes,
-                std::to_string(st.small_paged_bytes));
+      // every window slow: the first ends at its first step (its budget is nil), and the rest moves
+      CHECK_EQ(v.bytes, fastckpt::kHugeJudgeStep);
+      CHECK_MSG(st.small_paged_bytes > 0 && st.small_paged_bytes <= n - v.bytes, std::to_string(st.small_paged_bytes));
     } else {
       CHECK_EQ(st.small_paged_bytes, 0u);
     }
@@ -313,7 +312,7 @@ TEST(a_large_fresh_read_judges_its_first_window_before_reading, ALL) {
     const ReadStats st = fresh_huge_read(eng, path, data, cached);
     const fastckpt::HugeVerdict v = fastckpt::huge_pages_verdict();
     CHECK(v.slow_seen);
-    CHECK(v.bytes >= fastckpt::kHugeJudgeBytes);
+    CHECK_EQ(v.bytes, fastckpt::kHugeJudgeStep);  // slow at its first step: the window ends there
     // the first window, then everything after it advised small pages: nothing left to judge
     CHECK_MSG(v.bytes + st.small_paged_bytes == n,
               std::to_string(v.bytes) + " + " + std::to_string(st.small_paged_bytes));
@@ -342,7 +341,7 @@ TEST(a_later_slow_window_moves_the_rest_of_a_fresh_read_to_small_pages, ALL) {
     // The helper is best effort: on a loaded machine a disk read can finish before it has faulted a
     // second window in; then there is nothing to judge (the page-cache phase judges in the caller's
     // thread: always).
-    if (!cached && st.prefaulted_bytes < 2 * fastckpt::kHugeJudgeBytes) {
+    if (!cached && st.prefaulted_bytes <= fastckpt::kHugeJudgeBytes) {
       CHECK_EQ(st.small_paged_bytes, 0u);
       continue;
     }
@@ -350,10 +349,13 @@ TEST(a_later_slow_window_moves_the_rest_of_a_fresh_read_to_small_pages, ALL) {
               std::string(cached ? "cached" : "disk") + ": cached " + std::to_string(st.cached_bytes) +
                   ", prefaulted " + std::to_string(st.prefaulted_bytes) + ", direct requests " +
                   std::to_string(st.direct_requests) + ", requests " + std::to_string(st.requests));
-    // after the first window (16 MiB, fast) and the second (slow): the rest, or what the helper had not reached
-    CHECK_MSG(st.small_paged_bytes > 0 && st.small_paged_bytes <= n - 2 * fastckpt::kHugeJudgeBytes,
+    // after the first window (16 MiB, fast) and the second (slow, ended at its first step): the rest,
+    // or what the helper had not reached
+    const uint64_t second = fastckpt::huge_pages_verdict().bytes;
+    CHECK_MSG(second > 0 && second < fastckpt::kHugeJudgeBytes, std::to_string(second));
+    CHECK_MSG(st.small_paged_bytes > 0 && st.small_paged_bytes <= n - fastckpt::kHugeJudgeBytes - second,
               std::to_string(st.small_paged_bytes));
-    if (cached && st.cached_bytes == n) CHECK_EQ(st.small_paged_bytes, n - 2 * fastckpt::kHugeJudgeBytes);
+    if (cached && st.cached_bytes == n) CHECK_EQ(st.small_paged_bytes, n - fastckpt::kHugeJudgeBytes - second);
     CHECK_POOL_FULL(eng);
   }
   ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");

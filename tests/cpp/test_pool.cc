@@ -275,6 +275,46 @@ TEST(huge_pages_are_preferred_until_a_read_finds_them_slow, ONCE) {
   CHECK(fastckpt::prefer_huge_pages());
 }
 
+// A judging window is slow as soon as its CPU time exceeds what kHugeJudgeBytes
+// may cost at the threshold (1 GB/s here: 16.8 ms), fast once it holds
+// kHugeJudgeBytes within that; a step past the window is judged by the rate.
+// Only a slow window records the verdict.
+TEST(a_judging_window_is_slow_once_its_budget_is_spent, ONCE) {
+  using fastckpt::HugeWindow;
+  const uint64_t mib = 1u << 20;
+  ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "1e9", 1);
+  fastckpt::reset_huge_pages_verdict();
+  {
+    HugeWindow w(0);  // fast: 16 MiB in 8 ms
+    for (int i = 0; i < 7; ++i) CHECK_EQ(w.add(2 * mib, 0.001), HugeWindow::kOpen);
+    CHECK_EQ(w.add(2 * mib, 0.001), HugeWindow::kFast);
+    CHECK(!fastckpt::huge_pages_verdict().slow_seen);
+  }
+  {
+    HugeWindow w(0);  // one step past the window, at 1.1 GB/s: fast although over the 16 MiB budget
+    CHECK_EQ(w.add(32 * mib, 0.03), HugeWindow::kFast);
+    CHECK(!fastckpt::huge_pages_verdict().slow_seen);
+  }
+  {
+    HugeWindow w(0);  // slow after 4 MiB: 21 ms spent, more than the whole window may take
+    CHECK_EQ(w.add(2 * mib, 0.001), HugeWindow::kOpen);
+    CHECK_EQ(w.add(2 * mib, 0.020), HugeWindow::kSlow);
+    const fastckpt::HugeVerdict v = fastckpt::huge_pages_verdict();
+    CHECK(v.slow_seen && !v.huge);
+    CHECK_EQ(v.bytes, 4 * mib);
+    CHECK(v.cpu_s > 0.0209 && v.cpu_s < 0.0211);
+  }
+  fastckpt::reset_huge_pages_verdict();
+  ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "0", 1);  // no threshold: never slow
+  {
+    HugeWindow w(0);
+    CHECK_EQ(w.add(2 * mib, 100.0), HugeWindow::kOpen);
+    CHECK_EQ(w.add(14 * mib, 100.0), HugeWindow::kFast);
+    CHECK(!fastckpt::huge_pages_verdict().slow_seen);
+  }
+  ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
+}
+
 TEST(the_slow_threshold_is_the_constant_unless_a_test_sets_it, ONCE) {
   ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
   CHECK_EQ(fastckpt::slow_huge_bps(), fastckpt::kSlowHugeBps);

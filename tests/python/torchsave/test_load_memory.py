@@ -111,11 +111,19 @@ def test_the_knob_at_0_or_1_asks_for_small_or_huge_pages_whatever_was_found(tmp_
             assert asked and all(huge == bool(value) for _, huge in asked), (value, asked)
 
 
+def _large_state():
+    """A state of the size from which the default puts a load on huge pages (a read judges them)."""
+    g = torch.Generator().manual_seed(6)
+    n = fastckpt._C.HUGE_JUDGE_MIN // 4
+    return {"big": torch.randn(n // 2 + 3, generator=g), "rest": torch.randn(n // 2, generator=g),
+            "small": torch.randn(100, generator=g)}
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_default_asks_for_huge_pages_until_a_read_found_them_slow(tmp_path, monkeypatch, verdict, fmt):
     """Every storage of one load alike."""
     assert knobs.get("load_huge_pages") == 2
-    sd = _state()
+    sd = _large_state()
     load = _saved(tmp_path, fmt, sd)
     asked = _asking(monkeypatch)
     for slow in (False, True):
@@ -125,6 +133,24 @@ def test_the_default_asks_for_huge_pages_until_a_read_found_them_slow(tmp_path, 
         got = load()
         assert all(torch.equal(got[k], sd[k]) for k in sd)
         assert asked and all(huge == (not slow) for _, huge in asked), (slow, asked)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_default_puts_a_load_too_small_to_judge_on_small_pages(tmp_path, monkeypatch, verdict, fmt):
+    """Under HUGE_JUDGE_MIN bytes no read judges the huge pages, and one of them can fault in slower
+    than the whole load takes on small pages: the default asks for small pages, with no verdict
+    against huge ones; the knob at 1 still asks for huge pages."""
+    sd = _state()  # 5 MiB
+    assert sum(v.nbytes for v in sd.values()) < fastckpt._C.HUGE_JUDGE_MIN
+    load = _saved(tmp_path, fmt, sd)
+    asked = _asking(monkeypatch)
+    assert verdict.huge_pages_pay(1 << 40) and not verdict.huge_pages_pay(fastckpt._C.HUGE_JUDGE_MIN - 1)
+    for value in (2, 1):
+        asked.clear()
+        with knobs.override(load_huge_pages=value):
+            got = load()
+        assert all(torch.equal(got[k], sd[k]) for k in sd)
+        assert asked and all(huge == (value == 1) for _, huge in asked), (value, asked)
 
 
 @pytest.mark.parametrize("fmt", ["torch", "safetensors"])
