@@ -442,8 +442,8 @@ def main(argv=None) -> int:
             sent = sum(sum(r["through_bytes"]) for r in rs)
             fenced = sum(sum(r["fence_copied_bytes"]) for r in rs)
             notes.append(f"{m}: {100 * sent / total:.0f}% of the bytes written straight from the tensors (sent before "
-                         f"the fence), {100 * fenced / total:.0f}% copied by the fence (at an optimizer step, the "
-                         f"source a piece was being sent from counted whole)")
+                         f"the fence), {100 * fenced / total:.0f}% copied by the fence (at an optimizer step: what the "
+                         f"writer had not yet handed to a write)")
     notes.append("torch's CPU allocator: " + ("page-aligned tensors of 2 MiB and more (THP_MEM_ALLOC_ENABLE=1, set by "
                  "the benchmark; --default-alloc: torch's default)" if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
                  else f"THP_MEM_ALLOC_ENABLE={os.environ.get('THP_MEM_ALLOC_ENABLE', '(unset)')}"))
