@@ -33,8 +33,9 @@ async_write_through       FASTCKPT_ASYNC_WRITE_THROUGH       1: background stagi
 async_caller_copy         FASTCKPT_ASYNC_CALLER_COPY         percent, 0-100: of the large host tensors that background
                                                              staging copies, the share the caller copies before
                                                              returning (the staging thread copies the rest) (0)
-snapshot_huge_pages       FASTCKPT_SNAPSHOT_HUGE_PAGES       1: snapshot arenas of 2 MiB or more on transparent huge
-                                                             pages (1); 0: small pages (see docs/ENGINE.md)
+snapshot_huge_pages       FASTCKPT_SNAPSHOT_HUGE_PAGES       1: snapshot arenas of 32 MiB (_C.HUGE_JUDGE_MIN) or more
+                                                             on transparent huge pages (1); 0: small pages (see
+                                                             docs/ENGINE.md)
 load_huge_pages           FASTCKPT_LOAD_HUGE_PAGES           storages of 2 MiB or more that a load returns (or
                                                              stages for a device), and the blocks that storages
                                                              close together in the file share: 1 on transparent

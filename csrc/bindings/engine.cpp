@@ -66,7 +66,11 @@ void init_engine(py::module_& m) {
                              "io_uring buffer registrations the kernel refused (that I/O used plain reads and "
                              "writes).")
       .def_property_readonly("buffers_resident_bytes", [](Engine& e) { return e.pool().resident_bytes(); },
-                             "Bytes of the staging pool backed by memory now (mincore).");
+                             "Bytes of the staging pool backed by memory now (mincore).")
+      .def_property_readonly("buffers_huge", [](Engine& e) { return e.pool().huge(); },
+                             "Whether the staging buffers are advised transparent huge pages: from the first "
+                             "save or read of HUGE_JUDGE_MIN bytes or more through them on (huge_pages_pay); "
+                             "before that, small pages.");
 
   m.def("uring_compiled", &uring_compiled, "Whether this build has the io_uring backend.");
 }

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "error.h"
+#include "sys.h"
 
 namespace fastckpt {
 
@@ -29,10 +30,9 @@ BufferPool::BufferPool(size_t buffer_size, size_t count)
   if (p == MAP_FAILED) throw_io(errno, "mmap", "<staging buffers>", -1, mapped_);
   map_ = static_cast<char*>(p);
   base_ = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(map_) + kHugePage - 1) / kHugePage * kHugePage);
-  // Transparent huge pages where the kernel offers them: fewer, larger
-  // physically contiguous segments per O_DIRECT request, and a first touch
-  // that backs 2 MiB at a time. Advisory only.
-  (void)::madvise(base_, bytes, MADV_HUGEPAGE);
+  // Small pages until a large session asks for huge ones (expect), also where
+  // the kernel's THP mode is "always". Advisory only.
+  (void)::madvise(base_, bytes, MADV_NOHUGEPAGE);
   owner_.resize(count);
   touched_.assign(count, 0);
   registered_.assign(count, 0);
@@ -45,8 +45,51 @@ BufferPool::~BufferPool() {
   if (map_) ::munmap(map_, mapped_);
 }
 
-int BufferPool::take_locked() {
+void BufferPool::expect(uint64_t bytes) {
+  if (huge() || huge_verdict() != 0 || !huge_pages_pay(bytes)) return;
+  std::lock_guard<std::mutex> lk(judge_mu_);
+  if (huge_.load(std::memory_order_relaxed) || huge_verdict() != 0) return;
+  // Transparent huge pages where the kernel offers them: fewer, larger
+  // physically contiguous segments per O_DIRECT request, and a first touch
+  // that backs 2 MiB at a time. Advisory only; pages backed already stay small.
+  (void)::madvise(base_, size_ * count_, MADV_HUGEPAGE);
+  huge_.store(true, std::memory_order_release);
+}
+
+void BufferPool::judge(int index) {
+  if (!huge() || huge_verdict() != 0) return;
+  std::lock_guard<std::mutex> lk(judge_mu_);
+  if (huge_verdict() != 0) return;
+  if (!window_) window_.emplace(0);
+  char* p = data(index);
+  for (size_t off = 0; off < size_; off += kHugeJudgeStep) {
+    const size_t n = size_ - off < kHugeJudgeStep ? size_ - off : kHugeJudgeStep;
+    const double cpu0 = sys::thread_cpu_seconds();
+    if (sys::populate_write_raw(p + off, n) < 0) {  // unsupported: the copies fault the pages in themselves
+      verdict_.store(1, std::memory_order_release);
+      window_.reset();
+      return;
+    }
+    const HugeWindow::State w = window_->add(n, sys::thread_cpu_seconds() - cpu0);
+    if (w == HugeWindow::kOpen) continue;
+    window_.reset();
+    if (w == HugeWindow::kSlow) {
+      // Buffers are handed out for the first time lowest index first: every
+      // page past this step's is not backed yet.
+      char* rest = p + off + n;
+      char* end = base_ + size_ * count_;
+      if (rest < end) (void)sys::advise_small_pages_raw(rest, static_cast<uint64_t>(end - rest));
+      huge_.store(false, std::memory_order_release);
+    }
+    verdict_.store(w == HugeWindow::kSlow ? 2 : 1, std::memory_order_release);
+    return;
+  }
+  // The window is still open: the next buffer handed out for the first time goes on with it.
+}
+
+int BufferPool::take_locked(bool* fresh) {
   int i;
+  *fresh = false;
   if (!warm_.empty()) {
     i = warm_.back();
     warm_.pop_back();
@@ -55,6 +98,7 @@ int BufferPool::take_locked() {
     cold_.pop_back();
     touched_[static_cast<size_t>(i)] = 1;
     ++n_touched_;
+    *fresh = true;
   } else {
     return -1;
   }
@@ -79,12 +123,22 @@ int BufferPool::acquire() {
     }
     cv_.wait(lk);
   }
-  return take_locked();
+  bool fresh;
+  const int i = take_locked(&fresh);
+  lk.unlock();
+  if (fresh) judge(i);
+  return i;
 }
 
 int BufferPool::try_acquire() {
-  std::lock_guard<std::mutex> lk(mu_);
-  return take_locked();
+  bool fresh;
+  int i;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    i = take_locked(&fresh);
+  }
+  if (fresh) judge(i);
+  return i;
 }
 
 void BufferPool::release(int index) {

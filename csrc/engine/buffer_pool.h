@@ -11,12 +11,16 @@
 
 #include <sys/uio.h>
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <thread>
 #include <vector>
+
+#include "first_touch.h"
 
 namespace fastckpt {
 
@@ -39,6 +43,23 @@ class BufferPool {
   bool fits_direct_io(uint64_t mem_align, uint64_t offset_align) const {
     return mem_align <= 4096 && offset_align <= size_ && size_ % offset_align == 0;
   }
+
+  // A session (a write or a read through these buffers) that will move
+  // `bytes` through them: from kHugeJudgeMin bytes on, unless this process
+  // found huge pages slow (huge_pages_pay), the buffers are advised
+  // MADV_HUGEPAGE; pages already backed stay small. The buffers handed out
+  // for the first time after that are then judged (first_touch.h, HugeWindow):
+  // faulted in by the pool itself, a huge page at a time, timed, until a
+  // window's verdict. A slow one advises every page not backed yet small
+  // pages again, for the life of the pool (32 huge pages took 0.6-1 s to
+  // fault in on a VM host that reclaims free memory, against 25 ms for small
+  // ones), and is recorded for the loads of the process. Cheap once decided
+  // (atomic loads). Advisory: the pool works the same either way.
+  void expect(uint64_t bytes);
+  // Whether the buffers not backed yet are advised huge pages now.
+  bool huge() const { return huge_.load(std::memory_order_acquire); }
+  // The pool's own verdict on huge pages: 0 none yet, 1 fast, 2 slow.
+  int huge_verdict() const { return verdict_.load(std::memory_order_acquire); }
 
   // Blocks until a buffer is free. Hands out an already-touched buffer when
   // one is free (the one released last first), otherwise an untouched one
@@ -69,13 +90,21 @@ class BufferPool {
   size_t registration_refusals() const;  // registrations the kernel refused
 
  private:
-  int take_locked();  // a free buffer (touched ones first), marked held by this thread; -1 if none
+  // A free buffer (touched ones first), marked held by this thread; -1 if
+  // none. *fresh: whether it was never handed out before.
+  int take_locked(bool* fresh);
+  // A buffer handed out for the first time: judged while a judge is open.
+  void judge(int index);
 
   size_t size_;
   size_t count_;
   size_t mapped_;    // bytes reserved (the buffers plus alignment slack)
   char* map_;        // the reservation
   char* base_;       // the first buffer: map_ rounded up to 2 MiB
+  std::atomic<bool> huge_{false};
+  std::atomic<int> verdict_{0};  // huge_verdict()
+  std::mutex judge_mu_;          // one judge at a time; held over window_
+  std::optional<HugeWindow> window_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<int> warm_;  // free buffers already touched; the last released at the back

@@ -340,6 +340,9 @@ class RangeReader {
     prepare_disk(&a, &mem_a);
     plan_ = Planner(direct_, a, mem_a, pool_.buffer_size()).plan(pending);
     group_jobs(plan_, pool_.buffer_size());
+    uint64_t staged = 0;  // huge staging pages once a read stages enough for them to pay
+    for (const Group& g : plan_.groups) staged += g.staged;
+    pool_.expect(staged);
     start_prefault();
     read_jobs();
     for (const CrcPiece& p : plan_.pieces) *p.out = p.first ? p.crc : crc32_combine(*p.out, p.crc, p.len);

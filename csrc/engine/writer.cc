@@ -1,5 +1,7 @@
 #include "writer.h"
 
+#include <algorithm>
+
 #include <fcntl.h>
 
 #include <cerrno>
@@ -32,6 +34,7 @@ Writer::Writer(Engine& engine, const std::string& path, int64_t expected_size)
 // accepted (and usable with the staging buffers' size), and preallocates it.
 // Sets the session's tmp only once the file is ours.
 void Writer::open_temp(int64_t expected_size) {
+  if (expected_size > 0) expected_ = static_cast<uint64_t>(expected_size);
   s_.direct = s_.cfg.direct;
   if (!s_.direct) s_.fallback = "disabled by configuration";
   s_.fd = create_temp_file(s_.target, &s_.tmp, &s_.direct, &s_.fallback);
@@ -44,20 +47,7 @@ void Writer::open_temp(int64_t expected_size) {
     } else {
       s_.align = al.offset;
       mem_align_ = al.mem ? al.mem : al.offset;
-      // Probe: some filesystems accept O_DIRECT at open and refuse it at the
-      // first write. The real data overwrites this block.
-      cur_ = take_buffer();
-      std::memset(s_.engine.pool().data(cur_), 0, s_.align);
-      try {
-        sys::pwrite_full(s_.fd, s_.engine.pool().data(cur_), s_.align, 0, s_.tmp);
-        size_may_differ_ = true;
-      } catch (const IoError& e) {
-        if (e.err() != EINVAL) throw;
-        sys::set_direct(s_.fd, false, s_.tmp);
-        s_.direct = false;
-        s_.align = 1;
-        s_.fallback = "write(O_DIRECT): EINVAL";
-      }
+      probe_ = true;  // the first write tells whether O_DIRECT writes work (write_first)
     }
   }
   if (expected_size > 0 && s_.cfg.preallocate) {
@@ -67,6 +57,9 @@ void Writer::open_temp(int64_t expected_size) {
 }
 
 int Writer::take_buffer() {
+  // Huge pages for the staging buffers once a save is large enough for them
+  // to pay: by its size when the caller said it, else by what it has written.
+  s_.engine.pool().expect(std::max(expected_, pos_));
   return s_.bufs.take(s_.engine.pool(), *s_.q, s_.cfg.queue_depth, [this] { reap_one(); });
 }
 
@@ -89,8 +82,33 @@ void Writer::reap_one() {
   }
 }
 
+bool Writer::write_first(const char* buf, uint64_t len, uint64_t off) {
+  if (!probe_) return false;
+  probe_ = false;
+  try {
+    sys::pwrite_full(s_.fd, buf, len, static_cast<int64_t>(off), s_.tmp);
+  } catch (const IoError& e) {
+    if (e.err() != EINVAL) throw;
+    sys::set_direct(s_.fd, false, s_.tmp);
+    s_.direct = false;
+    s_.align = 1;
+    s_.fallback = "write(O_DIRECT): EINVAL";
+    sys::pwrite_full(s_.fd, buf, len, static_cast<int64_t>(off), s_.tmp);
+  }
+  ++requests_;
+  done_bytes_ += len;
+  return true;
+}
+
 void Writer::submit_current(uint64_t len) {
   stream_fence();  // the copy's streamed stores, before the kernel reads the buffer
+  if (write_first(s_.engine.pool().data(cur_), len, buf_off_)) {
+    s_.bufs.put_back(cur_);
+    cur_ = -1;
+    buf_off_ += fill_;
+    fill_ = 0;
+    return;
+  }
   while (s_.q->full()) reap_one();
   IoRequest r;
   r.kind = IoRequest::Write;
@@ -146,6 +164,12 @@ void Writer::append(const void* src, uint64_t n, uint32_t* crc) {
 void Writer::append_zeros(uint64_t n) { put(nullptr, n, nullptr); }
 
 void Writer::submit_borrowed(const char* src, uint64_t len) {
+  if (write_first(src, len, pos_)) {
+    borrowed_bytes_ += len;
+    pos_ += len;
+    buf_off_ = pos_;
+    return;
+  }
   while (s_.q->full()) reap_one();
   IoRequest r;
   r.kind = IoRequest::Write;

@@ -73,6 +73,12 @@ class Writer {
   void open_temp(int64_t expected_size);
   void put(const char* src, uint64_t n, uint32_t* crc);
   int take_buffer();
+  // The first write of a session that opened its file O_DIRECT, made
+  // synchronously (false for every later one): some filesystems accept
+  // O_DIRECT at open and refuse it at the first write (EINVAL). That write is
+  // then made again buffered, as every later one is, and the session records
+  // the fallback; any other error is the save's.
+  bool write_first(const char* buf, uint64_t len, uint64_t off);
   void submit_current(uint64_t len);
   void reap_one();
   void submit_borrowed(const char* src, uint64_t len);
@@ -82,10 +88,12 @@ class Writer {
   uint64_t fill_ = 0;           // bytes in cur_
   uint64_t buf_off_ = 0;        // file offset of cur_'s first byte
   uint64_t pos_ = 0;            // logical end of file
+  uint64_t expected_ = 0;       // the file's size when the caller said it (else 0)
   uint64_t done_bytes_ = 0;     // bytes whose write completed
   uint64_t next_flush_ = 0;     // flush_interval bookkeeping
   bool flush_inflight_ = false;
   bool size_may_differ_ = false;  // padded tail or preallocation: ftruncate at commit
+  bool probe_ = false;            // the next write is the first of an O_DIRECT file (write_first)
   uint64_t requests_ = 0;
   uint64_t borrowed_bytes_ = 0;
   uint32_t mem_align_ = 1;      // direct-I/O memory alignment (when direct)

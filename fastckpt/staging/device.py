@@ -49,7 +49,7 @@ from .. import _C, knobs
 log = logging.getLogger("fastckpt")
 
 __all__ = ["DeviceCopier", "CudaCopier", "HostBuffer", "HostPool", "Buf", "copier_for", "copier_for_location",
-           "register", "pool_for", "clear_pools", "default_chunk", "bytes_view", "nbytes"]
+           "register", "pool_for", "clear_pools", "default_chunk", "bytes_view", "nbytes", "arena_huge_pages"]
 
 ALIGN = 4096        # host buffers start on a page
 PACK_ALIGN = 64     # small tensors packed into one buffer start on a cache line
@@ -67,6 +67,15 @@ def bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------- the interface
 
+def arena_huge_pages(nbytes: int) -> bool:
+    """Whether a snapshot arena (or a page-locked host buffer) of `nbytes` goes on transparent
+    huge pages: knob ``snapshot_huge_pages`` (default 1) and at least ``_C.HUGE_JUDGE_MIN``
+    bytes. A smaller arena's writes gain a few ms at most from huge pages, while its first
+    touch pays for whole 2 MiB pages, zeroed and perhaps compacted for (one took 25-90 ms to
+    fault in on a VM host that reclaims free memory, against about 1 ms for a 1 MiB state)."""
+    return bool(knobs.get("snapshot_huge_pages")) and nbytes >= _C.HUGE_JUDGE_MIN
+
+
 class HostBuffer:
     """`nbytes` of host memory, 4 KiB aligned, page-locked by `copier` while
     this object lives (or until :meth:`free`). ``tensor`` is the uint8 view;
@@ -76,7 +85,7 @@ class HostBuffer:
     __slots__ = ("tensor", "nbytes", "copier", "_fin", "__weakref__")
 
     def __init__(self, nbytes: int, copier: "DeviceCopier"):
-        self.tensor = _C.empty_aligned(nbytes, ALIGN, huge=bool(knobs.get("snapshot_huge_pages")))
+        self.tensor = _C.empty_aligned(nbytes, ALIGN, huge=arena_huge_pages(nbytes))
         self.nbytes = nbytes
         self.copier = copier
         unpin = copier._lock_pages(self.tensor)

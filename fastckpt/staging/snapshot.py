@@ -37,9 +37,9 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from .. import _C, knobs
+from .. import _C
 from ..formats.zip import DIRECT_MIN
-from .device import ALIGN as PAGE, DeviceCopier, HostBuffer, copier_for
+from .device import ALIGN as PAGE, DeviceCopier, HostBuffer, arena_huge_pages, copier_for
 
 log = logging.getLogger("fastckpt")
 
@@ -156,7 +156,7 @@ class Arena:
         self.copier = copier
         self.host: Optional[HostBuffer] = copier.alloc_host(nbytes) if copier is not None else None
         self.buf = self.host.tensor if self.host is not None else \
-            _C.empty_aligned(nbytes, PAGE, huge=bool(knobs.get("snapshot_huge_pages")))
+            _C.empty_aligned(nbytes, PAGE, huge=arena_huge_pages(nbytes))
         self.pinned = copier is not None
 
     @property

@@ -280,8 +280,11 @@ TEST(slow_huge_pages_move_the_rest_of_a_fresh_read_to_small_pages, ALL) {
     Engine eng(config(1u << 20, 4, 4));
     const ReadStats st = fresh_huge_read(eng, path, data, false, c.fresh_huge);
     const fastckpt::HugeVerdict v = fastckpt::huge_pages_verdict();
-    CHECK_EQ(v.slow_seen, c.slow);
-    CHECK_EQ(fastckpt::prefer_huge_pages(), !c.slow);
+    // A read that stages kHugeJudgeMin bytes through the pool makes it judge
+    // the huge pages of its own buffers (test_pool), whose slow verdict counts too.
+    const bool pool_slow = eng.pool().huge_verdict() == 2;
+    CHECK_EQ(v.slow_seen, c.slow || pool_slow);
+    CHECK_EQ(fastckpt::prefer_huge_pages(), !(c.slow || pool_slow));
     if (c.slow) {
       // every window slow: the first ends at its first step (its budget is nil), and the rest moves
       CHECK_EQ(v.bytes, fastckpt::kHugeJudgeStep);

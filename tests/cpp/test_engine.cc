@@ -184,7 +184,7 @@ TEST(same_thread_holding_every_buffer_is_an_error_not_a_hang, ONCE) {
   UsageError e = CHECK_THROWS(UsageError, fastckpt::read_ranges(eng, dir.file("other.bin"),
                                                                 {{&dst[1], other.size(), 0}}));
   CHECK_CONTAINS(std::string(e.what()), "this same thread");
-  // A second writer of this thread (its O_DIRECT probe or its first append needs a buffer).
+  // A second writer of this thread (its first append needs a buffer).
   CHECK_THROWS(UsageError, [&] {
     Writer w2(eng, dir.file("w2.bin"), -1);
     w2.append(d.data(), d.size());
@@ -330,7 +330,7 @@ TEST(sys_full_transfers_absorb_short_io, ONCE) {
 
 TEST(injected_eintr_on_synchronous_calls_is_retried, ONCE) {
   // sys.h: each wrapper "consults the fault-injection hook, retries EINTR":
-  // an EINTR storm armed on open, the O_DIRECT probe write, fdatasync, the
+  // an EINTR storm armed on open, the first (synchronous) write, fdatasync, the
   // directory fsync, fallocate or ftruncate must not fail the save.
   EngineConfig cfg = small(BackendKind::Threads);
   cfg.direct = true;
@@ -344,7 +344,7 @@ TEST(injected_eintr_on_synchronous_calls_is_retried, ONCE) {
     const char* what;
   };
   std::string failed;
-  for (Case c : {Case{Op::Open, 1, "open"}, Case{Op::Write, 1, "probe pwrite"}, Case{Op::Fsync, 1, "fdatasync"},
+  for (Case c : {Case{Op::Open, 1, "open"}, Case{Op::Write, 1, "first pwrite"}, Case{Op::Fsync, 1, "fdatasync"},
                  Case{Op::Fsync, 2, "directory fsync"}, Case{Op::Fallocate, 1, "fallocate"},
                  Case{Op::Truncate, 1, "ftruncate"}}) {
     fault::clear();

@@ -123,18 +123,18 @@ void run_write_fault(const WriteFault& f) {
 // ------------------------------------------------------------ write errors
 
 TEST(enospc_on_first_data_write, ALL) {
-  run_write_fault({rule(Op::Write, probe_writes() + 1, ENOSPC), "pwrite", ENOSPC});
+  run_write_fault({rule(Op::Write, 1, ENOSPC), "pwrite", ENOSPC});
 }
 
 TEST(eio_on_a_write_in_mid_stream, ALL) {
   // 16 buffer-sized writes; the 7th fails while others are in flight.
-  run_write_fault({rule(Op::Write, probe_writes() + 7, EIO), "pwrite", EIO});
+  run_write_fault({rule(Op::Write, 7, EIO), "pwrite", EIO});
 }
 
 TEST(eio_on_a_lent_write_in_mid_stream, ALL) {
   // Writes straight from the caller's memory: the one that fails is reaped with the others in
   // flight before the save throws, and the memory is the caller's again.
-  WriteFault f{rule(Op::Write, probe_writes() + 7, EIO), "pwrite", EIO};
+  WriteFault f{rule(Op::Write, 7, EIO), "pwrite", EIO};
   f.lent = true;
   run_write_fault(f);
 }
@@ -143,14 +143,14 @@ TEST(eio_on_a_lent_write_surfaces_in_a_drain, ALL) {
   // The first half's writes (its staged head, then two lent ones: fewer than the queue holds) are
   // all in flight when drain() is called: the drain reaps the failed one and throws like any
   // failed write; the memory is overwritten only after the retry's drain.
-  WriteFault f{rule(Op::Write, probe_writes() + 2, EIO), "pwrite", EIO, 201000};
+  WriteFault f{rule(Op::Write, 2, EIO), "pwrite", EIO, 201000};
   f.lent = true;
   f.drained = true;
   run_write_fault(f);
 }
 
 TEST(enospc_on_every_lent_write_from_the_third_on, ALL) {
-  WriteFault f{rule(Op::Write, probe_writes() + 3, ENOSPC, 0), "pwrite", ENOSPC};
+  WriteFault f{rule(Op::Write, 3, ENOSPC, 0), "pwrite", ENOSPC};
   f.lent = true;
   run_write_fault(f);
 }
@@ -163,19 +163,19 @@ TEST(eio_on_fdatasync_after_lent_writes, ALL) {
 }
 
 TEST(eio_on_every_write_from_the_third_on, ALL) {
-  run_write_fault({rule(Op::Write, probe_writes() + 3, EIO, 0), "pwrite", EIO});
+  run_write_fault({rule(Op::Write, 3, EIO, 0), "pwrite", EIO});
 }
 
 TEST(enospc_on_the_last_partial_write_at_commit, ALL) {
   // 3 full buffers and a 100-byte tail written by commit().
-  WriteFault f{rule(Op::Write, probe_writes() + 4, ENOSPC), "pwrite", ENOSPC};
+  WriteFault f{rule(Op::Write, 4, ENOSPC), "pwrite", ENOSPC};
   f.size = 3 * (64u << 10) + 100;
   run_write_fault(f);
 }
 
-TEST(eio_on_the_o_direct_probe_write, DIRECT) {
+TEST(eio_on_the_first_o_direct_write, DIRECT) {
   (void)direct_config();  // skips under --buffered
-  // Not EINVAL, so not a fallback: the Writer's constructor fails.
+  // Not EINVAL, so not a fallback: the save fails.
   run_write_fault({rule(Op::Write, 1, EIO), "pwrite", EIO});
 }
 
@@ -234,7 +234,7 @@ TEST(a_failed_writer_cleans_up_at_once_not_only_when_destroyed, ALL) {
     fault::Rule r;
     bool fails_in_append;
   };
-  for (Case c : {Case{rule(Op::Write, probe_writes() + 2, EIO), true}, Case{rule(Op::Fsync, 1, EIO), false},
+  for (Case c : {Case{rule(Op::Write, 2, EIO), true}, Case{rule(Op::Fsync, 1, EIO), false},
                  Case{rule(Op::Rename, 1, ENOSPC), false}, Case{rule(Op::Truncate, 1, EIO), false}}) {
     fault::clear();
     fault::arm(c.r);
@@ -330,7 +330,7 @@ TEST(short_writes_are_requeued, ALL) {
   Engine eng(cfg);
   const std::string path = dir.file("short.bin");
   const std::string data = random_bytes((1u << 20) + 3333, 5);
-  fault::arm(short_rule(Op::Write, probe_writes() + 1, short_unit(), 0));  // every write comes back short
+  fault::arm(short_rule(Op::Write, 1, short_unit(), 0));  // every write comes back short
   WriteStats st = save(eng, path, data, 9999);
   CHECK(fault::fired() > 0);
   CHECK(st.requeued > 0);
@@ -342,7 +342,7 @@ TEST(short_writes_are_requeued, ALL) {
 
 TEST(zero_length_write_is_an_error_not_a_hang, ALL) {
   // A write that makes no progress at all must fail (EIO), not loop forever.
-  WriteFault f{short_rule(Op::Write, probe_writes() + 2, 0, 0), "pwrite", EIO};
+  WriteFault f{short_rule(Op::Write, 2, 0, 0), "pwrite", EIO};
   run_write_fault(f);
 }
 
@@ -352,7 +352,9 @@ TEST(eintr_storm_on_writes_is_retried, ALL) {
   Engine eng(cfg);
   const std::string path = dir.file("eintr.bin");
   const std::string data = random_bytes((1u << 20) + 1, 6);
-  fault::arm(rule(Op::Write, probe_writes() + 1, EINTR, 50));
+  // From the second write on: the first write of an O_DIRECT file is made
+  // synchronously (its EINTRs are retried in place, not requeued).
+  fault::arm(rule(Op::Write, 2, EINTR, 50));
   WriteStats st = save(eng, path, data);
   CHECK_EQ(fault::fired(), 50u);
   CHECK(st.requeued >= 50);
@@ -366,7 +368,7 @@ TEST(eagain_storm_on_writes_is_retried, ALL) {
   Engine eng(cfg);
   const std::string path = dir.file("eagain.bin");
   const std::string data = random_bytes(777777, 7);
-  fault::arm(rule(Op::Write, probe_writes() + 3, EAGAIN, 50));
+  fault::arm(rule(Op::Write, 3, EAGAIN, 50));
   WriteStats st = save(eng, path, data, 4097);
   CHECK_EQ(fault::fired(), 50u);
   CHECK(st.requeued >= 50);
@@ -584,7 +586,7 @@ TEST(o_direct_write_einval_falls_back_to_buffered, DIRECT) {
   Engine eng(cfg);
   const std::string path = dir.file("fbw.bin");
   const std::string data = random_bytes(300003, 16);
-  fault::arm(rule(Op::Write, 1, EINVAL));  // the Writer's probe write
+  fault::arm(rule(Op::Write, 1, EINVAL));  // the Writer's first write: O_DIRECT refused
   WriteStats st = save(eng, path, data, 7777);
   CHECK_EQ(fault::fired(), 1u);
   CHECK(!st.direct);

@@ -7,6 +7,10 @@
 // pool's own bookkeeping.
 #include <sys/mman.h>
 
+#include <cctype>
+#include <fstream>
+#include <sstream>
+
 #include "buffer_pool.h"
 #include "first_touch.h"
 #include "util.h"
@@ -151,7 +155,10 @@ TEST(a_small_save_and_load_touch_one_buffer, ALL) {
   CHECK_EQ(eng.pool().touched(), 1u);
   CHECK(eng.pool().is_touched(0));
   const size_t r = resident(eng.pool());
-  CHECK_MSG(r > 0 && r <= c.buffer_size, std::to_string(r) + " bytes of the pool are resident");
+  // On small pages: the few hundred KiB used, not a 2 MiB huge page.
+  CHECK_MSG(r > 0 && r < 2 * MiB, std::to_string(r) + " bytes of the pool are resident");
+  CHECK(!eng.pool().huge());
+  CHECK_EQ(eng.pool().huge_verdict(), 0);
   for (int i = 1; i < 8; ++i) CHECK_EQ(resident_buffer(eng.pool(), i), 0u);
   CHECK_EQ(eng.pool().resident_bytes(), r);
   // Small transfers are not worth pinning a whole buffer for.
@@ -161,7 +168,9 @@ TEST(a_small_save_and_load_touch_one_buffer, ALL) {
 TEST(large_transfers_register_their_buffers_once_per_ring, ONCE) {
   Engine eng(uring_config(1 * MiB, 4, 4));
   TempDir dir;
-  const std::string data = random_bytes(4 * MiB + 1000, 8);
+  // Five full buffers: the first write of an O_DIRECT file is made
+  // synchronously, not on the ring, and its buffer is the next one filled.
+  const std::string data = random_bytes(5 * MiB + 1000, 8);
   save(eng, dir.file("big.bin"), data);
   CHECK_BYTES(read_file(dir.file("big.bin")), data);
   const size_t touched = eng.pool().touched();
@@ -183,7 +192,7 @@ TEST(large_transfers_register_their_buffers_once_per_ring, ONCE) {
 TEST(a_refused_buffer_registration_falls_back_to_plain_io, ONCE) {
   Engine eng(uring_config(1 * MiB, 4, 4));
   TempDir dir;
-  const std::string data = random_bytes(4 * MiB + 1000, 9);
+  const std::string data = random_bytes(5 * MiB + 1000, 9);  // every buffer carries a ring write
   // Occurrence 1 is the ring's buffer table, 2 the first buffer's registration.
   fault::arm(rule(Op::UringRegister, 2, ENOMEM, 1));
   const WriteStats st = save(eng, dir.file("a.bin"), data);
@@ -329,6 +338,150 @@ TEST(the_slow_threshold_is_the_constant_unless_a_test_sets_it, ONCE) {
   CHECK_EQ(fastckpt::slow_huge_bps(), fastckpt::kSlowHugeBps);
   ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "0,x", 1);
   CHECK_EQ(fastckpt::slow_huge_bps(1), fastckpt::kSlowHugeBps);
+  ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
+}
+
+// ------------------------------------------------------------ huge pages: the pool's own
+
+namespace {
+
+// The VmFlags of the mapping that holds `p` (/proc/self/smaps): "hg" for
+// MADV_HUGEPAGE, "nh" for MADV_NOHUGEPAGE.
+std::string vm_flags(const void* p) {
+  std::ifstream f("/proc/self/smaps");
+  std::string line, flags;
+  bool inside = false;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  while (std::getline(f, line)) {
+    const size_t dash = line.find('-'), space = line.find(' ');
+    if (dash != std::string::npos && space != std::string::npos && dash < space && line.compare(0, 8, "VmFlags:") != 0 &&
+        std::isxdigit(static_cast<unsigned char>(line[0]))) {
+      const uintptr_t lo = std::stoull(line.substr(0, dash), nullptr, 16);
+      const uintptr_t hi = std::stoull(line.substr(dash + 1, space - dash - 1), nullptr, 16);
+      inside = lo <= a && a < hi;
+    } else if (inside && line.compare(0, 8, "VmFlags:") == 0) {
+      flags = line.substr(8);
+    }
+  }
+  return flags;
+}
+
+bool has_flag(const void* p, const char* flag) {
+  std::istringstream in(vm_flags(p));
+  std::string w;
+  while (in >> w)
+    if (w == flag) return true;
+  return false;
+}
+
+// Whether this kernel has transparent huge pages (madvise then sets the flags).
+bool thp_available() {
+  std::ifstream f("/sys/kernel/mm/transparent_hugepage/enabled");
+  return f.good();
+}
+
+}  // namespace
+
+// The pool starts on small pages (also under THP "always"); a session of
+// kHugeJudgeMin bytes or more moves it to huge pages, smaller ones never do.
+// The first buffers handed out after that are faulted in by the pool, judged:
+// within the budget, the verdict is fast after kHugeJudgeBytes (two 8 MiB
+// buffers), and the pool stays on huge pages.
+TEST(a_large_session_moves_the_pool_to_huge_pages_and_judges_them, ONCE) {
+  ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "0", 1);  // no threshold: never slow
+  fastckpt::reset_huge_pages_verdict();
+  BufferPool pool(8 * MiB, 4);
+  if (thp_available()) CHECK(has_flag(pool.data(0), "nh"));
+  pool.expect(1 * MiB);
+  pool.expect(fastckpt::kHugeJudgeMin - 1);
+  CHECK(!pool.huge());
+  pool.expect(fastckpt::kHugeJudgeMin);
+  CHECK(pool.huge());
+  if (thp_available()) CHECK(has_flag(pool.data(0), "hg") && !has_flag(pool.data(0), "nh"));
+  CHECK_EQ(resident(pool), 0u);
+  const int a = pool.acquire();
+  CHECK_EQ(pool.huge_verdict(), 0);  // 8 MiB judged: the window is still open
+  CHECK_EQ(resident_buffer(pool, a), 8 * MiB);  // faulted in by the judge
+  const int b = pool.acquire();
+  CHECK_EQ(pool.huge_verdict(), 1);
+  CHECK_EQ(resident_buffer(pool, b), 8 * MiB);
+  const int c = pool.acquire();  // judged already: left to its first use
+  CHECK_EQ(resident_buffer(pool, c), 0u);
+  CHECK(pool.huge());
+  CHECK(!fastckpt::huge_pages_verdict().slow_seen);
+  pool.release(a);
+  pool.release(b);
+  pool.release(c);
+  ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
+}
+
+// Where the first huge page faults in slower than the threshold allows, the
+// judge stops at that page: every page not backed yet goes back to small
+// pages for the life of the pool (also once the process's verdict has
+// expired), and the loads of the process learn the verdict.
+TEST(slow_huge_pages_move_the_pool_back_to_small_pages_for_good, ONCE) {
+  ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "1e18", 1);  // every window slow
+  fastckpt::reset_huge_pages_verdict();
+  BufferPool pool(8 * MiB, 4);
+  pool.expect(64 * MiB);
+  CHECK(pool.huge());
+  const int a = pool.acquire();
+  CHECK_EQ(pool.huge_verdict(), 2);
+  CHECK(!pool.huge());
+  CHECK_EQ(resident_buffer(pool, a), fastckpt::kHugeJudgeStep);  // one step judged, no more
+  const fastckpt::HugeVerdict v = fastckpt::huge_pages_verdict();
+  CHECK(v.slow_seen && !v.huge);
+  CHECK_EQ(v.bytes, fastckpt::kHugeJudgeStep);
+  if (thp_available()) {
+    CHECK(has_flag(pool.data(0) + fastckpt::kHugeJudgeStep, "nh"));
+    CHECK(has_flag(pool.data(3), "nh"));
+  }
+  fastckpt::reset_huge_pages_verdict();  // the process may try huge pages again; this pool does not
+  ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "0", 1);
+  pool.expect(1u << 30);
+  CHECK(!pool.huge());
+  CHECK_EQ(pool.huge_verdict(), 2);
+  const int b = pool.acquire();  // not judged: left to its first use, on small pages
+  CHECK_EQ(resident_buffer(pool, b), 0u);
+  pool.release(a);
+  pool.release(b);
+  ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
+}
+
+// A process whose reads found huge pages slow keeps a new pool on small
+// pages; a save that says its size moves the pool when it is large enough.
+TEST(the_process_verdict_and_a_large_save_decide_the_pools_pages, ALL) {
+  ::setenv("FASTCKPT_TEST_SLOW_HUGE_BPS", "0", 1);
+  TempDir dir;
+  const std::string data = random_bytes(40u << 20, 9);
+  {
+    fastckpt::reset_huge_pages_verdict();
+    fastckpt::note_slow_huge_pages(16 * MiB, 1.0);
+    Engine eng(config(8 * MiB, 8));
+    save(eng, dir.file("a.bin"), data, 0, static_cast<int64_t>(data.size()));
+    CHECK(!eng.pool().huge());
+    CHECK_EQ(eng.pool().huge_verdict(), 0);
+  }
+  {
+    fastckpt::reset_huge_pages_verdict();
+    Engine eng(config(8 * MiB, 8));
+    save(eng, dir.file("b.bin"), data.substr(0, 1u << 20), 0, 1 << 20);
+    CHECK(!eng.pool().huge());
+    save(eng, dir.file("c.bin"), data, 0, static_cast<int64_t>(data.size()));
+    CHECK(eng.pool().huge());
+    CHECK_EQ(eng.pool().huge_verdict(), 1);
+    CHECK_BYTES(load(eng, dir.file("c.bin"), data.size()), data);
+    CHECK_POOL_FULL(eng);
+  }
+  {
+    // a save of unknown size moves it once it has written kHugeJudgeMin bytes
+    fastckpt::reset_huge_pages_verdict();
+    Engine eng(config(8 * MiB, 8));
+    save(eng, dir.file("d.bin"), data, 4u << 20);
+    CHECK(eng.pool().huge());
+    CHECK_BYTES(load(eng, dir.file("d.bin"), data.size()), data);
+  }
+  fastckpt::reset_huge_pages_verdict();
   ::unsetenv("FASTCKPT_TEST_SLOW_HUGE_BPS");
 }
 

@@ -308,9 +308,6 @@ inline const char* expected_backend_name() {
   return variant().backend == BackendKind::Uring ? "io_uring" : "threads";
 }
 
-// Writes executed before the first data write: the Writer's O_DIRECT probe.
-inline uint64_t probe_writes() { return variant().direct ? 1 : 0; }
-
 // A short transfer the kernel could really produce: whole blocks under O_DIRECT.
 inline int64_t short_unit() { return variant().direct ? 4096 : 1000; }
 
