@@ -68,9 +68,10 @@ void init_engine(py::module_& m) {
       .def_property_readonly("buffers_resident_bytes", [](Engine& e) { return e.pool().resident_bytes(); },
                              "Bytes of the staging pool backed by memory now (mincore).")
       .def_property_readonly("buffers_huge", [](Engine& e) { return e.pool().huge(); },
-                             "Whether the staging buffers are advised transparent huge pages: from the first "
-                             "save or read of HUGE_JUDGE_MIN bytes or more through them on (huge_pages_pay); "
-                             "before that, small pages.");
+                             "Whether the staging buffers not backed yet are advised transparent huge pages: "
+                             "from the first save or read of 2 MiB or more through them on, unless this process "
+                             "found huge pages slow (the pool's own first touch judges them); before that, "
+                             "small pages.");
 
   m.def("uring_compiled", &uring_compiled, "Whether this build has the io_uring backend.");
 }

@@ -46,7 +46,7 @@ BufferPool::~BufferPool() {
 }
 
 void BufferPool::expect(uint64_t bytes) {
-  if (huge() || huge_verdict() != 0 || !huge_pages_pay(bytes)) return;
+  if (huge() || huge_verdict() != 0 || bytes < kPoolHugeMin || !prefer_huge_pages()) return;
   std::lock_guard<std::mutex> lk(judge_mu_);
   if (huge_.load(std::memory_order_relaxed) || huge_verdict() != 0) return;
   // Transparent huge pages where the kernel offers them: fewer, larger

@@ -340,7 +340,7 @@ class RangeReader {
     prepare_disk(&a, &mem_a);
     plan_ = Planner(direct_, a, mem_a, pool_.buffer_size()).plan(pending);
     group_jobs(plan_, pool_.buffer_size());
-    uint64_t staged = 0;  // huge staging pages once a read stages enough for them to pay
+    uint64_t staged = 0;  // huge staging pages once a read stages a huge page's worth
     for (const Group& g : plan_.groups) staged += g.staged;
     pool_.expect(staged);
     start_prefault();

@@ -121,7 +121,7 @@ void RegionWriter::write_at(const void* src, uint64_t n, uint64_t off, uint32_t*
   if (off > static_cast<uint64_t>(INT64_MAX) || n > static_cast<uint64_t>(INT64_MAX) - off)
     throw UsageError("RegionWriter for " + s_.target + ": " + std::to_string(n) + " bytes at offset " +
                      std::to_string(off) + " would pass the largest file offset");
-  s_.engine.pool().expect(st_.bytes + n);  // huge staging pages once this writer's share is large
+  s_.engine.pool().expect(st_.bytes + n);  // huge staging pages once this writer's share fills one
   s_.guarded([&] {
     const char* p = static_cast<const char*>(src);
     const uint64_t bs = s_.engine.pool().buffer_size();

@@ -57,8 +57,8 @@ void Writer::open_temp(int64_t expected_size) {
 }
 
 int Writer::take_buffer() {
-  // Huge pages for the staging buffers once a save is large enough for them
-  // to pay: by its size when the caller said it, else by what it has written.
+  // Huge pages for the staging buffers once a save fills one (BufferPool::
+  // expect): by its size when the caller said it, else by what it has written.
   s_.engine.pool().expect(std::max(expected_, pos_));
   return s_.bufs.take(s_.engine.pool(), *s_.q, s_.cfg.queue_depth, [this] { reap_one(); });
 }

@@ -383,7 +383,7 @@ bool thp_available() {
 }  // namespace
 
 // The pool starts on small pages (also under THP "always"); a session of
-// kHugeJudgeMin bytes or more moves it to huge pages, smaller ones never do.
+// kPoolHugeMin bytes or more moves it to huge pages, smaller ones never do.
 // The first buffers handed out after that are faulted in by the pool, judged:
 // within the budget, the verdict is fast after kHugeJudgeBytes (two 8 MiB
 // buffers), and the pool stays on huge pages.
@@ -393,9 +393,9 @@ TEST(a_large_session_moves_the_pool_to_huge_pages_and_judges_them, ONCE) {
   BufferPool pool(8 * MiB, 4);
   if (thp_available()) CHECK(has_flag(pool.data(0), "nh"));
   pool.expect(1 * MiB);
-  pool.expect(fastckpt::kHugeJudgeMin - 1);
+  pool.expect(fastckpt::kPoolHugeMin - 1);
   CHECK(!pool.huge());
-  pool.expect(fastckpt::kHugeJudgeMin);
+  pool.expect(fastckpt::kPoolHugeMin);
   CHECK(pool.huge());
   if (thp_available()) CHECK(has_flag(pool.data(0), "hg") && !has_flag(pool.data(0), "nh"));
   CHECK_EQ(resident(pool), 0u);
@@ -465,7 +465,7 @@ TEST(the_process_verdict_and_a_large_save_decide_the_pools_pages, ALL) {
   {
     fastckpt::reset_huge_pages_verdict();
     Engine eng(config(8 * MiB, 8));
-    save(eng, dir.file("b.bin"), data.substr(0, 1u << 20), 0, 1 << 20);
+    save(eng, dir.file("b.bin"), data.substr(0, 1u << 20), 0, 1 << 20);  // under a huge page
     CHECK(!eng.pool().huge());
     save(eng, dir.file("c.bin"), data, 0, static_cast<int64_t>(data.size()));
     CHECK(eng.pool().huge());
@@ -474,10 +474,12 @@ TEST(the_process_verdict_and_a_large_save_decide_the_pools_pages, ALL) {
     CHECK_POOL_FULL(eng);
   }
   {
-    // a save of unknown size moves it once it has written kHugeJudgeMin bytes
+    // a save of unknown size moves it once it has written kPoolHugeMin bytes
     fastckpt::reset_huge_pages_verdict();
     Engine eng(config(8 * MiB, 8));
-    save(eng, dir.file("d.bin"), data, 4u << 20);
+    save(eng, dir.file("d.bin"), data.substr(0, 1u << 20), 256u << 10);
+    CHECK(!eng.pool().huge());
+    save(eng, dir.file("d.bin"), data, 1u << 20);
     CHECK(eng.pool().huge());
     CHECK_BYTES(load(eng, dir.file("d.bin"), data.size()), data);
   }

@@ -114,9 +114,9 @@ _KILLED_SAVE = textwrap.dedent("""
     import sys, torch
     from fastckpt import _C
     from fastckpt.integrations.lightning import FastCheckpointIO
-    _C.fault_inject("write", nth=2, delay_ms=60000, times=0, path_contains="hpc_ckpt_2")
+    _C.fault_inject("write", nth=1, delay_ms=60000, times=0, path_contains="hpc_ckpt_2")
     ckpt = {"state_dict": {"w": torch.randn(1 << 20)}, "epoch": 5, "global_step": 99}
-    FastCheckpointIO().save_checkpoint(ckpt, sys.argv[1])  # stalls in its second write: killed there
+    FastCheckpointIO().save_checkpoint(ckpt, sys.argv[1])  # stalls in its first write: killed there
 """)
 
 

@@ -129,7 +129,7 @@ def test_error_comes_back_through_the_future(tmp_path):
     saver = AsyncSaver()
     _, _, state = make_state()
     path = tmp_path / "bad.pt"
-    _C.fault_inject("write", nth=2, errno=errno.ENOSPC, path_contains="bad.pt")
+    _C.fault_inject("write", nth=1, errno=errno.ENOSPC, path_contains="bad.pt")  # its first data write
     fut = saver.save(state, path)
     exc = fut.exception(timeout=60)
     assert isinstance(exc, OSError) and exc.errno == errno.ENOSPC

@@ -156,13 +156,16 @@ def test_failed_save_leaves_the_previous_file(tmp_path, fault):
     old = {"w": torch.ones(300, 300)}
     fst.save_file(old, p)
     before = open(p, "rb").read()
+    # From the second write of the new file (10 MB: more than one staging buffer), so that part of
+    # it is written when the fault comes; a 100-byte transfer is refused by O_DIRECT (EINVAL), an
+    # error there (the first write would take it for a filesystem refusing O_DIRECT: a fallback).
     if fault == "short":
         _C.fault_inject("write", nth=2, short=100, times=1000)
     else:
         _C.fault_inject("write", nth=2, errno=getattr(errno, fault))
     try:
         with pytest.raises(OSError) as ei:
-            fst.save_file({"w": torch.zeros(600, 600)}, p)
+            fst.save_file({"w": torch.zeros(1600, 1600)}, p)
     finally:
         _C.fault_clear()
     assert p in str(ei.value) and ei.value.filename == p

@@ -194,7 +194,7 @@ def scenario_save(work, mesh):
     # ENOSPC on rank 1 only: the whole save fails, on every rank, cleanly
     base = fd_count()
     if RANK == 1:
-        _C.fault_inject("write", nth=2, errno=errno.ENOSPC, path_contains="__1_")
+        _C.fault_inject("write", nth=1, errno=errno.ENOSPC, path_contains="__1_")  # its first data write
     try:
         dcp.save(sd, storage_writer=FastWriter(ck("enospc")))
     except CheckpointException as e:  # on every rank (a BaseException)
