@@ -103,22 +103,27 @@ def test_a_warm_load_reads_nothing_from_the_disk(files):
     sd, pt, _, fs = files
     size = os.path.getsize(pt)
     clean = 0  # tries that no drop of the whole page cache overlapped
+    whole = size + (-size) % 4096
     for _ in range(20):
         drops = _page_cache_drops()
         with open(pt, "rb") as f:  # into the page cache
             while f.read(8 << 20):
                 pass
+        cached = cached_bytes(pt)
         before = fs.read_bytes()
         got = fastckpt.load(pt)
         read = fs.read_bytes() - before
         assert torch.equal(got["layer3.weight"], sd["layer3.weight"])
         # A concurrent drop_caches (another test's) evicts the file between the read and the load,
-        # and the load then rightly reads it: such a try does not count. Where the kernel does not
-        # count the drops, the file wholly cached after the load says none came.
+        # and the load then rightly reads it: such a try does not count. Nor does one whose file
+        # was not wholly cached when the load began: beside the other tests' GiB-sized states the
+        # kernel reclaims part of it (a clean-clone run read 6.3 MB of it in one try, no drop
+        # counted). Where the kernel does not count the drops, the file wholly cached after the
+        # load says none came.
         if drops is not None:
-            overlapped = _page_cache_drops() != drops
+            overlapped = _page_cache_drops() != drops or cached not in (None, whole)
         else:
-            overlapped = cached_bytes(pt) not in (None, size + (-size) % 4096)
+            overlapped = cached_bytes(pt) not in (None, whole)
         if not overlapped:
             clean += 1
             assert read <= SLACK, f"a load of {size} bytes in the page cache read {read} bytes from the disk"
