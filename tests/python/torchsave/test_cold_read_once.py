@@ -116,10 +116,11 @@ def test_a_warm_load_reads_nothing_from_the_disk(files):
         assert torch.equal(got["layer3.weight"], sd["layer3.weight"])
         # A concurrent drop_caches (another test's) evicts the file between the read and the load,
         # and the load then rightly reads it: such a try does not count. Nor does one whose file
-        # was not wholly cached when the load began: beside the other tests' GiB-sized states the
-        # kernel reclaims part of it (a clean-clone run read 6.3 MB of it in one try, no drop
-        # counted). Where the kernel does not count the drops, the file wholly cached after the
-        # load says none came.
+        # was not wholly cached (cachestat) when the load began: the claim is about a wholly
+        # cached file. (Clean-clone runs on 2026-12-07 still read 6.3 and 1.5 MB of a wholly
+        # cached file in a clean try, without any reclaim (/proc/vmstat pgsteal_* 0): open, see
+        # the stop's note.) Where the kernel does not count the drops, the file wholly cached
+        # after the load says none came.
         if drops is not None:
             overlapped = _page_cache_drops() != drops or cached not in (None, whole)
         else:
