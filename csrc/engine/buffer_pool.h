@@ -1,8 +1,8 @@
 // A fixed set of aligned staging buffers, reused by every save and load of an
 // engine. The pool grows lazily: the constructor only reserves address space
-// (2 MiB-aligned, transparent huge pages requested) and the kernel backs a
-// page when an I/O or a copy first touches it; backed pages stay for the life
-// of the pool. Memory touched for the first time fills several times slower
+// (2 MiB-aligned, on small pages until a large session asks for huge ones:
+// expect) and the kernel backs a page when an I/O or a copy first touches
+// it; backed pages stay for the life of the pool. Memory touched for the first time fills several times slower
 // than memory already in use, so buffers handed out before ("touched") are
 // handed out again before untouched ones, the one released last first. A
 // small load touches a few pages of one or two buffers, not the whole pool;
@@ -54,8 +54,9 @@ class BufferPool {
   // already backed stay small (khugepaged may merge them later). Why huge
   // pages: an O_DIRECT request from them carries 2 MiB segments, one per
   // 4 KiB page otherwise (a virtio disk takes 254 a request): measured here,
-  // a 4 MiB O_DIRECT write took 3.4 ms from small pages, 1.8 from huge ones. The buffers handed out
-  // for the first time after that are then judged (first_touch.h, HugeWindow):
+  // a 4 MiB O_DIRECT write took 3.4 ms from small pages, 1.8 from huge ones.
+  // The buffers handed out for the first time after that are then judged
+  // (first_touch.h, HugeWindow):
   // faulted in by the pool itself, a huge page at a time, timed, until a
   // window's verdict. A slow one advises every page not backed yet small
   // pages again, for the life of the pool (32 huge pages took 0.6-1 s to

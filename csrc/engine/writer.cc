@@ -1,9 +1,8 @@
 #include "writer.h"
 
-#include <algorithm>
-
 #include <fcntl.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstring>
