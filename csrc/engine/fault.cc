@@ -28,7 +28,8 @@ std::vector<Armed>& rules() {
 }
 
 const char* const kNames[] = {"open", "write", "read", "fsync", "rename", "fallocate", "truncate", "uring_setup",
-                              "uring_submit", "uring_wait", "uring_register", "read_cached"};
+                              "uring_submit", "uring_wait", "uring_register", "read_cached",
+                              "cache_query"};
 static_assert(sizeof(kNames) / sizeof(kNames[0]) == static_cast<int>(Op::kCount), "op names");
 
 }  // namespace

@@ -31,6 +31,9 @@ enum class Op : int {
                  // EOPNOTSUPP/EINVAL = refused by the kernel (both: the range goes through the normal
                  // path), short_len = only that many bytes cached; any other errno fails the read.
                  // The read then also counts as an Op::Read, like any read of file data.
+  CacheQuery,    // read_ranges' question how much of a step the page cache holds (cachestat): short_len =
+                 // the answer is at most that many bytes' pages (0: none cached); an errno = the kernel
+                 // cannot say (ENOSYS: before Linux 6.5)
   kCount
 };
 

@@ -11,6 +11,7 @@
 #include <unistd.h>
 #include <time.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -128,7 +129,7 @@ uint64_t pread_full(int fd, void* buf, uint64_t len, int64_t off, const std::str
       off, path, /*eof_ends=*/true);
 }
 
-int64_t cached_pages_raw(int fd, uint64_t off, uint64_t len) noexcept {
+int64_t cached_pages_raw(int fd, uint64_t off, uint64_t len, const std::string& path) noexcept {
 #ifndef __NR_cachestat
 #define __NR_cachestat 451  // the same number on every architecture (the generic table)
 #endif
@@ -139,11 +140,15 @@ int64_t cached_pages_raw(int fd, uint64_t off, uint64_t len) noexcept {
     uint64_t nr_cache, nr_dirty, nr_writeback, nr_evicted, nr_recently_evicted;
   } cs = {};
   if (len == 0) return 0;  // cachestat's len 0 means "to the end of the file"
+  const fault::Action c = fault::on(Op::CacheQuery, path);
+  if (c.err) return -c.err;
   long r;
   do {
     r = ::syscall(__NR_cachestat, fd, &range, &cs, 0);
   } while (r < 0 && errno == EINTR);
-  return r < 0 ? -errno : static_cast<int64_t>(cs.nr_cache);
+  if (r < 0) return -errno;
+  if (c.short_len >= 0) cs.nr_cache = std::min<uint64_t>(cs.nr_cache, static_cast<uint64_t>(c.short_len) / 4096);
+  return static_cast<int64_t>(cs.nr_cache);
 }
 
 int populate_write_raw(void* p, uint64_t len) noexcept {

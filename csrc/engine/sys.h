@@ -60,10 +60,11 @@ void ftruncate(int fd, uint64_t len, const std::string& path);
 uint64_t file_size(int fd, const std::string& path);
 // flock(LOCK_EX|LOCK_NB), errors ignored: whether the lock was taken.
 bool try_lock_exclusive(int fd) noexcept;
-// How many pages of [off, off+len) of the file open as `fd` the page cache
-// holds (cachestat(2), Linux 6.5+), without reading anything; -errno when the
-// kernel cannot say (ENOSYS before 6.5). Advisory.
-int64_t cached_pages_raw(int fd, uint64_t off, uint64_t len) noexcept;
+// How many pages of [off, off+len) of the file open as `fd` (at `path`) the
+// page cache holds (cachestat(2), Linux 6.5+), without reading anything;
+// -errno when the kernel cannot say (ENOSYS before 6.5). Advisory: the count
+// can be low (Reader::wholly_cached says when and what it does about it).
+int64_t cached_pages_raw(int fd, uint64_t off, uint64_t len, const std::string& path) noexcept;
 // Faults in [p, p+len) for writing (madvise MADV_POPULATE_WRITE on the whole
 // pages inside it): memory that a read will fill, so that the read does not
 // fault it in page by page. Advisory: 0 or -errno (EINVAL on kernels before

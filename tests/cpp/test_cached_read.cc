@@ -8,6 +8,8 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <algorithm>
+
 #include "first_touch.h"
 #include "util.h"
 
@@ -56,9 +58,12 @@ TEST(cached_file_reads_from_the_page_cache_with_the_same_bytes_and_crcs, ALL) {
   const std::string path = dir.file("c.bin");
   const std::string data = random_bytes(kSize, 31);
   write_file_plain(path, data);  // buffered: in the page cache
-  (void)read_file(path);
   Engine eng(config());
-  ReadStats st = read_and_check(eng, path, data, kRanges, "cached");
+  ReadStats st;
+  {
+    CachePin pin(path);
+    st = read_and_check(eng, path, data, kRanges, "cached");
+  }
   uint64_t total = 0;
   for (const Want& w : kRanges) total += w.len;
   CHECK_EQ(st.cached_bytes, total);
@@ -114,7 +119,7 @@ TEST(injected_short_cache_splits_a_range_at_any_byte, ALL) {
   const std::string path = dir.file("s.bin");
   const std::string data = random_bytes(kSize, 33);
   write_file_plain(path, data);
-  (void)read_file(path);
+  CachePin pin(path);
   Engine eng(config());
   for (int64_t cut : {1, 1000, 4096, 65537, 99999}) {
     fault::clear();
@@ -124,6 +129,60 @@ TEST(injected_short_cache_splits_a_range_at_any_byte, ALL) {
     CHECK_EQ(st.cached_bytes, static_cast<uint64_t>(cut));  // then the disk, for the rest of the call
     CHECK(st.requests > 0);
   }
+}
+
+// The step-by-step cachestat of the page-cache phase (Reader::wholly_cached)
+// can come short on a wholly cached file (a kernel's miscount, measured on
+// Linux 6.18): one short answer is asked again and the read stays in the page
+// cache; two in a row end the phase at that range, the rest from the disk;
+// a kernel that cannot say leaves it to the non-blocking reads.
+TEST(a_short_cache_count_is_asked_again_before_the_disk_is_read, ALL) {
+  TempDir dir;
+  const std::string path = dir.file("q.bin");
+  const std::string data = random_bytes(kSize, 39);
+  write_file_plain(path, data);
+  CachePin pin(path);
+  std::vector<Want> sorted = kRanges;
+  std::sort(sorted.begin(), sorted.end(), [](const Want& x, const Want& y) { return x.off < y.off; });
+  uint64_t total = 0;
+  for (const Want& w : kRanges) total += w.len;
+  // Query 1 asks about all the ranges at once, then one query per step of
+  // each range in file order (with a CRC, steps of 256 KiB).
+  const uint64_t step = 256u << 10;
+  uint64_t query = 2;
+  for (uint64_t i = 0; i < sorted.size(); ++i) {
+    for (uint64_t times : {1u, 2u}) {
+      Engine eng(config());
+      fault::clear();
+      const uint64_t pages = (sorted[i].off + sorted[i].len + 4095) / 4096 - sorted[i].off / 4096;
+      const int64_t cached = pages > 1 && i % 2 ? 4096 : 0;  // none of the step's pages, or one, said cached
+      fault::arm(short_rule(Op::CacheQuery, query, cached, times));
+      const std::string what = "range " + std::to_string(i) + ", " + std::to_string(times) + " short";
+      ReadStats st = read_and_check(eng, path, data, kRanges, what.c_str());
+      CHECK_EQ(fault::fired(), times);
+      if (times == 1) {
+        CHECK_MSG(st.cached_bytes == total, what + ": cached " + std::to_string(st.cached_bytes));
+        CHECK_EQ(st.requests, 0u);
+        CHECK_EQ(eng.backends_created(), 0u);
+      } else {
+        uint64_t before = 0;
+        for (uint64_t k = 0; k < i; ++k) before += sorted[k].len;
+        CHECK_MSG(st.cached_bytes == before, what + ": cached " + std::to_string(st.cached_bytes));
+        CHECK(st.requests > 0);
+      }
+    }
+    query += (sorted[i].len + step - 1) / step;
+  }
+  for (int err : {ENOSYS, EPERM}) {
+    Engine eng(config());
+    fault::clear();
+    fault::arm(rule(Op::CacheQuery, 1, err, 0));
+    ReadStats st = read_and_check(eng, path, data, kRanges, std::strerror(err));
+    CHECK_EQ(fault::fired(), query - 1);  // every query made once
+    CHECK_EQ(st.cached_bytes, total);
+    CHECK_EQ(st.requests, 0u);
+  }
+  fault::clear();
 }
 
 TEST(rwf_nowait_refused_falls_back_to_the_normal_path, ALL) {
@@ -376,12 +435,12 @@ TEST(an_uncached_file_starts_no_readahead, ALL) {
   write_file_plain(path, data);
   const int probe = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   CHECK(probe >= 0);
-  if (fastckpt::sys::cached_pages_raw(probe, 0, n) < 0) {
+  if (fastckpt::sys::cached_pages_raw(probe, 0, n, path) < 0) {
     ::close(probe);
     SKIP("cachestat(2) is not available on this kernel");
   }
   evict(path);
-  if (fastckpt::sys::cached_pages_raw(probe, 0, n) != 0) {
+  if (fastckpt::sys::cached_pages_raw(probe, 0, n, path) != 0) {
     ::close(probe);
     SKIP("posix_fadvise(DONTNEED) evicted nothing here");
   }
@@ -389,7 +448,7 @@ TEST(an_uncached_file_starts_no_readahead, ALL) {
   ReadStats st = read_and_check(eng, path, data, {{0, 100000}, {200000, 5000}, {3000000, 1000000}}, "uncached");
   CHECK_EQ(st.cached_bytes, 0u);
   CHECK(st.requests > 0);
-  const int64_t after = fastckpt::sys::cached_pages_raw(probe, 0, n);
+  const int64_t after = fastckpt::sys::cached_pages_raw(probe, 0, n, path);
   ::close(probe);
   if (variant().direct) CHECK_EQ(after, 0);  // buffered reads fill the cache themselves
 }

@@ -7,6 +7,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <ftw.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -191,6 +192,47 @@ inline void evict(const std::string& path, off_t off = 0, off_t len = 0) {
   ::close(fd);
   if (r != 0) fail(__FILE__, __LINE__, "posix_fadvise " + path + ": " + std::strerror(r));
 }
+
+// Holds every page of a file in the page cache while it lives: mapped
+// (MAP_POPULATE reads in what is not cached) and locked. Unmapped page-cache
+// pages can go at any moment, also in the middle of a read that a test
+// expects to find them cached: the kernel's reclaim, another test's
+// drop_caches, or the host's proactive reclaim (this VM runs a DAMON
+// `pageout` scheme on unmapped file pages) take them. Skips the test where
+// the file cannot be locked (RLIMIT_MEMLOCK without CAP_IPC_LOCK).
+class CachePin {
+ public:
+  explicit CachePin(const std::string& path) {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) fail(__FILE__, __LINE__, "open " + path + ": " + std::strerror(errno));
+    struct stat s;
+    if (::fstat(fd, &s) != 0) fail(__FILE__, __LINE__, "fstat " + path + ": " + std::strerror(errno));
+    len_ = static_cast<size_t>(s.st_size);
+    if (len_ > 0) {
+      mem_ = ::mmap(nullptr, len_, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+      const int e = errno;
+      ::close(fd);
+      if (mem_ == MAP_FAILED) fail(__FILE__, __LINE__, "mmap " + path + ": " + std::strerror(e));
+      if (::mlock(mem_, len_) != 0) {
+        const std::string why = std::strerror(errno);
+        ::munmap(mem_, len_);
+        mem_ = nullptr;
+        SKIP("cannot keep " + path + " in the page cache (mlock: " + why + ")");
+      }
+    } else {
+      ::close(fd);
+    }
+  }
+  ~CachePin() {
+    if (mem_) ::munmap(mem_, len_);  // unlocks too
+  }
+  CachePin(const CachePin&) = delete;
+  CachePin& operator=(const CachePin&) = delete;
+
+ private:
+  void* mem_ = nullptr;
+  size_t len_ = 0;
+};
 
 // ------------------------------------------------------------ data
 
