@@ -13,7 +13,7 @@ import torch
 import fastckpt
 from fastckpt import _C
 import fastspawn  # noqa: E402
-from engines import drop_page_cache, make_config, uring_refusal
+from engines import drop_page_cache, held_in_page_cache, make_config, uring_refusal
 
 MiB = 1 << 20
 
@@ -99,10 +99,10 @@ def test_fresh_process_small_cached_load_makes_no_backend_and_touches_no_buffer(
         pytest.skip(uring_refusal())
     path = tmp_path / "small.pt"
     fastckpt.save(_small_state(), path)
-    path.read_bytes()  # into the page cache (fastckpt.save writes with O_DIRECT)
     env = dict(os.environ, FASTCKPT_BACKEND=backend)
-    r = fastspawn.run([sys.executable, "-c", _FRESH_CACHED_LOAD, str(path)], env=env,
-                       capture_output=True, text=True, timeout=120)
+    with held_in_page_cache(path):  # into the page cache (fastckpt.save writes with O_DIRECT), kept there
+        r = fastspawn.run([sys.executable, "-c", _FRESH_CACHED_LOAD, str(path)], env=env,
+                           capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out == {"made_by_get_engine": 0, "backends": 0, "touched": 0, "resident": 0}, out
@@ -149,7 +149,8 @@ def test_load_with_every_cached_read_missing_uses_the_disk_path(tmp_path):
         assert st["crcs"] == [_C.crc32(path.read_bytes())]
     _C.fault_clear()
     eng = _C.Engine(make_config())
-    st = _C.read_ranges(eng, str(path), [(out, 0, True)])
+    with held_in_page_cache(path):
+        st = _C.read_ranges(eng, str(path), [(out, 0, True)])
     assert st["cached_bytes"] == out.numel() and st["requests"] == 0 and eng.backends_created == 0
     assert eng.buffers_touched == 0 and st["crcs"] == [_C.crc32(path.read_bytes())]
 
