@@ -437,7 +437,7 @@ class RangeReader {
   // Measured on a file held in the page cache (mapped and locked) with both
   // CPUs busy: 1 call in 10,000 came short, always by exactly that many pages
   // (1, 3, 14, 15 for starts 1, 3, 14, 255 pages into the file). A wholly cached checkpoint's load then left the page cache at
-  // that step and read the rest of the file (up to 16 MB) from the disk. Two
+  // that step and read the rest of the file (up to 17 MB) from the disk. Two
   // such rescheds in a row at the same first folio have not been seen; a step
   // really not cached costs one more syscall, once per load.
   bool wholly_cached(uint64_t off, uint64_t len) const {
