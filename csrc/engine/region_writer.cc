@@ -72,22 +72,12 @@ void RegionWriter::submit(int buf, uint64_t len, uint64_t off) {
   char* data = s_.engine.pool().data(buf);
   const bool aligned = s_.direct && off % s_.align == 0 && len % s_.align == 0;
   if (aligned && !probed_) {
-    // The first direct write, done synchronously: some filesystems accept
-    // O_DIRECT at open and refuse it at the first write (EINVAL).
     probed_ = true;
-    try {
-      sys::pwrite_full(s_.fd_direct, data, len, static_cast<int64_t>(off), s_.tmp);
+    if (s_.write_first_direct(data, len, off)) {  // else buffered from now on, this write too
       ++st_.requests;
       ++st_.direct_requests;
       s_.bufs.put_back(buf);
       return;
-    } catch (const IoError& e) {
-      if (e.err() != EINVAL) throw;
-      sys::close_quiet(s_.fd_direct);
-      s_.fd_direct = -1;
-      s_.direct = false;
-      s_.align = 1;
-      s_.fallback = "write(O_DIRECT): EINVAL";
     }
   }
   const bool use_direct = s_.direct && off % s_.align == 0 && len % s_.align == 0;

@@ -61,6 +61,25 @@ void WriteSession::abort() noexcept {
   if (owns_temp && !tmp.empty()) sys::unlink_quiet(tmp);
 }
 
+bool WriteSession::write_first_direct(const char* buf, uint64_t len, uint64_t off) {
+  try {
+    sys::pwrite_full(fd_direct >= 0 ? fd_direct : fd, buf, len, static_cast<int64_t>(off), tmp);
+    return true;
+  } catch (const IoError& e) {
+    if (e.err() != EINVAL) throw;
+  }
+  if (fd_direct >= 0) {
+    sys::close_quiet(fd_direct);
+    fd_direct = -1;
+  } else {
+    sys::set_direct(fd, false, tmp);
+  }
+  direct = false;
+  align = 1;
+  fallback = "write(O_DIRECT): EINVAL";
+  return false;
+}
+
 void WriteSession::fill(WriteStatsBase& st) const {
   st.requeued = requeued;
   st.seconds = now_seconds() - t0;

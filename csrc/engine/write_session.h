@@ -91,6 +91,14 @@ class WriteSession {
   void publish();
   // No effect once committed or aborted.
   void abort() noexcept;
+  // The session's first O_DIRECT write, made synchronously (through
+  // fd_direct where the session has one, else fd): some filesystems accept
+  // O_DIRECT at open and refuse it at the first write (EINVAL). True when it
+  // was written. After EINVAL, false with nothing written and the session
+  // buffered for good (fd_direct closed, or fd's O_DIRECT cleared; direct
+  // false, align 1, fallback says why): the caller writes it again, buffered.
+  // Any other error is thrown.
+  bool write_first_direct(const char* buf, uint64_t len, uint64_t off);
   // The statistics common to both writers, as of now (requeued: as of sync()).
   void fill(WriteStatsBase& st) const;
 

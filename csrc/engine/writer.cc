@@ -84,16 +84,7 @@ void Writer::reap_one() {
 bool Writer::write_first(const char* buf, uint64_t len, uint64_t off) {
   if (!probe_) return false;
   probe_ = false;
-  try {
-    sys::pwrite_full(s_.fd, buf, len, static_cast<int64_t>(off), s_.tmp);
-  } catch (const IoError& e) {
-    if (e.err() != EINVAL) throw;
-    sys::set_direct(s_.fd, false, s_.tmp);
-    s_.direct = false;
-    s_.align = 1;
-    s_.fallback = "write(O_DIRECT): EINVAL";
-    sys::pwrite_full(s_.fd, buf, len, static_cast<int64_t>(off), s_.tmp);
-  }
+  if (!s_.write_first_direct(buf, len, off)) sys::pwrite_full(s_.fd, buf, len, static_cast<int64_t>(off), s_.tmp);
   ++requests_;
   done_bytes_ += len;
   return true;
