@@ -388,44 +388,67 @@ class RangeReader {
     return p;
   }
 
-  // Page cache first. The first range not wholly cached ends this phase
-  // (what follows it was most likely not read lately either, and each miss
-  // costs a syscall); it and the ones after stay pending for the disk. A range
-  // whose cached prefix was read continues from there (`cont`), its CRC so far
-  // already in *crc.
+  // Page cache first, range by range in file order: each range's cached
+  // prefix is read (in steps, each only when cachestat counts it whole), and
+  // what is left of it stays pending for the disk; a range whose cached prefix
+  // was read continues from there (`cont`), its CRC so far already in *crc.
+  // A miss does not end the phase while the rest of the call's span still
+  // holds a CRC step's worth of cached pages (or is wholly cached): a file the page cache holds with
+  // holes in it (evicted here and there: on this VM the host's DAMON pageout
+  // takes unmapped file pages in scattered blocks) is read from the page cache
+  // wherever it still can be, not from the disk from its first hole on. Each
+  // miss costs two cachestat calls (the step's and the rest's), no read.
   // A file of which nothing is cached skips the phase: a miss of preadv2
   // with RWF_NOWAIT still starts the kernel's readahead of the file's next
   // window (read_ahead_kb, 8 MiB here), read for nothing while the disk path
-  // reads the same bytes with O_DIRECT. cachestat(2) asks without reading
-  // (kernels without it: the phase runs, as before).
+  // reads the same bytes with O_DIRECT. cachestat(2) asks without reading.
+  // Kernels without it: the phase runs, and ends at the first miss; a kernel
+  // refusing RWF_NOWAIT ends it too.
   void read_cached(Pending& p) {
     if (p.ranges.empty()) return;
     uint64_t end = 0;
     for (const ReadRange& r : p.ranges) end = std::max(end, r.off + r.len);
     if (sys::cached_pages_raw(fd_, p.ranges.front().off, end - p.ranges.front().off, path_) == 0) return;
     if (direct_) sys::set_direct(fd_, false, path_);
-    size_t first_left = 0;
-    for (; first_left < p.ranges.size(); ++first_left) {
-      ReadRange& r = p.ranges[first_left];
-      const uint64_t got = read_cached_prefix(r);
+    const size_t n = p.ranges.size();
+    size_t kept = 0;  // p.ranges[0, kept): the ranges (or their rests) left for the disk
+    size_t i = 0;
+    while (i < n) {
+      ReadRange& r = p.ranges[i];
+      bool refused = false;
+      const uint64_t got = read_cached_prefix(r, &refused);
       if (advise_rest_) {  // a window of this range's copies found huge pages slow: the ranges after it too
         advise_rest_ = false;
-        for (size_t k = first_left + 1; k < p.ranges.size(); ++k)
+        for (size_t k = i + 1; k < n; ++k)
           if (sys::advise_small_pages_raw(p.ranges[k].dst, p.ranges[k].len) == 0) small_paged_ += p.ranges[k].len;
       }
-      if (got == 0) break;
       st_.cached_bytes += got;
-      if (got < r.len) {
+      ++i;
+      if (got == r.len) continue;
+      if (got > 0) {
         r.dst = static_cast<char*>(r.dst) + got;
         r.off += got;
         r.len -= got;
-        p.cont[first_left] = 1;
-        break;
+        p.cont[i - 1] = 1;
       }
+      p.ranges[kept] = r;
+      p.cont[kept] = p.cont[i - 1];
+      ++kept;
+      if (refused || i == n) break;
+      // Go on while the rest is wholly cached or holds 256 KiB of cached pages
+      // (a cold file's last page, cached by the metadata reads, does not
+      // keep the phase going through every range); no cachestat: stop.
+      const uint64_t a = round_down(p.ranges[i].off, kPage), pages = (round_up(end, kPage) - a) / kPage;
+      const int64_t rest = sys::cached_pages_raw(fd_, a, pages * kPage, path_);
+      if (rest < 0 || static_cast<uint64_t>(rest) < std::min<uint64_t>(pages, kCrcPiece / kPage)) break;
     }
+    for (; i < n; ++i, ++kept) {  // not tried: the disk's
+      p.ranges[kept] = p.ranges[i];
+      p.cont[kept] = p.cont[i];
+    }
+    p.ranges.resize(kept);
+    p.cont.resize(kept);
     st_.bytes_read += st_.cached_bytes;
-    p.ranges.erase(p.ranges.begin(), p.ranges.begin() + static_cast<std::ptrdiff_t>(first_left));
-    p.cont.erase(p.cont.begin(), p.cont.begin() + static_cast<std::ptrdiff_t>(first_left));
   }
 
   // Whether every page of [off, off+len) is in the page cache (cachestat);
@@ -451,8 +474,9 @@ class RangeReader {
   }
 
   // The bytes of r's cached prefix, copied into r.dst (and their CRC into
-  // *r.crc); 0 when its first byte is not cached.
-  uint64_t read_cached_prefix(const ReadRange& r) {
+  // *r.crc); 0 when its first byte is not cached. *refused: the kernel
+  // refused RWF_NOWAIT (the page cache cannot be asked this way at all).
+  uint64_t read_cached_prefix(const ReadRange& r, bool* refused) {
     // In kCachedPiece steps (with a CRC: kCrcPiece, each checksummed right
     // after its copy, still in the CPU cache, as the staged pieces are). A
     // step is read only when cachestat says all its pages are cached: a
@@ -467,7 +491,8 @@ class RangeReader {
       char* at = static_cast<char*>(r.dst) + got;
       if (judging_cached_) judge_cached(r, got, want);
       const int64_t k = sys::pread_cached(fd_, at, want, static_cast<int64_t>(r.off + got), path_);
-      if (k <= 0) break;  // not cached, or RWF_NOWAIT refused (-1): the normal path
+      if (k < 0) *refused = true;  // RWF_NOWAIT refused (-1): the normal path for the rest of the call
+      if (k <= 0) break;           // not cached (0)
       if (r.crc) crc = crc32(crc, at, static_cast<uint64_t>(k));
       got += static_cast<uint64_t>(k);
       if (static_cast<uint64_t>(k) < want) break;

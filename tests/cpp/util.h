@@ -199,17 +199,19 @@ inline void evict(const std::string& path, off_t off = 0, off_t len = 0) {
 // expects to find them cached: the kernel's reclaim, another test's
 // drop_caches, or the host's proactive reclaim (this VM runs a DAMON
 // `pageout` scheme on unmapped file pages) take them. Skips the test where
-// the file cannot be locked (RLIMIT_MEMLOCK without CAP_IPC_LOCK).
+// the file cannot be locked (RLIMIT_MEMLOCK without CAP_IPC_LOCK). `off`
+// (a multiple of the page size) and `len` (0: to the end of the file): only
+// those pages.
 class CachePin {
  public:
-  explicit CachePin(const std::string& path) {
+  explicit CachePin(const std::string& path, off_t off = 0, size_t len = 0) {
     int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) fail(__FILE__, __LINE__, "open " + path + ": " + std::strerror(errno));
     struct stat s;
     if (::fstat(fd, &s) != 0) fail(__FILE__, __LINE__, "fstat " + path + ": " + std::strerror(errno));
-    len_ = static_cast<size_t>(s.st_size);
+    len_ = len ? len : static_cast<size_t>(s.st_size > off ? s.st_size - off : 0);
     if (len_ > 0) {
-      mem_ = ::mmap(nullptr, len_, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, 0);
+      mem_ = ::mmap(nullptr, len_, PROT_READ, MAP_SHARED | MAP_POPULATE, fd, off);
       const int e = errno;
       ::close(fd);
       if (mem_ == MAP_FAILED) fail(__FILE__, __LINE__, "mmap " + path + ": " + std::strerror(e));
