@@ -20,6 +20,11 @@ PYTEST_ARGS ?=
 # order), the longest first and a module's expensive fixtures built once (tests/conftest.py).
 PYTEST_WORKERS ?= $(shell nproc 2>/dev/null || echo 2)
 PYTEST_XDIST    = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadgroup --no-loadscope-reorder)
+# A test that hangs fails after PYTEST_TIMEOUT seconds with its stack (pytest-timeout, SIGALRM in the
+# test's process: a wait in Python, a lock or a child, is interrupted there) instead of holding the
+# run until CI's own limit. The longest test takes under a minute here (tests/durations.json).
+PYTEST_TIMEOUT ?= 900
+PYTEST_HANG     = --timeout=$(PYTEST_TIMEOUT) --timeout-method=signal
 
 .PHONY: all setup build test test-cpp test-python powerloss-long fuzz-sanitized bench bench-full clean distclean
 
@@ -53,7 +58,7 @@ test-cpp: $(SYS_STAMP)
 # The layers and the extension rule (pyproject.toml's import-linter contracts), then every Python test.
 test-python: build
 	PYTHONPATH=$(CURDIR) $(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q --durations=25 $(PYTEST_XDIST) tests/python tests/powerloss tests/third_party $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=25 $(PYTEST_XDIST) $(PYTEST_HANG) tests/python tests/powerloss tests/third_party $(PYTEST_ARGS)
 
 # Refresh tests/durations.json (the expected time of each test that takes a second or more, which
 # tests/conftest.py uses to start the longest tests first): the whole suite, as make test runs it.
