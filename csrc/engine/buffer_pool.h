@@ -2,11 +2,12 @@
 // engine. The pool grows lazily: the constructor only reserves address space
 // (2 MiB-aligned, on small pages until a large session asks for huge ones:
 // expect) and the kernel backs a page when an I/O or a copy first touches
-// it; backed pages stay for the life of the pool. Memory touched for the first time fills several times slower
-// than memory already in use, so buffers handed out before ("touched") are
-// handed out again before untouched ones, the one released last first. A
-// small load touches a few pages of one or two buffers, not the whole pool;
-// a large save touches every buffer it cycles through once.
+// it; backed pages stay for the life of the pool. Memory touched for the
+// first time fills several times slower than memory already in use, so
+// buffers handed out before ("touched") are handed out again before untouched
+// ones, the one released last first. A small load touches a few pages of one
+// or two buffers, not the whole pool; a large save touches every buffer it
+// cycles through once.
 #pragma once
 
 #include <sys/uio.h>
