@@ -393,11 +393,12 @@ class RangeReader {
   // what is left of it stays pending for the disk; a range whose cached prefix
   // was read continues from there (`cont`), its CRC so far already in *crc.
   // A miss does not end the phase while the rest of the call's span still
-  // holds a CRC step's worth of cached pages (or is wholly cached): a file the page cache holds with
-  // holes in it (evicted here and there: on this VM the host's DAMON pageout
-  // takes unmapped file pages in scattered blocks) is read from the page cache
-  // wherever it still can be, not from the disk from its first hole on. Each
-  // miss costs two cachestat calls (the step's and the rest's), no read.
+  // holds a CRC step's worth of cached pages (or is wholly cached): a file
+  // the page cache holds with holes in it (evicted here and there: on this
+  // VM the host's DAMON pageout takes unmapped file pages in scattered
+  // blocks) is read from the page cache wherever it still can be, not from
+  // the disk from its first hole on. Each miss costs cachestat calls (the
+  // step's and the rest's, cached_pages), no read.
   // A file of which nothing is cached skips the phase: a miss of preadv2
   // with RWF_NOWAIT still starts the kernel's readahead of the file's next
   // window (read_ahead_kb, 8 MiB here), read for nothing while the disk path
@@ -438,9 +439,10 @@ class RangeReader {
       // Go on while the rest is wholly cached or holds 256 KiB of cached pages
       // (a cold file's last page, cached by the metadata reads, does not
       // keep the phase going through every range); no cachestat: stop.
-      const uint64_t a = round_down(p.ranges[i].off, kPage), pages = (round_up(end, kPage) - a) / kPage;
-      const int64_t rest = sys::cached_pages_raw(fd_, a, pages * kPage, path_);
-      if (rest < 0 || static_cast<uint64_t>(rest) < std::min<uint64_t>(pages, kCrcPiece / kPage)) break;
+      const uint64_t a = round_down(p.ranges[i].off, kPage), e = round_up(end, kPage);
+      const uint64_t need = std::min<uint64_t>((e - a) / kPage, kCrcPiece / kPage);
+      const int64_t rest = cached_pages(a, e, need);
+      if (rest < 0 || static_cast<uint64_t>(rest) < need) break;
     }
     for (; i < n; ++i, ++kept) {  // not tried: the disk's
       p.ranges[kept] = p.ranges[i];
@@ -453,24 +455,28 @@ class RangeReader {
 
   // Whether every page of [off, off+len) is in the page cache (cachestat);
   // true where the kernel cannot say (the non-blocking read then finds out).
-  // A count short of the step is asked again before it is believed: Linux
-  // (6.18 here) can count low. Where the first folio of the range is a large
-  // one that starts before `a`, and cachestat stops to reschedule after it,
-  // the count comes short by as many pages as that folio has before `a`.
-  // Measured on a file held in the page cache (mapped and locked) with both
-  // CPUs busy: 1 call in 10,000 came short, always by exactly that many pages
-  // (1, 3, 14, 15 for starts 1, 3, 14, 255 pages into the file). A wholly cached checkpoint's load then left the page cache at
-  // that step and read the rest of the file (up to 17 MB) from the disk. Two
-  // such rescheds in a row at the same first folio have not been seen; a step
-  // really not cached costs one more syscall, once per load.
   bool wholly_cached(uint64_t off, uint64_t len) const {
-    const uint64_t a = round_down(off, kPage);
-    const uint64_t e = round_up(off + len, kPage);
-    for (int ask = 0; ask < 2; ++ask) {
-      const int64_t n = sys::cached_pages_raw(fd_, a, e - a, path_);
-      if (n < 0 || static_cast<uint64_t>(n) >= (e - a) / kPage) return true;
-    }
-    return false;
+    const uint64_t a = round_down(off, kPage), e = round_up(off + len, kPage);
+    const int64_t n = cached_pages(a, e, (e - a) / kPage);
+    return n < 0 || static_cast<uint64_t>(n) >= (e - a) / kPage;
+  }
+
+  // How many pages of [a, e) (page-aligned) the page cache holds (cachestat;
+  // -errno where the kernel cannot say), asked again when the count comes
+  // short of `need`: Linux (6.18 here) can count low. Where the first folio
+  // of the range is a large one that starts before `a`, and cachestat stops
+  // to reschedule after it, the count comes short by as many pages as that
+  // folio has before `a`. Measured on a file held in the page cache (mapped
+  // and locked) with both CPUs busy: 1 call in 10,000 came short, always by
+  // exactly that many pages (1, 3, 14, 15 for starts 1, 3, 14, 255 pages into
+  // the file). A wholly cached checkpoint's load then left the page cache at
+  // that step and read the rest of the file (up to 17 MB) from the disk. Two
+  // such rescheds in a row at the same first folio have not been seen; a
+  // range really short of `need` costs one more syscall.
+  int64_t cached_pages(uint64_t a, uint64_t e, uint64_t need) const {
+    int64_t n = sys::cached_pages_raw(fd_, a, e - a, path_);
+    if (n >= 0 && static_cast<uint64_t>(n) < need) n = sys::cached_pages_raw(fd_, a, e - a, path_);
+    return n;
   }
 
   // The bytes of r's cached prefix, copied into r.dst (and their CRC into

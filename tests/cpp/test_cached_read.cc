@@ -162,8 +162,9 @@ TEST(injected_short_cache_splits_a_range_at_any_byte, ALL) {
 // can come short on a wholly cached file (a kernel's miscount, measured on
 // Linux 6.18): one short answer is asked again and the read stays in the page
 // cache; two in a row send that range to the disk, the ranges after it still
-// from the page cache; a kernel that cannot say leaves it to the non-blocking
-// reads.
+// from the page cache, also when the question about the rest of the call
+// that follows such a miss comes short once (a third short answer); a kernel
+// that cannot say leaves it to the non-blocking reads.
 TEST(a_short_cache_count_is_asked_again_before_the_disk_is_read, ALL) {
   TempDir dir;
   const std::string path = dir.file("q.bin");
@@ -179,7 +180,8 @@ TEST(a_short_cache_count_is_asked_again_before_the_disk_is_read, ALL) {
   const uint64_t step = 256u << 10;
   uint64_t query = 2;
   for (uint64_t i = 0; i < sorted.size(); ++i) {
-    for (uint64_t times : {1u, 2u}) {
+    for (uint64_t times : {1u, 2u, 3u}) {
+      if (times == 3 && i + 1 == sorted.size()) continue;  // no rest after the last range to ask about
       Engine eng(config());
       fault::clear();
       const uint64_t pages = (sorted[i].off + sorted[i].len + 4095) / 4096 - sorted[i].off / 4096;
