@@ -63,7 +63,7 @@ bool try_lock_exclusive(int fd) noexcept;
 // How many pages of [off, off+len) of the file open as `fd` (at `path`) the
 // page cache holds (cachestat(2), Linux 6.5+), without reading anything;
 // -errno when the kernel cannot say (ENOSYS before 6.5). Advisory: the count
-// can be low (Reader::wholly_cached says when and what it does about it).
+// can be low (RangeReader::cached_pages says when and what it does about it).
 int64_t cached_pages_raw(int fd, uint64_t off, uint64_t len, const std::string& path) noexcept;
 // Faults in [p, p+len) for writing (madvise MADV_POPULATE_WRITE on the whole
 // pages inside it): memory that a read will fill, so that the read does not

@@ -158,7 +158,7 @@ TEST(injected_short_cache_splits_a_range_at_any_byte, ALL) {
   }
 }
 
-// The step-by-step cachestat of the page-cache phase (Reader::wholly_cached)
+// The step-by-step cachestat of the page-cache phase (RangeReader::cached_pages)
 // can come short on a wholly cached file (a kernel's miscount, measured on
 // Linux 6.18): one short answer is asked again and the read stays in the page
 // cache; two in a row send that range to the disk, the ranges after it still

@@ -92,7 +92,7 @@ def test_a_warm_load_reads_nothing_from_the_disk(files, which):
     the page cache (mapped and locked) while the loads run: unmapped page-cache pages can be evicted
     at any moment (another test's drop_caches, the host's proactive reclaim: this VM pages out
     unmapped file pages with DAMON), and a load that finds pages gone rightly reads them. Against
-    the kernel's own miscounts (cachestat can count a cached step short, Reader::wholly_cached) the
+    the kernel's own miscounts (cachestat can count a cached step short, RangeReader::cached_pages) the
     engine asks again: before that, 1 load in 60 read megabytes of such a file here under load."""
     sd, pt, st, fs = files
     path = st if which == "safetensors" else pt
